@@ -1,0 +1,276 @@
+"""Run configuration: nested frozen dataclasses, YAML files and dotted command-line overrides.
+
+Each section validates itself in `__post_init__` with a message that names the field and the fix; the root
+`Config` checks what spans sections (batch geometry). Option names follow TRL's `GRPOConfig` where the concept
+exists. Sections owned by a maths module (`ModelConfig`, `SamplingConfig`, `LossConfig`) live there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grpo_jax.losses import LossConfig
+from grpo_jax.model import ModelConfig
+from grpo_jax.sampling import SamplingConfig
+
+TASK_REWARDS = ("grpo_jax.task:char_accuracy",)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where prompts come from: a JSONL file, or the embedded synthetic task when `path` is None."""
+
+    path: str | None = None  # JSONL with a "prompt" column plus any extra columns for rewards
+    tokenizer_path: str | None = None  # Hugging Face tokenizer folder; None with no path: the built-in one
+    task: str = "reverse"  # embedded task when path is None: reverse, sort, add
+    task_min_len: int = 3
+    task_max_len: int = 4
+    task_num_train: int = 2000
+    max_prompt_length: int = 16  # prompts are left-padded (static shapes) or left-truncated to this
+    truncation: str = "left"  # left: keep the last tokens and count it; error: refuse long prompts
+
+    def __post_init__(self):
+        _check(self.task in ("reverse", "sort", "add"),
+               f"data.task={self.task!r} is unknown: use reverse, sort or add (or set data.path to a JSONL file)")
+        _check(1 <= self.task_min_len <= self.task_max_len,
+               f"data.task_min_len={self.task_min_len}, data.task_max_len={self.task_max_len}: "
+               "need 1 <= task_min_len <= task_max_len")
+        _check(self.task_num_train >= 1, f"data.task_num_train={self.task_num_train} must be >= 1")
+        _check(self.max_prompt_length >= 1, f"data.max_prompt_length={self.max_prompt_length} must be >= 1")
+        _check(self.truncation in ("left", "error"),
+               f"data.truncation={self.truncation!r}: use 'left' (truncate and count) or 'error'")
+        if self.path is not None:
+            _check(Path(self.path).is_file(), f"data.path={self.path!r} does not exist: point it at a JSONL file")
+            _check(self.tokenizer_path is not None,
+                   "data.tokenizer_path is required with data.path: point it at a Hugging Face tokenizer folder")
+        if self.tokenizer_path is not None:
+            _check(Path(self.tokenizer_path).is_dir(),
+                   f"data.tokenizer_path={self.tokenizer_path!r} is not a folder: point it at a saved tokenizer")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """Reward functions by import path `module:function`, TRL's `fn(prompts, completions, **columns)`."""
+
+    functions: tuple[str, ...] = TASK_REWARDS
+    weights: tuple[float, ...] | None = None  # TRL's reward_weights; None: all 1
+
+    def __post_init__(self):
+        _check(len(self.functions) >= 1, "reward.functions is empty: list at least one 'module:function'")
+        for path in self.functions:
+            _check(isinstance(path, str) and ":" in path,
+                   f"reward.functions entry {path!r} is not an import path: write 'package.module:function'")
+        if self.weights is not None:
+            _check(len(self.weights) == len(self.functions),
+                   f"reward.weights has {len(self.weights)} entries for {len(self.functions)} reward.functions: "
+                   "give one weight per function")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """GRPO batch geometry, advantage scaling and the optimizer (TRL names)."""
+
+    num_generations: int = 8  # G completions per prompt
+    train_batch_size: int = 64  # rows (completions) per optimizer step, over all devices
+    gradient_accumulation_steps: int = 1  # micro-batches inside one optimizer step
+    steps_per_generation: int = 1  # optimizer steps per sampling round, on disjoint slices
+    num_iterations: int = 1  # mu: passes over each round
+    scale_rewards: str = "group"  # group, batch, none
+    learning_rate: float = 1e-6
+    lr_scheduler_type: str = "constant"  # constant, linear, cosine
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    logps_chunk_size: int = 0  # rows per chunk for log-probs; 0: whole micro-batch at once
+    max_nonfinite_steps: int = 10  # steps skipped for a non-finite loss/gradient before the run stops
+
+    def __post_init__(self):
+        for name in ("num_generations", "train_batch_size", "gradient_accumulation_steps",
+                     "steps_per_generation", "num_iterations", "max_nonfinite_steps"):
+            _check(getattr(self, name) >= 1, f"train.{name}={getattr(self, name)} must be >= 1")
+        _check(self.num_generations >= 2,
+               f"train.num_generations={self.num_generations}: GRPO needs >= 2 completions per prompt")
+        _check(self.train_batch_size % self.gradient_accumulation_steps == 0,
+               f"train.train_batch_size={self.train_batch_size} is not divisible by "
+               f"train.gradient_accumulation_steps={self.gradient_accumulation_steps}: change either")
+        _check(self.generation_batch_size % self.num_generations == 0,
+               f"train.train_batch_size * train.steps_per_generation = {self.generation_batch_size} rows per "
+               f"round is not divisible by train.num_generations={self.num_generations}: make it a multiple")
+        _check(self.scale_rewards in ("group", "batch", "none"),
+               f"train.scale_rewards={self.scale_rewards!r}: use group, batch or none")
+        _check(self.learning_rate > 0, f"train.learning_rate={self.learning_rate} must be > 0")
+        _check(self.lr_scheduler_type in ("constant", "linear", "cosine"),
+               f"train.lr_scheduler_type={self.lr_scheduler_type!r}: use constant, linear or cosine")
+        _check(self.warmup_steps >= 0, f"train.warmup_steps={self.warmup_steps} must be >= 0")
+        _check(self.max_grad_norm >= 0, f"train.max_grad_norm={self.max_grad_norm} must be >= 0")
+        _check(self.logps_chunk_size >= 0, f"train.logps_chunk_size={self.logps_chunk_size} must be >= 0")
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Rows sampled per round: one optimizer step's batch per step of the round."""
+        return self.train_batch_size * self.steps_per_generation
+
+    @property
+    def prompts_per_round(self) -> int:
+        return self.generation_batch_size // self.num_generations
+
+    @property
+    def needs_old_logps(self) -> bool:
+        """Old log-probs differ from the current ones only when a round feeds more than one update."""
+        return self.num_iterations > 1 or self.steps_per_generation > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh shape: -1 on one axis takes the remaining devices."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = (self.data, self.fsdp, self.tensor)
+        _check(sizes.count(-1) <= 1, "mesh: at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
+        _check(all(s == -1 or s >= 1 for s in sizes), f"mesh sizes {sizes} must be >= 1 or -1")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Held-out greedy evaluation before and after training."""
+
+    num_examples: int = 200  # embedded task: held-out prompts generated with another seed
+    path: str | None = None  # JSONL of held-out prompts (with the columns the reward functions need)
+    reward_functions: tuple[str, ...] = ("grpo_jax.task:exact_match", "grpo_jax.task:char_accuracy")
+
+    def __post_init__(self):
+        _check(self.num_examples >= 0, f"eval.num_examples={self.num_examples} must be >= 0")
+        if self.path is not None:
+            _check(Path(self.path).is_file(), f"eval.path={self.path!r} does not exist: point it at a JSONL file")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The whole run. Top-level keys follow TRL's TrainingArguments."""
+
+    seed: int = 0
+    output_dir: str | None = None  # None: runs/<task>-<timestamp>
+    max_steps: int = 300
+    logging_steps: int = 1  # progress-bar refresh period; metrics.jsonl always gets every step
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+    def __post_init__(self):
+        _check(self.max_steps >= 1, f"max_steps={self.max_steps} must be >= 1")
+        _check(self.logging_steps >= 1, f"logging_steps={self.logging_steps} must be >= 1")
+        _check(self.loss.loss_type != "dr_grpo" or self.loss.max_completion_length
+               in (None, self.sampling.max_completion_length),
+               f"loss.max_completion_length={self.loss.max_completion_length} differs from "
+               f"sampling.max_completion_length={self.sampling.max_completion_length}: leave it unset")
+
+
+def to_dict(config: Any) -> dict:
+    """A config as plain YAML-able data (tuples become lists)."""
+    def plain(x):
+        if dataclasses.is_dataclass(x):
+            return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        if isinstance(x, tuple):
+            return [plain(v) for v in x]
+        return x
+    return plain(config)
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Checks a YAML value against a field annotation, converting lists to tuples and ints to floats."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, where)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(errors[0] if errors else f"{where}: invalid value {value!r}")
+    if origin is tuple:
+        _check(isinstance(value, (list, tuple)), f"{where}={value!r} must be a list")
+        (item_type, _) = typing.get_args(annotation)
+        return tuple(_coerce(v, item_type, f"{where}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(annotation):
+        _check(isinstance(value, dict), f"{where} must be a mapping of keys, got {value!r}")
+        return _build(annotation, value, where + ".")
+    if annotation is bool:
+        _check(isinstance(value, bool), f"{where}={value!r} must be true or false")
+    elif annotation is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), f"{where}={value!r} must be an integer")
+    elif annotation is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool), f"{where}={value!r} must be a number")
+        return float(value)
+    elif annotation is str:
+        _check(isinstance(value, str), f"{where}={value!r} must be a string")
+    return value
+
+
+def _build(cls: type, values: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ValueError(f"unknown config key {prefix}{unknown[0]}: valid keys here are {', '.join(names)}")
+    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    for key in keys[:-1]:
+        node = tree.setdefault(key, {})
+        _check(isinstance(node, dict), f"override {dotted}: {key} is not a section")
+        tree = node
+    tree[keys[-1]] = value
+
+
+def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Builds a `Config` from an optional YAML file and `dotted.key=value` overrides (values parsed as YAML)."""
+    values: dict = {}
+    if path is not None:
+        file = Path(path)
+        _check(file.is_file(), f"config file {path!r} does not exist: pass an existing YAML file to --config")
+        try:
+            values = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"config file {path!r} is not valid YAML: {e}") from e
+        _check(isinstance(values, dict), f"config file {path!r} must hold a mapping of keys")
+    for item in overrides:
+        _check("=" in item, f"override {item!r} must look like section.key=value, e.g. train.learning_rate=1e-4")
+        key, raw = item.split("=", 1)
+        _set_dotted(values, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    return _build(Config, values)

@@ -1,0 +1,177 @@
+"""Prompts from JSONL: load, tokenize to static left-padded shapes, iterate in seeded epochs, repeat per group.
+
+Rows follow TRL's dataset convention: a "prompt" column (string) plus any other columns (e.g. "answer"), which
+are handed to reward functions as keyword arguments. Shapes: P prompts per round, L = max_prompt_length,
+G = num_generations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, NamedTuple
+
+import numpy as np
+
+
+class PromptBatch(NamedTuple):
+    """P prompts, left-padded to L tokens, with their other dataset columns."""
+
+    prompt_ids: np.ndarray  # [P, L] int32, pad id on the left
+    prompt_mask: np.ndarray  # [P, L] int32, 1 on real tokens
+    prompts: list[str]  # [P]
+    columns: dict[str, list]  # column name -> [P] values (every column but "prompt")
+    num_truncated: int  # prompts (of these P) that were left-truncated to L
+
+
+def load_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Read one JSON object per line; each needs a string "prompt". Blank lines are skipped."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"data file {path!r} does not exist: check data.path")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for k, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {k} is not valid JSON ({e.msg} at column {e.colno})") from e
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}: line {k} is a JSON {type(row).__name__}, not an object: "
+                                 "each line needs a 'prompt' field (string)")
+            if "prompt" not in row:
+                raise ValueError(f"{path}: line {k} has no 'prompt' column (has {sorted(row)}): "
+                                 "each line needs a 'prompt' field (string)")
+            prompt = row["prompt"]
+            if isinstance(prompt, list):
+                raise ValueError(f"{path}: line {k}: 'prompt' is a list (chat messages?): "
+                                 "conversational prompts are not supported yet; use a plain string")
+            if not isinstance(prompt, str):
+                raise ValueError(f"{path}: line {k}: 'prompt' is a {type(prompt).__name__}, "
+                                 "each line needs a 'prompt' field (string)")
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"data file {path!r} is empty: it needs at least one line with a 'prompt' field")
+    return rows
+
+
+def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int,
+                     truncation: str = "left") -> tuple[np.ndarray, np.ndarray, int]:
+    """Tokenize without special tokens and left-pad to exactly L; returns (ids_PxL, mask_PxL, num_truncated).
+
+    Longer prompts keep their last L tokens (truncation="left") or raise (truncation="error").
+    """
+    if truncation not in ("left", "error"):
+        raise ValueError(f"data.truncation={truncation!r} is unknown: use 'left' or 'error'")
+    if max_prompt_length < 1:
+        raise ValueError(f"data.max_prompt_length={max_prompt_length} must be >= 1")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_id is None:
+        raise ValueError("the tokenizer has neither a pad token nor an eos token: set tokenizer.pad_token")
+    token_lists = tokenizer(list(prompts), add_special_tokens=False)["input_ids"] if prompts else []
+    ids_PxL = np.full((len(prompts), max_prompt_length), pad_id, dtype=np.int32)
+    mask_PxL = np.zeros((len(prompts), max_prompt_length), dtype=np.int32)
+    num_truncated = 0
+    for i, tokens in enumerate(token_lists):
+        if not tokens:
+            # An all-padding row has no position to generate from.
+            raise ValueError(f"prompt {i} ({prompts[i]!r}) tokenizes to zero tokens: remove empty prompts")
+        if len(tokens) > max_prompt_length:
+            if truncation == "error":
+                raise ValueError(
+                    f"prompt {i} has {len(tokens)} tokens > data.max_prompt_length={max_prompt_length}: "
+                    "raise data.max_prompt_length or set data.truncation=left"
+                )
+            tokens = tokens[-max_prompt_length:]
+            num_truncated += 1
+        ids_PxL[i, max_prompt_length - len(tokens):] = tokens
+        mask_PxL[i, max_prompt_length - len(tokens):] = 1
+    return ids_PxL, mask_PxL, num_truncated
+
+
+def _make_batch(tokenizer, rows: list[dict[str, Any]], max_prompt_length: int, truncation: str) -> PromptBatch:
+    """Tokenize rows into a PromptBatch; columns are the union of keys (missing values -> None)."""
+    prompts = [row["prompt"] for row in rows]
+    ids, mask, num_truncated = tokenize_prompts(tokenizer, prompts, max_prompt_length, truncation)
+    keys = list(dict.fromkeys(k for row in rows for k in row if k != "prompt"))
+    columns = {k: [row.get(k) for row in rows] for k in keys}
+    return PromptBatch(ids, mask, prompts, columns, num_truncated)
+
+
+class PromptIterator:
+    """Endless seeded epochs over rows, `prompts_per_round` at a time.
+
+    Epoch e visits rows in order `np.random.default_rng([seed, e]).permutation(n)`. Epochs are concatenated:
+    a batch that runs past the end of an epoch continues with the start of the next one, so every prompt is
+    seen exactly once per epoch and prompts_per_round may exceed the number of rows (the batch then spans
+    several epochs). `state()`/`restore()` give an explicit resumable position.
+    """
+
+    def __init__(self, rows: list[dict[str, Any]], tokenizer, *, prompts_per_round: int, max_prompt_length: int,
+                 seed: int, truncation: str = "left"):
+        if not rows:
+            raise ValueError("PromptIterator needs at least one row")
+        if prompts_per_round < 1:
+            raise ValueError(f"prompts_per_round={prompts_per_round} must be >= 1")
+        if truncation not in ("left", "error"):
+            raise ValueError(f"data.truncation={truncation!r} is unknown: use 'left' or 'error'")
+        self._rows = rows
+        self._tokenizer = tokenizer
+        self._prompts_per_round = prompts_per_round
+        self._max_prompt_length = max_prompt_length
+        self._seed = seed
+        self._truncation = truncation
+        self._epoch = 0
+        self._index = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self._seed, epoch]).permutation(len(self._rows))
+
+    def state(self) -> dict[str, int]:
+        """Position of the next prompt: epoch and index into that epoch's permutation."""
+        return {"epoch": self._epoch, "index": self._index}
+
+    def restore(self, state: dict[str, int]) -> None:
+        """Continue from a position returned by `state()`."""
+        epoch, index = int(state["epoch"]), int(state["index"])
+        if epoch < 0 or not 0 <= index < len(self._rows):
+            raise ValueError(f"data iterator state {state} is out of range for {len(self._rows)} rows")
+        self._epoch, self._index = epoch, index
+        self._order = self._permutation(epoch)
+
+    def next_indices(self) -> list[int]:
+        """Row indices of the next batch (advances the position)."""
+        out = []
+        while len(out) < self._prompts_per_round:
+            take = min(self._prompts_per_round - len(out), len(self._rows) - self._index)
+            out.extend(int(i) for i in self._order[self._index:self._index + take])
+            self._index += take
+            if self._index == len(self._rows):
+                self._epoch, self._index = self._epoch + 1, 0
+                self._order = self._permutation(self._epoch)
+        return out
+
+    def next_batch(self) -> PromptBatch:
+        """The next `prompts_per_round` prompts as a PromptBatch [P, L]."""
+        rows = [self._rows[i] for i in self.next_indices()]
+        return _make_batch(self._tokenizer, rows, self._max_prompt_length, self._truncation)
+
+
+def repeat_groups(batch: PromptBatch, num_generations: int) -> PromptBatch:
+    """Repeat every prompt G times consecutively: [P, L] -> [P*G, L]; row p*G + g is prompt p.
+
+    num_truncated still counts distinct prompts.
+    """
+    if num_generations < 1:
+        raise ValueError(f"num_generations={num_generations} must be >= 1")
+    g = num_generations
+    return PromptBatch(
+        prompt_ids=np.repeat(batch.prompt_ids, g, axis=0),
+        prompt_mask=np.repeat(batch.prompt_mask, g, axis=0),
+        prompts=[p for p in batch.prompts for _ in range(g)],
+        columns={k: [v for v in vals for _ in range(g)] for k, vals in batch.columns.items()},
+        num_truncated=batch.num_truncated,
+    )

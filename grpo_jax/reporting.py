@@ -1,0 +1,68 @@
+"""Run outputs on the host: metrics.jsonl, the terminal progress bar and the reward plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+
+def _plain(value):
+    """JSON-safe scalars: numpy/jax numbers to Python, NaN and inf to None."""
+    value = value.item() if hasattr(value, "item") else value
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsWriter:
+    """Appends one JSON line per optimizer step and drives the progress bar."""
+
+    def __init__(self, output_dir: Path, *, max_steps: int, initial_step: int = 0, logging_steps: int = 1,
+                 show_progress: bool = True):
+        self.path = output_dir / "metrics.jsonl"
+        self.logging_steps = logging_steps
+        self.history: list[dict] = []
+        self.bar = tqdm(total=max_steps, initial=initial_step, desc="grpo", unit="step", dynamic_ncols=True,
+                        disable=not show_progress)
+
+    def write(self, line: dict) -> None:
+        line = {k: _plain(v) for k, v in line.items()}
+        self.history.append(line)
+        with self.path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        self.bar.update(1)
+        if line["step"] % self.logging_steps == 0:
+            postfix = {"reward": line.get("reward"), "kl": line.get("kl"), "len": line.get("completions/mean_length")}
+            self.bar.set_postfix({k: f"{v:.3f}" for k, v in postfix.items() if v is not None}, refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def plot_rewards(history: list[dict], path: Path, title: str = "GRPO reward") -> None:
+    """Reward per step and its moving average, saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = np.array([h["step"] for h in history])
+    rewards = np.array([np.nan if h.get("reward") is None else h["reward"] for h in history], dtype=float)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, rewards, lw=0.8, alpha=0.5, label="reward (per step)")
+    window = max(1, len(rewards) // 20)
+    if len(rewards) >= window > 1:
+        smooth = np.convolve(np.nan_to_num(rewards), np.ones(window) / window, mode="valid")
+        ax.plot(steps[window - 1:], smooth, lw=2, label=f"moving average ({window} steps)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("mean reward")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,132 @@
+"""One GRPO optimizer step as a pure function of (state, batch), with gradient accumulation inside.
+
+B rows per step split into M = `gradient_accumulation_steps` micro-batches; each micro-batch loss is
+normalised by the whole step's row and token counts (`num_sequences`, `num_items_in_batch`), so the sum over
+micro-batches, and its gradient, equal the full-batch values for every loss_type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from grpo_jax import sharding
+from grpo_jax.logprobs import completion_logps
+from grpo_jax.losses import LossConfig, compute_loss
+from grpo_jax.state import TrainState
+
+
+class Batch(NamedTuple):
+    """The rows of one optimizer step (B rows, P prompt and T completion tokens)."""
+
+    prompt_ids: jax.Array  # [B, P] int32, left-padded
+    prompt_mask: jax.Array  # [B, P]
+    completion_ids: jax.Array  # [B, T] int32
+    completion_mask: jax.Array  # [B, T]: 1 up to and including the first EOS
+    advantages: jax.Array  # [B] float32
+    old_per_token_logps: jax.Array | None  # [B, T]; None: on-policy (one update per round)
+    ref_per_token_logps: jax.Array | None  # [B, T]; None when beta == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """Static (hashable) options of the train step."""
+
+    loss: LossConfig
+    temperature: float
+    gradient_accumulation_steps: int = 1
+    logps_chunk_size: int = 0
+
+
+def _micro_batches(batch: Batch, num_micro: int, mesh: Mesh | None) -> Batch:
+    """[B, ...] -> [M, B/M, ...], micro-batch m taking rows m, m+M, ... so each stays spread over the devices."""
+
+    def split(x):
+        x = x.reshape(x.shape[0] // num_micro, num_micro, *x.shape[1:]).swapaxes(0, 1)
+        if mesh is not None:
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(None, sharding.ROWS)))
+        return x
+
+    return jax.tree.map(split, batch)
+
+
+def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, options: StepOptions,
+               state: TrainState, batch: Batch, mesh: Mesh | None = None) -> tuple[TrainState, dict]:
+    """Accumulates the GRPO loss gradient over micro-batches and applies one optimizer update.
+
+    A non-finite loss or gradient norm leaves params and optimizer state untouched (`skipped` = 1).
+    """
+    num_sequences = batch.completion_mask.shape[0]
+    num_items = jnp.sum(batch.completion_mask).astype(jnp.float32)
+
+    def loss_fn(params, micro: Batch):
+        logps_BxT, entropy_BxT = completion_logps(
+            graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.completion_ids, micro.completion_mask,
+            temperature=options.temperature, with_entropy=True, chunk_size=options.logps_chunk_size)
+        loss, aux = compute_loss(logps_BxT, micro.old_per_token_logps, micro.ref_per_token_logps,
+                                 micro.advantages, micro.completion_mask, config=options.loss,
+                                 num_items_in_batch=num_items, num_sequences=num_sequences)
+        entropy_sum = jnp.sum(jax.lax.stop_gradient(entropy_BxT) * micro.completion_mask)
+        return loss, (aux, entropy_sum)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    micro_batches = _micro_batches(batch, options.gradient_accumulation_steps, mesh)
+
+    def accumulate(carry, micro):
+        grads, loss, aux_sum, entropy_sum = carry
+        (micro_loss, (aux, micro_entropy)), micro_grads = grad_fn(state.params, micro)
+        return (jax.tree.map(jnp.add, grads, micro_grads), loss + micro_loss,
+                jax.tree.map(jnp.add, aux_sum, aux), entropy_sum + micro_entropy), None
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    aux_shape = jax.eval_shape(lambda: loss_fn(state.params, jax.tree.map(lambda x: x[0], micro_batches))[1][0])
+    aux_zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
+    init = (zeros, jnp.zeros((), jnp.float32), aux_zeros, jnp.zeros((), jnp.float32))
+    (grads, loss, aux_sum, entropy_sum), _ = jax.lax.scan(accumulate, init, micro_batches)
+
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+    new_state = state._replace(params=keep(new_params, state.params),
+                               opt_state=keep(new_opt_state, state.opt_state), step=state.step + 1)
+
+    aux_mean = jax.tree.map(lambda x: x / options.gradient_accumulation_steps, aux_sum)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "entropy": entropy_sum / jnp.maximum(num_items, 1.0),
+               "skipped": (~finite).astype(jnp.int32),
+               "clip_ratio/low_mean": aux_mean.clip_ratio_low, "clip_ratio/high_mean": aux_mean.clip_ratio_high,
+               "clip_ratio/region_mean": aux_mean.clip_ratio_region}
+    if options.loss.beta != 0.0:
+        metrics["kl"] = aux_mean.kl
+    return new_state, metrics
+
+
+def jit_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, options: StepOptions,
+                   mesh: Mesh):
+    """`train_step` jitted over the mesh: state replicated and donated, batch rows split over the data axes."""
+    replicated, rows = sharding.replicated(mesh), sharding.row_sharded(mesh)
+
+    def step(state, batch):
+        return train_step(graphdef, optimizer, options, state, batch, mesh)
+
+    return jax.jit(step, in_shardings=(replicated, rows), out_shardings=(replicated, replicated),
+                   donate_argnums=0)
+
+
+def jit_logps(graphdef: nnx.GraphDef, mesh: Mesh, *, temperature: float, chunk_size: int = 0):
+    """Per-token log-probs of completions under some params (old policy or reference), rows sharded."""
+    rows = sharding.row_sharded(mesh)
+
+    def logps(params, prompt_ids, prompt_mask, completion_ids, completion_mask):
+        out, _ = completion_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                  temperature=temperature, chunk_size=chunk_size)
+        return out
+
+    return jax.jit(logps, in_shardings=(sharding.replicated(mesh), rows, rows, rows, rows), out_shardings=rows)

@@ -1,0 +1,175 @@
+"""Tests for grpo_jax.data: JSONL errors, static left-padding/truncation, seeded epochs, resume, group repeat."""
+
+import json
+
+import numpy as np
+import pytest
+
+from grpo_jax import data, task
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return task.build_tokenizer()
+
+
+def _write(tmp_path, text, name="d.jsonl"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _rows(n):
+    return [{"prompt": f"{i}>", "answer": str(i), "idx": i} for i in range(n)]
+
+
+# --- load_jsonl -------------------------------------------------------------------------------------------
+
+
+def test_load_jsonl_ok_skips_blank_lines(tmp_path):
+    path = _write(tmp_path, '{"prompt": "12>", "answer": "21"}\n\n{"prompt": "3>", "answer": "3"}\n')
+    assert data.load_jsonl(path) == [{"prompt": "12>", "answer": "21"}, {"prompt": "3>", "answer": "3"}]
+
+
+@pytest.mark.parametrize("text, match", [
+    ('{"prompt": "1"}\n{"prompt": \n', r"d.jsonl: line 2 is not valid JSON"),
+    ('[1, 2]\n', r"d.jsonl: line 1 is a JSON list, not an object.*'prompt' field \(string\)"),
+    ('{"prompt": "1"}\n{"question": "1"}\n', r"d.jsonl: line 2 has no 'prompt' column.*'prompt' field \(string\)"),
+    ('{"prompt": [{"role": "user", "content": "hi"}]}\n', r"line 1.*conversational prompts are not supported yet"),
+    ('{"prompt": 12}\n', r"d.jsonl: line 1: 'prompt' is a int.*'prompt' field \(string\)"),
+    ('\n  \n', r"d.jsonl' is empty"),
+])
+def test_load_jsonl_errors(tmp_path, text, match):
+    with pytest.raises(ValueError, match=match):
+        data.load_jsonl(_write(tmp_path, text))
+
+
+def test_load_jsonl_missing_file(tmp_path):
+    with pytest.raises(ValueError, match=r"nope.jsonl' does not exist"):
+        data.load_jsonl(tmp_path / "nope.jsonl")
+
+
+def test_load_jsonl_round_trips_write_jsonl(tmp_path):
+    rows = task.make_examples("add", 5, 0)
+    task.write_jsonl(tmp_path / "a.jsonl", rows)
+    assert data.load_jsonl(tmp_path / "a.jsonl") == rows
+
+
+# --- tokenize_prompts ------------------------------------------------------------------------------------
+
+
+def test_tokenize_prompts_left_pads_to_exact_length(tok):
+    ids, mask, num_truncated = data.tokenize_prompts(tok, ["12>", "4^"], 5)
+    c = {ch: 3 + task.CHARS.index(ch) for ch in task.CHARS}
+    np.testing.assert_array_equal(ids, [[0, 0, c["1"], c["2"], c[">"]], [0, 0, 0, c["4"], c["^"]]])
+    np.testing.assert_array_equal(mask, [[0, 0, 1, 1, 1], [0, 0, 0, 1, 1]])
+    assert ids.dtype == np.int32 and mask.dtype == np.int32 and num_truncated == 0
+
+
+def test_tokenize_prompts_left_truncation(tok):
+    ids, mask, num_truncated = data.tokenize_prompts(tok, ["123456>", "1>", "12345>"], 4)
+    assert num_truncated == 2
+    assert [tok.decode(row[m == 1]) for row, m in zip(ids, mask)] == ["456>", "1>", "345>"]
+    np.testing.assert_array_equal(mask[0], [1, 1, 1, 1])
+
+
+def test_tokenize_prompts_truncation_error(tok):
+    with pytest.raises(ValueError, match=r"prompt 1 has 7 tokens > data.max_prompt_length=4: raise "
+                                         r"data.max_prompt_length or set data.truncation=left"):
+        data.tokenize_prompts(tok, ["1>", "123456>"], 4, truncation="error")
+    ids, _, n = data.tokenize_prompts(tok, ["123>"], 4, truncation="error")
+    assert n == 0 and ids.shape == (1, 4)
+
+
+def test_tokenize_prompts_bad_args(tok):
+    with pytest.raises(ValueError, match="data.truncation='right'"):
+        data.tokenize_prompts(tok, ["1"], 4, truncation="right")
+    with pytest.raises(ValueError, match="data.max_prompt_length=0"):
+        data.tokenize_prompts(tok, ["1"], 0)
+    with pytest.raises(ValueError, match="prompt 1 .*zero tokens"):
+        data.tokenize_prompts(tok, ["1", ""], 4)
+
+
+# --- PromptIterator --------------------------------------------------------------------------------------
+
+
+def _iter(n=7, p=3, seed=0, **kw):
+    return data.PromptIterator(_rows(n), task.build_tokenizer(), prompts_per_round=p, max_prompt_length=4,
+                               seed=seed, **kw)
+
+
+def _take_indices(it, num_batches):
+    return [i for _ in range(num_batches) for i in it.next_batch().columns["idx"]]
+
+
+def test_iterator_epochs_follow_seeded_permutations():
+    n, p, seed = 7, 3, 5
+    seen = _take_indices(_iter(n, p, seed), 7)  # 21 prompts = exactly 3 epochs
+    expected = np.concatenate([np.random.default_rng([seed, e]).permutation(n) for e in range(3)]).tolist()
+    assert seen == expected
+    for e in range(3):
+        assert sorted(seen[e * n:(e + 1) * n]) == list(range(n))
+
+
+def test_iterator_deterministic_per_seed_and_differs_across_seeds():
+    assert _take_indices(_iter(seed=1), 5) == _take_indices(_iter(seed=1), 5)
+    assert _take_indices(_iter(seed=1), 5) != _take_indices(_iter(seed=2), 5)
+
+
+def test_iterator_batch_contents():
+    batch = _iter(n=4, p=3, seed=0).next_batch()
+    assert batch.prompt_ids.shape == (3, 4) and batch.prompt_mask.shape == (3, 4)
+    assert batch.prompts == [f"{i}>" for i in batch.columns["idx"]]
+    assert batch.columns["answer"] == [str(i) for i in batch.columns["idx"]]
+    assert batch.num_truncated == 0
+
+
+def test_iterator_more_prompts_than_rows_spans_epochs():
+    n, seed = 3, 4
+    it = _iter(n=n, p=8, seed=seed)
+    expected = np.concatenate([np.random.default_rng([seed, e]).permutation(n) for e in range(3)]).tolist()
+    assert it.next_batch().columns["idx"] == expected[:8]
+    assert it.state() == {"epoch": 2, "index": 2}
+
+
+def test_iterator_state_restore_continues_identically():
+    a = _iter(n=7, p=3, seed=9)
+    _take_indices(a, 4)
+    state = a.state()
+    assert state == {"epoch": 1, "index": 5}
+    tail_a = _take_indices(a, 6)
+    b = _iter(n=7, p=3, seed=9)
+    b.restore(json.loads(json.dumps(state)))  # state survives a JSON round trip (checkpoints)
+    assert _take_indices(b, 6) == tail_a
+    with pytest.raises(ValueError, match="out of range for 7 rows"):
+        b.restore({"epoch": 0, "index": 7})
+
+
+def test_iterator_missing_columns_become_none_and_truncation_counted():
+    rows = [{"prompt": "123456>", "answer": "1"}, {"prompt": "1>"}]
+    it = data.PromptIterator(rows, task.build_tokenizer(), prompts_per_round=2, max_prompt_length=4, seed=0)
+    batch = it.next_batch()
+    assert batch.num_truncated == 1
+    assert dict(zip(batch.prompts, batch.columns["answer"])) == {"123456>": "1", "1>": None}
+    strict = data.PromptIterator(rows, task.build_tokenizer(), prompts_per_round=2, max_prompt_length=4,
+                                 seed=0, truncation="error")
+    with pytest.raises(ValueError, match="has 7 tokens > data.max_prompt_length=4"):
+        strict.next_batch()
+
+
+# --- repeat_groups ---------------------------------------------------------------------------------------
+
+
+def test_repeat_groups_is_group_major(tok):
+    ids, mask, _ = data.tokenize_prompts(tok, ["1>", "22>"], 3)
+    batch = data.PromptBatch(ids, mask, ["1>", "22>"], {"answer": ["1", "22"]}, 0)
+    rep = data.repeat_groups(batch, 3)
+    assert rep.prompts == ["1>"] * 3 + ["22>"] * 3
+    assert rep.columns == {"answer": ["1"] * 3 + ["22"] * 3}
+    for g in range(2):
+        for j in range(3):
+            np.testing.assert_array_equal(rep.prompt_ids[g * 3 + j], ids[g])
+            np.testing.assert_array_equal(rep.prompt_mask[g * 3 + j], mask[g])
+    assert rep.prompt_ids.shape == (6, 3)
+    with pytest.raises(ValueError, match="num_generations=0"):
+        data.repeat_groups(batch, 0)
