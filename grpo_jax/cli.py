@@ -1,4 +1,4 @@
-"""Command line: `grpo-jax train [--config FILE] [section.key=value ...]`. Parses a config and calls `train`."""
+"""Command line: `grpo-jax [train] [--config FILE] [section.key=value ...]`. Parses a config and calls `train`."""
 
 from __future__ import annotations
 
@@ -6,18 +6,23 @@ import argparse
 import sys
 
 
+def _train_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="grpo-jax train", description="Train a policy with GRPO. With no arguments: the embedded default "
+        "task (a tiny model learns to reverse digit strings on CPU in a few minutes).")
+    parser.add_argument("--config", help="YAML config file (see configs/); keys not given keep their defaults")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="override any config key, e.g. train.learning_rate=1e-4 loss.beta=0")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="grpo-jax", description="GRPO reinforcement learning for language models in JAX.")
-    commands = parser.add_subparsers(dest="command")
-    train_parser = commands.add_parser("train", help="train a policy with GRPO (the default command)")
-    train_parser.add_argument("--config", help="YAML config file (see configs/); keys not given keep their defaults")
-    train_parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    train_parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                              help="override any config key, e.g. train.learning_rate=1e-4 loss.beta=0")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("train", "-h", "--help"):
-        argv = ["train", *argv]  # `grpo-jax` alone trains the embedded default task
-    args = parser.parse_args(argv)
+    if argv and argv[0] == "train":
+        argv = argv[1:]  # `grpo-jax` alone trains, like `grpo-jax train`
+    parser = _train_parser()
+    args = parser.parse_intermixed_args(argv)
 
     from grpo_jax.config import load_config  # imports jax: keep `--help` fast
 

@@ -17,6 +17,7 @@ import yaml
 
 from grpo_jax.losses import LossConfig
 from grpo_jax.model import ModelConfig
+from grpo_jax.rewards import resolve_reward_fn
 from grpo_jax.sampling import SamplingConfig
 
 TASK_REWARDS = ("grpo_jax.task:char_accuracy",)
@@ -25,6 +26,15 @@ TASK_REWARDS = ("grpo_jax.task:char_accuracy",)
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _check_importable(field: str, paths: tuple[str, ...]) -> None:
+    """Imports every reward path now, so a typo fails before any compilation."""
+    for path in paths:
+        try:
+            resolve_reward_fn(path)
+        except ValueError as e:
+            raise ValueError(f"{field}: {e}") from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +78,7 @@ class RewardConfig:
 
     def __post_init__(self):
         _check(len(self.functions) >= 1, "reward.functions is empty: list at least one 'module:function'")
-        for path in self.functions:
-            _check(isinstance(path, str) and ":" in path,
-                   f"reward.functions entry {path!r} is not an import path: write 'package.module:function'")
+        _check_importable("reward.functions", self.functions)
         if self.weights is not None:
             _check(len(self.weights) == len(self.functions),
                    f"reward.weights has {len(self.weights)} entries for {len(self.functions)} reward.functions: "
@@ -157,6 +165,7 @@ class EvalConfig:
     reward_functions: tuple[str, ...] = ("grpo_jax.task:exact_match", "grpo_jax.task:char_accuracy")
 
     def __post_init__(self):
+        _check_importable("eval.reward_functions", self.reward_functions)
         _check(self.num_examples >= 0, f"eval.num_examples={self.num_examples} must be >= 0")
         if self.path is not None:
             _check(Path(self.path).is_file(), f"eval.path={self.path!r} does not exist: point it at a JSONL file")

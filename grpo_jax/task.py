@@ -20,8 +20,10 @@ from typing import Any
 
 import numpy as np
 
-PAD_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<eos>", "<unk>"
-SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, UNK_TOKEN)  # ids 0, 1, 2
+EOS_TOKEN, UNK_TOKEN = "<eos>", "<unk>"
+# EOS doubles as padding, and "<unk>" decodes to visible text: a special token that decodes to nothing
+# (a distinct pad or unk) would let the policy hide characters from the length-aware reward
+SPECIAL_TOKENS = (EOS_TOKEN, UNK_TOKEN)  # ids 0, 1
 CHARS = "0123456789+=>^ "
 TASKS = ("reverse", "sort", "add")
 _DIGITS = "0123456789"
@@ -40,9 +42,8 @@ def build_tokenizer(path: str | os.PathLike | None = None):
     backend.decoder = decoders.Fuse()
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        pad_token=PAD_TOKEN,
+        pad_token=EOS_TOKEN,
         eos_token=EOS_TOKEN,
-        unk_token=UNK_TOKEN,
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )

@@ -72,6 +72,9 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
         loss, aux = compute_loss(logps_BxT, micro.old_per_token_logps, micro.ref_per_token_logps,
                                  micro.advantages, micro.completion_mask, config=options.loss,
                                  num_items_in_batch=num_items, num_sequences=num_sequences)
+        # aux holds masked means over this micro-batch: weight by its tokens for exact step-level means
+        tokens = jnp.sum(micro.completion_mask).astype(jnp.float32)
+        aux = jax.tree.map(lambda x: x * tokens, aux)
         entropy_sum = jnp.sum(jax.lax.stop_gradient(entropy_BxT) * micro.completion_mask)
         return loss, (aux, entropy_sum)
 
@@ -98,7 +101,7 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     new_state = state._replace(params=keep(new_params, state.params),
                                opt_state=keep(new_opt_state, state.opt_state), step=state.step + 1)
 
-    aux_mean = jax.tree.map(lambda x: x / options.gradient_accumulation_steps, aux_sum)
+    aux_mean = jax.tree.map(lambda x: x / jnp.maximum(num_items, 1.0), aux_sum)
     metrics = {"loss": loss, "grad_norm": grad_norm, "entropy": entropy_sum / jnp.maximum(num_items, 1.0),
                "skipped": (~finite).astype(jnp.int32),
                "clip_ratio/low_mean": aux_mean.clip_ratio_low, "clip_ratio/high_mean": aux_mean.clip_ratio_high,

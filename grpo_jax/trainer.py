@@ -76,17 +76,19 @@ def _load_data(config: Config, output_dir: Path):
         eval_rows = [r for r in eval_rows if r["prompt"] not in seen] or eval_rows  # held out where possible
         (output_dir / "data").mkdir(exist_ok=True)
         task.write_jsonl(output_dir / "data" / "train.jsonl", train_rows)
-        task.write_jsonl(output_dir / "data" / "eval.jsonl", eval_rows)
-        train_path, eval_path = output_dir / "data" / "train.jsonl", output_dir / "data" / "eval.jsonl"
+        train_path, eval_path = output_dir / "data" / "train.jsonl", None
+        if eval_rows:
+            eval_path = output_dir / "data" / "eval.jsonl"
+            task.write_jsonl(eval_path, eval_rows)
     else:
         tokenizer_dir, train_path = Path(config.data.tokenizer_path), Path(config.data.path)
         eval_path = Path(config.eval.path) if config.eval.path else None
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
         raise ValueError(f"tokenizer in {str(tokenizer_dir)!r} needs an eos_token and a pad_token")
-    if len(tokenizer) > config.model.vocab_size:
+    if config.model.vocab_size is not None and len(tokenizer) > config.model.vocab_size:
         raise ValueError(f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
-                         f"{len(tokenizer)} tokens ({tokenizer_dir}): raise model.vocab_size")
+                         f"{len(tokenizer)} tokens ({tokenizer_dir}): raise model.vocab_size or leave it unset")
     train_rows = data.load_jsonl(train_path)
     eval_rows = data.load_jsonl(eval_path)[: config.eval.num_examples] if eval_path else []
     return tokenizer, train_rows, eval_rows
@@ -97,6 +99,8 @@ def build(config: Config) -> Run:
     output_dir = _output_dir(config)
     (output_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
     tokenizer, train_rows, eval_rows = _load_data(config, output_dir)
+    if config.model.vocab_size is None:
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=len(tokenizer)))
     reward_fns = [(p, rewards.resolve_reward_fn(p)) for p in config.reward.functions]
     eval_reward_fns = [(p, rewards.resolve_reward_fn(p)) for p in config.eval.reward_functions]
     tc = config.train

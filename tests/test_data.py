@@ -60,7 +60,7 @@ def test_load_jsonl_round_trips_write_jsonl(tmp_path):
 
 def test_tokenize_prompts_left_pads_to_exact_length(tok):
     ids, mask, num_truncated = data.tokenize_prompts(tok, ["12>", "4^"], 5)
-    c = {ch: 3 + task.CHARS.index(ch) for ch in task.CHARS}
+    c = {ch: len(task.SPECIAL_TOKENS) + task.CHARS.index(ch) for ch in task.CHARS}
     np.testing.assert_array_equal(ids, [[0, 0, c["1"], c["2"], c[">"]], [0, 0, 0, c["4"], c["^"]]])
     np.testing.assert_array_equal(mask, [[0, 0, 1, 1, 1], [0, 0, 0, 1, 1]])
     assert ids.dtype == np.int32 and mask.dtype == np.int32 and num_truncated == 0

@@ -16,19 +16,22 @@ def saved_tokenizer(tmp_path_factory):
 
 def test_tokenizer_special_ids_and_vocab(saved_tokenizer):
     tok, _ = saved_tokenizer
-    assert (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2)
+    assert (tok.pad_token_id, tok.eos_token_id) == (0, 0)
     assert tok.padding_side == "left"
-    assert len(tok) == 3 + len(task.CHARS)
+    assert len(tok) == 2 + len(task.CHARS)
     assert 16 <= len(tok) <= 24
+    # only EOS is special: nothing but EOS/padding may vanish from a decoded completion
+    assert tok.all_special_ids == [0]
+    assert tok.decode([1], skip_special_tokens=True) == "<unk>"
 
 
 def test_tokenizer_one_id_per_char_and_round_trip(saved_tokenizer):
     tok, _ = saved_tokenizer
     text = "12+3= 4821>^"
     ids = tok.encode(text, add_special_tokens=False)
-    assert ids == [3 + task.CHARS.index(c) for c in text]
+    assert ids == [2 + task.CHARS.index(c) for c in text]
     assert tok.decode(ids) == text
-    assert tok.decode(ids + [1, 0, 0], skip_special_tokens=True) == text
+    assert tok.decode(ids + [0, 0, 0], skip_special_tokens=True) == text
 
 
 def test_tokenizer_reload_identical(saved_tokenizer):
@@ -39,9 +42,9 @@ def test_tokenizer_reload_identical(saved_tokenizer):
         assert reloaded.encode(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)
         ids = reloaded.encode(text, add_special_tokens=False)
         assert reloaded.decode(ids) == tok.decode(ids)
-    assert (reloaded.pad_token_id, reloaded.eos_token_id, reloaded.unk_token_id) == (0, 1, 2)
+    assert (reloaded.pad_token_id, reloaded.eos_token_id) == (0, 0)
     assert reloaded.padding_side == "left"
-    assert reloaded.encode("x", add_special_tokens=False) == [2]
+    assert reloaded.encode("x", add_special_tokens=False) == [1]
 
 
 def test_build_tokenizer_without_path():

@@ -1,0 +1,183 @@
+"""Autoregressive sampling with a KV cache: prefill the prompt, then a ``lax.while_loop`` decode.
+
+Dimension letters: B rows, P prompt tokens (left-padded), T = max_completion_length, S = P + T cache
+slots, V vocab. Everything has static shapes; the loop exits early once every row has emitted EOS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from grpo_jax.model import forward, init_cache, model_config, positions_from_mask, unembed
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Sampling hyper-parameters (TRL GRPOConfig names); filters follow HF logits warpers."""
+
+    max_completion_length: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def __post_init__(self):
+        if not isinstance(self.max_completion_length, int) or self.max_completion_length < 1:
+            raise ValueError(f"sampling.max_completion_length={self.max_completion_length!r} must be an "
+                             "integer >= 1")
+        if not self.temperature > 0:
+            raise ValueError(f"sampling.temperature={self.temperature} must be > 0: use greedy=True for argmax")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"sampling.top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p={self.top_p} must be in (0, 1] (1.0 disables it)")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"sampling.min_p={self.min_p} must be in [0, 1) (0.0 disables it)")
+
+
+class SampleOutput(NamedTuple):
+    """Sampled completions.
+
+    completion_ids [B, T] int32 (pad after EOS), completion_mask [B, T] int32 (1 up to and including the
+    first EOS), is_truncated [B] bool (no EOS within T), sampler_logps [B, T] float32 (full-vocabulary
+    log-softmax of logits / temperature at the sampled token, 0 where the mask is 0), num_decode_steps []
+    int32 (tokens sampled per row before the loop stopped; < T when every row ended early).
+    """
+
+    completion_ids: jax.Array
+    completion_mask: jax.Array
+    is_truncated: jax.Array
+    sampler_logps: jax.Array
+    num_decode_steps: jax.Array
+
+
+def _top_k(scores_BxV, k: int):
+    kth_Bx1 = jax.lax.top_k(scores_BxV, min(k, scores_BxV.shape[-1]))[0][..., -1:]
+    return jnp.where(scores_BxV < kth_Bx1, -jnp.inf, scores_BxV)
+
+
+def _top_p(scores_BxV, top_p: float):
+    # HF TopPLogitsWarper: drop the ascending-sorted tokens whose cumulative mass is <= 1 - top_p
+    order_BxV = jnp.argsort(scores_BxV, axis=-1)
+    sorted_BxV = jnp.take_along_axis(scores_BxV, order_BxV, axis=-1)
+    cumulative_BxV = jnp.cumsum(jax.nn.softmax(sorted_BxV, axis=-1), axis=-1)
+    remove_sorted_BxV = (cumulative_BxV <= 1 - top_p).at[..., -1].set(False)
+    remove_BxV = jnp.put_along_axis(jnp.zeros_like(remove_sorted_BxV), order_BxV, remove_sorted_BxV,
+                                    axis=-1, inplace=False)
+    return jnp.where(remove_BxV, -jnp.inf, scores_BxV)
+
+
+def _min_p(scores_BxV, min_p: float):
+    # HF MinPLogitsWarper: the arg-max token always survives since min_p < 1
+    probs_BxV = jax.nn.softmax(scores_BxV, axis=-1)
+    threshold_Bx1 = min_p * jnp.max(probs_BxV, axis=-1, keepdims=True)
+    return jnp.where(probs_BxV < threshold_Bx1, -jnp.inf, scores_BxV)
+
+
+def filter_logits(scaled_logits_BxV, config: SamplingConfig):
+    """Apply top-k, then top-p, then min-p to temperature-scaled logits; removed tokens become -inf."""
+    scores = scaled_logits_BxV
+    if config.top_k > 0:
+        scores = _top_k(scores, config.top_k)
+    if config.top_p < 1.0:
+        scores = _top_p(scores, config.top_p)
+    if config.min_p > 0.0:
+        scores = _min_p(scores, config.min_p)
+    return scores
+
+
+def _choose(logits_BxV, key, config: SamplingConfig, greedy: bool):
+    """Pick one token per row; returns (tokens [B], full-vocab logp at temperature [B])."""
+    scaled_BxV = logits_BxV.astype(jnp.float32) / config.temperature
+    logp_BxV = jax.nn.log_softmax(scaled_BxV, axis=-1)
+    if greedy:
+        tokens_B = jnp.argmax(scaled_BxV, axis=-1)
+    else:
+        tokens_B = jax.random.categorical(key, filter_logits(scaled_BxV, config), axis=-1)
+    tokens_B = tokens_B.astype(jnp.int32)
+    return tokens_B, jnp.take_along_axis(logp_BxV, tokens_B[:, None], axis=-1)[:, 0]
+
+
+class _DecodeState(NamedTuple):
+    step: jax.Array           # tokens sampled so far (also the slot of the pending token, minus P)
+    pending_B: jax.Array      # the last sampled token, not yet fed through the model
+    done_B: jax.Array         # rows whose pending token or an earlier one was EOS
+    cache: object
+    mask_BxS: jax.Array
+    ids_BxT: jax.Array
+    completion_mask_BxT: jax.Array
+    logps_BxT: jax.Array
+
+
+def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: SamplingConfig,
+             eos_token_ids: tuple[int, ...], pad_token_id: int, greedy: bool = False) -> SampleOutput:
+    """Sample up to T = config.max_completion_length tokens per left-padded prompt.
+
+    Prefill writes the prompt into a KV cache of S = P + T slots; decode step t feeds token t - 1 at slot
+    P + t - 1 (RoPE position = real prompt length + t - 1) and samples token t with key
+    ``fold_in(key, t)``. ``greedy`` takes the arg-max (no filters) but still reports logps at temperature.
+    """
+    B, P = prompt_ids_BxP.shape
+    T = config.max_completion_length
+    eos_E = jnp.asarray(eos_token_ids, jnp.int32).reshape(-1)
+    prompt_mask_BxP = prompt_mask_BxP.astype(jnp.int32)
+    prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1)
+
+    cache = init_cache(model_config(graphdef, params), B, P + T)
+    mask_BxS = jnp.concatenate([prompt_mask_BxP, jnp.zeros((B, T), jnp.int32)], axis=1)
+    hidden_BxPxD, cache = forward(graphdef, params, prompt_ids_BxP, positions_from_mask(prompt_mask_BxP),
+                                  mask_BxS, cache, 0)
+    # left padding puts every row's last real token at slot P - 1
+    logits_BxV = unembed(graphdef, params, hidden_BxPxD[:, -1:])[:, 0]
+
+    def record(state: _DecodeState, logits_BxV):
+        tokens_B, logp_B = _choose(logits_BxV, jax.random.fold_in(key, state.step), config, greedy)
+        live_B = ~state.done_B
+        tokens_B = jnp.where(live_B, tokens_B, pad_token_id)
+        t = state.step
+        return state._replace(
+            step=t + 1,
+            pending_B=tokens_B,
+            done_B=state.done_B | (live_B & jnp.isin(tokens_B, eos_E)),
+            ids_BxT=state.ids_BxT.at[:, t].set(tokens_B),
+            completion_mask_BxT=state.completion_mask_BxT.at[:, t].set(live_B.astype(jnp.int32)),
+            logps_BxT=state.logps_BxT.at[:, t].set(jnp.where(live_B, logp_B, 0.0)),
+        )
+
+    def cond(state: _DecodeState):
+        return (state.step < T) & ~jnp.all(state.done_B)
+
+    def body(state: _DecodeState):
+        slot = P + state.step - 1
+        mask_BxS = jax.lax.dynamic_update_slice(state.mask_BxS, jnp.ones((B, 1), jnp.int32), (0, slot))
+        positions_Bx1 = (prompt_len_B + state.step - 1)[:, None]
+        hidden_Bx1xD, cache = forward(graphdef, params, state.pending_B[:, None], positions_Bx1, mask_BxS,
+                                      state.cache, slot)
+        logits_BxV = unembed(graphdef, params, hidden_Bx1xD)[:, 0]
+        return record(state._replace(cache=cache, mask_BxS=mask_BxS), logits_BxV)
+
+    state = _DecodeState(
+        step=jnp.zeros((), jnp.int32),
+        pending_B=jnp.zeros((B,), jnp.int32),
+        done_B=jnp.zeros((B,), bool),
+        cache=cache,
+        mask_BxS=mask_BxS,
+        ids_BxT=jnp.full((B, T), pad_token_id, jnp.int32),
+        completion_mask_BxT=jnp.zeros((B, T), jnp.int32),
+        logps_BxT=jnp.zeros((B, T), jnp.float32),
+    )
+    state = jax.lax.while_loop(cond, body, record(state, logits_BxV))
+    return SampleOutput(
+        completion_ids=state.ids_BxT,
+        completion_mask=state.completion_mask_BxT,
+        is_truncated=~state.done_B,
+        sampler_logps=state.logps_BxT,
+        num_decode_steps=state.step,
+    )
+
+
+generate_jit = jax.jit(generate, static_argnames=("config", "eos_token_ids", "pad_token_id", "greedy"))

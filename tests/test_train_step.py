@@ -1,0 +1,158 @@
+"""The jitted train step: micro-batching, sharding, recompilation and non-finite guards."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from grpo_jax import sharding
+from grpo_jax.logprobs import completion_logps
+from grpo_jax.losses import LossConfig, compute_loss
+from grpo_jax.state import init_state, learning_rate_schedule, make_optimizer
+from grpo_jax.train_step import Batch, StepOptions, jit_train_step, train_step
+
+B, P, T = 16, 5, 6
+
+
+def make_batch(graphdef, params, *, seed=0, off_policy=True, beta=0.04) -> Batch:
+    """Random rows with ragged masks, a fully masked row, and old/ref log-probs near the current ones."""
+    rng = np.random.default_rng(seed)
+    prompt_ids = rng.integers(3, 32, (B, P)).astype(np.int32)
+    prompt_mask = np.ones((B, P), np.int32)
+    prompt_mask[::3, :2] = 0  # left padding
+    completion_ids = rng.integers(3, 32, (B, T)).astype(np.int32)
+    lengths = rng.integers(1, T + 1, B)
+    lengths[1] = 0  # a fully masked row
+    completion_mask = (np.arange(T)[None] < lengths[:, None]).astype(np.int32)
+    logps, _ = completion_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                temperature=1.0)
+    old = np.asarray(logps) + rng.normal(0, 0.3, (B, T)).astype(np.float32) if off_policy else None
+    ref = np.asarray(logps) + rng.normal(0, 0.2, (B, T)).astype(np.float32) if beta else None
+    advantages = rng.normal(0, 1, B).astype(np.float32)
+    return Batch(prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, old, ref)
+
+
+def setup(tiny_model_config, mesh, *, beta=0.04, lr=1e-2, adam=True):
+    """Adam for the update test; plain SGD (lr 1) elsewhere, so param differences are gradient differences
+    (Adam's first step lr*g/(|g|+eps) turns rounding noise in near-zero gradients into lr-sized jumps)."""
+    optimizer = (make_optimizer(optax.constant_schedule(lr), weight_decay=0.0, b1=0.9, b2=0.99, eps=1e-8,
+                                max_grad_norm=1.0) if adam else optax.sgd(1.0))
+    graphdef, state = init_state(tiny_model_config, optimizer, seed=0, with_reference=beta != 0, mesh=mesh)
+    return graphdef, optimizer, state
+
+
+def one_device_mesh():
+    return sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+
+
+def run_step(tiny_model_config, mesh, loss_config, grad_accum=1, batch_seed=0):
+    graphdef, optimizer, state = setup(tiny_model_config, mesh, beta=loss_config.beta, adam=False)
+    batch = make_batch(graphdef, state.params, seed=batch_seed, beta=loss_config.beta)
+    options = StepOptions(loss=loss_config, temperature=1.0, gradient_accumulation_steps=grad_accum)
+    step = jit_train_step(graphdef, optimizer, options, mesh)
+    new_state, metrics = step(state, batch)
+    return jax.device_get((new_state, metrics))
+
+
+LOSSES = [LossConfig(loss_type="grpo"), LossConfig(loss_type="bnpo", beta=0.0),
+          LossConfig(loss_type="dr_grpo", max_completion_length=T), LossConfig(loss_type="dapo", epsilon_high=0.28)]
+
+
+@pytest.mark.parametrize("loss_config", LOSSES, ids=lambda c: c.loss_type)
+def test_micro_batched_step_equals_full_batch(tiny_model_config, loss_config):
+    mesh = one_device_mesh()
+    full_state, full_metrics = run_step(tiny_model_config, mesh, loss_config, grad_accum=1)
+    for grad_accum in (2, 4):
+        state, metrics = run_step(tiny_model_config, mesh, loss_config, grad_accum=grad_accum)
+        for key in ("loss", "grad_norm", "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean"):
+            # atol: the loss is a sum of O(1) per-token terms that cancel to O(1e-3), so float32 summation
+            # order moves it by ~1e-7 absolute
+            np.testing.assert_allclose(metrics[key], full_metrics[key], rtol=1e-5, atol=1e-6, err_msg=key)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                     state.params, full_state.params)
+    assert full_metrics["clip_ratio/region_mean"] > 0  # the case exercises the clip
+
+
+def test_step_matches_optax_update_of_the_loss_gradient(tiny_model_config):
+    """One step == a hand-written AdamW step on jax.grad of compute_loss over completion_logps."""
+    mesh = one_device_mesh()
+    loss_config = LossConfig()
+    graphdef, optimizer, state = setup(tiny_model_config, mesh)
+    batch = make_batch(graphdef, state.params)
+
+    def naive_loss(params):
+        logps, _ = completion_logps(graphdef, params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                    batch.completion_mask, temperature=1.0)
+        return compute_loss(logps, batch.old_per_token_logps, batch.ref_per_token_logps, batch.advantages,
+                            batch.completion_mask, config=loss_config)[0]
+
+    params = jax.device_get(state.params)
+    grads = jax.grad(naive_loss)(params)
+    norm = optax.global_norm(grads)
+    scale = jnp.minimum(1.0, 1.0 / norm)
+    # first Adam step: m = (1-b1) g, v = (1-b2) g^2, bias-corrected update = lr * g / (|g| + eps)
+    expected = jax.tree.map(lambda p, g: p - 1e-2 * (g * scale) / (jnp.abs(g * scale) + 1e-8), params, grads)
+    new_state, metrics = jax.jit(lambda s, b: train_step(graphdef, optimizer, StepOptions(loss_config, 1.0), s, b))(
+        state, batch)
+    np.testing.assert_allclose(metrics["grad_norm"], norm, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), new_state.params, expected)
+
+
+@pytest.mark.parametrize("shape", [(8, 1, 1), (2, 4, 1), (4, 1, 2)])
+def test_sharded_step_equals_single_device(tiny_model_config, shape):
+    if len(jax.devices()) < 8:
+        pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    loss_config = LossConfig()
+    single_state, single_metrics = run_step(tiny_model_config, one_device_mesh(), loss_config, grad_accum=2)
+    mesh = sharding.make_mesh(*shape)
+    state, metrics = run_step(tiny_model_config, mesh, loss_config, grad_accum=2)
+    np.testing.assert_allclose(metrics["loss"], single_metrics["loss"], rtol=1e-5, atol=1e-7)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 state.params, single_state.params)
+
+
+def test_no_recompilation_on_second_step(tiny_model_config):
+    mesh = one_device_mesh()
+    graphdef, optimizer, state = setup(tiny_model_config, mesh)
+    step = jit_train_step(graphdef, optimizer, StepOptions(LossConfig(), 1.0, 2), mesh)
+    for seed in range(3):
+        state, _ = step(state, make_batch(graphdef, state.params, seed=seed))
+    assert step._cache_size() == 1
+    assert int(state.step) == 3
+
+
+def test_non_finite_loss_skips_the_update(tiny_model_config):
+    mesh = one_device_mesh()
+    graphdef, optimizer, state = setup(tiny_model_config, mesh)
+    before = jax.device_get(state)
+    batch = make_batch(graphdef, state.params)
+    batch = batch._replace(advantages=np.full(B, np.nan, np.float32))
+    step = jit_train_step(graphdef, optimizer, StepOptions(LossConfig(), 1.0), mesh)
+    state, metrics = jax.device_get(step(state, batch))
+    assert metrics["skipped"] == 1 and not np.isfinite(metrics["loss"])
+    jax.tree.map(np.testing.assert_array_equal, state.params, before.params)
+    jax.tree.map(np.testing.assert_array_equal, state.opt_state, before.opt_state)
+    assert state.step == 1
+
+
+def test_beta_zero_keeps_no_reference(tiny_model_config):
+    _, _, state = setup(tiny_model_config, one_device_mesh(), beta=0.0)
+    assert state.ref_params is None
+    _, metrics = run_step(tiny_model_config, one_device_mesh(), dataclasses.replace(LOSSES[1]))
+    assert "kl" not in metrics
+
+
+@pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])
+def test_learning_rate_schedule_against_formula(kind):
+    lr, warmup, total = 1e-3, 10, 110
+    schedule = learning_rate_schedule(learning_rate=lr, scheduler=kind, warmup_steps=warmup, max_steps=total)
+    for step in (0, 5, 10, 60, 109):
+        if step < warmup:
+            expected = lr * step / warmup
+        else:
+            frac = (step - warmup) / (total - warmup)
+            expected = {"constant": lr, "linear": lr * (1 - frac), "cosine": lr * 0.5 * (1 + np.cos(np.pi * frac))}[kind]
+        np.testing.assert_allclose(float(schedule(step)), expected, rtol=1e-5, atol=1e-12)
