@@ -95,7 +95,7 @@ class TrainConfig:
     steps_per_generation: int = 1  # optimizer steps per sampling round, on disjoint slices
     num_iterations: int = 1  # mu: passes over each round
     scale_rewards: str = "group"  # group, batch, none
-    learning_rate: float = 1e-6
+    learning_rate: float = 5e-4  # the embedded random-init model; real checkpoints want ~1e-6 (TRL)
     lr_scheduler_type: str = "constant"  # constant, linear, cosine
     warmup_steps: int = 0
     weight_decay: float = 0.0
@@ -177,7 +177,7 @@ class Config:
 
     seed: int = 0
     output_dir: str | None = None  # None: runs/<task>-<timestamp>
-    max_steps: int = 300
+    max_steps: int = 5000
     logging_steps: int = 1  # progress-bar refresh period; metrics.jsonl always gets every step
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)

@@ -69,10 +69,10 @@ class LossConfig:
         if self.delta is not None and self.delta <= 0:
             raise ValueError(
                 f"loss.delta={self.delta} must be a positive cap on the ratio: use None or a value > 1 + epsilon_high")
-        if self.loss_type == "dr_grpo" and (self.max_completion_length is None or self.max_completion_length < 1):
+        if self.max_completion_length is not None and self.max_completion_length < 1:
             raise ValueError(
-                f"loss.max_completion_length={self.max_completion_length} is required by loss.loss_type='dr_grpo': "
-                "set it to sampling.max_completion_length")
+                f"loss.max_completion_length={self.max_completion_length} must be >= 1, or None to take "
+                "sampling.max_completion_length")
 
     @property
     def epsilon_high_resolved(self) -> float:
@@ -166,7 +166,8 @@ def aggregate(per_token_loss_BxT: jax.Array, completion_mask_BxT: jax.Array, *, 
         return total / jnp.maximum(jnp.asarray(num_items_in_batch, jnp.float32), 1.0)
     if loss_type == "dr_grpo":
         if max_completion_length is None:
-            raise ValueError("loss.max_completion_length=None is required by loss_type='dr_grpo': set it")
+            raise ValueError("loss.max_completion_length=None is required by loss_type='dr_grpo': set it to "
+                             "sampling.max_completion_length (the trainer does this for you)")
         return total / (num_sequences * max_completion_length)
     raise ValueError(f"loss.loss_type={loss_type!r} is not supported: choose one of {LOSS_TYPES}")
 

@@ -19,7 +19,7 @@ from grpo_jax.model import forward, init_cache, model_config, positions_from_mas
 class SamplingConfig:
     """Sampling hyper-parameters (TRL GRPOConfig names); filters follow HF logits warpers."""
 
-    max_completion_length: int = 16
+    max_completion_length: int = 8
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0

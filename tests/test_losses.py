@@ -274,10 +274,16 @@ def test_per_token_advantages_equal_broadcast():
     (dict(loss_type="ppo"), "loss.loss_type"), (dict(kl_estimator="k4"), "loss.kl_estimator"),
     (dict(beta=-0.1), "loss.beta"), (dict(epsilon=-0.1), "loss.epsilon"),
     (dict(epsilon_high=-1.0), "loss.epsilon_high"), (dict(delta=0.0), "loss.delta"),
-    (dict(loss_type="dr_grpo"), "loss.max_completion_length")])
+    (dict(max_completion_length=0), "loss.max_completion_length")])
 def test_config_validation(kwargs, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         LossConfig(**kwargs)
+
+
+def test_dr_grpo_needs_max_completion_length_when_called():
+    mask = jnp.ones((2, 3))
+    with pytest.raises(ValueError, match="loss.max_completion_length=None is required by loss_type='dr_grpo'"):
+        compute_loss(jnp.zeros((2, 3)), None, None, jnp.ones(2), mask, config=LossConfig(loss_type="dr_grpo", beta=0.0))
 
 
 def test_config_error_lists_allowed_values_and_resolves_epsilon_high():
