@@ -93,7 +93,7 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     init = (zeros, jnp.zeros((), jnp.float32), aux_zeros, jnp.zeros((), jnp.float32))
     (grads, loss, aux_sum, entropy_sum), _ = jax.lax.scan(accumulate, init, micro_batches)
 
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree_utils.tree_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)

@@ -148,7 +148,7 @@ def evaluate(run: Run, params) -> dict[str, float]:
     cfg = run.config
     shards = sharding.num_row_shards(run.mesh)
     n = len(run.eval_rows)
-    padded = run.eval_rows + run.eval_rows[: (-n) % shards]  # rows must split over the devices
+    padded = [run.eval_rows[i % n] for i in range(n + (-n) % shards)]  # rows must split over the devices
     ids, mask, _ = data.tokenize_prompts(run.tokenizer, [r["prompt"] for r in padded], cfg.data.max_prompt_length,
                                          truncation="left")
     out = jax.device_get(run.sample_fn(params, ids, mask, jax.random.PRNGKey(0), True))

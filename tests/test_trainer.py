@@ -24,12 +24,14 @@ def raising_reward(prompts, completions, **kwargs):
 
 def test_reward_rises_on_the_embedded_task(tmp_path):
     """A short GRPO run (well under 60 s) lifts the reward well above its start on the default task."""
-    config = load_config(None, [f"output_dir={tmp_path}", "max_steps=150", "eval.num_examples=0"])
+    # a higher learning rate than the default's 5e-4 climbs faster early (and plateaus lower later)
+    config = load_config(None, [f"output_dir={tmp_path}", "max_steps=500", "train.learning_rate=2e-3",
+                                "eval.num_examples=0"])
     summary = trainer.train(config, show_progress=False)
     history = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rewards = np.array([h["reward"] for h in history])
-    first, last = rewards[:15].mean(), rewards[-15:].mean()
-    assert last > 2 * first and last - first > 0.1, (first, last)
+    first, last = rewards[:50].mean(), rewards[-50:].mean()
+    assert last > 3 * first and last - first > 0.1, (first, last)
     assert summary["reward_last_10pct"] == pytest.approx(last)
 
 
