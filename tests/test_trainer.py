@@ -113,6 +113,18 @@ def test_long_prompts_are_truncated_and_counted_or_refused(tmp_path):
         trainer.train(config, show_progress=False)
 
 
+def test_no_recompilation_across_rounds(tmp_path):
+    """Static shapes: sampler, log-prob and step programs compile once, whatever the prompts and completions."""
+    config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "max_steps=6", "eval.num_examples=0",
+                                "train.steps_per_generation=2"])
+    run = trainer.build(config)
+    writer = trainer.MetricsWriter(run.output_dir, max_steps=6, show_progress=False)
+    for round_index in range(3):
+        trainer.run_round(run, writer, round_index)
+    assert int(run.state.step) == 6
+    assert run.sample_fn._cache_size() == run.logps_fn._cache_size() == run.step_fn._cache_size() == 1
+
+
 def test_seeded_runs_are_reproducible(tmp_path):
     params = []
     for name in ("a", "b"):
