@@ -9,7 +9,7 @@ import pytest
 from grpo_jax.losses import (LossConfig, aggregate, clipped_surrogate, compute_loss, kl_divergence,
                              log_importance_weights)
 
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 ESTIMATORS = ["k1", "k2", "k3", "low_var_kl"]
 
 
@@ -27,23 +27,40 @@ def make_batch(seed=0, B=8, T=6, off_policy=True):
 
 
 def naive_loss(logp, old, ref, adv, mask, cfg, num_items=None, num_seqs=None):
-    """Token-by-token Python loop of ALGORITHMS.md §3-§7 (float64)."""
+    """Token-by-token Python loop of ALGORITHMS.md §3-§7 (float64), masks of §6 left out."""
     B, T = logp.shape
     eps_lo = cfg.epsilon
     eps_hi = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+    old = logp if old is None else old
     per_tok = np.zeros((B, T))
     for i in range(B):
+        n_i = int(mask[i].sum())
+        diffs = [float(logp[i, t]) - float(old[i, t]) for t in range(T) if mask[i, t]]
+        seq_log_w = sum(diffs) / max(n_i, 1)
+        vespo_s = sum(min(max(d, -20.0), 20.0) for d in diffs)
         for t in range(T):
             if not mask[i, t]:
                 continue
-            o = logp[i, t] if old is None else old[i, t]
-            r = math.exp(float(logp[i, t]) - float(o))
+            log_w = seq_log_w if cfg.importance_sampling_level != "token" else diffs[t]
+            r = math.exp(log_w)
             a = float(adv[i])
-            rc = min(max(r, 1 - eps_lo), 1 + eps_hi)
-            ru = r if cfg.delta is None else min(r, cfg.delta)
-            loss = -min(ru * a, rc * a)
+            lp = float(logp[i, t])
+            if cfg.loss_type == "cispo":
+                loss = -min(r, eps_hi) * a * lp
+            elif cfg.loss_type == "sapo":
+                tau = cfg.sapo_temperature_pos if a > 0 else cfg.sapo_temperature_neg
+                loss = -(1 / (1 + math.exp(-tau * (r - 1))) * 4 / tau) * a
+            elif cfg.loss_type == "vespo":
+                log_w_seq = min(max(vespo_s, math.log(1e-8)), 20.0)
+                k, lam = ((cfg.vespo_k_pos, cfg.vespo_lambda_pos) if a >= 0
+                          else (cfg.vespo_k_neg, cfg.vespo_lambda_neg))
+                loss = -math.exp(lam + k * log_w_seq - lam * math.exp(log_w_seq)) * a * lp
+            else:
+                rc = min(max(r, 1 - eps_lo), 1 + eps_hi)
+                ru = r if cfg.delta is None else min(r, cfg.delta)
+                loss = -min(ru * a, rc * a)
             if cfg.beta:
-                d = float(ref[i, t]) - float(logp[i, t])
+                d = float(ref[i, t]) - lp
                 kl = {"k1": -d, "k2": d * d / 2, "k3": math.exp(d) - d - 1,
                       "low_var_kl": min(max(math.exp(d) - d - 1, -10), 10)}[cfg.kl_estimator]
                 if cfg.use_bias_correction_kl:
@@ -52,14 +69,20 @@ def naive_loss(logp, old, ref, adv, mask, cfg, num_items=None, num_seqs=None):
             per_tok[i, t] = loss
     n_items = mask.sum() if num_items is None else num_items
     n_seqs = B if num_seqs is None else num_seqs
-    if cfg.loss_type == "grpo":
+    if cfg.loss_type in ("grpo", "sapo"):
         return sum(per_tok[i].sum() / max(mask[i].sum(), 1) for i in range(B)) / n_seqs
-    if cfg.loss_type in ("bnpo", "dapo"):
+    if cfg.loss_type == "luspo":
+        return per_tok.sum() / n_seqs
+    if cfg.loss_type in ("bnpo", "dapo", "cispo", "vespo"):
         return per_tok.sum() / max(n_items, 1)
     return per_tok.sum() / (n_seqs * cfg.max_completion_length)
 
 
 def cfg_for(loss_type, **kw):
+    if loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        kw.pop("delta", None)
+    if loss_type == "cispo":
+        kw["epsilon_high"] = 5.0
     return LossConfig(loss_type=loss_type, max_completion_length=6 if loss_type == "dr_grpo" else None, **kw)
 
 
@@ -120,9 +143,11 @@ def test_aggregate_hand_values_with_fully_masked_row():
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("estimator", ESTIMATORS)
-def test_compute_loss_matches_naive_loop(loss_type, estimator):
+@pytest.mark.parametrize("level", ["token", "sequence", "sequence_token"])
+def test_compute_loss_matches_naive_loop(loss_type, estimator, level):
     logp, old, ref, adv, mask = make_batch(seed=1)
-    cfg = cfg_for(loss_type, kl_estimator=estimator, epsilon_high=0.28, delta=1.5)
+    cfg = cfg_for(loss_type, kl_estimator=estimator, epsilon_high=0.28, delta=1.5, importance_sampling_level=level,
+                  use_bias_correction_kl=estimator == "k3")
     loss, _ = compute_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(ref), jnp.asarray(adv),
                            jnp.asarray(mask), config=cfg)
     np.testing.assert_allclose(loss, naive_loss(logp, old, ref, adv, mask, cfg), rtol=1e-5, atol=1e-7)
@@ -155,23 +180,32 @@ def test_on_policy_beta0_loss_zero_gradient_nonzero():
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-@pytest.mark.parametrize("estimator", ESTIMATORS)
-def test_garbage_at_masked_positions(loss_type, estimator):
+@pytest.mark.parametrize("estimator,level", [("k1", "token"), ("k2", "sequence"), ("k3", "sequence_token"),
+                                             ("low_var_kl", "token")])
+def test_garbage_at_masked_positions(loss_type, estimator, level):
     logp, old, ref, adv, mask = make_batch(seed=4)
     adv_tok = np.repeat(adv[:, None], logp.shape[1], axis=1)
+    rng = np.random.default_rng(40)
+    entropies = rng.uniform(0.0, 3.0, size=logp.shape).astype(np.float32)
+    sampler = (old + rng.normal(scale=0.1, size=logp.shape)).astype(np.float32)
     garbage = np.array([1e30, np.inf, -np.inf, np.nan, -1e30], np.float32)
     pads = np.argwhere(mask == 0)
-    dirty = [x.copy() for x in (logp, old, ref, adv_tok)]
+    dirty = [x.copy() for x in (logp, old, ref, adv_tok, entropies, sampler)]
     for k, (i, t) in enumerate(pads):
         for j, x in enumerate(dirty):
             x[i, t] = garbage[(k + j) % len(garbage)]
-    cfg = cfg_for(loss_type, kl_estimator=estimator, use_bias_correction_kl=True)
+    token_is = loss_type == "vespo"
+    cfg = cfg_for(loss_type, kl_estimator=estimator, use_bias_correction_kl=True, top_entropy_quantile=0.6,
+                  entropy_coef=0.01, off_policy_mask_threshold=0.05, importance_sampling_level=level,
+                  vllm_importance_sampling_mode="token_truncate" if token_is else "sequence_mask")
 
-    def f(lp, o, r, a):
-        return compute_loss(lp, jnp.asarray(o), jnp.asarray(r), jnp.asarray(a), jnp.asarray(mask), config=cfg)
+    def f(lp, o, r, a, e, smp):
+        return compute_loss(lp, jnp.asarray(o), jnp.asarray(r), jnp.asarray(a), jnp.asarray(mask), config=cfg,
+                            entropies=jnp.asarray(e), sampler_per_token_logps=jnp.asarray(smp))
 
     (loss, aux), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(dirty[0]), *dirty[1:])
-    (clean_loss, clean_aux), clean_grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(logp), old, ref, adv_tok)
+    (clean_loss, clean_aux), clean_grad = jax.value_and_grad(f, has_aux=True)(
+        jnp.asarray(logp), old, ref, adv_tok, entropies, sampler)
     assert np.isfinite(float(loss))
     assert np.all(np.asarray(grad)[mask == 0] == 0.0)
     np.testing.assert_array_equal(loss, clean_loss)
@@ -183,20 +217,27 @@ def test_garbage_at_masked_positions(loss_type, estimator):
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("num_micro", [2, 4])
 @pytest.mark.parametrize("on_policy", [False, True])
-def test_micro_batched_sum_equals_full_batch(loss_type, num_micro, on_policy):
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_micro_batched_sum_equals_full_batch(loss_type, num_micro, on_policy, level):
     logp, old, ref, adv, mask = make_batch(seed=5, off_policy=not on_policy)
-    cfg = cfg_for(loss_type, epsilon_high=0.28)
+    rng = np.random.default_rng(50)
+    entropies = rng.uniform(0.0, 3.0, size=logp.shape).astype(np.float32)
+    sampler = (logp + rng.normal(scale=0.1, size=logp.shape)).astype(np.float32)
+    # every option whose statistic is per row or per token (the top-entropy quantile is per batch: left out)
+    cfg = cfg_for(loss_type, epsilon_high=0.28, importance_sampling_level=level, entropy_coef=0.02,
+                  off_policy_mask_threshold=0.05, use_bias_correction_kl=True, vllm_importance_sampling_mode=(
+                      "token_mask" if loss_type == "vespo" else "sequence_truncate"))
     B = logp.shape[0]
 
-    def f(lp, o, r, a, m, **kw):
-        return compute_loss(lp, o, r, a, m, config=cfg, **kw)[0]
+    def f(lp, o, r, a, m, e, smp, **kw):
+        return compute_loss(lp, o, r, a, m, config=cfg, entropies=e, sampler_per_token_logps=smp, **kw)[0]
 
-    full, full_grad = jax.value_and_grad(f)(jnp.asarray(logp), old, ref, adv, mask)
+    full, full_grad = jax.value_and_grad(f)(jnp.asarray(logp), old, ref, adv, mask, entropies, sampler)
     n_items, total, grads = int(mask.sum()), 0.0, []
     for rows in np.split(np.arange(B), num_micro):
         o = None if old is None else old[rows]
         val, g = jax.value_and_grad(f)(jnp.asarray(logp[rows]), o, ref[rows], adv[rows], mask[rows],
-                                       num_items_in_batch=n_items, num_sequences=B)
+                                       entropies[rows], sampler[rows], num_items_in_batch=n_items, num_sequences=B)
         total, grads = total + val, grads + [g]
     np.testing.assert_allclose(total, full, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(np.concatenate(grads), full_grad, rtol=1e-5, atol=1e-8)
