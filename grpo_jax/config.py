@@ -17,10 +17,13 @@ import yaml
 
 from grpo_jax.losses import LossConfig
 from grpo_jax.model import ModelConfig
-from grpo_jax.rewards import resolve_reward_fn
+from grpo_jax.reference import RefSyncConfig
+from grpo_jax.rewards import SOFT_OVERLONG, resolve_reward_fn
 from grpo_jax.sampling import SamplingConfig
 
 TASK_REWARDS = ("grpo_jax.task:char_accuracy",)
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "process")
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -75,10 +78,17 @@ class RewardConfig:
 
     functions: tuple[str, ...] = TASK_REWARDS
     weights: tuple[float, ...] | None = None  # TRL's reward_weights; None: all 1
+    soft_punish_cache: int = 0  # DAPO L_cache in tokens for grpo_jax.rewards:soft_overlong_punishment
 
     def __post_init__(self):
         _check(len(self.functions) >= 1, "reward.functions is empty: list at least one 'module:function'")
         _check_importable("reward.functions", self.functions)
+        _check(self.soft_punish_cache >= 0, f"reward.soft_punish_cache={self.soft_punish_cache} must be >= 0")
+        listed = SOFT_OVERLONG in self.functions
+        _check(listed == (self.soft_punish_cache > 0),
+               f"reward.soft_punish_cache={self.soft_punish_cache} and reward.functions "
+               f"{'lists' if listed else 'does not list'} {SOFT_OVERLONG}: the soft overlong punishment needs "
+               "both (a cache > 0 and the function listed) or neither")
         if self.weights is not None:
             _check(len(self.weights) == len(self.functions),
                    f"reward.weights has {len(self.weights)} entries for {len(self.functions)} reward.functions: "
@@ -95,6 +105,15 @@ class TrainConfig:
     steps_per_generation: int = 1  # optimizer steps per sampling round, on disjoint slices
     num_iterations: int = 1  # mu: passes over each round
     scale_rewards: str = "group"  # group, batch, none
+    multi_objective_aggregation: str = "sum_then_normalize"  # or normalize_then_sum (GDPO)
+    advantage_estimator: str = "grpo"  # grpo, rloo, reinforce_pp_baseline, process
+    mask_truncated_completions: bool = False  # rows without EOS get mask 0 (DAPO overlong filtering)
+    use_sampler_logps: bool = False  # hand the sampler's log-probs to the loss (TRL's vLLM log-probs role)
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more
+    max_num_gen_batches: int = 10  # dynamic sampling: sampling passes per round at most (then fill)
+    sync_ref_model: bool = False  # TR-DPO: mix the policy into the reference every ref_model_sync_steps
+    ref_model_mixup_alpha: float = 0.6  # 1.0: iterative GRPO (reset the reference to the policy)
+    ref_model_sync_steps: int = 512
     learning_rate: float = 5e-4  # the embedded random-init model; real checkpoints want ~1e-6 (TRL)
     lr_scheduler_type: str = "constant"  # constant, linear, cosine
     warmup_steps: int = 0
@@ -120,6 +139,25 @@ class TrainConfig:
                f"round is not divisible by train.num_generations={self.num_generations}: make it a multiple")
         _check(self.scale_rewards in ("group", "batch", "none"),
                f"train.scale_rewards={self.scale_rewards!r}: use group, batch or none")
+        _check(self.multi_objective_aggregation in MULTI_OBJECTIVE_AGGREGATIONS,
+               f"train.multi_objective_aggregation={self.multi_objective_aggregation!r}: use "
+               + " or ".join(MULTI_OBJECTIVE_AGGREGATIONS))
+        _check(self.advantage_estimator in ADVANTAGE_ESTIMATORS,
+               f"train.advantage_estimator={self.advantage_estimator!r} is unknown: use "
+               + ", ".join(ADVANTAGE_ESTIMATORS))
+        _check(self.advantage_estimator == "grpo" or self.multi_objective_aggregation == "sum_then_normalize",
+               f"train.multi_objective_aggregation={self.multi_objective_aggregation!r} only applies to "
+               f"train.advantage_estimator='grpo', not {self.advantage_estimator!r}: set it to sum_then_normalize")
+        _check(self.advantage_estimator == "grpo" or self.scale_rewards == "group",
+               f"train.scale_rewards={self.scale_rewards!r} only applies to train.advantage_estimator='grpo': "
+               f"{self.advantage_estimator!r} has its own scaling; leave scale_rewards at group")
+        _check(self.multi_objective_aggregation == "sum_then_normalize" or self.scale_rewards == "group",
+               f"train.scale_rewards={self.scale_rewards!r} does not apply to train.multi_objective_aggregation="
+               "'normalize_then_sum' (it normalises per function, then over the batch): leave scale_rewards at group")
+        _check(self.max_num_gen_batches >= 1, f"train.max_num_gen_batches={self.max_num_gen_batches} must be >= 1")
+        _check(0.0 < self.ref_model_mixup_alpha <= 1.0,
+               f"train.ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in (0, 1] (1.0: iterative GRPO)")
+        _check(self.ref_model_sync_steps >= 1, f"train.ref_model_sync_steps={self.ref_model_sync_steps} must be >= 1")
         _check(self.learning_rate > 0, f"train.learning_rate={self.learning_rate} must be > 0")
         _check(self.lr_scheduler_type in ("constant", "linear", "cosine"),
                f"train.lr_scheduler_type={self.lr_scheduler_type!r}: use constant, linear or cosine")
@@ -135,6 +173,11 @@ class TrainConfig:
     @property
     def prompts_per_round(self) -> int:
         return self.generation_batch_size // self.num_generations
+
+    @property
+    def ref_sync(self) -> RefSyncConfig:
+        """The reference-update options `train_step` needs (static)."""
+        return RefSyncConfig(self.sync_ref_model, self.ref_model_mixup_alpha, self.ref_model_sync_steps)
 
     @property
     def needs_old_logps(self) -> bool:
@@ -195,6 +238,12 @@ class Config:
                in (None, self.sampling.max_completion_length),
                f"loss.max_completion_length={self.loss.max_completion_length} differs from "
                f"sampling.max_completion_length={self.sampling.max_completion_length}: leave it unset")
+        _check(not self.train.sync_ref_model or self.loss.beta != 0.0,
+               "train.sync_ref_model=true with loss.beta=0: there is no reference to sync (beta 0 drops the KL "
+               "and the reference model); set loss.beta > 0 or train.sync_ref_model=false")
+        _check(self.reward.soft_punish_cache <= self.sampling.max_completion_length,
+               f"reward.soft_punish_cache={self.reward.soft_punish_cache} exceeds sampling.max_completion_length="
+               f"{self.sampling.max_completion_length}: the punishment zone must fit inside the completion length")
 
 
 def to_dict(config: Any) -> dict:

@@ -3,7 +3,12 @@
 Reward functions follow TRL's GRPOTrainer convention:
     fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]
 where every dataset column other than "prompt" arrives as a keyword argument (one value per completion) and None
-means "no opinion on this completion" (it becomes NaN and is skipped by the advantage computation).
+means "no opinion on this completion" (it becomes NaN and is skipped by the advantage computation). As in TRL,
+`completion_ids` (the token ids of each completion, EOS included, padding removed) arrives as a keyword too.
+
+Built-in: `soft_overlong_punishment` (DAPO's length penalty, in tokens), listed in `reward.functions` as
+`grpo_jax.rewards:soft_overlong_punishment` and configured by `reward.soft_punish_cache`; and
+`get_soft_overlong_punishment(max_completion_len, soft_punish_cache)`, TRL's factory of the same function.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
+SOFT_OVERLONG = "grpo_jax.rewards:soft_overlong_punishment"
 
 
 def resolve_reward_fn(path: str) -> Callable:
@@ -41,6 +48,40 @@ def resolve_reward_fn(path: str) -> Callable:
     return obj
 
 
+def soft_overlong_punishment(prompts=None, completions=None, *, completion_ids, max_completion_len: int,
+                             soft_punish_cache: int, **kwargs) -> list[float]:
+    """DAPO soft overlong punishment (arXiv 2503.14476 eq. 13), one value per completion, lengths in tokens.
+
+    With L = len(ids) (EOS included), L_max = `max_completion_len`, L_c = `soft_punish_cache`:
+    R = 0 if L <= L_max - L_c;  ((L_max - L_c) - L) / L_c if L_max - L_c < L <= L_max;  -1 if L > L_max.
+    The trainer binds L_max = sampling.max_completion_length and L_c = reward.soft_punish_cache.
+    """
+    limit = max_completion_len - soft_punish_cache
+    out = []
+    for ids in completion_ids:
+        length = len(ids)
+        if length <= limit:
+            out.append(0.0)
+        elif length <= max_completion_len:
+            out.append((limit - length) / soft_punish_cache)
+        else:
+            out.append(-1.0)
+    return out
+
+
+def get_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int) -> Callable:
+    """TRL's `trl.rewards.get_soft_overlong_punishment`: the DAPO length penalty as a reward function."""
+    if not 0 < soft_punish_cache <= max_completion_len:
+        raise ValueError(f"soft_punish_cache={soft_punish_cache} must be in [1, max_completion_len="
+                         f"{max_completion_len}]")
+
+    def soft_overlong_punishment_reward(completion_ids, **kwargs) -> list[float]:
+        return soft_overlong_punishment(completion_ids=completion_ids, max_completion_len=max_completion_len,
+                                        soft_punish_cache=soft_punish_cache)
+
+    return soft_overlong_punishment_reward
+
+
 def _to_float(name: str, i: int, value: Any) -> float:
     """One reward value -> float (None -> NaN); rejects non-numbers and non-finite floats."""
     if value is None:
@@ -61,21 +102,15 @@ def _to_float(name: str, i: int, value: Any) -> float:
     return out
 
 
-def score_completions(
-    reward_fns: Sequence[tuple[str, Callable]],
-    prompts: list[str],
-    completions: list[str],
-    columns: dict[str, list],
-) -> np.ndarray:
-    """Call every reward function on the N completions; returns rewards_NxF float32 (NaN where None)."""
+def _call_all(reward_fns, prompts, completions, columns):
+    """Calls every function once; yields (name, its list of N values) after checking the list's shape."""
     n = len(completions)
     if len(prompts) != n:
         raise ValueError(f"got {len(prompts)} prompts for {n} completions")
     for key, values in columns.items():
         if len(values) != n:
             raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
-    rewards_NxF = np.full((n, len(reward_fns)), np.nan, dtype=np.float32)
-    for f, (name, fn) in enumerate(reward_fns):
+    for name, fn in reward_fns:
         try:
             out = fn(prompts=prompts, completions=completions, **columns)
         except Exception as e:
@@ -89,5 +124,63 @@ def score_completions(
             )
         if len(out) != n:
             raise ValueError(f"reward function '{name}' returned {len(out)} rewards for {n} completions")
+        yield name, out
+
+
+def score_completions(
+    reward_fns: Sequence[tuple[str, Callable]],
+    prompts: list[str],
+    completions: list[str],
+    columns: dict[str, list],
+) -> np.ndarray:
+    """Call every reward function on the N completions; returns rewards_NxF float32 (NaN where None)."""
+    rewards_NxF = np.full((len(completions), len(reward_fns)), np.nan, dtype=np.float32)
+    for f, (name, out) in enumerate(_call_all(reward_fns, prompts, completions, columns)):
         rewards_NxF[:, f] = [_to_float(name, i, v) for i, v in enumerate(out)]
     return rewards_NxF
+
+
+def score_steps(reward_fns: Sequence[tuple[str, Callable]], weights_F: Sequence[float], prompts: list[str],
+                completions: list[str], columns: dict[str, list], lengths_N: Sequence[int]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Process supervision: every function returns, per completion, a list of (end_token_index, reward) steps.
+
+    The index is the 0-based completion-token position of the step's last token, in [0, len(completion_ids)).
+    None (for a completion, or as a step's reward) means unscored. Steps of several functions are merged,
+    each reward times its function's weight. Returns (rewards_NxF: each function's step-reward sum per
+    completion (NaN if it scored none), for the metrics; step_rewards_NxS (NaN = padding) and
+    step_end_indices_NxS (-1 = padding), S = max(1, most steps of any completion)), the format of
+    `grpo_jax.advantages.process_advantages`.
+    """
+    n = len(completions)
+    rewards_NxF = np.full((n, len(reward_fns)), np.nan, dtype=np.float32)
+    steps: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+    for f, (name, out) in enumerate(_call_all(reward_fns, prompts, completions, columns)):
+        for i, row in enumerate(out):
+            if row is None:
+                continue
+            if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
+                raise ValueError(f"reward function '{name}' returned {type(row).__name__} at index {i}: process "
+                                 "supervision needs a list of (end_token_index, reward) steps per completion")
+            total = []
+            for step in row:
+                if not (isinstance(step, Sequence) and len(step) == 2):
+                    raise ValueError(f"reward function '{name}' returned step {step!r} at index {i}: each step "
+                                     "is an (end_token_index, reward) pair")
+                index, value = step
+                if not isinstance(index, int | np.integer) or not 0 <= int(index) < int(lengths_N[i]):
+                    raise ValueError(f"reward function '{name}' returned step index {index!r} at index {i}: it "
+                                     f"must be an int in [0, {int(lengths_N[i])}), a token of that completion")
+                value = _to_float(name, i, value)
+                if not math.isnan(value):
+                    steps[i].append((int(index), float(weights_F[f]) * value))
+                    total.append(value)
+            if total:
+                rewards_NxF[i, f] = sum(total)
+    num_steps = max([1] + [len(s) for s in steps])
+    step_rewards_NxS = np.full((n, num_steps), np.nan, np.float32)
+    step_end_indices_NxS = np.full((n, num_steps), -1, np.int32)
+    for i, row_steps in enumerate(steps):
+        for j, (index, value) in enumerate(row_steps):
+            step_end_indices_NxS[i, j], step_rewards_NxS[i, j] = index, value
+    return rewards_NxF, step_rewards_NxS, step_end_indices_NxS

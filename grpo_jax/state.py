@@ -10,14 +10,15 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from grpo_jax import sharding
+from grpo_jax import reference, sharding
 from grpo_jax.model import ModelConfig, Transformer, init_model
 
 
 class TrainState(NamedTuple):
     """Everything a GRPO run carries from step to step, as one pytree.
 
-    `ref_params` is None when beta == 0 (no reference model is kept or run). `key` is the run's root PRNG key;
+    `ref_params` is None when beta == 0 (no reference model is kept or run); `grpo_jax.reference` updates it
+    (TR-DPO mixing, iterative-GRPO resets) inside the train step. `key` is the run's root PRNG key;
     each use derives its own with `fold_in(key, step)` so the state never needs a split to stay reproducible.
     """
 
@@ -68,7 +69,7 @@ def init_state(model_config: ModelConfig, optimizer: optax.GradientTransformatio
 
     def init():
         _, params = init_model(model_config, seed)
-        ref_params = jax.tree.map(jnp.copy, params) if with_reference else None
+        ref_params = reference.init(params) if with_reference else None
         return TrainState(params=params, opt_state=optimizer.init(params), ref_params=ref_params,
                           step=jnp.zeros((), jnp.int32), key=jax.random.PRNGKey(seed))
 

@@ -2,12 +2,24 @@
 
 B rows per step split into M = `gradient_accumulation_steps` micro-batches; each micro-batch loss is
 normalised by the whole step's row and token counts (`num_sequences`, `num_items_in_batch`), so the sum over
-micro-batches, and its gradient, equal the full-batch values for every loss_type.
+micro-batches, and its gradient, equal the full-batch values for every loss_type. Two options are computed
+per micro-batch, as TRL does (see `grpo_jax.losses`): the top-entropy threshold (`top_entropy_quantile` < 1)
+and the entropy bonus's mean then; with them, micro-batching changes the numbers.
+
+After the update the reference is advanced by `grpo_jax.reference.update` (TR-DPO mixing / iterative-GRPO
+resets), so the whole step, reference included, is one pure function of (state, batch).
+
+Custom losses: `StepOptions.loss_fn` replaces `compute_loss` with any function of the same signature,
+`loss_fn(per_token_logps, old_per_token_logps, ref_per_token_logps, advantages, completion_mask, *, config,
+num_items_in_batch, num_sequences, entropies, sampler_per_token_logps) -> (scalar, aux)`, where aux is a
+NamedTuple or dict of scalars that are means over this micro-batch's active tokens (they are logged as step
+means). It must be pure and jittable; `compute_loss`'s pieces in `grpo_jax.losses` are the building blocks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -16,9 +28,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from grpo_jax import sharding
+from grpo_jax import reference, sharding
 from grpo_jax.logprobs import completion_logps
-from grpo_jax.losses import LossConfig, compute_loss
+from grpo_jax.losses import CLIPPED_LOSS_TYPES, LossConfig, compute_loss
 from grpo_jax.state import TrainState
 
 
@@ -29,9 +41,10 @@ class Batch(NamedTuple):
     prompt_mask: jax.Array  # [B, P]
     completion_ids: jax.Array  # [B, T] int32
     completion_mask: jax.Array  # [B, T]: 1 up to and including the first EOS
-    advantages: jax.Array  # [B] float32
+    advantages: jax.Array  # [B] float32, or [B, T] (process supervision)
     old_per_token_logps: jax.Array | None  # [B, T]; None: on-policy (one update per round)
     ref_per_token_logps: jax.Array | None  # [B, T]; None when beta == 0
+    sampler_per_token_logps: jax.Array | None = None  # [B, T] the sampler's (SampleOutput.sampler_logps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +55,21 @@ class StepOptions:
     temperature: float
     gradient_accumulation_steps: int = 1
     logps_chunk_size: int = 0
+    ref_sync: reference.RefSyncConfig = reference.RefSyncConfig()
+    loss_fn: Callable | None = None  # None: grpo_jax.losses.compute_loss (see the module docstring)
+
+
+# LossAux field -> metric name as TRL logs it (ALGORITHMS.md §9); other fields keep their own name
+AUX_METRIC_NAMES = {"kl": "kl", "clip_ratio_low": "clip_ratio/low_mean", "clip_ratio_high": "clip_ratio/high_mean",
+                    "clip_ratio_region": "clip_ratio/region_mean"}
+
+
+def _aux_dict(aux) -> dict:
+    """A loss's aux (NamedTuple, dict or None) as {metric name: scalar}."""
+    if aux is None:
+        return {}
+    items = aux._asdict().items() if hasattr(aux, "_asdict") else dict(aux).items()
+    return {AUX_METRIC_NAMES.get(k, k): v for k, v in items}
 
 
 def _micro_batches(batch: Batch, num_micro: int, mesh: Mesh | None) -> Batch:
@@ -64,17 +92,21 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     """
     num_sequences = batch.completion_mask.shape[0]
     num_items = jnp.sum(batch.completion_mask).astype(jnp.float32)
+    loss_fn_ = compute_loss if options.loss_fn is None else options.loss_fn
 
     def loss_fn(params, micro: Batch):
         logps_BxT, entropy_BxT = completion_logps(
             graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.completion_ids, micro.completion_mask,
             temperature=options.temperature, with_entropy=True, chunk_size=options.logps_chunk_size)
-        loss, aux = compute_loss(logps_BxT, micro.old_per_token_logps, micro.ref_per_token_logps,
-                                 micro.advantages, micro.completion_mask, config=options.loss,
-                                 num_items_in_batch=num_items, num_sequences=num_sequences)
+        # the entropy carries gradient only for the entropy bonus (compute_loss differentiates through what it gets)
+        entropies_BxT = entropy_BxT if options.loss.entropy_coef != 0.0 else jax.lax.stop_gradient(entropy_BxT)
+        loss, aux = loss_fn_(logps_BxT, micro.old_per_token_logps, micro.ref_per_token_logps,
+                             micro.advantages, micro.completion_mask, config=options.loss,
+                             num_items_in_batch=num_items, num_sequences=num_sequences,
+                             entropies=entropies_BxT, sampler_per_token_logps=micro.sampler_per_token_logps)
         # aux holds masked means over this micro-batch: weight by its tokens for exact step-level means
         tokens = jnp.sum(micro.completion_mask).astype(jnp.float32)
-        aux = jax.tree.map(lambda x: x * tokens, aux)
+        aux = jax.tree.map(lambda x: jax.lax.stop_gradient(x) * tokens, _aux_dict(aux))
         entropy_sum = jnp.sum(jax.lax.stop_gradient(entropy_BxT) * micro.completion_mask)
         return loss, (aux, entropy_sum)
 
@@ -98,16 +130,22 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-    new_state = state._replace(params=keep(new_params, state.params),
-                               opt_state=keep(new_opt_state, state.opt_state), step=state.step + 1)
+    params = keep(new_params, state.params)
+    step = state.step + 1
+    new_state = state._replace(params=params, opt_state=keep(new_opt_state, state.opt_state), step=step,
+                               ref_params=reference.update(state.ref_params, params, step, options.ref_sync))
 
     aux_mean = jax.tree.map(lambda x: x / jnp.maximum(num_items, 1.0), aux_sum)
-    metrics = {"loss": loss, "grad_norm": grad_norm, "entropy": entropy_sum / jnp.maximum(num_items, 1.0),
-               "skipped": (~finite).astype(jnp.int32),
-               "clip_ratio/low_mean": aux_mean.clip_ratio_low, "clip_ratio/high_mean": aux_mean.clip_ratio_high,
-               "clip_ratio/region_mean": aux_mean.clip_ratio_region}
-    if options.loss.beta != 0.0:
-        metrics["kl"] = aux_mean.kl
+    if options.loss.beta == 0.0:
+        aux_mean.pop("kl", None)  # no reference, no kl metric
+    if options.loss_fn is None:  # log only the ratios this loss_type has, as TRL does
+        if options.loss.loss_type not in CLIPPED_LOSS_TYPES:
+            for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+                aux_mean.pop(name, None)
+        if options.loss.loss_type != "cispo":
+            aux_mean.pop("cispo_clip_ratio", None)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32), **aux_mean,
+               "entropy": entropy_sum / jnp.maximum(num_items, 1.0)}
     return new_state, metrics
 
 

@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import yaml
 from transformers import AutoTokenizer
 
-from grpo_jax import data, rewards, sharding, task
-from grpo_jax.advantages import group_advantages
+from grpo_jax import data, rewards, rounds, sharding, task
 from grpo_jax.config import Config, to_dict
 from grpo_jax.reporting import MetricsWriter, plot_rewards
 from grpo_jax.sampling import SampleOutput, generate
@@ -94,15 +94,31 @@ def _load_data(config: Config, output_dir: Path):
     return tokenizer, train_rows, eval_rows
 
 
-def build(config: Config) -> Run:
-    """Resolves data, rewards, mesh, optimizer and state; jits the three device programs."""
+def _resolve_rewards(config: Config, paths) -> list:
+    """(path, callable) per reward function; the built-in soft overlong punishment gets its lengths bound."""
+    out = []
+    for path in paths:
+        fn = rewards.resolve_reward_fn(path)
+        if path == rewards.SOFT_OVERLONG:
+            fn = functools.partial(fn, max_completion_len=config.sampling.max_completion_length,
+                                   soft_punish_cache=config.reward.soft_punish_cache)
+        out.append((path, fn))
+    return out
+
+
+def build(config: Config, *, loss_fn: Callable | None = None) -> Run:
+    """Resolves data, rewards, mesh, optimizer and state; jits the three device programs.
+
+    `loss_fn` replaces `grpo_jax.losses.compute_loss` in the train step (same signature; see
+    `grpo_jax.train_step`): the hook for a custom loss variant. It is not part of `config.yaml`.
+    """
     output_dir = _output_dir(config)
     (output_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
     tokenizer, train_rows, eval_rows = _load_data(config, output_dir)
     if config.model.vocab_size is None:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=len(tokenizer)))
-    reward_fns = [(p, rewards.resolve_reward_fn(p)) for p in config.reward.functions]
-    eval_reward_fns = [(p, rewards.resolve_reward_fn(p)) for p in config.eval.reward_functions]
+    reward_fns = _resolve_rewards(config, config.reward.functions)
+    eval_reward_fns = _resolve_rewards(config, config.eval.reward_functions)
     tc = config.train
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     sharding.check_rows(tc.train_batch_size // tc.gradient_accumulation_steps, mesh,
@@ -119,7 +135,7 @@ def build(config: Config) -> Run:
     loss_config = dataclasses.replace(config.loss, max_completion_length=config.sampling.max_completion_length)
     options = StepOptions(loss=loss_config, temperature=config.sampling.temperature,
                           gradient_accumulation_steps=tc.gradient_accumulation_steps,
-                          logps_chunk_size=tc.logps_chunk_size)
+                          logps_chunk_size=tc.logps_chunk_size, ref_sync=tc.ref_sync, loss_fn=loss_fn)
     rows, replicated = sharding.row_sharded(mesh), sharding.replicated(mesh)
     sample_fn = jax.jit(
         lambda params, ids, mask, key, greedy: generate(
@@ -154,6 +170,8 @@ def evaluate(run: Run, params) -> dict[str, float]:
     out = jax.device_get(run.sample_fn(params, ids, mask, jax.random.PRNGKey(0), True))
     completions = decode(run.tokenizer, out.completion_ids, out.completion_mask)[:n]
     columns = {k: [r.get(k) for r in run.eval_rows] for k in run.eval_rows[0] if k != "prompt"}
+    lengths = out.completion_mask.sum(axis=1)[:n]
+    columns["completion_ids"] = [ids[:m].tolist() for ids, m in zip(out.completion_ids, lengths)]
     scores = rewards.score_completions(run.eval_reward_fns, [r["prompt"] for r in run.eval_rows], completions,
                                        columns)
     return {name.split(":")[-1]: float(np.nanmean(scores[:, i])) for i, (name, _) in enumerate(run.eval_reward_fns)}
@@ -177,63 +195,109 @@ def _reward_metrics(rewards_NxF, r_N, std_N, names, num_generations: int) -> dic
     return out
 
 
-_advantages_jit = jax.jit(group_advantages, static_argnames=("num_generations", "scale_rewards"))
+def _weights(config: Config) -> np.ndarray:
+    return np.asarray(config.reward.weights or [1.0] * len(config.reward.functions), np.float32)
 
 
-def run_round(run: Run, writer: MetricsWriter, round_index: int) -> None:
-    """One generation round: sample, score, advantages, old/ref log-probs, then its optimizer steps."""
+def sample_and_score(run: Run, draw_index: int, seconds: dict) -> rounds.Draw:
+    """One sampling pass of P prompts x G completions with the current policy, scored on the host.
+
+    Adds its sampling and scoring time to seconds["sample"] / seconds["score"].
+    """
     cfg, tc = run.config, run.config.train
     timer = time.perf_counter()
     batch = data.repeat_groups(run.prompts.next_batch(), tc.num_generations)
     sample_key = jax.random.fold_in(run.state.key, run.state.step)
+    if draw_index:  # dynamic sampling's extra passes
+        sample_key = jax.random.fold_in(sample_key, draw_index)
     out = jax.device_get(run.sample_fn(run.state.params, batch.prompt_ids, batch.prompt_mask, sample_key, False))
-    t_sample = time.perf_counter() - timer
-
+    seconds["sample"] = seconds.get("sample", 0.0) + time.perf_counter() - timer
     timer = time.perf_counter()
     completions = decode(run.tokenizer, out.completion_ids, out.completion_mask)
-    rewards_NxF = rewards.score_completions(run.reward_fns, batch.prompts, completions, batch.columns)
-    weights = np.asarray(cfg.reward.weights or [1.0] * len(cfg.reward.functions), np.float32)
-    advantages_N, r_N, std_N = jax.device_get(_advantages_jit(
-        rewards_NxF, weights, num_generations=tc.num_generations, scale_rewards=tc.scale_rewards))
-    t_score = time.perf_counter() - timer
+    if "completion_ids" in batch.columns:
+        raise ValueError("the dataset has a 'completion_ids' column: rename it (reward functions receive the "
+                         "completions' token ids under that name, as in TRL)")
+    lengths = out.completion_mask.sum(axis=1)
+    columns = {**batch.columns, "completion_ids": [ids[:n].tolist() for ids, n in zip(out.completion_ids, lengths)]}
+    steps = {}
+    if tc.advantage_estimator == "process":
+        rewards_NxF, steps["step_rewards"], steps["step_end_indices"] = rewards.score_steps(
+            run.reward_fns, _weights(cfg), batch.prompts, completions, columns, lengths)
+    else:
+        rewards_NxF = rewards.score_completions(run.reward_fns, batch.prompts, completions, columns)
+    seconds["score"] = seconds.get("score", 0.0) + time.perf_counter() - timer
+    return rounds.Draw(batch.prompt_ids, batch.prompt_mask, out.completion_ids, out.completion_mask,
+                       np.asarray(out.is_truncated), out.sampler_logps, rewards_NxF, batch.prompts, batch.columns,
+                       batch.num_truncated, **steps)
+
+
+def collect_round(run: Run, seconds: dict) -> tuple[rounds.Draw, dict]:
+    """The round's rows: one pass, or DAPO dynamic sampling's passes until informative groups fill it."""
+    tc = run.config.train
+    if not tc.dynamic_sampling:
+        return sample_and_score(run, 0, seconds), {}
+    state = rounds.init()
+    while not (rounds.is_full(state, tc.prompts_per_round) or len(state.draws) >= tc.max_num_gen_batches):
+        draw = sample_and_score(run, len(state.draws), seconds)
+        state = rounds.update(state, draw, rounds.zero_std_groups(draw, _weights(run.config), tc.num_generations))
+    return rounds.finalize(state, tc.prompts_per_round, tc.num_generations)
+
+
+def run_round(run: Run, writer: MetricsWriter, round_index: int) -> None:
+    """One generation round: sample and score, advantages, old/ref log-probs, then its optimizer steps."""
+    cfg, tc = run.config, run.config.train
+    seconds: dict = {}
+    draw, sampling_metrics = collect_round(run, seconds)
 
     timer = time.perf_counter()
-    arrays = (batch.prompt_ids, batch.prompt_mask, out.completion_ids, out.completion_mask)
+    mask = rounds.mask_truncated(draw.completion_mask, draw.is_truncated) if tc.mask_truncated_completions \
+        else draw.completion_mask
+    advantages_N, r_N, std_N = rounds.compute_advantages(
+        draw, mask, _weights(cfg), estimator=tc.advantage_estimator, scale_rewards=tc.scale_rewards,
+        multi_objective_aggregation=tc.multi_objective_aggregation, num_generations=tc.num_generations)
+    t_sample, t_score = seconds["sample"], seconds["score"] + time.perf_counter() - timer
+
+    timer = time.perf_counter()
+    arrays = (draw.prompt_ids, draw.prompt_mask, draw.completion_ids, mask)
     old = jax.device_get(run.logps_fn(run.state.params, *arrays)) if tc.needs_old_logps else None
     ref = jax.device_get(run.logps_fn(run.state.ref_params, *arrays)) if cfg.loss.beta != 0.0 else None
     t_logps = time.perf_counter() - timer
 
-    round_metrics = {**_reward_metrics(rewards_NxF, r_N, std_N, cfg.reward.functions, tc.num_generations),
-                     **_completion_metrics(out.completion_mask, np.asarray(out.is_truncated)),
-                     "prompts/num_truncated": batch.num_truncated}
+    round_metrics = {**_reward_metrics(draw.rewards, r_N, std_N, cfg.reward.functions, tc.num_generations),
+                     **_completion_metrics(draw.completion_mask, draw.is_truncated),
+                     "prompts/num_truncated": draw.num_prompts_truncated, **sampling_metrics}
     order = np.random.default_rng([cfg.seed, round_index]).permutation(tc.generation_batch_size)
     slices = [order[k * tc.train_batch_size:(k + 1) * tc.train_batch_size] for k in range(tc.steps_per_generation)]
-    steps = [s for _ in range(tc.num_iterations) for s in slices][: cfg.max_steps - int(run.state.step)]
+    first_step = int(run.state.step)  # the only read of the device step counter in a round
+    steps = [s for _ in range(tc.num_iterations) for s in slices][: cfg.max_steps - first_step]
 
     timer = time.perf_counter()
     pending = []
     for rows in steps:
         pick = lambda x: None if x is None else x[rows]  # noqa: E731
-        step_batch = Batch(batch.prompt_ids[rows], batch.prompt_mask[rows], out.completion_ids[rows],
-                           out.completion_mask[rows], advantages_N[rows], pick(old), pick(ref))
-        lr = float(run.schedule(int(run.state.step)))
+        sampler = draw.sampler_logps[rows] * mask[rows] if tc.use_sampler_logps else None
+        step_batch = Batch(draw.prompt_ids[rows], draw.prompt_mask[rows], draw.completion_ids[rows], mask[rows],
+                           advantages_N[rows], pick(old), pick(ref), sampler)
         run.state, metrics = run.step_fn(run.state, step_batch)
-        pending.append((lr, metrics))
+        pending.append(metrics)
     pending = jax.device_get(pending)  # one host sync per round, after every step was dispatched
     t_update = (time.perf_counter() - timer) / max(len(steps), 1)
 
     shared = (t_sample + t_score + t_logps) / max(len(steps), 1)
-    first_step = int(run.state.step) - len(steps)
-    for i, (lr, metrics) in enumerate(pending):
+    for i, metrics in enumerate(pending):
+        lr = float(run.schedule(first_step + i))
         times = {"step_time/sample": t_sample / len(steps), "step_time/score": t_score / len(steps),
                  "step_time/logps": t_logps / len(steps), "step_time/update": t_update}
         writer.write({"step": first_step + i + 1, **round_metrics, **metrics, "learning_rate": lr,
                       "step_time": shared + t_update, **times})
 
 
-def train(config: Config, *, show_progress: bool = True) -> dict:
-    """Runs GRPO as configured and returns a summary (eval before/after, skipped steps, output_dir)."""
-    run = build(config)
+def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | None = None) -> dict:
+    """Runs GRPO as configured and returns a summary (eval before/after, skipped steps, output_dir).
+
+    `loss_fn`: a custom loss with `compute_loss`'s signature, used instead of it (see `build`).
+    """
+    run = build(config, loss_fn=loss_fn)
     print(f"grpo_jax: output_dir={run.output_dir}  devices={len(run.mesh.devices.flat)} "
           f"({jax.devices()[0].platform})  mesh={dict(run.mesh.shape)}")
     before = evaluate(run, run.state.params)

@@ -59,6 +59,24 @@ def test_every_shipped_config_loads():
     (["trian.learning_rate=1"], "unknown config key trian: valid keys here are seed, output_dir"),
     (["train.learning_rat=1"], "unknown config key train.learning_rat: valid keys here are num_generations"),
     (["train.learning_rate"], "override 'train.learning_rate' must look like section.key=value"),
+    (["train.sync_ref_model=true", "loss.beta=0"], "train.sync_ref_model=true with loss.beta=0: there is no reference"),
+    (["train.ref_model_mixup_alpha=0"], r"train.ref_model_mixup_alpha=0.0 must be in \(0, 1\]"),
+    (["train.ref_model_sync_steps=0"], "train.ref_model_sync_steps=0 must be >= 1"),
+    (["train.advantage_estimator=ppo"], "train.advantage_estimator='ppo' is unknown: use grpo, rloo"),
+    (["train.multi_objective_aggregation=mean"], "train.multi_objective_aggregation='mean': use sum_then_normalize"),
+    (["train.advantage_estimator=rloo", "train.scale_rewards=none"],
+     "train.scale_rewards='none' only applies to train.advantage_estimator='grpo'"),
+    (["train.advantage_estimator=rloo", "train.multi_objective_aggregation=normalize_then_sum"],
+     "only applies to train.advantage_estimator='grpo', not 'rloo'"),
+    (["train.multi_objective_aggregation=normalize_then_sum", "train.scale_rewards=batch"],
+     "does not apply to train.multi_objective_aggregation='normalize_then_sum'"),
+    (["train.max_num_gen_batches=0"], "train.max_num_gen_batches=0 must be >= 1"),
+    (["reward.soft_punish_cache=2"], "reward.soft_punish_cache=2 and reward.functions does not list "
+                                     "grpo_jax.rewards:soft_overlong_punishment"),
+    (["reward.functions=[grpo_jax.rewards:soft_overlong_punishment]"],
+     "reward.soft_punish_cache=0 and reward.functions lists"),
+    (["reward.functions=[grpo_jax.rewards:soft_overlong_punishment]", "reward.soft_punish_cache=9"],
+     "reward.soft_punish_cache=9 exceeds sampling.max_completion_length=8"),
 ])
 def test_validation_errors_name_the_field(overrides, match):
     with pytest.raises(ValueError, match=match):

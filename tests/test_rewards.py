@@ -87,3 +87,38 @@ def test_score_completions_function_raises():
 def test_score_completions_column_length_mismatch():
     with pytest.raises(ValueError, match="column 'answer' has 1 values for 2 completions"):
         rewards.score_completions([("acc", task.char_accuracy)], ["p", "q"], ["1", "2"], {"answer": ["1"]})
+
+
+def test_soft_overlong_punishment_hand_computed():
+    """DAPO eq. 13 with L_max = 10, L_cache = 4: 0 up to 6 tokens, then -(L - 6)/4, and -1 beyond 10."""
+    ids = [[0] * n for n in (0, 5, 6, 7, 9, 10, 11)]
+    expected = [0.0, 0.0, 0.0, -0.25, -0.75, -1.0, -1.0]
+    assert rewards.soft_overlong_punishment(completion_ids=ids, max_completion_len=10, soft_punish_cache=4) == expected
+    trl_style = rewards.get_soft_overlong_punishment(max_completion_len=10, soft_punish_cache=4)
+    assert trl_style(completion_ids=ids, prompts=None, completions=None) == expected
+    with pytest.raises(ValueError, match="soft_punish_cache=0"):
+        rewards.get_soft_overlong_punishment(10, 0)
+
+
+def test_score_steps_merges_weighted_steps_into_padded_arrays():
+    def steps_a(prompts, completions, **kw):
+        return [[(0, 1.0), (2, 0.5)], None, [(1, None)]]
+
+    def steps_b(prompts, completions, **kw):
+        return [[(1, 2.0)], [(0, 1.0)], None]
+
+    out, step_rewards, indices = rewards.score_steps([("a", steps_a), ("b", steps_b)], [1.0, 0.5], ["p"] * 3,
+                                                    ["x", "y", "z"], {}, [3, 1, 2])
+    np.testing.assert_array_equal(out, [[1.5, 2.0], [np.nan, 1.0], [np.nan, np.nan]])
+    np.testing.assert_array_equal(indices, [[0, 2, 1], [0, -1, -1], [-1, -1, -1]])
+    np.testing.assert_array_equal(step_rewards, [[1.0, 0.5, 1.0], [0.5, np.nan, np.nan], [np.nan] * 3])
+
+
+@pytest.mark.parametrize("ret, match", [
+    ([[(3, 1.0)]], r"step index 3 at index 0: it must be an int in \[0, 3\)"),
+    ([[1.0]], "each step is an \\(end_token_index, reward\\) pair"),
+    ([0.5], "process supervision needs a list of"),
+])
+def test_score_steps_rejects_malformed_steps(ret, match):
+    with pytest.raises(ValueError, match=match):
+        rewards.score_steps([("bad", lambda **kw: ret)], [1.0], ["p"], ["c"], {}, [3])

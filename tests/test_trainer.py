@@ -82,13 +82,13 @@ def test_bad_reward_functions_stop_with_their_name(tmp_path, path, match):
 def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
     config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "eval.num_examples=0",
                                 "train.max_nonfinite_steps=2"])
-    real = trainer._advantages_jit
+    real = trainer.rounds.compute_advantages
 
     def nan_advantages(*args, **kwargs):
         advantages, r, std = real(*args, **kwargs)
         return advantages * np.nan, r, std
 
-    monkeypatch.setattr(trainer, "_advantages_jit", nan_advantages)
+    monkeypatch.setattr(trainer.rounds, "compute_advantages", nan_advantages)
     with pytest.raises(RuntimeError, match="3 optimizer steps had a non-finite loss .*train.max_nonfinite_steps=2"):
         trainer.train(config, show_progress=False)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -135,3 +135,98 @@ def test_seeded_runs_are_reproducible(tmp_path):
         trainer.run_round(run, writer, 1)
         params.append(jax.device_get(run.state.params))
     jax.tree.map(np.testing.assert_array_equal, *params)
+
+
+def half_constant_reward(prompts, completions, **kwargs):
+    """Constant for prompts starting with an even digit (zero-std groups), alternating 0/1 otherwise."""
+    return [1.0 if int(p[0]) % 2 == 0 else float(i % 2) for i, p in enumerate(prompts)]
+
+
+def constant_reward(prompts, completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+def step_reward(prompts, completions, completion_ids, **kwargs):
+    """Process supervision: one step ending at the last token, rewarded 1 for odd rows and 0 for even ones."""
+    return [[(len(ids) - 1, float(i % 2))] if ids else None for i, ids in enumerate(completion_ids)]
+
+
+def _one_round(tmp_path, overrides, loss_fn=None):
+    """Builds a quick run, spies on the reward calls and the step batches, and runs one round."""
+    config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "max_steps=1", "eval.num_examples=0", *overrides])
+    run = trainer.build(config, loss_fn=loss_fn)
+    calls, batches = [], []
+    run.reward_fns = [(name, lambda fn=fn, **kw: calls.append(kw["completion_ids"]) or fn(**kw))
+                      for name, fn in run.reward_fns]
+    step_fn = run.step_fn
+    run.step_fn = lambda state, batch: batches.append(batch) or step_fn(state, batch)
+    writer = trainer.MetricsWriter(tmp_path, max_steps=1, show_progress=False)
+    trainer.run_round(run, writer, 0)
+    return run, calls, batches, writer.history[0]
+
+
+def test_dynamic_sampling_trains_only_on_mixed_groups(tmp_path):
+    run, calls, batches, line = _one_round(tmp_path, ["train.dynamic_sampling=true",
+                                                      "reward.functions=[tests.test_trainer:half_constant_reward]"])
+    assert line["dynamic_sampling/num_gen_batches"] == len(calls) >= 1
+    assert batches[0].sampler_per_token_logps is None  # train.use_sampler_logps is off by default
+    assert line["dynamic_sampling/num_filled_groups"] == 0 and line["frac_reward_zero_std"] == 0.0
+    advantages = np.asarray(batches[0].advantages).reshape(-1, 4)
+    assert (np.abs(advantages) > 0.5).all()  # every trained group is 0/1 alternating: |A| = 1/std ≈ 0.87
+
+
+def test_dynamic_sampling_fills_zero_std_groups_at_the_cap(tmp_path):
+    _, calls, batches, line = _one_round(tmp_path, ["train.dynamic_sampling=true", "train.max_num_gen_batches=3",
+                                                    "reward.functions=[tests.test_trainer:constant_reward]"])
+    assert len(calls) == line["dynamic_sampling/num_gen_batches"] == 3
+    assert line["dynamic_sampling/num_filled_groups"] == 4 and line["frac_reward_zero_std"] == 1.0
+    assert line["dynamic_sampling/frac_zero_std_drawn"] == 1.0
+    np.testing.assert_array_equal(batches[0].advantages, 0.0)
+
+
+def test_mask_truncated_and_soft_overlong_punishment_in_the_loop(tmp_path):
+    """Truncated rows train with mask 0; the built-in length penalty matches eq. 13 on the sampled lengths."""
+    _, calls, batches, line = _one_round(tmp_path, [
+        "train.mask_truncated_completions=true", "train.use_sampler_logps=true", "sampling.max_completion_length=4",
+        "reward.soft_punish_cache=2",
+        "reward.functions=[grpo_jax.task:char_accuracy,grpo_jax.rewards:soft_overlong_punishment]"])
+    lengths = np.array([len(ids) for ids in calls[0]])
+    assert (lengths == 4).any() and (lengths < 4).any()  # some rows are truncated, some ended with EOS
+    expected = np.where(lengths <= 2, 0.0, (2 - lengths) / 2)
+    assert line["rewards/soft_overlong_punishment/mean"] == pytest.approx(expected.mean(), abs=1e-6)
+    mask = np.asarray(batches[0].completion_mask)
+    ended_with_eos = lengths < 4  # every completion of length 4 hit max_completion_length
+    assert mask.sum() == lengths[ended_with_eos].sum()
+    sampler = np.asarray(batches[0].sampler_per_token_logps)  # handed to the loss, zero wherever the mask is
+    assert (sampler[mask == 0] == 0).all() and (sampler[mask == 1] < 0).all()
+    # the step's rows are a permutation of the round's: compare the multisets of row lengths
+    assert sorted(mask.sum(axis=1).tolist()) == sorted(np.where(ended_with_eos, lengths, 0).tolist())
+
+
+def test_process_supervision_gives_per_token_advantages(tmp_path):
+    _, _, batches, line = _one_round(tmp_path, ["train.advantage_estimator=process", "loss.beta=0",
+                                                "reward.functions=[tests.test_trainer:step_reward]"])
+    advantages, mask = np.asarray(batches[0].advantages), np.asarray(batches[0].completion_mask)
+    assert advantages.shape == mask.shape
+    np.testing.assert_array_equal(advantages[mask == 0], 0.0)
+    assert np.isfinite(line["loss"]) and line["reward"] == pytest.approx(0.5)
+
+
+def test_iterative_grpo_resets_the_reference_every_step(tmp_path):
+    run, _, _, _ = _one_round(tmp_path, ["train.sync_ref_model=true", "train.ref_model_mixup_alpha=1.0",
+                                         "train.ref_model_sync_steps=1"])
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(run.state.ref_params),
+                 jax.device_get(run.state.params))
+
+
+def test_train_accepts_a_custom_loss(tmp_path):
+    from grpo_jax.losses import compute_loss
+    traced = []
+
+    def my_loss(*args, **kwargs):
+        traced.append(1)
+        loss, aux = compute_loss(*args, **kwargs)
+        return loss, {"kl": aux.kl, "my/ratio": aux.clip_ratio_region}
+
+    _, _, _, line = _one_round(tmp_path, [], loss_fn=my_loss)
+    assert traced and "my/ratio" in line and "clip_ratio/low_mean" not in line
