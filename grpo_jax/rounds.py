@@ -47,13 +47,6 @@ def mask_truncated(completion_mask_NxT: np.ndarray, is_truncated_N: np.ndarray) 
     return completion_mask_NxT * (~np.asarray(is_truncated_N, bool))[:, None].astype(completion_mask_NxT.dtype)
 
 
-def weighted_sum(rewards_NxF: np.ndarray, weights_F: np.ndarray) -> np.ndarray:
-    """r = nansum(R·w, axis=1) [N], NaN where every function gave None (ALGORITHMS.md §2)."""
-    weighted_NxF = np.asarray(rewards_NxF, np.float64) * np.asarray(weights_F, np.float64)[None, :]
-    scored_N = ~np.all(np.isnan(weighted_NxF), axis=1)
-    return np.where(scored_N, np.nansum(np.where(np.isnan(weighted_NxF), 0.0, weighted_NxF), axis=1), np.nan)
-
-
 def zero_std_groups(draw: Draw, weights_F: np.ndarray, num_generations: int) -> np.ndarray:
     """[P] bool: groups whose rewards are all equal (or fewer than 2 of them are scored).
 
@@ -63,7 +56,8 @@ def zero_std_groups(draw: Draw, weights_F: np.ndarray, num_generations: int) -> 
     if draw.step_rewards is not None:
         values_PxK = np.asarray(draw.step_rewards, np.float64).reshape(-1, num_generations * draw.step_rewards.shape[1])
     else:
-        values_PxK = weighted_sum(draw.rewards, weights_F).reshape(-1, num_generations)
+        r_N = np.asarray(advantages.weighted_reward_sum(draw.rewards, weights_F))
+        values_PxK = r_N.reshape(-1, num_generations)
     valid_PxK = ~np.isnan(values_PxK)
     high_P = np.max(np.where(valid_PxK, values_PxK, -np.inf), axis=1)
     low_P = np.min(np.where(valid_PxK, values_PxK, np.inf), axis=1)
