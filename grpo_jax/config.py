@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from grpo_jax.losses import LossConfig
-from grpo_jax.model import ModelConfig
+from grpo_jax.models import ModelConfig
 from grpo_jax.reference import RefSyncConfig
 from grpo_jax.rewards import SOFT_OVERLONG, resolve_reward_fn
 from grpo_jax.sampling import SamplingConfig

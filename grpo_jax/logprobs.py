@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.model import forward, positions_from_mask, unembed
+from grpo_jax.models import forward, positions_from_mask, unembed
 
 
 def token_logps_from_logits(logits_BxTxV, token_ids_BxT, *, temperature: float, with_entropy: bool = False):

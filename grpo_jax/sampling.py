@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.model import forward, init_cache, model_config, positions_from_mask, unembed
+from grpo_jax.models import forward, init_cache, model_config, positions_from_mask, unembed
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from grpo_jax import reference, sharding
-from grpo_jax.model import ModelConfig, Transformer, init_model
+from grpo_jax.models import ModelConfig, Transformer, init_model
 
 
 class TrainState(NamedTuple):

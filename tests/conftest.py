@@ -6,7 +6,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
 
-from grpo_jax.model import ModelConfig, init_model  # noqa: E402
+from grpo_jax.models import ModelConfig, init_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from grpo_jax.logprobs import completion_logps
-from grpo_jax.model import forward, positions_from_mask, unembed
+from grpo_jax.models import forward, positions_from_mask, unembed
 from grpo_jax.sampling import SamplingConfig, filter_logits, generate_jit
 
 PROMPT_IDS = np.array([[0, 0, 0, 5, 7, 9], [0, 3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8], [0, 0, 0, 0, 0, 6]], np.int32)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from grpo_jax.model import ModelConfig, forward, init_cache, init_model, positions_from_mask, unembed
+from grpo_jax.models import ModelConfig, forward, init_cache, init_model, positions_from_mask, unembed
 
 # rows of different real lengths, left-padded with token 0
 PROMPT_IDS = np.array([[0, 0, 0, 5, 7, 9], [0, 3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8]], np.int32)
