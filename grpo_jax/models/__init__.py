@@ -1,4 +1,5 @@
-"""Models: the decoder architecture (`transformer`) used as pure functions over a params pytree."""
+"""Models: the decoder architecture (`transformer`) used as pure functions over a params pytree, and
+Hugging Face checkpoints in and out (`pretrained`, `hf_config`, `safetensors_io`)."""
 
 from grpo_jax.models.transformer import (
     KVCache,
@@ -11,6 +12,15 @@ from grpo_jax.models.transformer import (
     positions_from_mask,
     unembed,
 )
+from grpo_jax.models.hf_config import resolve_config  # noqa: E402
+from grpo_jax.models.pretrained import (  # noqa: E402
+    Model,
+    abstract_model,
+    eos_token_ids,
+    from_pretrained,
+    save_pretrained,
+)
 
 __all__ = ["KVCache", "ModelConfig", "Transformer", "forward", "init_cache", "init_model", "model_config",
-           "positions_from_mask", "unembed"]
+           "positions_from_mask", "unembed", "Model", "abstract_model", "eos_token_ids", "from_pretrained",
+           "resolve_config", "save_pretrained"]

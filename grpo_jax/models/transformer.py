@@ -1,30 +1,42 @@
-"""Decoder-only transformer of the Qwen2/Llama family in Flax NNX, used as pure functions.
+"""Decoder-only transformer of the Qwen2/Qwen3/Llama/Mistral families in Flax NNX, used as pure functions.
 
 Dimension letters: B rows, T query tokens, S key slots (cache length), D hidden, H query heads,
-K key/value heads, G = H // K query heads per key/value head, Dh head dim, V vocab, L layers.
+K key/value heads, G = H // K query heads per key/value head, Dh head dim, F MLP width, V vocab, L layers.
 
-The module tree mirrors Hugging Face ``Qwen2ForCausalLM`` names (``embed_tokens``,
-``layers[i].self_attn.q_proj``, ``mlp.gate_proj``, ``input_layernorm``, ``norm``, ``lm_head``) so a
-safetensors checkpoint maps onto it by renaming ``model.`` away and transposing ``weight`` -> ``kernel``.
-``init_model`` splits the module once into ``(graphdef, params)``; ``forward`` / ``unembed`` merge them
-inside, so callers jit over the params pytree only.
+The module tree mirrors Hugging Face names (``embed_tokens``, ``layers.self_attn.q_proj``, ``mlp.gate_proj``,
+``input_layernorm``, ``norm``, ``lm_head``) with every decoder layer STACKED on a leading L axis
+(``layers.self_attn.q_proj.kernel`` is [L, D, H*Dh]) and run by one ``jax.lax.scan``, so compile time does
+not grow with depth. Kernels are [in, out], the Hugging Face ``weight`` transposed. ``init_model`` splits the
+module once into ``(graphdef, params)``; ``forward`` / ``unembed`` merge them inside, so callers jit over the
+params pytree only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+MODEL_TYPES = ("qwen2", "llama", "qwen3", "mistral")
+ROPE_TYPES = ("default", "linear", "llama3")
+REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture hyper-parameters; names follow Hugging Face ``config.json`` (Qwen2/Llama)."""
+    """Architecture hyper-parameters; names follow Hugging Face ``config.json`` where it has one."""
 
     vocab_size: int | None = None  # None: the tokenizer's size (the trainer fills it in)
     hidden_size: int = 64
@@ -36,38 +48,72 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v bias (Qwen2)
     max_position_embeddings: int = 2048
-    dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype
     initializer_range: float = 0.02
+    model_type: str = "qwen2"
+    attention_out_bias: bool = False  # o_proj bias (Llama's attention_bias sets both)
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm of q and k over the head dim before RoPE
+    sliding_window: int | None = None  # a key is visible when query_slot - key_slot < sliding_window
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int | None = None
+    param_dtype: str = "float32"  # storage dtype
+    remat: str = "none"
+    path: str | None = None  # a local Hugging Face model folder; its config.json gives the architecture
 
     def __post_init__(self):
         names = ("vocab_size",) if self.vocab_size is not None else ()
         for name in (*names, "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"model.{name}={value!r} must be a positive integer")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"model.num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"model.num_key_value_heads={self.num_key_value_heads}: choose a divisor for the kv heads")
-        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"model.hidden_size={self.hidden_size} is not a multiple of model.num_attention_heads="
-                f"{self.num_attention_heads}: set model.head_dim explicitly or change the head count")
-        if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim < 1):
-            raise ValueError(f"model.head_dim={self.head_dim!r} must be a positive integer or None")
-        if self.resolved_head_dim % 2:
-            raise ValueError(f"model.head_dim={self.resolved_head_dim} must be even for rotary embeddings")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"model.dtype={self.dtype!r} is not supported: use one of {sorted(_DTYPES)}")
-        if self.rope_theta <= 0:
-            raise ValueError(f"model.rope_theta={self.rope_theta} must be > 0")
-        if self.rms_norm_eps <= 0:
-            raise ValueError(f"model.rms_norm_eps={self.rms_norm_eps} must be > 0")
-        if self.initializer_range <= 0:
-            raise ValueError(f"model.initializer_range={self.initializer_range} must be > 0")
+            _check(isinstance(value, int) and value >= 1, f"model.{name}={value!r} must be a positive integer")
+        _check(self.num_attention_heads % self.num_key_value_heads == 0,
+               f"model.num_attention_heads={self.num_attention_heads} is not a multiple of "
+               f"model.num_key_value_heads={self.num_key_value_heads}: choose a divisor for the kv heads")
+        _check(self.head_dim is not None or self.hidden_size % self.num_attention_heads == 0,
+               f"model.hidden_size={self.hidden_size} is not a multiple of model.num_attention_heads="
+               f"{self.num_attention_heads}: set model.head_dim explicitly or change the head count")
+        _check(self.head_dim is None or (isinstance(self.head_dim, int) and self.head_dim >= 1),
+               f"model.head_dim={self.head_dim!r} must be a positive integer or None")
+        _check(self.resolved_head_dim % 2 == 0,
+               f"model.head_dim={self.resolved_head_dim} must be even for rotary embeddings")
+        for name in ("dtype", "param_dtype"):
+            _check(getattr(self, name) in _DTYPES,
+                   f"model.{name}={getattr(self, name)!r} is not supported: use one of {sorted(_DTYPES)}")
+        _check(self.rope_theta > 0, f"model.rope_theta={self.rope_theta} must be > 0")
+        _check(self.rms_norm_eps > 0, f"model.rms_norm_eps={self.rms_norm_eps} must be > 0")
+        _check(self.initializer_range > 0, f"model.initializer_range={self.initializer_range} must be > 0")
+        _check(self.model_type in MODEL_TYPES,
+               f"model.model_type={self.model_type!r} is not supported: use one of {', '.join(MODEL_TYPES)}")
+        _check(self.remat in REMAT_POLICIES,
+               f"model.remat={self.remat!r} is not supported: use one of {', '.join(REMAT_POLICIES)}")
+        _check(self.sliding_window is None or (isinstance(self.sliding_window, int) and self.sliding_window >= 1),
+               f"model.sliding_window={self.sliding_window!r} must be a positive integer, or null for full "
+               "attention")
+        self._check_rope()
+
+    def _check_rope(self):
+        _check(self.rope_type in ROPE_TYPES,
+               f"model.rope_type={self.rope_type!r} is not supported: use one of {', '.join(ROPE_TYPES)}")
+        if self.rope_type == "default":
+            _check(self.rope_factor == 1.0, f"model.rope_factor={self.rope_factor} has no effect with "
+                   "model.rope_type='default': set rope_type to linear or llama3, or the factor to 1.0")
+            return
+        _check(self.rope_factor >= 1.0, f"model.rope_factor={self.rope_factor} must be >= 1 for "
+               f"model.rope_type={self.rope_type!r}")
+        if self.rope_type == "llama3":
+            original = self.rope_original_max_position_embeddings
+            _check(isinstance(original, int) and original >= 1,
+                   f"model.rope_original_max_position_embeddings={original!r} must be a positive integer with "
+                   "model.rope_type='llama3' (8192 for Llama 3.1)")
+            _check(0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
+                   f"model.rope_low_freq_factor={self.rope_low_freq_factor}, model.rope_high_freq_factor="
+                   f"{self.rope_high_freq_factor}: need 0 < low_freq_factor < high_freq_factor (Llama 3.1: 1, 4)")
 
     @property
     def resolved_head_dim(self) -> int:
@@ -76,12 +122,17 @@ class ModelConfig:
 
     @property
     def jnp_dtype(self):
-        """The parameter and compute dtype as a jnp dtype."""
+        """The compute dtype (activations, KV cache, logits) as a jnp dtype."""
         return _DTYPES[self.dtype]
+
+    @property
+    def param_jnp_dtype(self):
+        """The parameter storage dtype as a jnp dtype."""
+        return _DTYPES[self.param_dtype]
 
 
 class KVCache(NamedTuple):
-    """Per-layer key/value buffers: k, v of shape [L, B, S, K, Dh] in the model dtype."""
+    """Per-layer key/value buffers: k, v of shape [L, B, S, K, Dh] in the compute dtype."""
 
     k: jax.Array
     v: jax.Array
@@ -90,20 +141,40 @@ class KVCache(NamedTuple):
 class RMSNorm(nnx.Module):
     """y = weight * x / sqrt(mean(x^2) + eps), statistics in float32 (as HF Qwen2RMSNorm)."""
 
-    def __init__(self, dim: int, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.eps = eps
+    def __init__(self, dim: int, config: ModelConfig):
+        self.weight = nnx.Param(jnp.ones((dim,), config.param_jnp_dtype))
+        self.eps = config.rms_norm_eps
+        self.dtype = config.jnp_dtype
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * x32.astype(x.dtype)
+        return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
 
 
-def rope_cos_sin(positions_BxT, head_dim: int, theta: float):
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [Dh/2] float32, as transformers' ``ROPE_INIT_FUNCTIONS[rope_type]``."""
+    dim = config.resolved_head_dim
+    inv_freq = (1.0 / (config.rope_theta ** (np.arange(0, dim, 2).astype(np.float32) / dim))).astype(np.float32)
+    factor = np.float32(config.rope_factor)
+    if config.rope_type == "linear":
+        return inv_freq / factor
+    if config.rope_type == "llama3":  # transformers' _compute_llama3_parameters, op for op
+        low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+        old_context_len = config.rope_original_max_position_embeddings
+        low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+        wavelen = (2 * math.pi / inv_freq).astype(np.float32)
+        inv_freq_llama = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = ((old_context_len / wavelen - low) / (high - low)).astype(np.float32)
+        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+        medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return np.where(medium, smoothed, inv_freq_llama).astype(np.float32)
+    return inv_freq
+
+
+def rope_cos_sin(positions_BxT, inv_freq_F):
     """Rotary tables cos, sin [B, T, Dh] in float32 (HF layout: frequencies repeated twice)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    freqs_BxTxF = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
+    freqs_BxTxF = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_F, jnp.float32)
     emb_BxTxDh = jnp.concatenate([freqs_BxTxF, freqs_BxTxF], axis=-1)
     return jnp.cos(emb_BxTxDh), jnp.sin(emb_BxTxDh)
 
@@ -117,14 +188,25 @@ def apply_rope(x_BxTxHxDh, cos_BxTxDh, sin_BxTxDh):
     return out.astype(x_BxTxHxDh.dtype)
 
 
+def attention_mask(attention_mask_BxS, query_slot_T, sliding_window: int | None):
+    """Boolean [B, T, S]: key slot s is visible from query slot q when s <= q, its mask is 1 and, with a
+    sliding window W, q - s < W (transformers' ``sliding_window_overlay``)."""
+    key_slot_S = jnp.arange(attention_mask_BxS.shape[1])
+    delta_TxS = query_slot_T[:, None] - key_slot_S[None, :]
+    visible_TxS = delta_TxS >= 0
+    if sliding_window is not None:
+        visible_TxS &= delta_TxS < sliding_window
+    return visible_TxS[None] & (attention_mask_BxS[:, None, :] > 0)
+
+
 def _linear(din, dout, bias, config, rngs):
     init = nnx.initializers.normal(config.initializer_range)
-    return nnx.Linear(din, dout, use_bias=bias, dtype=config.jnp_dtype, param_dtype=config.jnp_dtype,
+    return nnx.Linear(din, dout, use_bias=bias, dtype=config.jnp_dtype, param_dtype=config.param_jnp_dtype,
                       kernel_init=init, rngs=rngs)
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention with RoPE, optional q/k/v bias and a KV cache."""
+    """Grouped-query self-attention with RoPE, optional q/k/v/o biases, q/k norms and a KV cache."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         D, H, K, Dh = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
@@ -133,24 +215,33 @@ class Attention(nnx.Module):
         self.q_proj = _linear(D, H * Dh, config.attention_bias, config, rngs)
         self.k_proj = _linear(D, K * Dh, config.attention_bias, config, rngs)
         self.v_proj = _linear(D, K * Dh, config.attention_bias, config, rngs)
-        self.o_proj = _linear(H * Dh, D, False, config, rngs)
+        self.o_proj = _linear(H * Dh, D, config.attention_out_bias, config, rngs)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(Dh, config)
+            self.k_norm = RMSNorm(Dh, config)
+        self.qk_norm = config.qk_norm
 
-    def __call__(self, x_BxTxD, cos, sin, mask_BxTxS, cache_kv, layer: int, cache_index):
+    def __call__(self, x_BxTxD, cos, sin, mask_BxTxS, cache_kv, layer, cache_index):
         """Attend from T new tokens; with ``cache_kv`` (k, v [L,B,S,K,Dh]) write them at ``cache_index``."""
         B, T, _ = x_BxTxD.shape
         H, K, Dh = self.num_heads, self.num_kv_heads, self.head_dim
-        q_BxTxHxDh = apply_rope(self.q_proj(x_BxTxD).reshape(B, T, H, Dh), cos, sin)
-        k_BxTxKxDh = apply_rope(self.k_proj(x_BxTxD).reshape(B, T, K, Dh), cos, sin)
+        q_BxTxHxDh = self.q_proj(x_BxTxD).reshape(B, T, H, Dh)
+        k_BxTxKxDh = self.k_proj(x_BxTxD).reshape(B, T, K, Dh)
         v_BxTxKxDh = self.v_proj(x_BxTxD).reshape(B, T, K, Dh)
+        if self.qk_norm:
+            q_BxTxHxDh, k_BxTxKxDh = self.q_norm(q_BxTxHxDh), self.k_norm(k_BxTxKxDh)
+        q_BxTxHxDh = apply_rope(q_BxTxHxDh, cos, sin)
+        k_BxTxKxDh = apply_rope(k_BxTxKxDh, cos, sin)
         if cache_kv is None:
             k_BxSxKxDh, v_BxSxKxDh = k_BxTxKxDh, v_BxTxKxDh
         else:
-            # one in-place update of the whole [L, ...] buffer keeps the while-loop carry alias-free
+            # one in-place update of the whole [L, ...] carry: no copy of the cache per layer or decode step
             start = (layer, 0, cache_index, 0, 0)
-            cache_k = jax.lax.dynamic_update_slice(cache_kv[0], k_BxTxKxDh[None].astype(cache_kv[0].dtype), start)
-            cache_v = jax.lax.dynamic_update_slice(cache_kv[1], v_BxTxKxDh[None].astype(cache_kv[1].dtype), start)
+            cache_k, cache_v = (jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), start)
+                                for c, new in zip(cache_kv, (k_BxTxKxDh, v_BxTxKxDh)))
             cache_kv = (cache_k, cache_v)
-            k_BxSxKxDh, v_BxSxKxDh = cache_k[layer], cache_v[layer]
+            k_BxSxKxDh = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)
+            v_BxSxKxDh = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
         q_BxTxKxGxDh = q_BxTxHxDh.reshape(B, T, K, H // K, Dh)
         scores = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxDh, k_BxSxKxDh,
                             preferred_element_type=jnp.float32) * (Dh ** -0.5)
@@ -166,9 +257,9 @@ class MLP(nnx.Module):
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         D, F = config.hidden_size, config.intermediate_size
-        self.gate_proj = _linear(D, F, False, config, rngs)
-        self.up_proj = _linear(D, F, False, config, rngs)
-        self.down_proj = _linear(F, D, False, config, rngs)
+        self.gate_proj = _linear(D, F, config.mlp_bias, config, rngs)
+        self.up_proj = _linear(D, F, config.mlp_bias, config, rngs)
+        self.down_proj = _linear(F, D, config.mlp_bias, config, rngs)
 
     def __call__(self, x):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -178,11 +269,10 @@ class DecoderLayer(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        dtype = config.jnp_dtype
         self.self_attn = Attention(config, rngs)
         self.mlp = MLP(config, rngs)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config)
 
     def __call__(self, x, cos, sin, mask, cache_kv, layer, cache_index):
         attn, cache_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_kv, layer, cache_index)
@@ -191,46 +281,61 @@ class DecoderLayer(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Token embedding, ``num_hidden_layers`` decoder layers, final RMSNorm and an (optionally tied) head."""
+    """Token embedding, ``num_hidden_layers`` stacked decoder layers, final RMSNorm and an (optionally tied)
+    head."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        if config.vocab_size is None:
-            raise ValueError("model.vocab_size is None: set it, or train through grpo_jax.trainer, which takes "
-                             "it from the tokenizer")
+        _check(config.vocab_size is not None, "model.vocab_size is None: set it, or train through "
+               "grpo_jax.trainer, which takes it from the tokenizer")
         self.config = config
-        dtype = config.jnp_dtype
-        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
+        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=config.jnp_dtype,
+                                      param_dtype=config.param_jnp_dtype,
                                       embedding_init=nnx.initializers.normal(config.initializer_range),
                                       rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+        @nnx.split_rngs(splits=config.num_hidden_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def stacked_layers(rngs):
+            return DecoderLayer(config, rngs)
+
+        self.layers = stacked_layers(rngs)
+        self.norm = RMSNorm(config.hidden_size, config)
         if not config.tie_word_embeddings:
             self.lm_head = _linear(config.hidden_size, config.vocab_size, False, config, rngs)
 
     def __call__(self, input_ids_BxT, positions_BxT, attention_mask_BxS, cache=None, cache_index=0):
         """Final-normed hidden states [B, T, D] and the updated cache (see module ``forward``)."""
+        config = self.config
         T = input_ids_BxT.shape[1]
         S = attention_mask_BxS.shape[1]
         cache_index = jnp.asarray(cache_index, jnp.int32)
         if cache is None:
-            if S != T:
-                raise ValueError(f"without a cache attention_mask must cover the T={T} inputs, got S={S}")
+            _check(S == T, f"without a cache attention_mask must cover the T={T} inputs, got S={S}")
             query_slot_T = jnp.arange(T)
             cache_kv = None
         else:
             query_slot_T = cache_index + jnp.arange(T)
             cache_kv = (cache.k, cache.v)
-        causal_TxS = jnp.arange(S)[None, :] <= query_slot_T[:, None]
-        mask_BxTxS = causal_TxS[None] & (attention_mask_BxS[:, None, :] > 0)
-        cos, sin = rope_cos_sin(positions_BxT, self.config.resolved_head_dim, self.config.rope_theta)
+        mask_BxTxS = attention_mask(attention_mask_BxS, query_slot_T, config.sliding_window)
+        cos, sin = rope_cos_sin(positions_BxT, rope_inv_freq(config))
+        layer_graphdef, layer_params = nnx.split(self.layers)
+
+        def layer_step(carry, xs):
+            x, cache_kv = carry
+            params, index = xs
+            layer = nnx.merge(layer_graphdef, params)
+            return layer(x, cos, sin, mask_BxTxS, cache_kv, index, cache_index), None
+
+        if REMAT_POLICIES[config.remat] is not None:
+            layer_step = jax.checkpoint(layer_step, policy=REMAT_POLICIES[config.remat], prevent_cse=False)
         x = self.embed_tokens(input_ids_BxT)
-        for i, layer in enumerate(self.layers):
-            x, cache_kv = layer(x, cos, sin, mask_BxTxS, cache_kv, i, cache_index)
+        layer_index_L = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
+        (x, cache_kv), _ = jax.lax.scan(layer_step, (x, cache_kv), (layer_params, layer_index_L))
         new_cache = None if cache is None else KVCache(*cache_kv)
         return self.norm(x), new_cache
 
     def unembed(self, hidden_BxTxD):
-        """Logits [B, T, V] in the model dtype."""
+        """Logits [B, T, V] in the compute dtype."""
         if self.config.tie_word_embeddings:
             return self.embed_tokens.attend(hidden_BxTxD)
         return self.lm_head(hidden_BxTxD)
@@ -243,7 +348,7 @@ def init_model(config: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_length: int) -> KVCache:
-    """Zero KV cache of shape [L, B, max_length, K, Dh] in the model dtype."""
+    """Zero KV cache of shape [L, B, max_length, K, Dh] in the compute dtype."""
     shape = (config.num_hidden_layers, batch_size, max_length, config.num_key_value_heads,
              config.resolved_head_dim)
     return KVCache(jnp.zeros(shape, config.jnp_dtype), jnp.zeros(shape, config.jnp_dtype))
@@ -258,17 +363,18 @@ def forward(graphdef, params, input_ids_BxT, positions_BxT, attention_mask_BxS, 
             cache_index: jax.Array | int = 0):
     """Pure forward pass: (hidden [B, T, D], updated cache or None).
 
-    Without a cache S == T and a token attends to earlier tokens whose ``attention_mask`` is 1. With a cache
-    the T new keys/values go to slots [cache_index, cache_index + T) for every row and a token at slot s
-    attends to slots <= s masked by ``attention_mask_BxS`` over all S slots. ``positions_BxT`` drive RoPE
-    (left padding: ``cumsum(mask) - 1`` clipped at 0).
+    Without a cache S == T and a token attends to earlier tokens whose ``attention_mask`` is 1 (and, with
+    ``sliding_window`` W, to the last W slots only). With a cache the T new keys/values go to slots
+    [cache_index, cache_index + T) for every row and a token at slot s attends to slots <= s masked by
+    ``attention_mask_BxS`` over all S slots. ``positions_BxT`` drive RoPE (left padding: ``cumsum(mask) - 1``
+    clipped at 0).
     """
     model = nnx.merge(graphdef, params)
     return model(input_ids_BxT, positions_BxT, attention_mask_BxS, cache, cache_index)
 
 
 def unembed(graphdef, params, hidden_BxTxD):
-    """Logits [B, T, V] = lm_head(hidden) (or hidden @ embed_tokens^T when tied), in the model dtype."""
+    """Logits [B, T, V] = lm_head(hidden) (or hidden @ embed_tokens^T when tied), in the compute dtype."""
     return nnx.merge(graphdef, params).unembed(hidden_BxTxD)
 
 

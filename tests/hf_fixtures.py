@@ -1,0 +1,69 @@
+"""Tiny random Hugging Face model folders (llama, mistral, qwen2, qwen3), built and saved by transformers.
+
+Every folder is a real ``save_pretrained`` output (config.json, model.safetensors, generation_config.json), so
+the loader is tested on what users bring. Biases and norm weights are randomised too (transformers initialises
+them to 0 and 1, which would hide a missing or misplaced tensor).
+"""
+
+from __future__ import annotations
+
+import os
+
+VOCAB = 128
+PAD_ID, EOS_ID = 0, 1
+
+# per family: (the feature under test, config kwargs); "untied" variants add the options each family allows
+FAMILIES = {
+    "llama": dict(model_type="llama", rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "qwen2": dict(model_type="qwen2"),
+    "qwen3": dict(model_type="qwen3", head_dim=32),
+    "mistral": dict(model_type="mistral", sliding_window=4),
+}
+UNTIED_EXTRA = {
+    "llama": dict(attention_bias=True, mlp_bias=True),
+    "qwen2": dict(),
+    "qwen3": dict(attention_bias=True, rope_parameters={"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0}),
+    "mistral": dict(head_dim=8),
+}
+
+
+def hf_config(family: str, tied: bool, **overrides):
+    """The transformers config of one tiny test model (hidden 64, 2 layers, 4 heads, 2 kv heads, vocab 128)."""
+    import transformers
+
+    kwargs = dict(FAMILIES[family])
+    model_type = kwargs.pop("model_type")
+    if not tied:
+        kwargs.update(UNTIED_EXTRA[family])
+    kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6,
+                  tie_word_embeddings=tied, initializer_range=0.1, bos_token_id=2, eos_token_id=EOS_ID,
+                  pad_token_id=PAD_ID, **kwargs)
+    kwargs.update(overrides)
+    return transformers.AutoConfig.for_model(model_type, **kwargs)
+
+
+def build_model(family: str, tied: bool, seed: int = 0, **overrides):
+    """A float32 transformers CausalLM with random weights, biases and norm scales (eval mode)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(family, tied, **overrides),
+                                                          dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+def save_model(model, folder, **kwargs) -> str:
+    """``model.save_pretrained(folder)``; returns the folder as a string."""
+    folder = os.fspath(folder)
+    model.save_pretrained(folder, **kwargs)
+    return folder
