@@ -30,7 +30,8 @@ def completion_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completi
     logps[b, t] = log softmax(logits[b, P - 1 + t] / temperature)[completion_ids[b, t]] over the full
     vocabulary, on input prompt ++ completion with mask prompt_mask ++ completion_mask and positions
     cumsum(mask) - 1. ``chunk_size > 0`` unembeds ``chunk_size`` rows at a time with ``lax.map`` so the
-    float32 [B, T, V] logits never exist at once. Masked positions hold finite junk; callers mask.
+    float32 [B, T, V] logits never exist at once, in the forward or (chunks rematerialised) the backward pass.
+    Masked positions hold finite junk; callers mask.
     """
     P = prompt_ids_BxP.shape[1]
     T = completion_ids_BxT.shape[1]
@@ -47,6 +48,8 @@ def completion_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completi
     if chunk_size <= 0:
         return rows(hidden_BxTxD, completion_ids_BxT)
 
+    # checkpointed: the backward pass recomputes each chunk's logits instead of keeping all of them
+    @jax.checkpoint
     def one_row(args):
         hidden_TxD, ids_T = args
         logps_1xT, entropy_1xT = rows(hidden_TxD[None], ids_T[None])

@@ -1,8 +1,17 @@
-"""Device mesh and shardings: rows of every batch split over (data, fsdp); parameters replicated for now."""
+"""Device mesh, partition rules and NamedShardings for params, optimizer state, batches and the KV cache.
+
+Mesh axes: `data` (pure data parallel: rows split, params replicated), `fsdp` (rows split AND every weight
+matrix split along its hidden dimension D), `tensor` (Megatron-style: attention heads / MLP columns / vocab split).
+Rules match a parameter's path (keys joined by ".", layer indices included or not) and give the spec of its
+LAST dims; leading dims (the stacked layer axis L) are None. A dim that its mesh axis does not divide stays
+unsplit on that axis (one warning lists them).
+"""
 
 from __future__ import annotations
 
 import math
+import re
+import warnings
 
 import jax
 import numpy as np
@@ -10,12 +19,26 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 AXES = ("data", "fsdp", "tensor")
 ROWS = ("data", "fsdp")  # batch rows are split over every data-parallel axis
+FSDP, TENSOR = "fsdp", "tensor"
+
+# (regex searched in the dotted path, spec of the trailing dims); the first match wins
+PARTITION_RULES: tuple[tuple[str, tuple], ...] = (
+    (r"embed_tokens\.embedding$", (TENSOR, FSDP)),                     # [V, D]
+    (r"lm_head\.kernel$", (FSDP, TENSOR)),                             # [D, V]
+    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)\.kernel$", (FSDP, TENSOR)),  # [.., D, out]
+    (r"(o_proj|down_proj)\.kernel$", (TENSOR, FSDP)),                  # [.., in, D]
+    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)\.bias$", (TENSOR,)),   # [.., out]
+    (r"(o_proj|down_proj)\.bias$", (None,)),                           # [.., D]: tiny, replicated
+    (r"(norm|layernorm)\.weight$", (None,)),                           # RMSNorm scales: replicated
+)
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
     """A (data, fsdp, tensor) mesh over `devices` (default: all); one size may be -1 for "the rest"."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = [data, fsdp, tensor]
+    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"mesh sizes {dict(zip(AXES, sizes))}: each must be >= 1, and at most one may be -1")
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if len(devices) % known:
@@ -29,6 +52,7 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
+    """Every device holds the whole array."""
     return NamedSharding(mesh, PartitionSpec())
 
 
@@ -38,13 +62,147 @@ def row_sharded(mesh: Mesh) -> NamedSharding:
 
 
 def num_row_shards(mesh: Mesh) -> int:
+    """Devices the rows are split over: mesh.data * mesh.fsdp."""
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
+def path_name(path) -> str:
+    """A pytree key path as dotted text: `layers.0.self_attn.q_proj.kernel` (Variable `.value` dropped)."""
+    parts = []
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey):
+            parts.append(str(key.key))
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+        elif isinstance(key, jax.tree_util.GetAttrKey) and key.name not in ("value", "raw_value"):
+            parts.append(key.name)
+    return ".".join(parts)
+
+
+def _rule_spec(name: str) -> tuple | None:
+    for pattern, spec in PARTITION_RULES:
+        if re.search(pattern, name):
+            return spec
+    return None
+
+
+def partition_spec(name: str, shape: tuple[int, ...], mesh: Mesh, fallbacks: list | None = None,
+                   *, strict: bool = True) -> PartitionSpec:
+    """The PartitionSpec of one parameter from PARTITION_RULES; an axis that does not divide its dim is dropped.
+
+    `strict`: a parameter no rule names is an error (params); otherwise it is replicated (optimizer scalars).
+    """
+    rule = _rule_spec(name)
+    if rule is None or len(shape) < len(rule):
+        if strict and len(shape) > 0:
+            raise ValueError(f"no partition rule for parameter {name!r} of shape {shape}: add a (regex, spec) "
+                             "entry to grpo_jax.sharding.PARTITION_RULES")
+        return PartitionSpec()
+    spec = [None] * (len(shape) - len(rule)) + list(rule)
+    for i, axis in enumerate(spec):
+        if axis is not None and shape[i] % mesh.shape[axis]:
+            if fallbacks is not None:
+                fallbacks.append(f"{name} dim {i} ({shape[i]}) over {axis}={mesh.shape[axis]}")
+            spec[i] = None
+    return PartitionSpec(*spec)
+
+
+def _warn(fallbacks: list) -> None:
+    if fallbacks:
+        warnings.warn("these parameter dims do not divide their mesh axis and stay replicated on it: "
+                      + "; ".join(fallbacks), stacklevel=3)
+
+
+def param_shardings(mesh: Mesh, abstract_params, *, memory_kind: str | None = None):
+    """NamedShardings (same tree as `abstract_params`: arrays or ShapeDtypeStructs) from PARTITION_RULES."""
+    fallbacks: list = []
+
+    def one(path, x):
+        spec = partition_spec(path_name(path), tuple(x.shape), mesh, fallbacks)
+        return NamedSharding(mesh, spec, memory_kind=memory_kind)
+
+    out = jax.tree_util.tree_map_with_path(one, abstract_params)
+    _warn(fallbacks)
+    return out
+
+
+def optimizer_shardings(mesh: Mesh, abstract_opt_state):
+    """Optimizer state: a leaf whose path ends like a parameter's (Adam moments) shares its sharding; scalars
+    (step counts) and anything else are replicated."""
+
+    def one(path, x):
+        return NamedSharding(mesh, partition_spec(path_name(path), tuple(x.shape), mesh, strict=False))
+
+    return jax.tree_util.tree_map_with_path(one, abstract_opt_state)
+
+
+def host_memory_kind(mesh: Mesh) -> str:
+    """"pinned_host" when the mesh's devices can address it (GPU, TPU, CPU); a clear error otherwise."""
+    kinds = {m.kind for m in mesh.devices.flat[0].addressable_memories()}
+    if "pinned_host" not in kinds:
+        raise ValueError(f"train.offload_ref_params=true needs 'pinned_host' memory, but "
+                         f"{mesh.devices.flat[0].platform} devices only have {sorted(kinds)}: set it to false")
+    return "pinned_host"
+
+
+def state_shardings(mesh: Mesh, abstract_state, *, offload_ref: bool = False):
+    """Shardings of a TrainState: params and reference by the rules (reference optionally in host memory),
+    optimizer moments like their params, step and key replicated."""
+    ref_kind = host_memory_kind(mesh) if offload_ref and abstract_state.ref_params is not None else None
+    return type(abstract_state)(
+        params=param_shardings(mesh, abstract_state.params),
+        opt_state=optimizer_shardings(mesh, abstract_state.opt_state),
+        ref_params=(None if abstract_state.ref_params is None
+                    else param_shardings(mesh, abstract_state.ref_params, memory_kind=ref_kind)),
+        step=replicated(mesh), key=replicated(mesh))
+
+
+def cache_sharding(mesh: Mesh, num_kv_heads: int) -> NamedSharding:
+    """KV cache [L, B, S, K, Dh]: rows over (data, fsdp), kv heads over tensor when it divides them."""
+    heads = TENSOR if num_kv_heads % mesh.shape[TENSOR] == 0 else None
+    return NamedSharding(mesh, PartitionSpec(None, ROWS, None, heads, None))
+
+
 def shard_rows(tree, mesh: Mesh):
-    """Places host arrays (leading axis = rows) onto the mesh, rows split over the data axes."""
+    """Places host arrays (leading axis = rows) onto the mesh, rows split over the data axes.
+
+    With several processes each passes ITS rows (the global batch is the processes' rows in process order),
+    assembled with `jax.make_array_from_process_local_data`; with one process this is a device_put.
+    """
     sharding = row_sharded(mesh)
-    return jax.tree.map(lambda x: jax.device_put(x, sharding), tree)
+    if jax.process_count() == 1:
+        return jax.tree.map(lambda x: jax.device_put(x, sharding), tree)
+
+    def put(x):
+        x = np.asarray(x)
+        global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
+        return jax.make_array_from_process_local_data(sharding, x, global_shape)
+
+    return jax.tree.map(put, tree)
+
+
+def process_rows(num_rows: int) -> slice:
+    """This process's contiguous slice of `num_rows` global rows (rows split evenly over processes)."""
+    if num_rows % jax.process_count():
+        raise ValueError(f"{num_rows} rows do not split over {jax.process_count()} processes: make the batch a "
+                         "multiple of the process count")
+    per = num_rows // jax.process_count()
+    return slice(jax.process_index() * per, (jax.process_index() + 1) * per)
+
+
+def shard_global_rows(tree, mesh: Mesh):
+    """Every process holds the same global host rows (same seed, same data): each places only its slice."""
+    if jax.process_count() == 1:
+        return shard_rows(tree, mesh)
+    return shard_rows(jax.tree.map(lambda x: np.asarray(x)[process_rows(np.shape(x)[0])], tree), mesh)
+
+
+def to_host(tree):
+    """Device arrays -> numpy on every process (all rows: an all-gather across processes when there are several)."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+    return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def check_rows(num_rows: int, mesh: Mesh, what: str) -> None:
@@ -53,3 +211,8 @@ def check_rows(num_rows: int, mesh: Mesh, what: str) -> None:
     if num_rows % shards:
         raise ValueError(f"{what}={num_rows} rows do not split over the {shards} data-parallel devices "
                          f"(mesh.data*mesh.fsdp): make it a multiple of {shards}")
+
+
+def tree_shardings(tree):
+    """The sharding of every array in `tree` (e.g. a state `init_state` placed), as a pytree."""
+    return jax.tree.map(lambda x: x.sharding, tree)

@@ -49,11 +49,27 @@ def learning_rate_schedule(*, learning_rate: float, scheduler: str, warmup_steps
 
 def make_optimizer(schedule: optax.Schedule, *, weight_decay: float, b1: float, b2: float, eps: float,
                    max_grad_norm: float) -> optax.GradientTransformation:
-    """AdamW (TRL's default optimizer) behind global-norm gradient clipping."""
+    """AdamW (TRL's default optimizer) behind global-norm gradient clipping.
+
+    `init_state` / `train_step` feed it float32 copies of params and gradients, so its moments are float32
+    even when `model.param_dtype` is bfloat16.
+    """
     adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     if max_grad_norm > 0:
         return optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
     return adamw
+
+
+def as_float32(tree: Any) -> Any:
+    """Floating leaves cast to float32 (the optimizer's working precision); others unchanged."""
+    return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def cast_floating(tree: Any, dtype: str | None) -> Any:
+    """Floating leaves cast to `dtype` ("float32" | "bfloat16"); None keeps them."""
+    if dtype is None:
+        return tree
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
 def model_graphdef(model_config: ModelConfig) -> nnx.GraphDef:
@@ -64,14 +80,40 @@ def model_graphdef(model_config: ModelConfig) -> nnx.GraphDef:
 
 
 def init_state(model_config: ModelConfig, optimizer: optax.GradientTransformation, *, seed: int,
-               with_reference: bool, mesh: Mesh) -> tuple[nnx.GraphDef, TrainState]:
-    """Initialises the model, optimizer and reference straight into their (replicated) device layout."""
+               with_reference: bool, mesh: Mesh, ref_param_dtype: str | None = None,
+               offload_ref_params: bool = False) -> tuple[nnx.GraphDef, TrainState]:
+    """Initialises model, optimizer and reference straight into their sharded layout (`sharding.state_shardings`).
+
+    eval_shape -> shardings -> one jitted init with out_shardings: no host copy of the full params ever exists.
+    The reference is stored in `ref_param_dtype` (None: the params' dtype), in host memory when
+    `offload_ref_params`; optimizer moments are float32.
+    """
 
     def init():
         _, params = init_model(model_config, seed)
-        ref_params = reference.init(params) if with_reference else None
-        return TrainState(params=params, opt_state=optimizer.init(params), ref_params=ref_params,
+        ref_params = cast_floating(reference.init(params), ref_param_dtype) if with_reference else None
+        return TrainState(params=params, opt_state=optimizer.init(as_float32(params)), ref_params=ref_params,
                           step=jnp.zeros((), jnp.int32), key=jax.random.PRNGKey(seed))
 
-    state = jax.jit(init, out_shardings=sharding.replicated(mesh))()
+    shardings = sharding.state_shardings(mesh, jax.eval_shape(init), offload_ref=offload_ref_params)
+    state = jax.jit(init, out_shardings=shardings)()
     return model_graphdef(model_config), state
+
+
+def state_from_params(params: Any, optimizer: optax.GradientTransformation, *, seed: int, with_reference: bool,
+                      mesh: Mesh, ref_param_dtype: str | None = None, offload_ref_params: bool = False) -> TrainState:
+    """A TrainState around given params (e.g. `from_pretrained`'s), laid out as `init_state` does.
+
+    `params` is donated: the state's copy replaces it (load with `shardings=sharding.param_shardings(...)`
+    so the policy never exists twice).
+    """
+
+    def init(params):
+        ref_params = cast_floating(reference.init(params), ref_param_dtype) if with_reference else None
+        return TrainState(params=params, opt_state=optimizer.init(as_float32(params)), ref_params=ref_params,
+                          step=jnp.zeros((), jnp.int32), key=jax.random.PRNGKey(seed))
+
+    shardings = sharding.state_shardings(mesh, jax.eval_shape(init, params), offload_ref=offload_ref_params)
+    # placed first (a no-op when already there), so the donated input and the params output alias exactly
+    params = jax.device_put(params, shardings.params, donate=True)
+    return jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings, donate_argnums=0)(params)

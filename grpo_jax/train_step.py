@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from grpo_jax import reference, sharding
 from grpo_jax.logprobs import completion_logps
 from grpo_jax.losses import CLIPPED_LOSS_TYPES, LossConfig, compute_loss
-from grpo_jax.state import TrainState
+from grpo_jax.state import TrainState, as_float32
 
 
 class Batch(NamedTuple):
@@ -85,10 +85,14 @@ def _micro_batches(batch: Batch, num_micro: int, mesh: Mesh | None) -> Batch:
 
 
 def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, options: StepOptions,
-               state: TrainState, batch: Batch, mesh: Mesh | None = None) -> tuple[TrainState, dict]:
+               state: TrainState, batch: Batch, mesh: Mesh | None = None,
+               ref_device_sharding=None) -> tuple[TrainState, dict]:
     """Accumulates the GRPO loss gradient over micro-batches and applies one optimizer update.
 
-    A non-finite loss or gradient norm leaves params and optimizer state untouched (`skipped` = 1).
+    A non-finite loss or gradient norm leaves params and optimizer state untouched (`skipped` = 1). The
+    optimizer sees float32 gradients and params (float32 moments whatever `model.param_dtype`); the update is
+    cast back to the params' dtype. `ref_device_sharding`: device-memory shardings of a reference kept in host
+    memory, used to bring it over when TR-DPO mixing needs it.
     """
     num_sequences = batch.completion_mask.shape[0]
     num_items = jnp.sum(batch.completion_mask).astype(jnp.float32)
@@ -125,15 +129,22 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     init = (zeros, jnp.zeros((), jnp.float32), aux_zeros, jnp.zeros((), jnp.float32))
     (grads, loss, aux_sum, entropy_sum), _ = jax.lax.scan(accumulate, init, micro_batches)
 
+    grads = as_float32(grads)
     grad_norm = optax.tree_utils.tree_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
+    updates, new_opt_state = optimizer.update(grads, state.opt_state, as_float32(state.params))
+    new_params = optax.apply_updates(state.params, updates)  # in each param's own dtype
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
     params = keep(new_params, state.params)
     step = state.step + 1
+    ref_params = state.ref_params
+    if ref_params is not None and options.ref_sync.sync_ref_model:
+        if ref_device_sharding is not None:  # offloaded to host: mix on the device
+            ref_params = jax.device_put(ref_params, ref_device_sharding)
+        policy = jax.tree.map(lambda p, r: p.astype(r.dtype), params, ref_params)  # the reference's dtype
+        ref_params = reference.update(ref_params, policy, step, options.ref_sync)
     new_state = state._replace(params=params, opt_state=keep(new_opt_state, state.opt_state), step=step,
-                               ref_params=reference.update(state.ref_params, params, step, options.ref_sync))
+                               ref_params=ref_params)
 
     aux_mean = jax.tree.map(lambda x: x / jnp.maximum(num_items, 1.0), aux_sum)
     if options.loss.beta == 0.0:
@@ -149,25 +160,85 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     return new_state, metrics
 
 
+def _on_device(shardings):
+    """The same shardings in device memory (None when none of them is elsewhere)."""
+    leaves = jax.tree.leaves(shardings)
+    if not any(getattr(x, "memory_kind", None) not in (None, "device") for x in leaves):
+        return None
+    return jax.tree.map(lambda x: x.with_memory_kind("device"), shardings)
+
+
+class _jit_on_first_call:
+    """Builds the jitted function from the first call's first argument (its layout), then reuses it."""
+
+    def __init__(self, build):
+        self._build, self._fn = build, None
+
+    def __call__(self, first, *args):
+        if self._fn is None:
+            self._fn = self._build(first)
+        return self._fn(first, *args)
+
+    def _cache_size(self) -> int:
+        return 0 if self._fn is None else self._fn._cache_size()
+
+
 def jit_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, options: StepOptions,
-                   mesh: Mesh):
-    """`train_step` jitted over the mesh: state replicated and donated, batch rows split over the data axes."""
+                   mesh: Mesh, state_sharding: TrainState | None = None):
+    """`train_step` jitted over the mesh: state in `state_sharding` (in and out) and donated, batch rows split
+    over the data axes, metrics replicated.
+
+    `state_sharding`: `sharding.state_shardings(mesh, state)` or `sharding.tree_shardings(state)`; None takes
+    the layout of the first state passed in (as `init_state` made it) for input and output.
+    """
+    if state_sharding is None:
+        return _jit_on_first_call(lambda s: jit_train_step(graphdef, optimizer, options, mesh,
+                                                           sharding.tree_shardings(s)))
     replicated, rows = sharding.replicated(mesh), sharding.row_sharded(mesh)
+    ref_device = _on_device(state_sharding.ref_params)
 
     def step(state, batch):
-        return train_step(graphdef, optimizer, options, state, batch, mesh)
+        return train_step(graphdef, optimizer, options, state, batch, mesh, ref_device)
 
-    return jax.jit(step, in_shardings=(replicated, rows), out_shardings=(replicated, replicated),
-                   donate_argnums=0)
+    if ref_device is None:
+        return jax.jit(step, in_shardings=(state_sharding, rows), out_shardings=(state_sharding, replicated),
+                       donate_argnums=0)
+    # a reference in host memory is a separate, non-donated argument: a host-side numpy view of it (a
+    # checkpoint, a device_get) would make its donation fail; without TR-DPO sync it is not even an output
+    sync = options.ref_sync.sync_ref_model
+    no_ref = state_sharding._replace(ref_params=None)
+
+    def split_step(state, ref_params, batch):
+        new_state, metrics = step(state._replace(ref_params=ref_params), batch)
+        return new_state._replace(ref_params=new_state.ref_params if sync else None), metrics
+
+    jitted = jax.jit(split_step, in_shardings=(no_ref, state_sharding.ref_params, rows),
+                     out_shardings=(state_sharding if sync else no_ref, replicated), donate_argnums=0)
+
+    def call(state, batch):
+        new_state, metrics = jitted(state._replace(ref_params=None), state.ref_params, batch)
+        return (new_state if sync else new_state._replace(ref_params=state.ref_params)), metrics
+
+    call._cache_size = jitted._cache_size
+    call.lower = lambda state, batch: jitted.lower(state._replace(ref_params=None), state.ref_params, batch)
+    return call
 
 
-def jit_logps(graphdef: nnx.GraphDef, mesh: Mesh, *, temperature: float, chunk_size: int = 0):
-    """Per-token log-probs of completions under some params (old policy or reference), rows sharded."""
+def jit_logps(graphdef: nnx.GraphDef, mesh: Mesh, *, temperature: float, chunk_size: int = 0,
+              params_sharding=None):
+    """Per-token log-probs of completions under some params (old policy or reference), rows sharded.
+
+    `params_sharding`: the params' shardings (`sharding.param_shardings`); a reference in host memory is
+    brought to the devices inside. None: the layout of the params passed in (one compilation per layout).
+    """
     rows = sharding.row_sharded(mesh)
+    on_device = None if params_sharding is None else _on_device(params_sharding)
 
     def logps(params, prompt_ids, prompt_mask, completion_ids, completion_mask):
+        if on_device is not None:
+            params = jax.device_put(params, on_device)
         out, _ = completion_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                   temperature=temperature, chunk_size=chunk_size)
         return out
 
-    return jax.jit(logps, in_shardings=(sharding.replicated(mesh), rows, rows, rows, rows), out_shardings=rows)
+    return jax.jit(logps, in_shardings=(params_sharding, rows, rows, rows, rows), out_shardings=rows)

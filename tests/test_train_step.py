@@ -214,3 +214,16 @@ def test_learning_rate_schedule_against_formula(kind):
             expected = {"constant": lr, "linear": lr * (1 - frac), "cosine": lr * 0.5 * (1 + np.cos(np.pi * frac))}[kind]
         # atol: optax evaluates 1 + cos(pi * frac) in float32, which cancels near the end of the decay
         np.testing.assert_allclose(float(schedule(step)), expected, rtol=1e-5, atol=lr * 1e-6)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_equals_no_remat(tiny_model_config, remat):
+    # the same maths recomputed in the backward pass: only XLA's fusion choices may differ (float32 ulps)
+    loss_config = LossConfig(entropy_coef=0.01)
+    base_state, base_metrics = run_step(tiny_model_config, one_device_mesh(), loss_config, grad_accum=2)
+    config = dataclasses.replace(tiny_model_config, remat=remat)
+    state, metrics = run_step(config, one_device_mesh(), loss_config, grad_accum=2)
+    for k in ("loss", "grad_norm", "entropy"):
+        np.testing.assert_allclose(metrics[k], base_metrics[k], rtol=1e-6, atol=1e-7, err_msg=k)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), state.params,
+                 base_state.params)
