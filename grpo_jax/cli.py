@@ -1,4 +1,7 @@
-"""Command line: `grpo-jax [train] [--config FILE] [section.key=value ...]`. Parses a config and calls `train`."""
+"""Command line: `grpo-jax [train] [--config FILE] [section.key=value ...]` and `grpo-jax export`.
+
+Parses a config and calls `train`, or exports a checkpoint's policy; no maths here.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,8 @@ import sys
 def _train_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="grpo-jax train", description="Train a policy with GRPO. With no arguments: the embedded default "
-        "task (a tiny model learns to reverse digit strings on CPU in a few minutes).")
+        "task (a tiny model learns to reverse digit strings on CPU in a few minutes). Run the same command with "
+        "the same output_dir again to resume from its newest checkpoint.")
     parser.add_argument("--config", help="YAML config file (see configs/); keys not given keep their defaults")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
@@ -17,8 +21,34 @@ def _train_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _export_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="grpo-jax export", description="Write a checkpoint's policy in Hugging Face format.")
+    parser.add_argument("--checkpoint", required=True,
+                        help="a run's output_dir (its newest valid checkpoint) or one step folder checkpoints/<step>")
+    parser.add_argument("--out", required=True, help="folder to write (config.json, weights, tokenizer)")
+    return parser
+
+
+def export_main(argv: list[str]) -> int:
+    """`grpo-jax export --checkpoint DIR --out HF_DIR`."""
+    args = _export_parser().parse_args(argv)
+    from grpo_jax import checkpoint
+
+    try:
+        step, fmt = checkpoint.export(args.checkpoint, args.out)
+    except (ValueError, RuntimeError) as e:
+        print(f"grpo-jax export: {e}", file=sys.stderr)
+        return 1
+    kind = "Hugging Face" if fmt == "hf" else "native (params/ + model_config.json)"
+    print(f"grpo-jax export: step {step} written to {args.out} in {kind} format")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "export":
+        return export_main(argv[1:])
     if argv and argv[0] == "train":
         argv = argv[1:]  # `grpo-jax` alone trains, like `grpo-jax train`
     parser = _train_parser()
@@ -30,7 +60,15 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
     except ValueError as e:
         parser.exit(2, f"grpo-jax: config error: {e}\n")
+    from grpo_jax.distributed import initialize
+
+    initialize(config.distributed)  # before any computation: every process of a multi-host run joins here
+    from grpo_jax.checkpoint import Preempted
     from grpo_jax.trainer import train
 
-    train(config, show_progress=not args.no_progress)
+    try:
+        train(config, show_progress=not args.no_progress)
+    except Preempted as e:
+        print(f"grpo-jax: {e}", file=sys.stderr)
+        return e.exit_code
     return 0

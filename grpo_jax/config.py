@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from grpo_jax.distributed import DistributedConfig
 from grpo_jax.losses import LossConfig
 from grpo_jax.models import ModelConfig
 from grpo_jax.reference import RefSyncConfig
@@ -45,7 +46,7 @@ class DataConfig:
     """Where prompts come from: a JSONL file, or the embedded synthetic task when `path` is None."""
 
     path: str | None = None  # JSONL with a "prompt" column plus any extra columns for rewards
-    tokenizer_path: str | None = None  # Hugging Face tokenizer folder; None with no path: the built-in one
+    tokenizer_path: str | None = None  # Hugging Face tokenizer folder; None: model.path's, else the built-in one
     task: str = "reverse"  # embedded task when path is None: reverse, sort, add
     task_min_len: int = 3
     task_max_len: int = 4
@@ -65,8 +66,6 @@ class DataConfig:
                f"data.truncation={self.truncation!r}: use 'left' (truncate and count) or 'error'")
         if self.path is not None:
             _check(Path(self.path).is_file(), f"data.path={self.path!r} does not exist: point it at a JSONL file")
-            _check(self.tokenizer_path is not None,
-                   "data.tokenizer_path is required with data.path: point it at a Hugging Face tokenizer folder")
         if self.tokenizer_path is not None:
             _check(Path(self.tokenizer_path).is_dir(),
                    f"data.tokenizer_path={self.tokenizer_path!r} is not a folder: point it at a saved tokenizer")
@@ -123,6 +122,8 @@ class TrainConfig:
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0  # 0 disables clipping
     logps_chunk_size: int = 0  # rows per chunk for log-probs; 0: whole micro-batch at once
+    ref_param_dtype: str | None = None  # reference params' storage dtype (float32, bfloat16); None: the params'
+    offload_ref_params: bool = False  # keep the reference in pinned host memory (copied in for its log-probs)
     max_nonfinite_steps: int = 10  # steps skipped for a non-finite loss/gradient before the run stops
 
     def __post_init__(self):
@@ -164,6 +165,8 @@ class TrainConfig:
         _check(self.warmup_steps >= 0, f"train.warmup_steps={self.warmup_steps} must be >= 0")
         _check(self.max_grad_norm >= 0, f"train.max_grad_norm={self.max_grad_norm} must be >= 0")
         _check(self.logps_chunk_size >= 0, f"train.logps_chunk_size={self.logps_chunk_size} must be >= 0")
+        _check(self.ref_param_dtype in (None, "float32", "bfloat16"),
+               f"train.ref_param_dtype={self.ref_param_dtype!r}: use float32, bfloat16 or null (the params' dtype)")
 
     @property
     def generation_batch_size(self) -> int:
@@ -187,7 +190,7 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh shape: -1 on one axis takes the remaining devices."""
+    """Device mesh shape (data, fsdp, tensor; see grpo_jax/sharding.py): -1 on one axis takes the remaining devices."""
 
     data: int = -1
     fsdp: int = 1
@@ -222,6 +225,9 @@ class Config:
     output_dir: str | None = None  # None: runs/<task>-<timestamp>
     max_steps: int = 5000
     logging_steps: int = 1  # progress-bar refresh period; metrics.jsonl always gets every step
+    save_steps: int = 500  # checkpoint every N optimizer steps (0: only at the end and on SIGTERM/SIGINT)
+    save_total_limit: int | None = 2  # checkpoints kept (oldest deleted first); None: keep all
+    resume: bool = True  # continue from output_dir's newest checkpoint; false: a non-empty output_dir is an error
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
@@ -230,10 +236,17 @@ class Config:
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self):
         _check(self.max_steps >= 1, f"max_steps={self.max_steps} must be >= 1")
         _check(self.logging_steps >= 1, f"logging_steps={self.logging_steps} must be >= 1")
+        _check(self.data.path is None or self.data.tokenizer_path is not None or self.model.path is not None,
+               "data.path is set but neither data.tokenizer_path nor model.path is: point one of them at a Hugging "
+               "Face folder holding the tokenizer")
+        _check(self.save_steps >= 0, f"save_steps={self.save_steps} must be >= 0 (0: save only at the end)")
+        _check(self.save_total_limit is None or self.save_total_limit >= 1,
+               f"save_total_limit={self.save_total_limit} must be >= 1, or null to keep every checkpoint")
         _check(self.loss.loss_type != "dr_grpo" or self.loss.max_completion_length
                in (None, self.sampling.max_completion_length),
                f"loss.max_completion_length={self.loss.max_completion_length} differs from "

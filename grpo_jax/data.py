@@ -1,8 +1,9 @@
 """Prompts from JSONL: load, tokenize to static left-padded shapes, iterate in seeded epochs, repeat per group.
 
-Rows follow TRL's dataset convention: a "prompt" column (string) plus any other columns (e.g. "answer"), which
-are handed to reward functions as keyword arguments. Shapes: P prompts per round, L = max_prompt_length,
-G = num_generations.
+Rows follow TRL's dataset convention: a "prompt" column plus any other columns (e.g. "answer"), which are handed
+to reward functions as keyword arguments. A prompt is a plain string (used as it is) or, in TRL's conversational
+format, a list of {"role", "content"} messages rendered with the tokenizer's chat template. Shapes: P prompts per
+round, L = max_prompt_length, G = num_generations.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ class PromptBatch(NamedTuple):
 
     prompt_ids: np.ndarray  # [P, L] int32, pad id on the left
     prompt_mask: np.ndarray  # [P, L] int32, 1 on real tokens
-    prompts: list[str]  # [P]
+    prompts: list  # [P] raw prompts: strings, or message lists (conversational rows)
     columns: dict[str, list]  # column name -> [P] values (every column but "prompt")
     num_truncated: int  # prompts (of these P) that were left-truncated to L
 
@@ -46,22 +47,61 @@ def load_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
                                  "each line needs a 'prompt' field (string)")
             prompt = row["prompt"]
             if isinstance(prompt, list):
-                raise ValueError(f"{path}: line {k}: 'prompt' is a list (chat messages?): "
-                                 "conversational prompts are not supported yet; use a plain string")
-            if not isinstance(prompt, str):
+                problem = _message_problem(prompt)
+                if problem:
+                    raise ValueError(f"{path}: line {k}: 'prompt' is a list but not chat messages ({problem}): "
+                                     "use a string or a list of {\"role\": ..., \"content\": ...} objects")
+            elif not isinstance(prompt, str):
                 raise ValueError(f"{path}: line {k}: 'prompt' is a {type(prompt).__name__}, "
-                                 "each line needs a 'prompt' field (string)")
+                                 "each line needs a 'prompt' field (string or list of chat messages)")
             rows.append(row)
     if not rows:
         raise ValueError(f"data file {path!r} is empty: it needs at least one line with a 'prompt' field")
     return rows
 
 
-def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int,
+def _message_problem(messages: list) -> str | None:
+    """Why a list is not a TRL conversation (None when it is one)."""
+    if not messages:
+        return "it is empty"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return f"message {i} is {m!r}, not an object with string 'role' and 'content'"
+    return None
+
+
+def is_conversational(prompt) -> bool:
+    """True for a TRL conversational prompt (a list of {"role", "content"} messages)."""
+    return isinstance(prompt, list)
+
+
+def render_prompt(tokenizer, prompt) -> str:
+    """A string prompt as it is; messages through the chat template with the generation prompt (TRL 1.16)."""
+    if not is_conversational(prompt):
+        return prompt
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("a prompt is a list of chat messages but the tokenizer has no chat template: use a chat "
+                         "model's tokenizer (model.path / data.tokenizer_path) or plain string prompts")
+    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+
+
+def reward_inputs(prompts: list, completions: list[str]) -> tuple[list, list]:
+    """(prompts, completions) as TRL's GRPOTrainer hands them to reward functions.
+
+    Conversational rows keep their message list as the prompt and get ``[{"role": "assistant", "content":
+    text}]`` as the completion; string rows pass through unchanged.
+    """
+    wrapped = [[{"role": "assistant", "content": text}] if is_conversational(prompt) else text
+               for prompt, text in zip(prompts, completions, strict=True)]
+    return list(prompts), wrapped
+
+
+def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int,
                      truncation: str = "left") -> tuple[np.ndarray, np.ndarray, int]:
     """Tokenize without special tokens and left-pad to exactly L; returns (ids_PxL, mask_PxL, num_truncated).
 
-    Longer prompts keep their last L tokens (truncation="left") or raise (truncation="error").
+    Message-list prompts are rendered with the chat template first (``render_prompt``). Longer prompts keep
+    their last L tokens (truncation="left") or raise (truncation="error").
     """
     if truncation not in ("left", "error"):
         raise ValueError(f"data.truncation={truncation!r} is unknown: use 'left' or 'error'")
@@ -70,7 +110,8 @@ def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int,
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:
         raise ValueError("the tokenizer has neither a pad token nor an eos token: set tokenizer.pad_token")
-    token_lists = tokenizer(list(prompts), add_special_tokens=False)["input_ids"] if prompts else []
+    texts = [render_prompt(tokenizer, p) for p in prompts]
+    token_lists = tokenizer(texts, add_special_tokens=False)["input_ids"] if prompts else []
     ids_PxL = np.full((len(prompts), max_prompt_length), pad_id, dtype=np.int32)
     mask_PxL = np.zeros((len(prompts), max_prompt_length), dtype=np.int32)
     num_truncated = 0

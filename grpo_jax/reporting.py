@@ -10,7 +10,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 
-def _plain(value):
+def plain(value):
     """JSON-safe scalars: numpy/jax numbers to Python, NaN and inf to None."""
     value = value.item() if hasattr(value, "item") else value
     if isinstance(value, float) and not math.isfinite(value):
@@ -19,21 +19,29 @@ def _plain(value):
 
 
 class MetricsWriter:
-    """Appends one JSON line per optimizer step and drives the progress bar."""
+    """Appends one JSON line per optimizer step and drives the progress bar.
+
+    `history` holds every line written (the checkpoint saves it); with `write_file=False` (processes other than
+    0 of a multi-host run) nothing is written to disk and no bar is shown.
+    """
 
     def __init__(self, output_dir: Path, *, max_steps: int, initial_step: int = 0, logging_steps: int = 1,
-                 show_progress: bool = True):
+                 show_progress: bool = True, history: list[dict] | None = None, write_file: bool = True):
         self.path = output_dir / "metrics.jsonl"
         self.logging_steps = logging_steps
-        self.history: list[dict] = []
+        self.write_file = write_file
+        self.history: list[dict] = list(history or [])
+        if write_file and history is not None:  # a resumed run: drop lines written after the checkpoint
+            self.path.write_text("".join(json.dumps(line) + "\n" for line in self.history))
         self.bar = tqdm(total=max_steps, initial=initial_step, desc="grpo", unit="step", dynamic_ncols=True,
-                        disable=not show_progress)
+                        disable=not (show_progress and write_file))
 
     def write(self, line: dict) -> None:
-        line = {k: _plain(v) for k, v in line.items()}
+        line = {k: plain(v) for k, v in line.items()}
         self.history.append(line)
-        with self.path.open("a") as f:
-            f.write(json.dumps(line) + "\n")
+        if self.write_file:
+            with self.path.open("a") as f:
+                f.write(json.dumps(line) + "\n")
         self.bar.update(1)
         if line["step"] % self.logging_steps == 0:
             postfix = {"reward": line.get("reward"), "kl": line.get("kl"), "len": line.get("completions/mean_length")}

@@ -114,25 +114,38 @@ class _DecodeState(NamedTuple):
 
 
 def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: SamplingConfig,
-             eos_token_ids: tuple[int, ...], pad_token_id: int, greedy: bool = False) -> SampleOutput:
+             eos_token_ids: tuple[int, ...], pad_token_id: int, greedy: bool = False,
+             prompt_group_size: int = 1, cache_sharding=None) -> SampleOutput:
     """Sample up to T = config.max_completion_length tokens per left-padded prompt.
 
     Prefill writes the prompt into a KV cache of S = P + T slots; decode step t feeds token t - 1 at slot
     P + t - 1 (RoPE position = real prompt length + t - 1) and samples token t with key
     ``fold_in(key, t)``. ``greedy`` takes the arg-max (no filters) but still reports logps at temperature.
+    ``prompt_group_size`` G > 1 promises that rows g*G .. g*G + G - 1 hold the same prompt
+    (`data.repeat_groups` order): the prompt is then prefilled once per group and its cache copied G times.
+    ``cache_sharding`` (`sharding.cache_sharding`) pins the KV cache's layout over a mesh; None leaves it to XLA.
     """
     B, P = prompt_ids_BxP.shape
     T = config.max_completion_length
+    G = prompt_group_size
+    if not isinstance(G, int) or G < 1 or B % G:
+        raise ValueError(f"prompt_group_size={G!r} must be a positive integer dividing the {B} rows")
     eos_E = jnp.asarray(eos_token_ids, jnp.int32).reshape(-1)
     prompt_mask_BxP = prompt_mask_BxP.astype(jnp.int32)
     prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1)
 
-    cache = init_cache(model_config(graphdef, params), B, P + T)
     mask_BxS = jnp.concatenate([prompt_mask_BxP, jnp.zeros((B, T), jnp.int32)], axis=1)
-    hidden_BxPxD, cache = forward(graphdef, params, prompt_ids_BxP, positions_from_mask(prompt_mask_BxP),
-                                  mask_BxS, cache, 0)
+    # one prefill per distinct prompt (R = B / G rows), then every group member starts from its cache
+    cache_R = init_cache(model_config(graphdef, params), B // G, P + T)
+    hidden_RxPxD, cache_R = forward(graphdef, params, prompt_ids_BxP[::G],
+                                    positions_from_mask(prompt_mask_BxP[::G]), mask_BxS[::G], cache_R, 0)
     # left padding puts every row's last real token at slot P - 1
-    logits_BxV = unembed(graphdef, params, hidden_BxPxD[:, -1:])[:, 0]
+    logits_RxV = unembed(graphdef, params, hidden_RxPxD[:, -1:])[:, 0]
+    cache = jax.tree.map(lambda x_LxRxSxKxDh: jnp.repeat(x_LxRxSxKxDh, G, axis=1), cache_R) if G > 1 else cache_R
+    constrain = (lambda c: c) if cache_sharding is None else (  # noqa: E731
+        lambda c: jax.lax.with_sharding_constraint(c, cache_sharding))
+    cache = constrain(cache)
+    logits_BxV = jnp.repeat(logits_RxV, G, axis=0) if G > 1 else logits_RxV
 
     def record(state: _DecodeState, logits_BxV):
         tokens_B, logp_B = _choose(logits_BxV, jax.random.fold_in(key, state.step), config, greedy)
@@ -157,6 +170,7 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
         positions_Bx1 = (prompt_len_B + state.step - 1)[:, None]
         hidden_Bx1xD, cache = forward(graphdef, params, state.pending_B[:, None], positions_Bx1, mask_BxS,
                                       state.cache, slot)
+        cache = constrain(cache)
         logits_BxV = unembed(graphdef, params, hidden_Bx1xD)[:, 0]
         return record(state._replace(cache=cache, mask_BxS=mask_BxS), logits_BxV)
 
@@ -180,4 +194,27 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
     )
 
 
-generate_jit = jax.jit(generate, static_argnames=("config", "eos_token_ids", "pad_token_id", "greedy"))
+generate_jit = jax.jit(generate, static_argnames=("config", "eos_token_ids", "pad_token_id", "greedy",
+                                                 "prompt_group_size", "cache_sharding"))
+
+
+def jit_generate(graphdef, mesh, *, config: SamplingConfig, eos_token_ids: tuple[int, ...], pad_token_id: int,
+                 params_sharding=None, prompt_group_size: int = 1):
+    """`generate` jitted over `mesh`: `fn(params, prompt_ids, prompt_mask, key, greedy) -> SampleOutput`.
+
+    Prompt rows and outputs split over (data, fsdp), key and step count replicated; `params_sharding`
+    (`sharding.param_shardings`) None takes the params' own layout. `greedy` is static: greedy calls
+    (evaluation) have one row per prompt, sampling calls `prompt_group_size` rows per prompt.
+    """
+    from grpo_jax import sharding  # local: sharding does not depend on sampling, keep it that way
+
+    rows, replicated = sharding.row_sharded(mesh), sharding.replicated(mesh)
+
+    def sample(params, prompt_ids_BxP, prompt_mask_BxP, key, greedy):
+        cache = sharding.cache_sharding(mesh, model_config(graphdef, params).num_key_value_heads)
+        return generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, config=config,
+                        eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, greedy=greedy,
+                        prompt_group_size=1 if greedy else prompt_group_size, cache_sharding=cache)
+
+    return jax.jit(sample, static_argnums=4, in_shardings=(params_sharding, rows, rows, replicated),
+                   out_shardings=SampleOutput(rows, rows, rows, rows, num_decode_steps=replicated))

@@ -112,5 +112,5 @@ def test_prompt_file_without_prompt_column_fails_at_build(tmp_path):
 def test_data_path_requires_a_tokenizer(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": "12>"}) + "\n")
-    with pytest.raises(ValueError, match="data.tokenizer_path is required with data.path"):
+    with pytest.raises(ValueError, match="neither data.tokenizer_path nor model.path"):
         load_config(None, [f"data.path={data}"])

@@ -35,8 +35,10 @@ def test_load_jsonl_ok_skips_blank_lines(tmp_path):
     ('{"prompt": "1"}\n{"prompt": \n', r"d.jsonl: line 2 is not valid JSON"),
     ('[1, 2]\n', r"d.jsonl: line 1 is a JSON list, not an object.*'prompt' field \(string\)"),
     ('{"prompt": "1"}\n{"question": "1"}\n', r"d.jsonl: line 2 has no 'prompt' column.*'prompt' field \(string\)"),
-    ('{"prompt": [{"role": "user", "content": "hi"}]}\n', r"line 1.*conversational prompts are not supported yet"),
-    ('{"prompt": 12}\n', r"d.jsonl: line 1: 'prompt' is a int.*'prompt' field \(string\)"),
+    ('{"prompt": []}\n', r"d.jsonl: line 1: 'prompt' is a list but not chat messages \(it is empty\)"),
+    ('{"prompt": [{"role": "user"}]}\n', r"line 1: 'prompt' is a list but not chat messages \(message 0 is "),
+    ('{"prompt": ["hi"]}\n', r"line 1: 'prompt' is a list but not chat messages \(message 0 is 'hi'"),
+    ('{"prompt": 12}\n', r"d.jsonl: line 1: 'prompt' is a int.*'prompt' field \(string or list of chat messages\)"),
     ('\n  \n', r"d.jsonl' is empty"),
 ])
 def test_load_jsonl_errors(tmp_path, text, match):
@@ -173,3 +175,54 @@ def test_repeat_groups_is_group_major(tok):
     assert rep.prompt_ids.shape == (6, 3)
     with pytest.raises(ValueError, match="num_generations=0"):
         data.repeat_groups(batch, 0)
+
+
+# --- conversational prompts (TRL's format) -----------------------------------------------------------------
+
+# a chat template over the character vocabulary: "^" opens a user turn, "=" an assistant turn, ">" asks for one
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '^' if m['role'] == 'user' else '=' }}{{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}>{% endif %}")
+CHAT = [{"role": "user", "content": "12"}, {"role": "assistant", "content": "21"}, {"role": "user", "content": "3"}]
+
+
+@pytest.fixture(scope="module")
+def chat_tok():
+    tokenizer = task.build_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def test_load_jsonl_keeps_chat_messages(tmp_path):
+    path = _write(tmp_path, json.dumps({"prompt": CHAT, "answer": "3"}) + "\n" + '{"prompt": "4>"}\n')
+    assert data.load_jsonl(path) == [{"prompt": CHAT, "answer": "3"}, {"prompt": "4>"}]
+
+
+def test_chat_prompts_render_like_trl(chat_tok):
+    trl_data_utils = pytest.importorskip("trl.data_utils")
+    rendered = data.render_prompt(chat_tok, CHAT)
+    assert rendered == "^12 =21 ^3 >"
+    assert rendered == trl_data_utils.maybe_apply_chat_template({"prompt": CHAT}, chat_tok)["prompt"]
+    assert data.render_prompt(chat_tok, "12>") == "12>"
+    ids, mask, _ = data.tokenize_prompts(chat_tok, [CHAT, "12>"], 14)
+    # TRL 1.16 tokenizes conversations with apply_chat_template(add_generation_prompt=True, tokenize=True)
+    expected = chat_tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=True)
+    np.testing.assert_array_equal(ids[0][mask[0] == 1], expected["input_ids"])
+    np.testing.assert_array_equal(ids[1][mask[1] == 1], chat_tok("12>", add_special_tokens=False)["input_ids"])
+
+
+def test_chat_prompt_without_template_is_an_error(tok):
+    with pytest.raises(ValueError, match="the tokenizer has no chat template"):
+        data.tokenize_prompts(tok, [CHAT], 16)
+
+
+def test_batches_keep_raw_messages_for_rewards(chat_tok):
+    rows = [{"prompt": CHAT, "answer": "3"}, {"prompt": "12>", "answer": "21"}]
+    it = data.PromptIterator(rows, chat_tok, prompts_per_round=2, max_prompt_length=16, seed=0)
+    batch = data.repeat_groups(it.next_batch(), 2)
+    assert sorted(map(str, batch.prompts)) == sorted(map(str, [CHAT, CHAT, "12>", "12>"]))
+    prompts, completions = data.reward_inputs(batch.prompts, [f"c{i}" for i in range(4)])
+    assert prompts == batch.prompts
+    for prompt, completion, i in zip(prompts, completions, range(4)):
+        assert completion == ([{"role": "assistant", "content": f"c{i}"}] if prompt == CHAT else f"c{i}")
+    with pytest.raises(ValueError):
+        data.reward_inputs(batch.prompts, ["too few"])

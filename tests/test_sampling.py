@@ -166,3 +166,19 @@ def test_sampling_frequencies_follow_filtered_softmax(tiny_model):
     probs /= probs.sum()
     freq = np.bincount(np.asarray(out.completion_ids)[:, 0], minlength=config.vocab_size) / n
     np.testing.assert_allclose(freq, probs, atol=0.03)  # ~4 binomial standard errors at n=4000
+
+
+def test_grouped_prefill_matches_per_row_prefill(tiny_model):
+    _, graphdef, params = tiny_model
+    G = 3
+    ids, mask = np.repeat(PROMPT_IDS, G, axis=0), np.repeat(PROMPT_MASK, G, axis=0)
+    config = SamplingConfig(max_completion_length=6)
+    outs = [generate_jit(graphdef, params, ids, mask, jax.random.key(4), config=config, eos_token_ids=(3,),
+                         pad_token_id=PAD, prompt_group_size=g) for g in (1, G)]
+    np.testing.assert_array_equal(outs[0].completion_ids, outs[1].completion_ids)
+    np.testing.assert_array_equal(outs[0].completion_mask, outs[1].completion_mask)
+    np.testing.assert_allclose(outs[0].sampler_logps, outs[1].sampler_logps, rtol=1e-5, atol=1e-5)
+    assert len({tuple(r) for r in np.asarray(outs[1].completion_ids)}) > len(PROMPT_IDS)  # rows of a group differ
+    with pytest.raises(ValueError, match="prompt_group_size=5"):
+        generate_jit(graphdef, params, ids, mask, jax.random.key(4), config=config, eos_token_ids=(3,),
+                     pad_token_id=PAD, prompt_group_size=5)

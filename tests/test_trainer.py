@@ -1,5 +1,6 @@
 """The orchestrating loop end to end on the embedded task: learning, run directory, and bad input."""
 
+import dataclasses
 import json
 
 import jax
@@ -122,7 +123,24 @@ def test_no_recompilation_across_rounds(tmp_path):
     for round_index in range(3):
         trainer.run_round(run, writer, round_index)
     assert int(run.state.step) == 6
-    assert run.sample_fn._cache_size() == run.logps_fn._cache_size() == run.step_fn._cache_size() == 1
+    assert run.sample_fn._cache_size() == run.step_fn._cache_size() == 1
+    if run.ref_logps_fn is not None:
+        assert run.ref_logps_fn._cache_size() == 1
+    assert run.logps_fn._cache_size() == 0  # float32: the sampler's log-probs serve as the old ones
+
+
+def test_sampler_logps_serve_as_old_logps(tmp_path):
+    """With float32 compute the sampler's log-probs equal a fresh forward pass of the same params."""
+    config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "max_steps=2", "eval.num_examples=0",
+                                "train.steps_per_generation=2"])
+    run = trainer.build(config)
+    buffer = trainer.prepare_round(run, 0)
+    fresh = run.logps_fn(run.state.params, buffer.prompt_ids, buffer.prompt_mask, buffer.completion_ids,
+                         buffer.completion_mask)
+    mask = np.asarray(buffer.completion_mask, bool)
+    assert mask.sum() > 0
+    np.testing.assert_allclose(np.asarray(buffer.old_per_token_logps)[mask], np.asarray(fresh)[mask],
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_seeded_runs_are_reproducible(tmp_path):
@@ -230,3 +248,33 @@ def test_train_accepts_a_custom_loss(tmp_path):
 
     _, _, _, line = _one_round(tmp_path, [], loss_fn=my_loss)
     assert traced and "my/ratio" in line and "clip_ratio/low_mean" not in line
+
+
+def test_training_from_a_hugging_face_folder(tmp_path):
+    """model.path: weights, architecture and tokenizer come from the folder; the final policy goes back to it."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import hf_fixtures
+
+    from grpo_jax import task
+    from grpo_jax.models import Model
+
+    folder = hf_fixtures.save_model(hf_fixtures.build_model("qwen2", tied=True), tmp_path / "hf")
+    task.build_tokenizer(tmp_path / "hf")  # the embedded task's characters; the model's vocab is larger
+    config = load_config(None, [f"output_dir={tmp_path}/run", *QUICK, "max_steps=2", "eval.num_examples=0",
+                                f"model.path={folder}", "loss.beta=0.04", "train.learning_rate=1e-3"])
+    run = trainer.build(config)
+    assert run.config.model.hidden_size == 64 and run.config.model.vocab_size == hf_fixtures.VOCAB
+    ids = np.array([[3, 4, 5, 6], [0, 7, 8, 9]], np.int32)
+    mask = np.array([[1, 1, 1, 1], [0, 1, 1, 1]], np.int32)
+    ours = np.asarray(Model(run.graphdef, run.config.model)(run.state.params, ids, mask))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = reference(input_ids=torch.tensor(ids, dtype=torch.long),
+                           attention_mask=torch.tensor(mask, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(ours[mask == 1], theirs[mask == 1], atol=1e-4)
+
+    trainer.train(dataclasses.replace(config, output_dir=str(tmp_path / "run2")), show_progress=False)
+    final = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run2" / "final", dtype=torch.float32)
+    moved = [not torch.equal(a, b) for a, b in zip(final.state_dict().values(), reference.state_dict().values())]
+    assert any(moved)  # trained, then written back in Hugging Face format

@@ -1,0 +1,182 @@
+"""Everything a run builds once before its loop: output folder, tokenizer and data, rewards, mesh, state, jitted programs.
+
+`build(config)` resolves a `Config` into a `Run`; `grpo_jax.trainer` drives it. A `model.path` (Hugging Face
+folder) supplies the architecture, weights (read straight into their shards), tokenizer and EOS ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import yaml
+from transformers import AutoTokenizer
+
+from grpo_jax import checkpoint, data, rewards, sharding, task
+from grpo_jax.config import Config, to_dict
+from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, resolve_config
+from grpo_jax.sampling import jit_generate
+from grpo_jax.state import init_state, learning_rate_schedule, make_optimizer, state_from_params
+from grpo_jax.train_step import StepOptions, jit_logps, jit_train_step
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything `train` builds once before the loop: data, rewards, jitted functions, state."""
+
+    config: Config
+    output_dir: Path
+    tokenizer: object
+    prompts: data.PromptIterator
+    eval_rows: list[dict]
+    reward_fns: list
+    eval_reward_fns: list
+    mesh: object
+    graphdef: object
+    state: object
+    schedule: object
+    sample_fn: object
+    logps_fn: object
+    ref_logps_fn: object
+    step_fn: object
+    take_fn: object  # (Batch of a round's rows, row indices [B]) -> one step's Batch, on the devices
+    resuming: bool = False  # output_dir holds this run already: `train` continues from its newest checkpoint
+    tokenizer_path: Path | None = None
+
+    @property
+    def keep_ref(self) -> bool:
+        """Checkpoints carry ref_params only when the reference can move away from the initial weights."""
+        return self.config.train.sync_ref_model
+
+
+def _output_dir(config: Config) -> tuple[Path, bool]:
+    """The run directory, and whether it already holds this run (config.yaml) to resume."""
+    if config.output_dir is not None:
+        path = Path(config.output_dir)
+        if path.exists() and any(path.iterdir()):
+            if not config.resume:
+                raise ValueError(f"output_dir={str(path)!r} is not empty and resume=false: choose a new output_dir, "
+                                 "delete it, or set resume=true to continue the run saved there")
+            if not (path / "config.yaml").is_file():
+                raise ValueError(f"output_dir={str(path)!r} is not empty and holds no grpo_jax run (no config.yaml): "
+                                 "choose a new output_dir or delete it")
+            return path, True
+    else:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        name = "jsonl" if config.data.path else config.data.task
+        path = Path("runs") / f"{name}-{stamp}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path, False
+
+
+def _load_data(config: Config, output_dir: Path):
+    """The tokenizer, training rows and held-out rows: from files, or the embedded task written to files."""
+    tokenizer_dir = config.data.tokenizer_path or config.model.path  # a model folder holds its tokenizer
+    if config.data.path is None:
+        if tokenizer_dir is None:
+            tokenizer_dir = output_dir / "tokenizer"
+            task.build_tokenizer(tokenizer_dir)
+        d = config.data
+        train_rows = task.make_examples(d.task, d.task_num_train, config.seed, d.task_min_len, d.task_max_len)
+        eval_rows = task.make_examples(d.task, config.eval.num_examples, config.seed + 1_000_003,
+                                       d.task_min_len, d.task_max_len)
+        seen = {r["prompt"] for r in train_rows}
+        eval_rows = [r for r in eval_rows if r["prompt"] not in seen] or eval_rows  # held out where possible
+        (output_dir / "data").mkdir(exist_ok=True)
+        task.write_jsonl(output_dir / "data" / "train.jsonl", train_rows)
+        train_path, eval_path = output_dir / "data" / "train.jsonl", None
+        if eval_rows:
+            eval_path = output_dir / "data" / "eval.jsonl"
+            task.write_jsonl(eval_path, eval_rows)
+    else:
+        train_path = Path(config.data.path)
+        eval_path = Path(config.eval.path) if config.eval.path else None
+    tokenizer_dir = Path(tokenizer_dir).absolute()
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer in {str(tokenizer_dir)!r} has no eos_token: set one in its tokenizer_config.json")
+    if tokenizer.pad_token_id is None:  # Llama 3 has none: pad with EOS, as TRL does
+        tokenizer.pad_token = tokenizer.eos_token
+    if config.model.vocab_size is not None and len(tokenizer) > config.model.vocab_size:
+        raise ValueError(f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
+                         f"{len(tokenizer)} tokens ({tokenizer_dir}): raise model.vocab_size or leave it unset")
+    train_rows = data.load_jsonl(train_path)
+    eval_rows = data.load_jsonl(eval_path)[: config.eval.num_examples] if eval_path else []
+    return tokenizer, tokenizer_dir, train_rows, eval_rows
+
+
+def _resolve_rewards(config: Config, paths) -> list:
+    """(path, callable) per reward function; the built-in soft overlong punishment gets its lengths bound."""
+    out = []
+    for path in paths:
+        fn = rewards.resolve_reward_fn(path)
+        if path == rewards.SOFT_OVERLONG:
+            fn = functools.partial(fn, max_completion_len=config.sampling.max_completion_length,
+                                   soft_punish_cache=config.reward.soft_punish_cache)
+        out.append((path, fn))
+    return out
+
+
+def build(config: Config, *, loss_fn: Callable | None = None) -> Run:
+    """Resolves data, rewards, mesh, optimizer and state; jits the three device programs.
+
+    `loss_fn` replaces `grpo_jax.losses.compute_loss` in the train step (same signature; see
+    `grpo_jax.train_step`): the hook for a custom loss variant. It is not part of `config.yaml`.
+    An `output_dir` holding a run is checked against its config.yaml (`checkpoint.check_compatible`).
+    """
+    output_dir, resuming = _output_dir(config)
+    if resuming:
+        checkpoint.check_compatible(yaml.safe_load((output_dir / "config.yaml").read_text()), to_dict(config))
+    if jax.process_index() == 0:
+        (output_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    config = dataclasses.replace(config, model=resolve_config(config.model))  # a model.path fills the architecture
+    tokenizer, tokenizer_dir, train_rows, eval_rows = _load_data(config, output_dir)
+    if config.model.vocab_size is None:
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=len(tokenizer)))
+    reward_fns = _resolve_rewards(config, config.reward.functions)
+    eval_reward_fns = _resolve_rewards(config, config.eval.reward_functions)
+    tc = config.train
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    sharding.check_rows(tc.train_batch_size // tc.gradient_accumulation_steps, mesh,
+                        "train.train_batch_size / train.gradient_accumulation_steps")
+    prompts = data.PromptIterator(train_rows, tokenizer, prompts_per_round=tc.prompts_per_round,
+                                  max_prompt_length=config.data.max_prompt_length, seed=config.seed,
+                                  truncation=config.data.truncation)
+    schedule = learning_rate_schedule(learning_rate=tc.learning_rate, scheduler=tc.lr_scheduler_type,
+                                      warmup_steps=tc.warmup_steps, max_steps=config.max_steps)
+    optimizer = make_optimizer(schedule, weight_decay=tc.weight_decay, b1=tc.adam_beta1, b2=tc.adam_beta2,
+                               eps=tc.adam_epsilon, max_grad_norm=tc.max_grad_norm)
+    state_options = dict(seed=config.seed, with_reference=config.loss.beta != 0.0, mesh=mesh,
+                         ref_param_dtype=tc.ref_param_dtype, offload_ref_params=tc.offload_ref_params)
+    if config.model.path is None:
+        graphdef, state = init_state(config.model, optimizer, **state_options)
+    else:  # each tensor read from the safetensors straight into its shard
+        model, abstract_params = abstract_model(config.model)
+        _, params = from_pretrained(config.model.path, config=config.model,
+                                    shardings=sharding.param_shardings(mesh, abstract_params))
+        graphdef, state = model.graphdef, state_from_params(params, optimizer, **state_options)
+    eos_ids = eos_token_ids(config.model.path, tokenizer) if config.model.path else (tokenizer.eos_token_id,)
+    loss_config = dataclasses.replace(config.loss, max_completion_length=config.sampling.max_completion_length)
+    options = StepOptions(loss=loss_config, temperature=config.sampling.temperature,
+                          gradient_accumulation_steps=tc.gradient_accumulation_steps,
+                          logps_chunk_size=tc.logps_chunk_size, ref_sync=tc.ref_sync, loss_fn=loss_fn)
+    state_sharding = sharding.tree_shardings(state)
+    sample_fn = jit_generate(graphdef, mesh, config=config.sampling, eos_token_ids=eos_ids,
+                             pad_token_id=tokenizer.pad_token_id, params_sharding=state_sharding.params,
+                             prompt_group_size=tc.num_generations)
+    return Run(config=config, output_dir=output_dir, tokenizer=tokenizer, prompts=prompts, eval_rows=eval_rows,
+               reward_fns=reward_fns, eval_reward_fns=eval_reward_fns, mesh=mesh, graphdef=graphdef, state=state,
+               schedule=schedule, sample_fn=sample_fn,
+               logps_fn=jit_logps(graphdef, mesh, temperature=config.sampling.temperature,
+                                  chunk_size=tc.logps_chunk_size, params_sharding=state_sharding.params),
+               ref_logps_fn=None if state.ref_params is None else jit_logps(
+                   graphdef, mesh, temperature=config.sampling.temperature, chunk_size=tc.logps_chunk_size,
+                   params_sharding=state_sharding.ref_params),
+               step_fn=jit_train_step(graphdef, optimizer, options, mesh, state_sharding),
+               take_fn=jax.jit(lambda batch, rows: jax.tree.map(lambda x: x[rows], batch),
+                               out_shardings=sharding.row_sharded(mesh)), resuming=resuming,
+               tokenizer_path=tokenizer_dir)

@@ -1,0 +1,245 @@
+"""Checkpoints: resumed == uninterrupted bit for bit, preemption, torn and corrupted saves, config checks, export."""
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import yaml
+
+from grpo_jax import checkpoint, trainer
+from grpo_jax.cli import main as cli_main
+from grpo_jax.config import load_config, to_dict
+from grpo_jax.state import TrainState
+
+ROOT = Path(__file__).resolve().parent.parent
+# a tiny model and short rounds: every train call here compiles the sampler, log-probs and the step
+TINY = ["train.train_batch_size=8", "train.num_generations=4", "train.steps_per_generation=2",
+        "sampling.max_completion_length=4", "eval.num_examples=0", "model.hidden_size=32",
+        "model.intermediate_size=64", "model.num_hidden_layers=1", "train.learning_rate=3e-3"]
+
+
+def _lines(output_dir: Path) -> list[dict]:
+    """metrics.jsonl without the timing keys (they differ between any two runs)."""
+    lines = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in line.items() if not k.startswith("step_time")} for line in lines]
+
+
+def _state(output_dir: Path):
+    """The newest checkpoint's TrainState as saved (host arrays), and its step."""
+    mngr = ocp.CheckpointManager(output_dir.absolute() / "checkpoints")
+    step = mngr.latest_step()
+    restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    return jax.device_get(restored.state), step
+
+
+def _flat(tree) -> dict:
+    """Leaves by their key path ("layers/mlp/up_proj/kernel"), whatever the containers (dicts, nnx.State)."""
+    def name(key):
+        return str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key))))
+    return {"/".join(map(name, path)): np.asarray(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _assert_same_state(a, b):
+    a, b = _flat(a), _flat(b)
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype, key
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def _train(output_dir: Path, *overrides: str) -> dict:
+    return trainer.train(load_config(None, [f"output_dir={output_dir}", *TINY, *overrides]), show_progress=False)
+
+
+@pytest.mark.parametrize("options", [
+    ["train.num_iterations=1"],
+    # mu = 2 with a moving reference (TR-DPO): ref_params are in the checkpoint
+    ["train.num_iterations=2", "train.sync_ref_model=true", "train.ref_model_sync_steps=3"],
+    ["train.dynamic_sampling=true", "train.max_num_gen_batches=3",
+     "reward.functions=[tests.test_trainer:half_constant_reward]"],
+], ids=["mu1", "mu2_sync_ref", "dynamic_sampling"])
+def test_resumed_run_equals_uninterrupted_run_bitwise(tmp_path, capsys, options):
+    """Stopped inside a round (max_steps=3 of a 2- or 4-step round), then resumed to 6 steps: same bits."""
+    _train(tmp_path / "whole", "max_steps=6", "save_steps=0", *options)
+    _train(tmp_path / "split", "max_steps=3", "save_steps=2", *options)
+    # the first part saved at 2 (periodic) and 3 (the end, inside a round)
+    assert sorted(int(p.name) for p in (tmp_path / "split" / "checkpoints").iterdir() if p.name.isdigit()) == [2, 3]
+    capsys.readouterr()
+    _train(tmp_path / "split", "max_steps=6", "save_steps=2", *options)
+    assert "resuming from checkpoint" in capsys.readouterr().out
+    whole, split = _lines(tmp_path / "whole"), _lines(tmp_path / "split")
+    assert [line["step"] for line in split] == list(range(1, 7))
+    assert whole == split
+    (whole_state, whole_step), (split_state, split_step) = _state(tmp_path / "whole"), _state(tmp_path / "split")
+    assert whole_step == split_step == 6
+    _assert_same_state(whole_state, split_state)
+    assert (tmp_path / "split" / "final").is_dir()
+
+
+def test_sigterm_saves_exits_and_resumes_to_the_same_params(tmp_path):
+    """SIGTERM in a subprocess: the step finishes, a checkpoint is written, exit code 143; resuming matches."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "grpo_jax", "--no-progress", f"output_dir={out}", *TINY, "max_steps=1000",
+           "save_steps=0", "train.num_iterations=2"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "SIGTERM received" in stdout and "run the same command again to resume" in stderr
+    state, stopped = _state(out)
+    assert stopped == len(metrics.read_text().splitlines()) >= 3
+    # resume in this process (same devices) for two more steps, and compare with a run that never stopped
+    _train(out, f"max_steps={stopped + 2}", "save_steps=0", "train.num_iterations=2")
+    _train(tmp_path / "whole", f"max_steps={stopped + 2}", "save_steps=0", "train.num_iterations=2")
+    assert _lines(out) == _lines(tmp_path / "whole")
+    _assert_same_state(_state(out)[0], _state(tmp_path / "whole")[0])
+
+
+def test_corrupted_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    """Lines written after the checkpoint that is used are dropped, and the run replays them identically."""
+    out = tmp_path / "run"
+    _train(out, "max_steps=4", "save_steps=2")
+    lines, (state, _) = _lines(out), _state(out)
+    for f in (out / "checkpoints" / "4" / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(b"\0garbage" * 16)
+    with pytest.warns(RuntimeWarning, match=r"checkpoints/4 could not be restored"):
+        _train(out, "max_steps=4", "save_steps=2")
+    assert _lines(out) == lines
+    _assert_same_state(_state(out)[0], state)
+
+
+def _small_state(value: float, step: int) -> TrainState:
+    params = {"w": jnp.full((4, 3), value, jnp.float32), "b": jnp.arange(3, dtype=jnp.float32)}
+    return TrainState(params, (jnp.zeros((4, 3)),), None, jnp.asarray(step, jnp.int32), jax.random.PRNGKey(0))
+
+
+def test_restore_skips_unreadable_steps_and_says_when_none_is_valid(tmp_path):
+    mngr = checkpoint.manager(tmp_path, save_total_limit=None)
+    for step in (1, 2):
+        checkpoint.save(mngr, _small_state(float(step), step), keep_ref=False, meta={"n": step},
+                        arrays={"rows": np.arange(step + 2)}, wait=True)
+    step, state, meta, arrays = checkpoint.restore_latest(mngr, _small_state(0.0, 0), keep_ref=False)
+    assert step == 2 and meta["n"] == 2 and state.ref_params is None
+    np.testing.assert_array_equal(state.params["w"], 2.0)
+    np.testing.assert_array_equal(arrays["rows"], np.arange(4))
+    (tmp_path / "checkpoints" / "2" / "meta" / "metadata").unlink()  # a partly deleted step
+    with pytest.warns(RuntimeWarning, match="checkpoints/2 could not be restored"):
+        step, state, _, _ = checkpoint.restore_latest(checkpoint.manager(tmp_path), _small_state(0.0, 0),
+                                                      keep_ref=False)
+    assert step == 1
+    np.testing.assert_array_equal(state.params["w"], 1.0)
+    # moved aside, so the resumed run can save its step 2 again
+    assert [p.name.split("-")[0] for p in (tmp_path / "unreadable_checkpoints").iterdir()] == ["2"]
+    assert list(checkpoint.manager(tmp_path).all_steps()) == [1]
+    (tmp_path / "checkpoints" / "1" / "state" / "manifest.ocdbt").unlink()
+    with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match="no valid checkpoint in .*step 1: .*Delete"):
+        checkpoint.restore_latest(checkpoint.manager(tmp_path), _small_state(0.0, 0), keep_ref=False)
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import sys, time
+    import jax, jax.numpy as jnp
+    from grpo_jax import checkpoint
+    from grpo_jax.state import TrainState
+    mngr = checkpoint.manager(sys.argv[1])
+    def state(step, n):
+        params = {"w": jnp.full((n,), float(step), jnp.float32)}
+        return TrainState(params, (), None, jnp.asarray(step, jnp.int32), jax.random.PRNGKey(0))
+    checkpoint.save(mngr, state(1, 8), keep_ref=False, meta={}, wait=True)
+    checkpoint.save(mngr, state(2, 64 * 2**20), keep_ref=False, meta={})  # 256 MB, written in the background
+    print("saving", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_save_killed_midway_is_never_loaded(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "saving\n", proc.communicate()
+    proc.kill()
+    proc.wait()
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert any(name.startswith("2.orbax-checkpoint-tmp") for name in names), names  # killed during the write
+    assert list(checkpoint.manager(tmp_path).all_steps()) == [1]
+    step, state, _, _ = checkpoint.restore_latest(checkpoint.manager(tmp_path), _small_state(0.0, 0)._replace(
+        params={"w": jnp.zeros((8,))}, opt_state=()), keep_ref=False)
+    assert step == 1
+    np.testing.assert_array_equal(state.params["w"], 1.0)
+
+
+def test_resume_refuses_a_changed_config_and_names_the_keys(tmp_path):
+    config = load_config(None, [f"output_dir={tmp_path}", *TINY])
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    changed = load_config(None, [f"output_dir={tmp_path}", *TINY, "loss.beta=0.1", "train.num_generations=2",
+                                 "max_steps=7", "eval.num_examples=3"])
+    with pytest.raises(ValueError, match=r"(?s)loss.beta: saved 0.04, now 0.1\n.*"
+                                         r"train.num_generations: saved 4, now 2\nUse the saved values") as e:
+        trainer.build(changed)
+    assert "max_steps" not in str(e.value).split("Use the saved")[0]
+    assert "eval.num_examples" not in str(e.value).split("Use the saved")[0]
+
+
+def test_resume_false_on_a_non_empty_output_dir_is_an_error(tmp_path):
+    (tmp_path / "config.yaml").write_text("seed: 0\n")
+    with pytest.raises(ValueError, match="is not empty and resume=false: choose a new output_dir, delete it, or set "
+                                         "resume=true"):
+        trainer.build(load_config(None, [f"output_dir={tmp_path}", "resume=false"]))
+
+
+def test_export_round_trip(tmp_path, capsys):
+    """`grpo-jax export` of a run (and of one step folder) writes the params the checkpoint holds."""
+    _train(tmp_path / "run", "max_steps=2", "save_steps=1")
+    for source, step in ((tmp_path / "run", 2), (tmp_path / "run" / "checkpoints" / "1", 1)):
+        out = tmp_path / f"export{step}"
+        assert cli_main(["export", "--checkpoint", str(source), "--out", str(out)]) == 0
+        assert f"step {step} written" in capsys.readouterr().out
+        mngr = ocp.CheckpointManager((tmp_path / "run" / "checkpoints").absolute())
+        saved = jax.device_get(mngr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore())).state["params"])
+        if (out / "config.json").is_file():  # Hugging Face format
+            from grpo_jax.models import from_pretrained
+            _, params = from_pretrained(str(out))
+        else:
+            _, params = checkpoint.load_native(out)
+        loaded, saved = _flat(jax.device_get(params)), _flat(saved)
+        for key, value in saved.items():
+            np.testing.assert_array_equal(loaded.pop(key), value, err_msg=key)
+        # Qwen2 in transformers always has q/k/v biases: a model without them comes back with zero biases
+        assert all(key.endswith("bias/value") and not value.any() for key, value in loaded.items()), sorted(loaded)
+        assert (out / "tokenizer.json").is_file()
+    assert cli_main(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "x")]) == 1
+    assert "neither a run's output_dir" in capsys.readouterr().err
+
+
+GUARD_SCRIPT = textwrap.dedent("""
+    import os, signal
+    from grpo_jax.checkpoint import PreemptionGuard
+    with PreemptionGuard() as guard:
+        os.kill(os.getpid(), signal.SIGINT)
+        print("requested", guard.requested, guard.signum == signal.SIGINT, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("still running", flush=True)
+""")
+
+
+def test_a_second_signal_exits_at_once():
+    result = subprocess.run([sys.executable, "-c", GUARD_SCRIPT], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr
+    assert "requested True True" in result.stdout and "still running" not in result.stdout
+    assert "second SIGTERM: exiting now without saving" in result.stdout

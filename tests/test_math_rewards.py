@@ -1,0 +1,41 @@
+"""Math accuracy reward: answer extraction, the fallback comparison, TRL's completion format, None answers."""
+
+import pytest
+
+from grpo_jax import math_rewards
+
+
+@pytest.mark.parametrize("text, expected", [
+    (r"so \boxed{\frac{1}{2}} and then \boxed{42}.", "42"),
+    (r"\boxed{x^{2}+1}", "x^{2}+1"),
+    ("The total is 1,234 apples; 7 were eaten.", "7"),
+    ("no answer here", None),
+    (r"\boxed{unclosed", None),
+])
+def test_extract_answer(text, expected):
+    assert math_rewards.extract_answer(text) == expected
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    (r"\boxed{\frac{1}{2}}", "0.5", 1.0),
+    (r"$\boxed{ 1/2 }$", r"\frac{1}{2}", 1.0),
+    ("so it is 1,234.", "1234", 1.0),
+    ("so it is 1234.5", "1234", 0.0),
+    (r"\boxed{x^{2} + 1}", "x^{2}+1", 1.0),
+    (r"\boxed{x+1}", "x+2", 0.0),
+    ("nothing", "3", 0.0),
+])
+def test_fallback_accuracy(completion, answer, expected):
+    assert math_rewards.fallback_accuracy(completion, answer) == expected
+
+
+def test_accuracy_takes_strings_and_chat_completions_and_skips_missing_answers(monkeypatch):
+    monkeypatch.setattr(math_rewards, "has_math_verify", lambda: False)
+    completions = [r"\boxed{4}", [{"role": "assistant", "content": r"\boxed{5}"}], "3"]
+    assert math_rewards.accuracy(None, completions, answer=["4", "4", None]) == [1.0, 0.0, None]
+
+
+def test_accuracy_uses_math_verify_when_installed():
+    pytest.importorskip("math_verify")
+    completions = [[{"role": "assistant", "content": r"\boxed{\frac{1}{3}}"}], r"\boxed{\frac{1}{2}}"]
+    assert math_rewards.accuracy(None, completions, answer=[r"\frac{1}{3}", r"\frac{1}{3}"]) == [1.0, 0.0]
