@@ -1,0 +1,354 @@
+"""One GRPO configuration timed step by step: grpo_jax and TRL 1.16 GRPOTrainer side by side, JSON out.
+
+    python benchmarks/make_models.py --out benchmarks/models
+    python benchmarks/grpo_step.py --model benchmarks/models/tiny --steps 10 --warmup 2
+
+Both trainers run the issue's setting in this process: P prompts x G generations per step (4 x 8), completions
+up to T = 32 tokens, temperature 1, beta 0.04 (a reference model runs), lr 1e-5, TRL's "dapo" loss, one
+optimizer step per round (on-policy: neither computes old log-probs), no gradient checkpointing (TRL's
+default), fp32, torch threads = 2.
+
+Printed per trainer: median step time and phases (sample; score = rewards + advantages + decoding; logps =
+reference/old log-probs; update = forward + backward + optimizer), compile time apart (warm-up rounds minus
+as many steady steps), completion tokens/s, model FLOPs per step (analytic, see `step_flops`), the fraction of
+the measured matmul peak (each library's own 2048^3 product; with both trainers also the device's, the faster
+of the two), peak memory (process RSS on CPU, so TRL's includes grpo_jax's, which runs first; peak device
+bytes on a GPU); then grpo_jax / TRL per phase and overall.
+
+`--size qwen0.5b --impl grpo_jax --dtype bfloat16` runs grpo_jax alone on a random Qwen2.5-0.5B-shaped model
+(no folder needed: the architecture comes from `make_models.SIZES`), e.g. on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_models  # noqa: E402
+
+PHASES = ("sample", "score", "logps", "update")
+REWARD = "grpo_jax.task:char_accuracy"
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """The benchmarked GRPO configuration (the issue's defaults)."""
+
+    prompts_per_step: int = 4
+    num_generations: int = 8
+    max_completion_length: int = 32
+    prompt_length: int = 16
+    temperature: float = 1.0
+    beta: float = 0.04
+    learning_rate: float = 1e-5
+    loss_type: str = "dapo"
+    seed: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.prompts_per_step * self.num_generations
+
+
+def architecture(model_dir: str | None, size: str | None) -> dict:
+    """config.json of the folder, or the Qwen2Config of a `make_models.SIZES` entry, as a dict."""
+    if model_dir is not None:
+        return json.loads((Path(model_dir) / "config.json").read_text())
+    return make_models.qwen2_config(size).to_dict()
+
+
+def _rope_theta(arch: dict) -> float:
+    return float(arch.get("rope_theta") or (arch.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+
+
+def step_flops(arch: dict, s: Setting) -> dict:
+    """Analytic model FLOPs of one step: 2 per multiply-add of every matmul, attention over the real context.
+
+    Forward FLOPs per token = 2 * (matmul weights, unembedding included) + 4 * L * H * Dh * context. Sampling:
+    prefill of P prompt tokens + T decoded tokens (unembedding at T positions); reference log-probs: one
+    forward over P + T; update: forward + backward = 3x forward over P + T. Attention context is averaged.
+    """
+    D, L, F, V = arch["hidden_size"], arch["num_hidden_layers"], arch["intermediate_size"], arch["vocab_size"]
+    H, K = arch["num_attention_heads"], arch["num_key_value_heads"]
+    Dh = arch.get("head_dim") or D // H
+    layer_weights = D * H * Dh * 2 + D * K * Dh * 2 + 3 * D * F
+    body = L * layer_weights
+    P, T, B = s.prompt_length, s.max_completion_length, s.rows
+
+    def attention(q_from, q_to):  # sum over query positions of 4 * L * H * Dh * (position + 1)
+        return 4 * L * H * Dh * sum(range(q_from + 1, q_to + 1))
+
+    full = B * (2 * (body * (P + T) + D * V * T) + attention(0, P + T))
+    sample = B * (2 * (body * (P + T) + D * V * (T + 1)) + attention(0, P + T))
+    return {"sample": sample, "logps": full, "update": 3 * full, "total": sample + 4 * full,
+            "params_matmul": body + D * V}
+
+
+def matmul_peak(backend: str, dtype: str = "float32", n: int = 2048, repeats: int = 5) -> float:
+    """Measured matmul FLOP/s: best of `repeats` timed n x n x n products (jax or torch)."""
+    if backend == "torch":
+        import torch
+        a = torch.randn(n, n, dtype=getattr(torch, dtype))
+        b = torch.randn(n, n, dtype=getattr(torch, dtype))
+        torch.mm(a, b)
+        best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+    else:
+        import jax
+        import jax.numpy as jnp
+        a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32).astype(dtype)
+        b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32).astype(dtype)
+        mm = jax.jit(lambda x, y: x @ y)
+        mm(a, b).block_until_ready()
+        best = min(_timed(lambda: mm(a, b).block_until_ready()) for _ in range(repeats))
+    return 2 * n ** 3 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _summary(steps: list[dict], first_rounds_s: float, flops: dict, peak: float, tokens: list[int]) -> dict:
+    """Medians over the timed steps, FLOP rates against the measured matmul `peak`."""
+    med = lambda key: statistics.median(st[key] for st in steps)  # noqa: E731
+    step_s = med("step")
+    out = {"step_s": step_s, **{f"{p}_s": med(p) for p in PHASES},
+           "completion_tokens_per_s": statistics.median(t / st["step"] for t, st in zip(tokens, steps)),
+           "mean_completion_tokens": float(np.mean(tokens)),
+           "flops_per_step": flops["total"], "achieved_flops_per_s": flops["total"] / step_s,
+           "fraction_of_matmul_peak": flops["total"] / step_s / peak,
+           "update_fraction_of_matmul_peak": flops["update"] / med("update") / peak,
+           "steps_timed": len(steps)}
+    out["warmup_rounds_s"] = first_rounds_s
+    return out
+
+
+def run_grpo_jax(model_dir: str | None, size: str | None, prompts: Path, s: Setting, *, steps: int, warmup: int,
+                 dtype: str = "float32", param_dtype: str | None = None, logps_chunk_size: int = 0) -> dict:
+    """grpo_jax's public trainer (`build` + `run_round`), phases from its step_time/* metrics."""
+    import jax
+
+    from grpo_jax import trainer
+    from grpo_jax.config import Config, DataConfig, EvalConfig, RewardConfig, TrainConfig
+    from grpo_jax.losses import LossConfig
+    from grpo_jax.models import ModelConfig
+    from grpo_jax.reporting import MetricsWriter
+    from grpo_jax.sampling import SamplingConfig
+
+    arch = architecture(model_dir, size)
+    work = Path(tempfile.mkdtemp(prefix="grpo_jax_bench_"))
+    tokenizer_dir = model_dir
+    if tokenizer_dir is None:
+        tokenizer_dir = str(work / "tokenizer")
+        make_models.build_tokenizer(tokenizer_dir)
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    model_kwargs = dict(dtype=dtype)
+    if param_dtype is not None and "param_dtype" in fields:
+        model_kwargs["param_dtype"] = param_dtype
+    if model_dir is not None:  # the folder's weights: both trainers start from the same policy
+        model = ModelConfig(path=model_dir, **model_kwargs)
+    else:
+        model = ModelConfig(vocab_size=arch["vocab_size"], hidden_size=arch["hidden_size"],
+                            intermediate_size=arch["intermediate_size"],
+                            num_hidden_layers=arch["num_hidden_layers"],
+                            num_attention_heads=arch["num_attention_heads"],
+                            num_key_value_heads=arch["num_key_value_heads"], head_dim=arch.get("head_dim"),
+                            rope_theta=_rope_theta(arch), rms_norm_eps=arch["rms_norm_eps"],
+                            tie_word_embeddings=arch["tie_word_embeddings"],
+                            initializer_range=arch.get("initializer_range", 0.02), **model_kwargs)
+    config = Config(
+        seed=s.seed, output_dir=str(work / "run"), max_steps=warmup + steps, model=model,
+        data=DataConfig(path=str(prompts), tokenizer_path=tokenizer_dir, max_prompt_length=s.prompt_length),
+        sampling=SamplingConfig(max_completion_length=s.max_completion_length, temperature=s.temperature),
+        loss=LossConfig(loss_type=s.loss_type, beta=s.beta),
+        train=TrainConfig(num_generations=s.num_generations, train_batch_size=s.rows, learning_rate=s.learning_rate,
+                          adam_beta2=0.999, max_grad_norm=1.0,
+                          logps_chunk_size=logps_chunk_size),  # TRL's (TrainingArguments') optimizer defaults
+        reward=RewardConfig(functions=(REWARD,)), eval=EvalConfig(num_examples=0))
+    start = time.perf_counter()
+    run = trainer.build(config)
+    build_s = time.perf_counter() - start
+    writer = MetricsWriter(run.output_dir, max_steps=config.max_steps, show_progress=False)
+    start = time.perf_counter()
+    for i in range(warmup):
+        trainer.run_round(run, writer, i)
+    first_rounds_s = time.perf_counter() - start
+    for i in range(warmup, warmup + steps):
+        trainer.run_round(run, writer, i)
+    writer.close()
+    timed = writer.history[warmup:]
+    records = [{"step": h["step_time"], **{p: h[f"step_time/{p}"] for p in PHASES}} for h in timed]
+    tokens = [int(round(h["completions/mean_length"] * s.rows)) for h in timed]
+    device = jax.devices()[0]
+    peak = matmul_peak("jax", "bfloat16" if dtype == "bfloat16" else "float32",
+                       n=8192 if device.platform == "gpu" else 2048)
+    flops = step_flops(arch, s)
+    out = _summary(records, first_rounds_s, flops, peak, tokens)
+    out["compile_s"] = max(first_rounds_s - warmup * out["step_s"], 0.0)
+    out.update(build_s=build_s, matmul_peak_flops_per_s=peak, device=str(device), dtype=dtype,
+               param_dtype=param_dtype or dtype, jax_version=jax.__version__,
+               weights="folder" if model_dir is not None else "random init (architecture only)")
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "peak_bytes_in_use" in stats:
+        out["peak_device_memory_mib"] = stats["peak_bytes_in_use"] / 2 ** 20
+    out["peak_rss_mib"] = _peak_rss_mib()
+    return out
+
+
+class _PhaseTimer:
+    """Wraps a bound method so its wall time adds to `totals[name]` (and optional `result` hook)."""
+
+    def __init__(self, totals: dict, name: str, fn, when=lambda: True, on_result=None):
+        self.totals, self.name, self.fn, self.when, self.on_result = totals, name, fn, when, on_result
+
+    def __call__(self, *args, **kwargs):
+        if not self.when():
+            return self.fn(*args, **kwargs)
+        start = time.perf_counter()
+        result = self.fn(*args, **kwargs)
+        self.totals[self.name] = self.totals.get(self.name, 0.0) + time.perf_counter() - start
+        if self.on_result is not None:
+            self.on_result(result)
+        return result
+
+
+def run_trl(model_dir: str, prompts: Path, s: Setting, *, steps: int, warmup: int, threads: int = 2) -> dict:
+    """TRL 1.16 GRPOTrainer with timers around generation, rewards, no-grad log-probs and the whole step.
+
+    sample = `_generate`; score = the rest of `_generate_and_score_completions` (rewards, advantages, decoding)
+    minus logps; logps = `_get_per_token_logps_and_entropies` under no_grad (reference; old when needed);
+    update = step (callback on_step_begin -> on_step_end) minus all of `_generate_and_score_completions`.
+    """
+    import datasets
+    import torch
+    import trl
+    from transformers import AutoTokenizer, TrainerCallback
+
+    from grpo_jax.task import char_accuracy
+
+    torch.set_num_threads(threads)
+    rows = [json.loads(line) for line in prompts.read_text().splitlines() if line.strip()]
+    args = trl.GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl_bench_"), per_device_train_batch_size=s.rows,
+        num_generations=s.num_generations, max_completion_length=s.max_completion_length,
+        temperature=s.temperature, beta=s.beta, learning_rate=s.learning_rate, loss_type=s.loss_type,
+        max_steps=warmup + steps, logging_steps=1, report_to="none",
+        use_cpu=True, bf16=False, fp16=False, save_strategy="no", seed=s.seed, disable_tqdm=True,
+        dataloader_num_workers=0)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=char_accuracy, args=args,
+                              train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer)
+    totals: dict = {}
+    tokens: list[int] = []
+    trainer._generate = _PhaseTimer(totals, "sample", trainer._generate,
+                                    on_result=lambda r: tokens.append(sum(len(ids) for ids in r[1])))
+    trainer._generate_and_score_completions = _PhaseTimer(totals, "generate_and_score",
+                                                          trainer._generate_and_score_completions)
+    trainer._get_per_token_logps_and_entropies = _PhaseTimer(totals, "logps",
+                                                             trainer._get_per_token_logps_and_entropies,
+                                                             when=lambda: not torch.is_grad_enabled())
+    records: list[dict] = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            totals.clear()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            step = time.perf_counter() - self.start
+            gen = totals.get("generate_and_score", 0.0)
+            records.append({"step": step, "sample": totals.get("sample", 0.0), "logps": totals.get("logps", 0.0),
+                            "score": gen - totals.get("sample", 0.0) - totals.get("logps", 0.0),
+                            "update": step - gen})
+
+    trainer.add_callback(StepTimes())
+    start = time.perf_counter()
+    trainer.train()
+    total_s = time.perf_counter() - start
+    timed = records[warmup:]
+    arch = architecture(model_dir, None)
+    peak = matmul_peak("torch", "float32")
+    out = _summary(timed, sum(r["step"] for r in records[:warmup]), step_flops(arch, s), peak, tokens[warmup:])
+    out["compile_s"] = 0.0  # eager PyTorch: nothing is compiled
+    out.update(train_total_s=total_s, matmul_peak_flops_per_s=peak, torch_threads=threads,
+               torch_version=torch.__version__, trl_version=trl.__version__, peak_rss_mib=_peak_rss_mib())
+    return out
+
+
+def ratios(ours: dict, theirs: dict) -> dict:
+    """grpo_jax / TRL per phase and for the whole step (lower is better)."""
+    keys = ("step_s", *(f"{p}_s" for p in PHASES))
+    return {k.removesuffix("_s"): ours[k] / theirs[k] if theirs[k] > 0 else None for k in keys}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--model", help="a folder written by make_models.py")
+    where.add_argument("--size", choices=sorted(make_models.SIZES), help="architecture only (grpo_jax alone)")
+    parser.add_argument("--prompts", help="prompt JSONL (default: <model>/../prompts.jsonl, or generated)")
+    parser.add_argument("--impl", choices=("both", "grpo_jax", "trl"), default="both")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps after warm-up")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", help="grpo_jax model.dtype (compute)")
+    parser.add_argument("--param-dtype", default=None, help="grpo_jax model.param_dtype (storage)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--prompts-per-step", type=int, default=4)
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--max-completion-length", type=int, default=32)
+    parser.add_argument("--prompt-length", type=int, default=16)
+    parser.add_argument("--logps-chunk-size", type=int, default=0, help="grpo_jax train.logps_chunk_size")
+    parser.add_argument("--out", help="also write the JSON here")
+    args = parser.parse_args(argv)
+    if args.size is not None and args.impl != "grpo_jax":
+        parser.error("--size runs grpo_jax alone: add --impl grpo_jax (TRL needs a --model folder)")
+    s = Setting(prompts_per_step=args.prompts_per_step, num_generations=args.num_generations,
+                max_completion_length=args.max_completion_length, prompt_length=args.prompt_length)
+    prompts = Path(args.prompts) if args.prompts else None
+    if prompts is None and args.model and (Path(args.model).parent / "prompts.jsonl").is_file() \
+            and s.prompt_length == 16:
+        prompts = Path(args.model).parent / "prompts.jsonl"
+    if prompts is None:
+        prompts = Path(tempfile.mkdtemp(prefix="bench_prompts_")) / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps(r) + "\n" for r in make_models.make_prompts(
+            512, length=s.prompt_length - 1)))
+    result = {"setting": dataclasses.asdict(s), "model": args.model or args.size, "steps": args.steps,
+              "warmup": args.warmup, "flops": step_flops(architecture(args.model, args.size), s)}
+    if args.impl in ("both", "grpo_jax"):
+        result["grpo_jax"] = run_grpo_jax(args.model, args.size, prompts, s, steps=args.steps, warmup=args.warmup,
+                                          dtype=args.dtype, param_dtype=args.param_dtype,
+                                          logps_chunk_size=args.logps_chunk_size)
+    if args.impl in ("both", "trl"):
+        result["trl"] = run_trl(args.model, prompts, s, steps=args.steps, warmup=args.warmup, threads=args.threads)
+    if args.impl == "both":
+        result["ratio_grpo_jax_over_trl"] = ratios(result["grpo_jax"], result["trl"])
+        # the device's peak: the faster library's measured matmul; both fractions against it
+        peak = max(result[k]["matmul_peak_flops_per_s"] for k in ("grpo_jax", "trl"))
+        result["device_matmul_peak_flops_per_s"] = peak
+        for k in ("grpo_jax", "trl"):
+            result[k]["fraction_of_device_matmul_peak"] = result[k]["achieved_flops_per_s"] / peak
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

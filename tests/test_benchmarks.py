@@ -1,0 +1,76 @@
+"""Smoke tests of the benchmark scripts (no timing asserts): model folders, FLOP counts, one timed step each."""
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import grpo_step  # noqa: E402
+import make_models  # noqa: E402
+
+from grpo_jax.models import ModelConfig, init_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    make_models.build_model("tiny", out / "tiny")
+    make_models.write_prompts(out / "prompts.jsonl", n=64)
+    return out
+
+
+def test_model_folder_loads_in_transformers(tiny_folder):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_folder / "tiny")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_folder / "tiny")
+    c = model.config
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+            c.intermediate_size, c.vocab_size, c.tie_word_embeddings) == (128, 2, 4, 2, 512, 128, True)
+    assert len(tokenizer) == 128 and tokenizer.eos_token_id == 0 and tokenizer.pad_token_id == 1
+    row = json.loads((tiny_folder / "prompts.jsonl").read_text().splitlines()[0])
+    ids = tokenizer(row["prompt"]).input_ids
+    assert len(ids) == 16 and tokenizer.decode(ids) == row["prompt"]
+    assert row["answer"] == row["prompt"][:-1][::-1]
+
+
+def test_matmul_weight_count_matches_the_model_kernels():
+    arch = make_models.qwen2_config("tiny").to_dict()
+    config = ModelConfig(vocab_size=arch["vocab_size"], hidden_size=128, intermediate_size=512,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    _, params = init_model(config, seed=0)
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    # matmul operands: every kernel, and the tied embedding as the unembedding (norm weights are not)
+    expected = sum(int(np.prod(x.shape)) for path, x in leaves
+                   if any(name in jax.tree_util.keystr(path) for name in ("kernel", "embedding")))
+    assert grpo_step.step_flops(arch, grpo_step.Setting())["params_matmul"] == expected
+
+
+def test_step_flops_hand_computed():
+    arch = dict(hidden_size=4, num_hidden_layers=1, intermediate_size=8, vocab_size=10, num_attention_heads=2,
+                num_key_value_heads=1)
+    s = grpo_step.Setting(prompts_per_step=1, num_generations=2, max_completion_length=1, prompt_length=1)
+    # weights: q 4x4 + o 4x4 + k 4x2 + v 4x2 + mlp 3x4x8 = 144; attention 4*L*H*Dh*(1+2) = 48 per row
+    full = 2 * (2 * (144 * 2 + 4 * 10 * 1) + 48)
+    flops = grpo_step.step_flops(arch, s)
+    assert flops["logps"] == full and flops["update"] == 3 * full
+    assert flops["sample"] == 2 * (2 * (144 * 2 + 4 * 10 * 2) + 48)
+
+
+def test_grpo_jax_and_trl_one_step(tiny_folder, tmp_path):
+    pytest.importorskip("trl")
+    out = tmp_path / "result.json"
+    result = grpo_step.main(["--model", str(tiny_folder / "tiny"), "--steps", "1", "--warmup", "1",
+                             "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    for impl in ("grpo_jax", "trl"):
+        r = result[impl]
+        assert r["steps_timed"] == 1
+        for key in ("step_s", "sample_s", "logps_s", "update_s", "completion_tokens_per_s",
+                    "matmul_peak_flops_per_s", "fraction_of_matmul_peak"):
+            assert r[key] > 0, (impl, key)
+        assert r["score_s"] >= 0 and r["compile_s"] >= 0
+        assert 0 < r["mean_completion_tokens"] <= 8 * 4 * 32
+    assert set(result["ratio_grpo_jax_over_trl"]) == {"step", "sample", "score", "logps", "update"}
