@@ -117,7 +117,10 @@ def test_sharded_train_steps_equal_single_device(tiny_model_config, single, shap
     for m, s in zip(metrics, single_metrics):
         for k in ("loss", "grad_norm", "kl", "entropy"):
             np.testing.assert_allclose(m[k], s[k], rtol=1e-5, atol=1e-7, err_msg=k)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+    # each updated element is init minus gradient sums over every row and token (the tied embedding's over ~1,000
+    # terms of either sign): a small element is a cancellation of larger terms, so its rounding scales with the
+    # leaf's largest magnitude (8 row shards vs 1 moved one embedding element by 1.3e-6; that leaf peaks at ~0.6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max()),
                  jax.device_get(state.params), single_state.params)
     assert step._cache_size() == 1  # no recompilation across steps
     q = next(x for p, x in jax.tree_util.tree_leaves_with_path(state.params)
