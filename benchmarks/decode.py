@@ -112,10 +112,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--param-dtype", default=None)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--host-allocator", choices=("retain", "system"), default="retain",
+                        help="malloc policy (grpo_jax.host_memory), as a training run sets it")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.new_tokens < 2:
         parser.error("--new-tokens must be >= 2")
+    from grpo_jax.host_memory import configure_host_allocator
+
+    configure_host_allocator(args.host_allocator)
     result = measure(args.size, args.rows, args.prompt_length, args.new_tokens, args.dtype, args.param_dtype,
                      args.repeats)
     text = json.dumps(result, indent=2)

@@ -139,7 +139,8 @@ def _summary(steps: list[dict], first_rounds_s: float, flops: dict, peak: float,
 
 
 def run_grpo_jax(model_dir: str | None, size: str | None, prompts: Path, s: Setting, *, steps: int, warmup: int,
-                 dtype: str = "float32", param_dtype: str | None = None, logps_chunk_size: int = 0) -> dict:
+                 dtype: str = "float32", param_dtype: str | None = None, logps_chunk_size: int = 0,
+                 host_allocator: str = "retain") -> dict:
     """grpo_jax's public trainer (`build` + `run_round`), phases from its step_time/* metrics."""
     import jax
 
@@ -173,6 +174,7 @@ def run_grpo_jax(model_dir: str | None, size: str | None, prompts: Path, s: Sett
                             initializer_range=arch.get("initializer_range", 0.02), **model_kwargs)
     config = Config(
         seed=s.seed, output_dir=str(work / "run"), max_steps=warmup + steps, model=model,
+        host_allocator=host_allocator,
         data=DataConfig(path=str(prompts), tokenizer_path=tokenizer_dir, max_prompt_length=s.prompt_length),
         sampling=SamplingConfig(max_completion_length=s.max_completion_length, temperature=s.temperature),
         loss=LossConfig(loss_type=s.loss_type, beta=s.beta),
@@ -313,6 +315,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-completion-length", type=int, default=32)
     parser.add_argument("--prompt-length", type=int, default=16)
     parser.add_argument("--logps-chunk-size", type=int, default=0, help="grpo_jax train.logps_chunk_size")
+    parser.add_argument("--host-allocator", choices=("retain", "system"), default="retain",
+                        help="the process's malloc policy (grpo_jax.host_memory), set once for both libraries")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args(argv)
     if args.size is not None and args.impl != "grpo_jax":
@@ -327,12 +331,18 @@ def main(argv=None) -> dict:
         prompts = Path(tempfile.mkdtemp(prefix="bench_prompts_")) / "prompts.jsonl"
         prompts.write_text("".join(json.dumps(r) + "\n" for r in make_models.make_prompts(
             512, length=s.prompt_length - 1)))
+    from grpo_jax.host_memory import configure_host_allocator
+
+    # one process, one malloc: set before either library allocates, so both run under the same policy
     result = {"setting": dataclasses.asdict(s), "model": args.model or args.size, "steps": args.steps,
-              "warmup": args.warmup, "flops": step_flops(architecture(args.model, args.size), s)}
+              "warmup": args.warmup, "flops": step_flops(architecture(args.model, args.size), s),
+              "host_allocator": args.host_allocator,
+              "host_allocator_applied": configure_host_allocator(args.host_allocator)}
     if args.impl in ("both", "grpo_jax"):
         result["grpo_jax"] = run_grpo_jax(args.model, args.size, prompts, s, steps=args.steps, warmup=args.warmup,
                                           dtype=args.dtype, param_dtype=args.param_dtype,
-                                          logps_chunk_size=args.logps_chunk_size)
+                                          logps_chunk_size=args.logps_chunk_size,
+                                          host_allocator=args.host_allocator)
     if args.impl in ("both", "trl"):
         result["trl"] = run_trl(args.model, prompts, s, steps=args.steps, warmup=args.warmup, threads=args.threads)
     if args.impl == "both":

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 
 from grpo_jax import checkpoint, data, rewards, sharding, task
 from grpo_jax.config import Config, to_dict
+from grpo_jax.host_memory import configure_host_allocator
 from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, resolve_config
 from grpo_jax.sampling import jit_generate
 from grpo_jax.state import init_state, learning_rate_schedule, make_optimizer, state_from_params
@@ -128,6 +129,7 @@ def build(config: Config, *, loss_fn: Callable | None = None) -> Run:
     `grpo_jax.train_step`): the hook for a custom loss variant. It is not part of `config.yaml`.
     An `output_dir` holding a run is checked against its config.yaml (`checkpoint.check_compatible`).
     """
+    configure_host_allocator(config.host_allocator)  # before the first jitted call allocates
     output_dir, resuming = _output_dir(config)
     if resuming:
         checkpoint.check_compatible(yaml.safe_load((output_dir / "config.yaml").read_text()), to_dict(config))
