@@ -141,7 +141,7 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
                                     positions_from_mask(prompt_mask_BxP[::G]), mask_BxS[::G], cache_R, 0)
     # left padding puts every row's last real token at slot P - 1
     logits_RxV = unembed(graphdef, params, hidden_RxPxD[:, -1:])[:, 0]
-    cache = jax.tree.map(lambda x_LxRxSxKxDh: jnp.repeat(x_LxRxSxKxDh, G, axis=1), cache_R) if G > 1 else cache_R
+    cache = jax.tree.map(lambda x_LxRxKxSxDh: jnp.repeat(x_LxRxKxSxDh, G, axis=1), cache_R) if G > 1 else cache_R
     constrain = (lambda c: c) if cache_sharding is None else (  # noqa: E731
         lambda c: jax.lax.with_sharding_constraint(c, cache_sharding))
     cache = constrain(cache)

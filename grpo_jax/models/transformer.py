@@ -135,7 +135,7 @@ class ModelConfig:
 
 
 class KVCache(NamedTuple):
-    """Per-layer key/value buffers: k, v of shape [L, B, S, K, Dh] in the compute dtype."""
+    """Per-layer key/value buffers: k, v of shape [L, B, K, S, Dh] in the compute dtype."""
 
     k: jax.Array
     v: jax.Array
@@ -225,7 +225,7 @@ class Attention(nnx.Module):
         self.qk_norm = config.qk_norm
 
     def __call__(self, x_BxTxD, cos, sin, mask_BxTxS, cache_kv, layer, cache_index):
-        """Attend from T new tokens; with ``cache_kv`` (k, v [L,B,S,K,Dh]) write them at ``cache_index``."""
+        """Attend from T new tokens; with ``cache_kv`` (k, v [L,B,K,S,Dh]) write them at ``cache_index``."""
         B, T, _ = x_BxTxD.shape
         H, K, Dh = self.num_heads, self.num_kv_heads, self.head_dim
         x_NxD = x_BxTxD.reshape(B * T, -1)
@@ -236,23 +236,27 @@ class Attention(nnx.Module):
             q_BxTxHxDh, k_BxTxKxDh = self.q_norm(q_BxTxHxDh), self.k_norm(k_BxTxKxDh)
         q_BxTxHxDh = apply_rope(q_BxTxHxDh, cos, sin)
         k_BxTxKxDh = apply_rope(k_BxTxKxDh, cos, sin)
+        # keys/values kv-head-major [B, K, S, Dh]: the cache keeps this layout, so a decode step's attention
+        # dots read it in place (a [B, S, K, Dh] cache was transposed, i.e. copied whole, every step and layer)
+        k_BxKxTxDh, v_BxKxTxDh = k_BxTxKxDh.transpose(0, 2, 1, 3), v_BxTxKxDh.transpose(0, 2, 1, 3)
         if cache_kv is None:
-            k_BxSxKxDh, v_BxSxKxDh = k_BxTxKxDh, v_BxTxKxDh
+            k_BxKxSxDh, v_BxKxSxDh = k_BxKxTxDh, v_BxKxTxDh
         else:
             # one in-place update of the whole [L, ...] carry: no copy of the cache per layer or decode step
-            start = (layer, 0, cache_index, 0, 0)
+            start = (layer, 0, 0, cache_index, 0)
             cache_k, cache_v = (jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), start)
-                                for c, new in zip(cache_kv, (k_BxTxKxDh, v_BxTxKxDh)))
+                                for c, new in zip(cache_kv, (k_BxKxTxDh, v_BxKxTxDh)))
             cache_kv = (cache_k, cache_v)
-            k_BxSxKxDh = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)
-            v_BxSxKxDh = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
+            k_BxKxSxDh = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)
+            v_BxKxSxDh = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
         q_BxTxKxGxDh = q_BxTxHxDh.reshape(B, T, K, H // K, Dh)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxDh, k_BxSxKxDh,
+        scores = jnp.einsum("btkgd,bksd->bkgts", q_BxTxKxGxDh, k_BxKxSxDh,
                             preferred_element_type=jnp.float32) * (Dh ** -0.5)
         # a finite floor (not -inf) keeps fully masked padding queries NaN-free: they become uniform
         scores = jnp.where(mask_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxDh.dtype)
-        out_BxTxKxGxDh = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxDh)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxDh.dtype)
+        out_BxKxGxTxDh = jnp.einsum("bkgts,bksd->bkgtd", probs, v_BxKxSxDh)
+        out_BxTxKxGxDh = out_BxKxGxTxDh.transpose(0, 3, 1, 2, 4)
         return self.o_proj(out_BxTxKxGxDh.reshape(B * T, H * Dh)).reshape(B, T, -1), cache_kv
 
 
@@ -359,8 +363,8 @@ def init_model(config: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_length: int) -> KVCache:
-    """Zero KV cache of shape [L, B, max_length, K, Dh] in the compute dtype."""
-    shape = (config.num_hidden_layers, batch_size, max_length, config.num_key_value_heads,
+    """Zero KV cache of shape [L, B, K, max_length, Dh] in the compute dtype."""
+    shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, max_length,
              config.resolved_head_dim)
     return KVCache(jnp.zeros(shape, config.jnp_dtype), jnp.zeros(shape, config.jnp_dtype))
 
