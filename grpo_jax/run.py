@@ -45,6 +45,7 @@ class Run:
     ref_logps_fn: object
     step_fn: object
     take_fn: object  # (Batch of a round's rows, row indices [B]) -> one step's Batch, on the devices
+    step_prompt_group_size: int = 1  # > 1: a step takes the round's rows in order (whole groups, shared prompts)
     resuming: bool = False  # output_dir holds this run already: `train` continues from its newest checkpoint
     tokenizer_path: Path | None = None
 
@@ -122,6 +123,25 @@ def _resolve_rewards(config: Config, paths) -> list:
     return out
 
 
+def prompt_group_sizes(config: Config, mesh) -> tuple[int, int]:
+    """(G for a round's log-prob passes, G for the update) with `train.share_prompt_prefix`, else (1, 1).
+
+    A round's rows are whole groups in order; a shared-prompt forward needs every device's rows to be whole
+    groups too. The update shares prompts only when its batch is the whole round in one micro-batch
+    (steps_per_generation = gradient_accumulation_steps = 1): then it takes the rows in order, where TRL
+    shuffles them, which changes nothing but float summation order.
+    """
+    tc = config.train
+    G = tc.num_generations
+    if not tc.share_prompt_prefix or G == 1:
+        return 1, 1
+    shards = sharding.num_row_shards(mesh)
+    round_g = G if (tc.generation_batch_size // shards) % G == 0 else 1
+    whole = tc.steps_per_generation == 1 and tc.gradient_accumulation_steps == 1
+    step_g = G if whole and (tc.train_batch_size // shards) % G == 0 else 1
+    return round_g, step_g
+
+
 def build(config: Config, *, loss_fn: Callable | None = None) -> Run:
     """Resolves data, rewards, mesh, optimizer and state; jits the three device programs.
 
@@ -163,9 +183,11 @@ def build(config: Config, *, loss_fn: Callable | None = None) -> Run:
         graphdef, state = model.graphdef, state_from_params(params, optimizer, **state_options)
     eos_ids = eos_token_ids(config.model.path, tokenizer) if config.model.path else (tokenizer.eos_token_id,)
     loss_config = dataclasses.replace(config.loss, max_completion_length=config.sampling.max_completion_length)
+    round_group, step_group = prompt_group_sizes(config, mesh)
     options = StepOptions(loss=loss_config, temperature=config.sampling.temperature,
                           gradient_accumulation_steps=tc.gradient_accumulation_steps,
-                          logps_chunk_size=tc.logps_chunk_size, ref_sync=tc.ref_sync, loss_fn=loss_fn)
+                          logps_chunk_size=tc.logps_chunk_size, prompt_group_size=step_group,
+                          ref_sync=tc.ref_sync, loss_fn=loss_fn)
     state_sharding = sharding.tree_shardings(state)
     sample_fn = jit_generate(graphdef, mesh, config=config.sampling, eos_token_ids=eos_ids,
                              pad_token_id=tokenizer.pad_token_id, params_sharding=state_sharding.params,
@@ -174,11 +196,12 @@ def build(config: Config, *, loss_fn: Callable | None = None) -> Run:
                reward_fns=reward_fns, eval_reward_fns=eval_reward_fns, mesh=mesh, graphdef=graphdef, state=state,
                schedule=schedule, sample_fn=sample_fn,
                logps_fn=jit_logps(graphdef, mesh, temperature=config.sampling.temperature,
-                                  chunk_size=tc.logps_chunk_size, params_sharding=state_sharding.params),
+                                  chunk_size=tc.logps_chunk_size, params_sharding=state_sharding.params,
+                                  prompt_group_size=round_group),
                ref_logps_fn=None if state.ref_params is None else jit_logps(
                    graphdef, mesh, temperature=config.sampling.temperature, chunk_size=tc.logps_chunk_size,
-                   params_sharding=state_sharding.ref_params),
+                   params_sharding=state_sharding.ref_params, prompt_group_size=round_group),
                step_fn=jit_train_step(graphdef, optimizer, options, mesh, state_sharding),
                take_fn=jax.jit(lambda batch, rows: jax.tree.map(lambda x: x[rows], batch),
                                out_shardings=sharding.row_sharded(mesh)), resuming=resuming,
-               tokenizer_path=tokenizer_dir)
+               tokenizer_path=tokenizer_dir, step_prompt_group_size=step_group)

@@ -55,6 +55,7 @@ class StepOptions:
     temperature: float
     gradient_accumulation_steps: int = 1
     logps_chunk_size: int = 0
+    prompt_group_size: int = 1  # G > 1: each micro-batch's rows are whole groups in order (shared prompt forward)
     ref_sync: reference.RefSyncConfig = reference.RefSyncConfig()
     loss_fn: Callable | None = None  # None: grpo_jax.losses.compute_loss (see the module docstring)
 
@@ -101,7 +102,8 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     def loss_fn(params, micro: Batch):
         logps_BxT, entropy_BxT = completion_logps(
             graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.completion_ids, micro.completion_mask,
-            temperature=options.temperature, with_entropy=True, chunk_size=options.logps_chunk_size)
+            temperature=options.temperature, with_entropy=True, chunk_size=options.logps_chunk_size,
+            prompt_group_size=options.prompt_group_size)
         # the entropy carries gradient only for the entropy bonus (compute_loss differentiates through what it gets)
         entropies_BxT = entropy_BxT if options.loss.entropy_coef != 0.0 else jax.lax.stop_gradient(entropy_BxT)
         loss, aux = loss_fn_(logps_BxT, micro.old_per_token_logps, micro.ref_per_token_logps,
@@ -225,8 +227,10 @@ def jit_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
 
 
 def jit_logps(graphdef: nnx.GraphDef, mesh: Mesh, *, temperature: float, chunk_size: int = 0,
-              params_sharding=None):
+              params_sharding=None, prompt_group_size: int = 1):
     """Per-token log-probs of completions under some params (old policy or reference), rows sharded.
+
+    `prompt_group_size` G > 1: rows come in groups of G sharing a prompt (`logprobs.completion_hidden`).
 
     `params_sharding`: the params' shardings (`sharding.param_shardings`); a reference in host memory is
     brought to the devices inside. None: the layout of the params passed in (one compilation per layout).
@@ -238,7 +242,8 @@ def jit_logps(graphdef: nnx.GraphDef, mesh: Mesh, *, temperature: float, chunk_s
         if on_device is not None:
             params = jax.device_put(params, on_device)
         out, _ = completion_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                  temperature=temperature, chunk_size=chunk_size)
+                                  temperature=temperature, chunk_size=chunk_size,
+                                  prompt_group_size=prompt_group_size)
         return out
 
     return jax.jit(logps, in_shardings=(params_sharding, rows, rows, rows, rows), out_shardings=rows)

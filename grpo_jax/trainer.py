@@ -176,6 +176,8 @@ def prepare_round(run: Run, round_index: int) -> RoundBuffer:
                      **_completion_metrics(draw.completion_mask, draw.is_truncated),
                      "prompts/num_truncated": draw.num_prompts_truncated, **sampling_metrics}
     order = np.random.default_rng([cfg.seed, round_index]).permutation(tc.generation_batch_size)
+    if run.step_prompt_group_size > 1:  # one step takes the whole round: its row order changes nothing
+        order = np.arange(tc.generation_batch_size)
     slices = [order[k * tc.train_batch_size:(k + 1) * tc.train_batch_size] for k in range(tc.steps_per_generation)]
     step_rows_KxB = np.stack([s for _ in range(tc.num_iterations) for s in slices])
     sampler = draw.sampler_logps * mask if tc.use_sampler_logps else None

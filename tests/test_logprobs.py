@@ -21,12 +21,13 @@ def _row_logits(graphdef, params, ids_1xL):
     return unembed(graphdef, params, hidden)[0]
 
 
-def naive(graphdef, params, temperature):
+def naive(graphdef, params, temperature, prompt_ids=PROMPT_IDS, prompt_mask=PROMPT_MASK,
+          completion_ids=COMPLETION_IDS, completion_mask=COMPLETION_MASK):
     """Per row: unpadded forward of real prompt ++ real completion; float64 log-softmax per position."""
-    logps, entropy = np.zeros(COMPLETION_IDS.shape), np.zeros(COMPLETION_IDS.shape)
-    for b in range(len(PROMPT_IDS)):
-        prompt = PROMPT_IDS[b][PROMPT_MASK[b] == 1]
-        completion = COMPLETION_IDS[b][COMPLETION_MASK[b] == 1]
+    logps, entropy = np.zeros(completion_ids.shape), np.zeros(completion_ids.shape)
+    for b in range(len(prompt_ids)):
+        prompt = prompt_ids[b][prompt_mask[b] == 1]
+        completion = completion_ids[b][completion_mask[b] == 1]
         logits = np.asarray(_row_logits(graphdef, params, np.concatenate([prompt, completion])[None]), np.float64)
         for t, token in enumerate(completion):
             z = logits[len(prompt) - 1 + t] / temperature
@@ -88,6 +89,45 @@ def test_chunked_equals_unchunked_values_and_gradients(tiny_model, chunk_size):
         # largest entry of the leaf (tied embedding gradients reach ~10), not with each element
         np.testing.assert_allclose(a, b, atol=1e-6 * max(1.0, float(np.abs(b).max())), rtol=1e-5)
     assert any(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(g_full))
+
+
+# two groups of two rows: rows 0, 1 share prompt row 1 (one pad), rows 2, 3 prompt row 3 (five pads)
+GROUPED = (PROMPT_IDS[[1, 1, 3, 3]], PROMPT_MASK[[1, 1, 3, 3]], COMPLETION_IDS, COMPLETION_MASK)
+
+
+def test_shared_prompt_forward_matches_naive_reference(tiny_model):
+    _, graphdef, params = tiny_model
+    logps, entropy = completion_logps(graphdef, params, *GROUPED, temperature=0.8, with_entropy=True,
+                                      prompt_group_size=2)
+    ref_logps, ref_entropy = naive(graphdef, params, 0.8, *GROUPED)
+    mask = COMPLETION_MASK == 1
+    np.testing.assert_allclose(np.asarray(logps)[mask], ref_logps[mask], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(entropy)[mask], ref_entropy[mask], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [0, 3])
+def test_shared_prompt_forward_gradients_equal_per_row(tiny_model, chunk_size):
+    _, graphdef, params = tiny_model
+    weights = jnp.asarray(np.random.default_rng(2).normal(size=COMPLETION_IDS.shape), jnp.float32)
+
+    def objective(p, group):
+        logps, entropy = completion_logps(graphdef, p, *GROUPED, temperature=0.7, with_entropy=True,
+                                          chunk_size=chunk_size, prompt_group_size=group)
+        return jnp.sum((logps + 0.1 * entropy) * weights * COMPLETION_MASK)
+
+    grad_fn = jax.jit(jax.value_and_grad(objective), static_argnums=1)
+    (per_row, g_per_row), (shared, g_shared) = grad_fn(params, 1), grad_fn(params, 2)
+    np.testing.assert_allclose(shared, per_row, atol=1e-5, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_shared), jax.tree.leaves(g_per_row)):
+        # the group's prompt gradient is one sum of two rows' terms instead of two: rounding scales with the leaf
+        np.testing.assert_allclose(a, b, atol=1e-6 * max(1.0, float(np.abs(b).max())), rtol=1e-5)
+    assert any(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(g_per_row))
+
+
+def test_prompt_group_size_must_divide_the_rows(tiny_model):
+    _, graphdef, params = tiny_model
+    with pytest.raises(ValueError, match="prompt_group_size=3 must be a positive integer dividing the 4 rows"):
+        completion_logps(graphdef, params, *GROUPED, temperature=1.0, prompt_group_size=3)
 
 
 def test_gradient_matches_finite_difference(tiny_model):

@@ -143,6 +143,47 @@ def test_sampler_logps_serve_as_old_logps(tmp_path):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("devices, overrides, expected", [
+    (1, [], (4, 4)),  # a step is the whole round in one micro-batch
+    (1, ["train.steps_per_generation=2"], (4, 1)),  # steps take shuffled slices of the round, as TRL
+    (1, ["train.gradient_accumulation_steps=2"], (4, 1)),  # micro-batches take every other row
+    (1, ["train.share_prompt_prefix=false"], (1, 1)),
+    (4, [], (4, 4)),  # 4 rows per device: one group each
+    (8, [], (1, 1)),  # 2 rows per device: half a group
+    (8, ["train.steps_per_generation=2"], (4, 1)),  # the round's 32 rows: 4 per device
+])
+def test_prompt_group_sizes(devices, overrides, expected):
+    from grpo_jax import run as run_module, sharding
+    if len(jax.devices()) < devices:
+        pytest.skip(f"needs {devices} devices")
+    config = load_config(None, [*QUICK, *overrides])
+    mesh = sharding.make_mesh(devices, 1, 1, devices=jax.devices()[:devices])
+    assert run_module.prompt_group_sizes(config, mesh) == expected
+
+
+def test_shared_prompt_round_equals_per_row_round(tmp_path):
+    """Reference log-probs and the first update with each group's prompt run once equal the per-row ones."""
+    out = {}
+    for share in (True, False):
+        config = load_config(None, [f"output_dir={tmp_path / str(share)}", *QUICK, "max_steps=1",
+                                    "eval.num_examples=0", "train.train_batch_size=32",  # one group per device
+                                    f"train.share_prompt_prefix={str(share).lower()}"])
+        run = trainer.build(config)
+        assert run.step_prompt_group_size == (4 if share else 1)
+        writer = trainer.MetricsWriter(tmp_path, max_steps=1, show_progress=False)
+        buffer = trainer.run_round(run, writer, 0)
+        out[share] = (*jax.device_get((buffer.completion_ids, buffer.completion_mask, buffer.ref_per_token_logps)),
+                      writer.history[0])
+    (ids, mask, ref, metrics), (ids_1, _, ref_1, metrics_1) = out[True], out[False]
+    np.testing.assert_array_equal(ids, ids_1)  # the same samples: sampling does not depend on the option
+    real = np.asarray(mask, bool)
+    np.testing.assert_allclose(ref[real], ref_1[real], rtol=1e-5, atol=1e-5)
+    # the step's loss and gradient norm (params after Adam's first step would turn rounding noise in near-zero
+    # gradients into lr-sized moves; tests/test_train_step.py compares updates under SGD)
+    for key in ("loss", "grad_norm", "kl", "entropy"):
+        np.testing.assert_allclose(metrics[key], metrics_1[key], rtol=1e-5, atol=1e-7, err_msg=key)
+
+
 def test_seeded_runs_are_reproducible(tmp_path):
     params = []
     for name in ("a", "b"):

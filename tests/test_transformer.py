@@ -267,6 +267,32 @@ def test_cache_prefill_and_decode_match_full_forward(tiny_model_config, family):
     assert np.all(np.isfinite(got))
 
 
+@pytest.mark.parametrize("family", [None, "mistral"])
+def test_shared_prefix_keys_values_match_the_full_forward(tiny_model_config, family):
+    # rows 2g, 2g+1 share prompt row g: the prompt runs once (return_kv), its keys/values serve both rows' suffixes
+    if family is None:
+        config, graphdef, params = tiny_model_config, *init_model(tiny_model_config, seed=0)
+    else:  # sliding window (3 < the 8 slots, so the window cuts into the prefix) and qk norm together
+        config, graphdef, params = family_model(tiny_model_config, family, qk_norm=True)
+    G, P = 2, 5
+    prompt_ids, prompt_mask = PROMPT_IDS[[2, 0], :P], PROMPT_MASK[[2, 0], :P]  # no pad; three pads
+    suffix_ids = np.array([[4, 2, 9], [1, 1, 30], [3, 5, 7], [8, 31, 6]], np.int32)
+    suffix_mask = np.array([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], np.int32)
+    ids = np.concatenate([np.repeat(prompt_ids, G, 0), suffix_ids], 1)
+    mask = np.concatenate([np.repeat(prompt_mask, G, 0), suffix_mask], 1)
+    expected = full_logits(graphdef, params, ids, mask)[:, P:]
+    _, prefix = forward(graphdef, params, prompt_ids, positions_from_mask(prompt_mask), prompt_mask, return_kv=True)
+    assert prefix.k.shape == (config.num_hidden_layers, 2, config.num_key_value_heads, P, config.resolved_head_dim)
+    hidden, _ = forward(graphdef, params, suffix_ids, positions_from_mask(mask)[:, P:], mask, prefix=prefix,
+                        prefix_group_size=G)
+    got = np.asarray(unembed(graphdef, params, hidden))
+    real = suffix_mask == 1
+    np.testing.assert_allclose(got[real], expected[real], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="must cover the 5 prefix and T=3 input slots"):
+        forward(graphdef, params, suffix_ids, positions_from_mask(mask)[:, P:], suffix_mask, prefix=prefix,
+                prefix_group_size=G)
+
+
 def test_remat_policies_give_equal_values_and_gradients(tiny_model_config):
     config, graphdef, params = family_model(tiny_model_config, "qwen3")
     weights = jnp.asarray(np.random.default_rng(1).standard_normal((*PROMPT_IDS.shape, config.vocab_size)),

@@ -224,8 +224,13 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(Dh, config)
         self.qk_norm = config.qk_norm
 
-    def __call__(self, x_BxTxD, cos, sin, mask_BxTxS, cache_kv, layer, cache_index):
-        """Attend from T new tokens; with ``cache_kv`` (k, v [L,B,K,S,Dh]) write them at ``cache_index``."""
+    def __call__(self, x_BxTxD, cos, sin, mask_BxTxS, cache_kv, layer, cache_index, prefix_kv=None,
+                 prefix_group_size: int = 1):
+        """Attend from T new tokens; with ``cache_kv`` (k, v [L,B,K,S,Dh]) write them at ``cache_index``.
+
+        ``prefix_kv`` (k, v [R,K,P,Dh], R = B / ``prefix_group_size``): this layer's keys/values of a prefix
+        shared by each group of rows, attended before the T new tokens (S = P + T). Returns (out, cache_kv,
+        the new tokens' (k, v) [B,K,T,Dh])."""
         B, T, _ = x_BxTxD.shape
         H, K, Dh = self.num_heads, self.num_kv_heads, self.head_dim
         x_NxD = x_BxTxD.reshape(B * T, -1)
@@ -241,6 +246,10 @@ class Attention(nnx.Module):
         k_BxKxTxDh, v_BxKxTxDh = k_BxTxKxDh.transpose(0, 2, 1, 3), v_BxTxKxDh.transpose(0, 2, 1, 3)
         if cache_kv is None:
             k_BxKxSxDh, v_BxKxSxDh = k_BxKxTxDh, v_BxKxTxDh
+            if prefix_kv is not None:  # repeat's gradient sums each group's rows back into its one prefix
+                k_BxKxSxDh, v_BxKxSxDh = (
+                    jnp.concatenate([jnp.repeat(p.astype(new.dtype), prefix_group_size, axis=0), new], axis=2)
+                    for p, new in zip(prefix_kv, (k_BxKxTxDh, v_BxKxTxDh)))
         else:
             # one in-place update of the whole [L, ...] carry: no copy of the cache per layer or decode step
             start = (layer, 0, 0, cache_index, 0)
@@ -257,7 +266,8 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxDh.dtype)
         out_BxKxGxTxDh = jnp.einsum("bkgts,bksd->bkgtd", probs, v_BxKxSxDh)
         out_BxTxKxGxDh = out_BxKxGxTxDh.transpose(0, 3, 1, 2, 4)
-        return self.o_proj(out_BxTxKxGxDh.reshape(B * T, H * Dh)).reshape(B, T, -1), cache_kv
+        out_BxTxD = self.o_proj(out_BxTxKxGxDh.reshape(B * T, H * Dh)).reshape(B, T, -1)
+        return out_BxTxD, cache_kv, (k_BxKxTxDh, v_BxKxTxDh)
 
 
 class MLP(nnx.Module):
@@ -285,10 +295,11 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config)
 
-    def __call__(self, x, cos, sin, mask, cache_kv, layer, cache_index):
-        attn, cache_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_kv, layer, cache_index)
+    def __call__(self, x, cos, sin, mask, cache_kv, layer, cache_index, prefix_kv=None, prefix_group_size=1):
+        attn, cache_kv, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_kv, layer,
+                                                cache_index, prefix_kv, prefix_group_size)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), cache_kv
+        return x + self.mlp(self.post_attention_layernorm(x)), cache_kv, new_kv
 
 
 class Transformer(nnx.Module):
@@ -314,15 +325,21 @@ class Transformer(nnx.Module):
         if not config.tie_word_embeddings:
             self.lm_head = _linear(config.hidden_size, config.vocab_size, False, config, rngs)
 
-    def __call__(self, input_ids_BxT, positions_BxT, attention_mask_BxS, cache=None, cache_index=0):
-        """Final-normed hidden states [B, T, D] and the updated cache (see module ``forward``)."""
+    def __call__(self, input_ids_BxT, positions_BxT, attention_mask_BxS, cache=None, cache_index=0, *,
+                 prefix=None, prefix_group_size: int = 1, return_kv: bool = False):
+        """Final-normed hidden states [B, T, D] and the updated cache, or the inputs' keys/values with
+        ``return_kv`` (see module ``forward``)."""
         config = self.config
         T = input_ids_BxT.shape[1]
         S = attention_mask_BxS.shape[1]
         cache_index = jnp.asarray(cache_index, jnp.int32)
+        _check(cache is None or (prefix is None and not return_kv),
+               "a KV cache excludes prefix= and return_kv=: they are for cache-free (training) forwards")
+        prefix_len = 0 if prefix is None else prefix.k.shape[3]
         if cache is None:
-            _check(S == T, f"without a cache attention_mask must cover the T={T} inputs, got S={S}")
-            query_slot_T = jnp.arange(T)
+            _check(S == prefix_len + T, f"without a cache attention_mask must cover the {prefix_len} prefix and "
+                   f"T={T} input slots, got S={S}")
+            query_slot_T = prefix_len + jnp.arange(T)
             cache_kv = None
         else:
             query_slot_T = cache_index + jnp.arange(T)
@@ -331,22 +348,28 @@ class Transformer(nnx.Module):
         cos, sin = rope_cos_sin(positions_BxT, rope_inv_freq(config))
         layer_graphdef, layer_params = nnx.split(self.layers)
 
+        # the prefix's per-layer keys/values go in as scan inputs, never in the carry: a carried [L, ...] buffer
+        # would be saved once per layer for the backward pass
         def layer_step(carry, xs):
             x, cache_kv = carry
-            params, index = xs
+            params, index, prefix_kv = xs
             layer = nnx.merge(layer_graphdef, params)
-            return layer(x, cos, sin, mask_BxTxS, cache_kv, index, cache_index), None
+            x, cache_kv, new_kv = layer(x, cos, sin, mask_BxTxS, cache_kv, index, cache_index, prefix_kv,
+                                        prefix_group_size)
+            return (x, cache_kv), (new_kv if return_kv else None)
 
         if REMAT_POLICIES[config.remat] is not None:
             layer_step = jax.checkpoint(layer_step, policy=REMAT_POLICIES[config.remat], prevent_cse=False)
         x = self.embed_tokens(input_ids_BxT)
         layer_index_L = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
+        prefix_kv = None if prefix is None else (prefix.k, prefix.v)
         # unrolling a few layers per iteration removes the loop's per-iteration cost, which dominates small
         # models (the default 2-layer run's update is 2x faster fully unrolled on CPU)
-        (x, cache_kv), _ = jax.lax.scan(layer_step, (x, cache_kv), (layer_params, layer_index_L),
-                                        unroll=min(config.scan_unroll, config.num_hidden_layers))
-        new_cache = None if cache is None else KVCache(*cache_kv)
-        return self.norm(x), new_cache
+        (x, cache_kv), new_kv = jax.lax.scan(layer_step, (x, cache_kv), (layer_params, layer_index_L, prefix_kv),
+                                             unroll=min(config.scan_unroll, config.num_hidden_layers))
+        if return_kv:
+            return self.norm(x), KVCache(*new_kv)
+        return self.norm(x), None if cache is None else KVCache(*cache_kv)
 
     def unembed(self, hidden_BxTxD):
         """Logits [B, T, V] in the compute dtype."""
@@ -375,7 +398,8 @@ def model_config(graphdef: nnx.GraphDef, params: nnx.State) -> ModelConfig:
 
 
 def forward(graphdef, params, input_ids_BxT, positions_BxT, attention_mask_BxS, cache: KVCache | None = None,
-            cache_index: jax.Array | int = 0):
+            cache_index: jax.Array | int = 0, *, prefix: KVCache | None = None, prefix_group_size: int = 1,
+            return_kv: bool = False):
     """Pure forward pass: (hidden [B, T, D], updated cache or None).
 
     Without a cache S == T and a token attends to earlier tokens whose ``attention_mask`` is 1 (and, with
@@ -383,9 +407,16 @@ def forward(graphdef, params, input_ids_BxT, positions_BxT, attention_mask_BxS, 
     [cache_index, cache_index + T) for every row and a token at slot s attends to slots <= s masked by
     ``attention_mask_BxS`` over all S slots. ``positions_BxT`` drive RoPE (left padding: ``cumsum(mask) - 1``
     clipped at 0).
+
+    Shared prefixes (no cache): ``return_kv`` returns the inputs' keys/values as a `KVCache` [L, B, K, T, Dh]
+    in place of the cache; ``prefix`` (such a `KVCache` [L, R, K, P, Dh] with B = R * ``prefix_group_size``)
+    puts rows g*G .. g*G + G - 1 after prefix row g: the T inputs sit at slots P .. P + T - 1 and
+    ``attention_mask_BxS`` covers all P + T slots. A group's prompt then runs once, not G times, with the
+    same result (and gradient: the repeat sums the group's gradients into the one prefix).
     """
     model = nnx.merge(graphdef, params)
-    return model(input_ids_BxT, positions_BxT, attention_mask_BxS, cache, cache_index)
+    return model(input_ids_BxT, positions_BxT, attention_mask_BxS, cache, cache_index, prefix=prefix,
+                 prefix_group_size=prefix_group_size, return_kv=return_kv)
 
 
 def unembed(graphdef, params, hidden_BxTxD):
