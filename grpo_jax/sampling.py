@@ -90,14 +90,24 @@ def filter_logits(scaled_logits_BxV, config: SamplingConfig):
     return scores
 
 
-def _choose(logits_BxV, key, config: SamplingConfig, greedy: bool):
+# below this many bytes of [T, B, V] float32 noise, decode draws every step's Gumbel noise before its loop
+PRECOMPUTED_NOISE_BYTES = 32 << 20
+
+
+def _gumbel_BxV(key, step, shape):
+    """Step ``step``'s Gumbel noise: ``jax.random.categorical(fold_in(key, step), logits)`` is
+    ``argmax(logits + _gumbel_BxV(key, step, logits.shape))``."""
+    return jax.random.gumbel(jax.random.fold_in(key, step), shape, jnp.float32)
+
+
+def _choose(logits_BxV, noise_BxV, config: SamplingConfig, greedy: bool):
     """Pick one token per row; returns (tokens [B], full-vocab logp at temperature [B])."""
     scaled_BxV = logits_BxV.astype(jnp.float32) / config.temperature
     logp_BxV = jax.nn.log_softmax(scaled_BxV, axis=-1)
     if greedy:
         tokens_B = jnp.argmax(scaled_BxV, axis=-1)
-    else:
-        tokens_B = jax.random.categorical(key, filter_logits(scaled_BxV, config), axis=-1)
+    else:  # jax.random.categorical's own formula (Gumbel-max), with the noise drawn by the caller
+        tokens_B = jnp.argmax(noise_BxV + filter_logits(scaled_BxV, config), axis=-1)
     tokens_B = tokens_B.astype(jnp.int32)
     return tokens_B, jnp.take_along_axis(logp_BxV, tokens_B[:, None], axis=-1)[:, 0]
 
@@ -147,8 +157,21 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
     cache = constrain(cache)
     logits_BxV = jnp.repeat(logits_RxV, G, axis=0) if G > 1 else logits_RxV
 
+    V = logits_BxV.shape[-1]
+    # a CPU threefry call is a small loop of its own: drawing every step's noise at once (when it is small)
+    # takes it out of the decode loop; the same bits either way (vmap of the per-step draw)
+    noise_TxBxV = None
+    if not greedy and T * B * V * 4 <= PRECOMPUTED_NOISE_BYTES:
+        noise_TxBxV = jax.vmap(lambda t: _gumbel_BxV(key, t, (B, V)))(jnp.arange(T))
+
     def record(state: _DecodeState, logits_BxV):
-        tokens_B, logp_B = _choose(logits_BxV, jax.random.fold_in(key, state.step), config, greedy)
+        if greedy:
+            noise_BxV = None
+        elif noise_TxBxV is None:
+            noise_BxV = _gumbel_BxV(key, state.step, (B, V))
+        else:
+            noise_BxV = jax.lax.dynamic_index_in_dim(noise_TxBxV, state.step, keepdims=False)
+        tokens_B, logp_B = _choose(logits_BxV, noise_BxV, config, greedy)
         live_B = ~state.done_B
         tokens_B = jnp.where(live_B, tokens_B, pad_token_id)
         t = state.step

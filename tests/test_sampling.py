@@ -7,6 +7,7 @@ import pytest
 
 from grpo_jax.logprobs import completion_logps
 from grpo_jax.models import forward, positions_from_mask, unembed
+from grpo_jax import sampling
 from grpo_jax.sampling import SamplingConfig, filter_logits, generate_jit
 
 PROMPT_IDS = np.array([[0, 0, 0, 5, 7, 9], [0, 3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8], [0, 0, 0, 0, 0, 6]], np.int32)
@@ -98,6 +99,34 @@ def test_keys(tiny_model):
     np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
     np.testing.assert_array_equal(a.sampler_logps, b.sampler_logps)
     assert not np.array_equal(a.completion_ids, c.completion_ids)
+
+
+def reference_sample(graphdef, params, key, T, config):
+    """Per step: full (no-cache) forward, then jax.random.categorical(fold_in(key, t)) of the filtered logits."""
+    ids, mask = PROMPT_IDS, PROMPT_MASK
+    out = []
+    for t in range(T):
+        scaled = _last_logits(graphdef, params, ids, mask).astype(jnp.float32) / config.temperature
+        tok = np.asarray(jax.random.categorical(jax.random.fold_in(key, t), filter_logits(scaled, config)), np.int32)
+        out.append(tok)
+        ids = np.concatenate([ids, tok[:, None]], 1)
+        mask = np.concatenate([mask, np.ones_like(tok)[:, None]], 1)
+    return np.stack(out, 1)
+
+
+@pytest.mark.parametrize("noise_bytes", [sampling.PRECOMPUTED_NOISE_BYTES, 0])
+def test_sampling_draws_categorical_of_fold_in_key_step(tiny_model, monkeypatch, noise_bytes):
+    # every step's noise drawn before the loop, or inside it (above PRECOMPUTED_NOISE_BYTES): the same tokens
+    monkeypatch.setattr(sampling, "PRECOMPUTED_NOISE_BYTES", noise_bytes)
+    _, graphdef, params = tiny_model
+    config = SamplingConfig(max_completion_length=6, temperature=0.9, top_k=8)
+    key = jax.random.key(7)
+    # a new function object: jax would reuse a trace of `generate` made under the other noise_bytes
+    fresh = jax.jit(lambda *a, **k: sampling.generate(*a, **k),
+                    static_argnames=("config", "eos_token_ids", "pad_token_id"))
+    out = fresh(graphdef, params, PROMPT_IDS, PROMPT_MASK, key, config=config, eos_token_ids=NO_EOS,
+                pad_token_id=PAD)
+    np.testing.assert_array_equal(out.completion_ids, reference_sample(graphdef, params, key, 6, config))
 
 
 def test_top_k_one_is_greedy(tiny_model):
