@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.models import forward, init_cache, model_config, positions_from_mask, unembed
+from grpo_jax.models import forward, init_cache, layer_params, model_config, positions_from_mask, unembed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,13 +147,15 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
     mask_BxS = jnp.concatenate([prompt_mask_BxP, jnp.zeros((B, T), jnp.int32)], axis=1)
     # one prefill per distinct prompt (R = B / G rows), then every group member starts from its cache
     cache_R = init_cache(model_config(graphdef, params), B // G, P + T)
+    layers = layer_params(graphdef, params)  # sliced once here, not in every decode step
     hidden_RxPxD, cache_R = forward(graphdef, params, prompt_ids_BxP[::G],
-                                    positions_from_mask(prompt_mask_BxP[::G]), mask_BxS[::G], cache_R, 0)
+                                    positions_from_mask(prompt_mask_BxP[::G]), mask_BxS[::G], cache_R, 0,
+                                    layers=layers)
     # left padding puts every row's last real token at slot P - 1
     logits_RxV = unembed(graphdef, params, hidden_RxPxD[:, -1:])[:, 0]
-    cache = jax.tree.map(lambda x_LxRxKxSxDh: jnp.repeat(x_LxRxKxSxDh, G, axis=1), cache_R) if G > 1 else cache_R
+    cache = jax.tree.map(lambda x_RxKxSxDh: jnp.repeat(x_RxKxSxDh, G, axis=0), cache_R) if G > 1 else cache_R
     constrain = (lambda c: c) if cache_sharding is None else (  # noqa: E731
-        lambda c: jax.lax.with_sharding_constraint(c, cache_sharding))
+        lambda c: jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, cache_sharding), c))
     cache = constrain(cache)
     logits_BxV = jnp.repeat(logits_RxV, G, axis=0) if G > 1 else logits_RxV
 
@@ -192,7 +194,7 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
         mask_BxS = jax.lax.dynamic_update_slice(state.mask_BxS, jnp.ones((B, 1), jnp.int32), (0, slot))
         positions_Bx1 = (prompt_len_B + state.step - 1)[:, None]
         hidden_Bx1xD, cache = forward(graphdef, params, state.pending_B[:, None], positions_Bx1, mask_BxS,
-                                      state.cache, slot)
+                                      state.cache, slot, layers=layers)
         cache = constrain(cache)
         logits_BxV = unembed(graphdef, params, hidden_Bx1xD)[:, 0]
         return record(state._replace(cache=cache, mask_BxS=mask_BxS), logits_BxV)

@@ -158,9 +158,10 @@ def state_shardings(mesh: Mesh, abstract_state, *, offload_ref: bool = False):
 
 
 def cache_sharding(mesh: Mesh, num_kv_heads: int) -> NamedSharding:
-    """KV cache [L, B, K, S, Dh]: rows over (data, fsdp), kv heads over tensor when it divides them."""
+    """Each layer's KV cache buffer [B, K, S, Dh]: rows over (data, fsdp), kv heads over tensor when it divides
+    them."""
     heads = TENSOR if num_kv_heads % mesh.shape[TENSOR] == 0 else None
-    return NamedSharding(mesh, PartitionSpec(None, ROWS, heads, None, None))
+    return NamedSharding(mesh, PartitionSpec(ROWS, heads, None, None))
 
 
 def shard_rows(tree, mesh: Mesh):

@@ -282,7 +282,8 @@ def test_shared_prefix_keys_values_match_the_full_forward(tiny_model_config, fam
     mask = np.concatenate([np.repeat(prompt_mask, G, 0), suffix_mask], 1)
     expected = full_logits(graphdef, params, ids, mask)[:, P:]
     _, prefix = forward(graphdef, params, prompt_ids, positions_from_mask(prompt_mask), prompt_mask, return_kv=True)
-    assert prefix.k.shape == (config.num_hidden_layers, 2, config.num_key_value_heads, P, config.resolved_head_dim)
+    assert len(prefix.k) == config.num_hidden_layers
+    assert prefix.k[0].shape == (2, config.num_key_value_heads, P, config.resolved_head_dim)
     hidden, _ = forward(graphdef, params, suffix_ids, positions_from_mask(mask)[:, P:], mask, prefix=prefix,
                         prefix_group_size=G)
     got = np.asarray(unembed(graphdef, params, hidden))
@@ -329,7 +330,7 @@ def test_bfloat16_compute_close_to_float32(tiny_model, param_dtype):
     # bf16 keeps 8 mantissa bits: relative error ~ 2^-8 per op, a few ops deep
     assert err.max() < 0.05 * np.abs(ref).max(), (err.max(), np.abs(ref).max())
     cache = init_cache(dataclasses.replace(config, dtype="bfloat16"), 2, 4)
-    assert cache.k.dtype == jnp.bfloat16
+    assert cache.k[0].dtype == jnp.bfloat16
 
 
 ROPE_CASES = {  # Llama 3.1 8B's real rope settings, and a linear x4 one

@@ -135,7 +135,10 @@ class ModelConfig:
 
 
 class KVCache(NamedTuple):
-    """Per-layer key/value buffers: k, v of shape [L, B, K, S, Dh] in the compute dtype."""
+    """Key/value buffers, one per layer: k, v are L-tuples of [B, K, S, Dh] arrays in the compute dtype.
+
+    Separate arrays, not one [L, ...] stack: a decode step then updates and reads each layer's buffer in place
+    (slicing a layer out of a stack copies it, every step)."""
 
     k: jax.Array
     v: jax.Array
@@ -224,9 +227,9 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(Dh, config)
         self.qk_norm = config.qk_norm
 
-    def __call__(self, x_BxTxD, cos, sin, mask_BxTxS, cache_kv, layer, cache_index, prefix_kv=None,
+    def __call__(self, x_BxTxD, cos, sin, mask_BxTxS, cache_kv, cache_index, prefix_kv=None,
                  prefix_group_size: int = 1):
-        """Attend from T new tokens; with ``cache_kv`` (k, v [L,B,K,S,Dh]) write them at ``cache_index``.
+        """Attend from T new tokens; with ``cache_kv`` (this layer's k, v [B,K,S,Dh]) write them at cache_index.
 
         ``prefix_kv`` (k, v [R,K,P,Dh], R = B / ``prefix_group_size``): this layer's keys/values of a prefix
         shared by each group of rows, attended before the T new tokens (S = P + T). Returns (out, cache_kv,
@@ -251,13 +254,10 @@ class Attention(nnx.Module):
                     jnp.concatenate([jnp.repeat(p.astype(new.dtype), prefix_group_size, axis=0), new], axis=2)
                     for p, new in zip(prefix_kv, (k_BxKxTxDh, v_BxKxTxDh)))
         else:
-            # one in-place update of the whole [L, ...] carry: no copy of the cache per layer or decode step
-            start = (layer, 0, 0, cache_index, 0)
-            cache_k, cache_v = (jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), start)
-                                for c, new in zip(cache_kv, (k_BxKxTxDh, v_BxKxTxDh)))
-            cache_kv = (cache_k, cache_v)
-            k_BxKxSxDh = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)
-            v_BxKxSxDh = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
+            start = (0, 0, cache_index, 0)
+            cache_kv = tuple(jax.lax.dynamic_update_slice(c, new.astype(c.dtype), start)
+                             for c, new in zip(cache_kv, (k_BxKxTxDh, v_BxKxTxDh)))
+            k_BxKxSxDh, v_BxKxSxDh = cache_kv
         q_BxTxKxGxDh = q_BxTxHxDh.reshape(B, T, K, H // K, Dh)
         scores = jnp.einsum("btkgd,bksd->bkgts", q_BxTxKxGxDh, k_BxKxSxDh,
                             preferred_element_type=jnp.float32) * (Dh ** -0.5)
@@ -295,9 +295,9 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config)
 
-    def __call__(self, x, cos, sin, mask, cache_kv, layer, cache_index, prefix_kv=None, prefix_group_size=1):
-        attn, cache_kv, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_kv, layer,
-                                                cache_index, prefix_kv, prefix_group_size)
+    def __call__(self, x, cos, sin, mask, cache_kv, cache_index, prefix_kv=None, prefix_group_size=1):
+        attn, cache_kv, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_kv, cache_index,
+                                                prefix_kv, prefix_group_size)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), cache_kv, new_kv
 
@@ -326,7 +326,7 @@ class Transformer(nnx.Module):
             self.lm_head = _linear(config.hidden_size, config.vocab_size, False, config, rngs)
 
     def __call__(self, input_ids_BxT, positions_BxT, attention_mask_BxS, cache=None, cache_index=0, *,
-                 prefix=None, prefix_group_size: int = 1, return_kv: bool = False):
+                 prefix=None, prefix_group_size: int = 1, return_kv: bool = False, layers=None):
         """Final-normed hidden states [B, T, D] and the updated cache, or the inputs' keys/values with
         ``return_kv`` (see module ``forward``)."""
         config = self.config
@@ -335,41 +335,47 @@ class Transformer(nnx.Module):
         cache_index = jnp.asarray(cache_index, jnp.int32)
         _check(cache is None or (prefix is None and not return_kv),
                "a KV cache excludes prefix= and return_kv=: they are for cache-free (training) forwards")
-        prefix_len = 0 if prefix is None else prefix.k.shape[3]
+        prefix_len = 0 if prefix is None else prefix.k[0].shape[2]
         if cache is None:
             _check(S == prefix_len + T, f"without a cache attention_mask must cover the {prefix_len} prefix and "
                    f"T={T} input slots, got S={S}")
             query_slot_T = prefix_len + jnp.arange(T)
-            cache_kv = None
         else:
             query_slot_T = cache_index + jnp.arange(T)
-            cache_kv = (cache.k, cache.v)
         mask_BxTxS = attention_mask(attention_mask_BxS, query_slot_T, config.sliding_window)
         cos, sin = rope_cos_sin(positions_BxT, rope_inv_freq(config))
-        layer_graphdef, layer_params = nnx.split(self.layers)
+        layer_graphdef, stacked = nnx.split(self.layers)
+        x = self.embed_tokens(input_ids_BxT)
 
-        # the prefix's per-layer keys/values go in as scan inputs, never in the carry: a carried [L, ...] buffer
-        # would be saved once per layer for the backward pass
-        def layer_step(carry, xs):
-            x, cache_kv = carry
-            params, index, prefix_kv = xs
-            layer = nnx.merge(layer_graphdef, params)
-            x, cache_kv, new_kv = layer(x, cos, sin, mask_BxTxS, cache_kv, index, cache_index, prefix_kv,
-                                        prefix_group_size)
-            return (x, cache_kv), (new_kv if return_kv else None)
+        if cache is not None:
+            # decoding: one layer after another, each with its own cache buffers (updated in place). ``layers``
+            # (`layer_params`, sliced once by the caller) keeps the slicing out of a decode loop's steps
+            layers = layer_params_from(stacked, config.num_hidden_layers) if layers is None else layers
+            ks, vs = [], []
+            for params, k, v in zip(layers, cache.k, cache.v):
+                x, (k, v), _ = nnx.merge(layer_graphdef, params)(x, cos, sin, mask_BxTxS, (k, v), cache_index)
+                ks.append(k)
+                vs.append(v)
+            return self.norm(x), KVCache(tuple(ks), tuple(vs))
+
+        # training and scoring: one scan over the stacked layers; a shared prefix's per-layer keys/values are
+        # scan inputs (sliced per layer), never a carry (a carried [L, ...] buffer is saved once per layer)
+        def layer_step(x, xs):
+            params, prefix_kv = xs
+            x, _, new_kv = nnx.merge(layer_graphdef, params)(x, cos, sin, mask_BxTxS, None, cache_index,
+                                                             prefix_kv, prefix_group_size)
+            return x, (new_kv if return_kv else None)
 
         if REMAT_POLICIES[config.remat] is not None:
             layer_step = jax.checkpoint(layer_step, policy=REMAT_POLICIES[config.remat], prevent_cse=False)
-        x = self.embed_tokens(input_ids_BxT)
-        layer_index_L = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
-        prefix_kv = None if prefix is None else (prefix.k, prefix.v)
+        prefix_kv = None if prefix is None else (jnp.stack(prefix.k), jnp.stack(prefix.v))
         # unrolling a few layers per iteration removes the loop's per-iteration cost, which dominates small
         # models (the default 2-layer run's update is 2x faster fully unrolled on CPU)
-        (x, cache_kv), new_kv = jax.lax.scan(layer_step, (x, cache_kv), (layer_params, layer_index_L, prefix_kv),
-                                             unroll=min(config.scan_unroll, config.num_hidden_layers))
+        x, new_kv = jax.lax.scan(layer_step, x, (stacked, prefix_kv),
+                                 unroll=min(config.scan_unroll, config.num_hidden_layers))
         if return_kv:
-            return self.norm(x), KVCache(*new_kv)
-        return self.norm(x), None if cache is None else KVCache(*cache_kv)
+            return self.norm(x), KVCache(*(tuple(kv) for kv in new_kv))
+        return self.norm(x), None
 
     def unembed(self, hidden_BxTxD):
         """Logits [B, T, V] in the compute dtype."""
@@ -386,10 +392,22 @@ def init_model(config: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_length: int) -> KVCache:
-    """Zero KV cache of shape [L, B, K, max_length, Dh] in the compute dtype."""
-    shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, max_length,
-             config.resolved_head_dim)
-    return KVCache(jnp.zeros(shape, config.jnp_dtype), jnp.zeros(shape, config.jnp_dtype))
+    """Zero KV cache: L buffers of [B, K, max_length, Dh] each for k and v, in the compute dtype."""
+    shape = (batch_size, config.num_key_value_heads, max_length, config.resolved_head_dim)
+    zeros = tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(config.num_hidden_layers))
+    return KVCache(zeros, tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(config.num_hidden_layers)))
+
+
+def layer_params_from(stacked, num_layers: int) -> list:
+    """Per-layer parameter states [l] of the stacked decoder layers (each leaf sliced on its leading L axis)."""
+    return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_layers)]
+
+
+def layer_params(graphdef, params) -> list:
+    """The decoder layers' parameters, one state per layer: pass as ``forward(..., layers=)`` to a decode loop
+    so each step reads them in place instead of slicing (copying) them out of the stack again."""
+    model = nnx.merge(graphdef, params)
+    return layer_params_from(nnx.split(model.layers)[1], model.config.num_hidden_layers)
 
 
 def model_config(graphdef: nnx.GraphDef, params: nnx.State) -> ModelConfig:
@@ -399,7 +417,7 @@ def model_config(graphdef: nnx.GraphDef, params: nnx.State) -> ModelConfig:
 
 def forward(graphdef, params, input_ids_BxT, positions_BxT, attention_mask_BxS, cache: KVCache | None = None,
             cache_index: jax.Array | int = 0, *, prefix: KVCache | None = None, prefix_group_size: int = 1,
-            return_kv: bool = False):
+            return_kv: bool = False, layers: list | None = None):
     """Pure forward pass: (hidden [B, T, D], updated cache or None).
 
     Without a cache S == T and a token attends to earlier tokens whose ``attention_mask`` is 1 (and, with
@@ -408,15 +426,18 @@ def forward(graphdef, params, input_ids_BxT, positions_BxT, attention_mask_BxS, 
     ``attention_mask_BxS`` over all S slots. ``positions_BxT`` drive RoPE (left padding: ``cumsum(mask) - 1``
     clipped at 0).
 
-    Shared prefixes (no cache): ``return_kv`` returns the inputs' keys/values as a `KVCache` [L, B, K, T, Dh]
-    in place of the cache; ``prefix`` (such a `KVCache` [L, R, K, P, Dh] with B = R * ``prefix_group_size``)
+    With a cache the layers run one after another (``layers``: their `layer_params`, sliced once by a decode
+    loop's caller); without one a single ``lax.scan`` runs them, so its compile time does not grow with depth.
+
+    Shared prefixes (no cache): ``return_kv`` returns the inputs' keys/values as a `KVCache` ([B, K, T, Dh] per
+    layer) in place of the cache; ``prefix`` (such a `KVCache` of [R, K, P, Dh] with B = R * ``prefix_group_size``)
     puts rows g*G .. g*G + G - 1 after prefix row g: the T inputs sit at slots P .. P + T - 1 and
     ``attention_mask_BxS`` covers all P + T slots. A group's prompt then runs once, not G times, with the
     same result (and gradient: the repeat sums the group's gradients into the one prefix).
     """
     model = nnx.merge(graphdef, params)
     return model(input_ids_BxT, positions_BxT, attention_mask_BxS, cache, cache_index, prefix=prefix,
-                 prefix_group_size=prefix_group_size, return_kv=return_kv)
+                 prefix_group_size=prefix_group_size, return_kv=return_kv, layers=layers)
 
 
 def unembed(graphdef, params, hidden_BxTxD):
