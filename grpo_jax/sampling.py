@@ -100,14 +100,23 @@ def _gumbel_BxV(key, step, shape):
     return jax.random.gumbel(jax.random.fold_in(key, step), shape, jnp.float32)
 
 
+def argmax_last_axis(x_BxV):
+    """``jnp.argmax(x, axis=-1)`` (first maximum; a NaN counts as the maximum) as two plain reductions: XLA:CPU
+    runs argmax's (value, index) reduction element by element, ~3x slower on a decode step's [B, V]."""
+    V = x_BxV.shape[-1]
+    max_Bx1 = jnp.max(x_BxV, axis=-1, keepdims=True)
+    hit_BxV = (x_BxV == max_Bx1) | jnp.isnan(x_BxV)
+    return jnp.min(jnp.where(hit_BxV, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
+
+
 def _choose(logits_BxV, noise_BxV, config: SamplingConfig, greedy: bool):
     """Pick one token per row; returns (tokens [B], full-vocab logp at temperature [B])."""
     scaled_BxV = logits_BxV.astype(jnp.float32) / config.temperature
     logp_BxV = jax.nn.log_softmax(scaled_BxV, axis=-1)
     if greedy:
-        tokens_B = jnp.argmax(scaled_BxV, axis=-1)
+        tokens_B = argmax_last_axis(scaled_BxV)
     else:  # jax.random.categorical's own formula (Gumbel-max), with the noise drawn by the caller
-        tokens_B = jnp.argmax(noise_BxV + filter_logits(scaled_BxV, config), axis=-1)
+        tokens_B = argmax_last_axis(noise_BxV + filter_logits(scaled_BxV, config))
     tokens_B = tokens_B.astype(jnp.int32)
     return tokens_B, jnp.take_along_axis(logp_BxV, tokens_B[:, None], axis=-1)[:, 0]
 

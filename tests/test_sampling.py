@@ -129,6 +129,16 @@ def test_sampling_draws_categorical_of_fold_in_key_step(tiny_model, monkeypatch,
     np.testing.assert_array_equal(out.completion_ids, reference_sample(graphdef, params, key, 6, config))
 
 
+def test_argmax_last_axis_equals_jnp_argmax_with_ties_infs_and_nans():
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 3, (64, 9)).astype(np.float32)  # many ties: the first maximum wins
+    x[1, :] = -np.inf
+    x[2, 4] = np.inf
+    x[3, [2, 6]] = np.nan  # a NaN is the maximum, the first NaN wins
+    x[4, :] = np.nan
+    np.testing.assert_array_equal(sampling.argmax_last_axis(jnp.asarray(x)), np.asarray(jnp.argmax(x, axis=-1)))
+
+
 def test_top_k_one_is_greedy(tiny_model):
     greedy = run(tiny_model, greedy=True, temperature=0.7)
     top1 = run(tiny_model, key=3, top_k=1, temperature=0.7)
