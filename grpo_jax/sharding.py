@@ -171,8 +171,8 @@ def shard_rows(tree, mesh: Mesh):
     assembled with `jax.make_array_from_process_local_data`; with one process this is a device_put.
     """
     sharding = row_sharded(mesh)
-    if jax.process_count() == 1:
-        return jax.tree.map(lambda x: jax.device_put(x, sharding), tree)
+    if jax.process_count() == 1:  # one batched transfer for the whole tree (None leaves stay None)
+        return jax.device_put(tree, sharding)
 
     def put(x):
         x = np.asarray(x)
