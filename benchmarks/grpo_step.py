@@ -71,12 +71,14 @@ def _rope_theta(arch: dict) -> float:
     return float(arch.get("rope_theta") or (arch.get("rope_parameters") or {}).get("rope_theta", 10000.0))
 
 
-def step_flops(arch: dict, s: Setting) -> dict:
+def step_flops(arch: dict, s: Setting, prompt_group_size: int = 1) -> dict:
     """Analytic model FLOPs of one step: 2 per multiply-add of every matmul, attention over the real context.
 
     Forward FLOPs per token = 2 * (matmul weights, unembedding included) + 4 * L * H * Dh * context. Sampling:
     prefill of P prompt tokens + T decoded tokens (unembedding at T positions); reference log-probs: one
     forward over P + T; update: forward + backward = 3x forward over P + T. Attention context is averaged.
+    `prompt_group_size` G > 1: the log-prob and update passes run each group's prompt once (grpo_jax's
+    `train.share_prompt_prefix`), B / G prompt rows instead of B; G = 1 is the model FLOPs of the work as TRL does it.
     """
     D, L, F, V = arch["hidden_size"], arch["num_hidden_layers"], arch["intermediate_size"], arch["vocab_size"]
     H, K = arch["num_attention_heads"], arch["num_key_value_heads"]
@@ -88,7 +90,8 @@ def step_flops(arch: dict, s: Setting) -> dict:
     def attention(q_from, q_to):  # sum over query positions of 4 * L * H * Dh * (position + 1)
         return 4 * L * H * Dh * sum(range(q_from + 1, q_to + 1))
 
-    full = B * (2 * (body * (P + T) + D * V * T) + attention(0, P + T))
+    R = B // prompt_group_size
+    full = R * (2 * body * P + attention(0, P)) + B * (2 * (body * T + D * V * T) + attention(P, P + T))
     sample = B * (2 * (body * (P + T) + D * V * (T + 1)) + attention(0, P + T))
     return {"sample": sample, "logps": full, "update": 3 * full, "total": sample + 4 * full,
             "params_matmul": body + D * V}
@@ -199,8 +202,11 @@ def run_grpo_jax(model_dir: str | None, size: str | None, prompts: Path, s: Sett
     device = jax.devices()[0]
     peak = matmul_peak("jax", "bfloat16" if dtype == "bfloat16" else "float32",
                        n=8192 if device.platform == "gpu" else 2048)
-    flops = step_flops(arch, s)
+    from grpo_jax.run import prompt_group_sizes
+    # the FLOPs grpo_jax executes (each group's prompt once in log-prob/update passes): its hardware use
+    flops = step_flops(arch, s, prompt_group_size=prompt_group_sizes(config, run.mesh)[1])
     out = _summary(records, first_rounds_s, flops, peak, tokens)
+    out["executed_flops_per_step"] = flops["total"]
     out["compile_s"] = max(first_rounds_s - warmup * out["step_s"], 0.0)
     out.update(build_s=build_s, matmul_peak_flops_per_s=peak, device=str(device), dtype=dtype,
                param_dtype=param_dtype or dtype, jax_version=jax.__version__,
