@@ -5,8 +5,9 @@ K key/value heads, G = H // K query heads per key/value head, Dh head dim, F MLP
 
 The module tree mirrors Hugging Face names (``embed_tokens``, ``layers.self_attn.q_proj``, ``mlp.gate_proj``,
 ``input_layernorm``, ``norm``, ``lm_head``) with every decoder layer STACKED on a leading L axis
-(``layers.self_attn.q_proj.kernel`` is [L, D, H*Dh]) and run by one ``jax.lax.scan``, so compile time does
-not grow with depth. Kernels are [in, out], the Hugging Face ``weight`` transposed. ``init_model`` splits the
+(``layers.self_attn.q_proj.kernel`` is [L, D, H*Dh]) and run by one ``jax.lax.scan``, so the training
+forward's compile time does not grow with depth; decoding with a KV cache runs them one by one from per-layer
+slices. Kernels are [in, out], the Hugging Face ``weight`` transposed. ``init_model`` splits the
 module once into ``(graphdef, params)``; ``forward`` / ``unembed`` merge them inside, so callers jit over the
 params pytree only.
 """
@@ -14,13 +15,19 @@ params pytree only.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
+
+from grpo_jax.models.positional import (  # noqa: F401  (positions_from_mask: re-exported)
+    apply_rope,
+    attention_mask,
+    positions_from_mask,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 MODEL_TYPES = ("qwen2", "llama", "qwen3", "mistral")
@@ -140,8 +147,8 @@ class KVCache(NamedTuple):
     Separate arrays, not one [L, ...] stack: a decode step then updates and reads each layer's buffer in place
     (slicing a layer out of a stack copies it, every step)."""
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
 
 
 class RMSNorm(nnx.Module):
@@ -156,53 +163,6 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
-
-
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [Dh/2] float32, as transformers' ``ROPE_INIT_FUNCTIONS[rope_type]``."""
-    dim = config.resolved_head_dim
-    inv_freq = (1.0 / (config.rope_theta ** (np.arange(0, dim, 2).astype(np.float32) / dim))).astype(np.float32)
-    factor = np.float32(config.rope_factor)
-    if config.rope_type == "linear":
-        return inv_freq / factor
-    if config.rope_type == "llama3":  # transformers' _compute_llama3_parameters, op for op
-        low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
-        old_context_len = config.rope_original_max_position_embeddings
-        low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
-        wavelen = (2 * math.pi / inv_freq).astype(np.float32)
-        inv_freq_llama = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = ((old_context_len / wavelen - low) / (high - low)).astype(np.float32)
-        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
-        medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-        return np.where(medium, smoothed, inv_freq_llama).astype(np.float32)
-    return inv_freq
-
-
-def rope_cos_sin(positions_BxT, inv_freq_F):
-    """Rotary tables cos, sin [B, T, Dh] in float32 (HF layout: frequencies repeated twice)."""
-    freqs_BxTxF = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_F, jnp.float32)
-    emb_BxTxDh = jnp.concatenate([freqs_BxTxF, freqs_BxTxF], axis=-1)
-    return jnp.cos(emb_BxTxDh), jnp.sin(emb_BxTxDh)
-
-
-def apply_rope(x_BxTxHxDh, cos_BxTxDh, sin_BxTxDh):
-    """x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2, x1]; computed in float32."""
-    x = x_BxTxHxDh.astype(jnp.float32)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    out = x * cos_BxTxDh[:, :, None, :] + rotated * sin_BxTxDh[:, :, None, :]
-    return out.astype(x_BxTxHxDh.dtype)
-
-
-def attention_mask(attention_mask_BxS, query_slot_T, sliding_window: int | None):
-    """Boolean [B, T, S]: key slot s is visible from query slot q when s <= q, its mask is 1 and, with a
-    sliding window W, q - s < W (transformers' ``sliding_window_overlay``)."""
-    key_slot_S = jnp.arange(attention_mask_BxS.shape[1])
-    delta_TxS = query_slot_T[:, None] - key_slot_S[None, :]
-    visible_TxS = delta_TxS >= 0
-    if sliding_window is not None:
-        visible_TxS &= delta_TxS < sliding_window
-    return visible_TxS[None] & (attention_mask_BxS[:, None, :] > 0)
 
 
 def _linear(din, dout, bias, config, rngs):
@@ -394,8 +354,8 @@ def init_model(config: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]
 def init_cache(config: ModelConfig, batch_size: int, max_length: int) -> KVCache:
     """Zero KV cache: L buffers of [B, K, max_length, Dh] each for k and v, in the compute dtype."""
     shape = (batch_size, config.num_key_value_heads, max_length, config.resolved_head_dim)
-    zeros = tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(config.num_hidden_layers))
-    return KVCache(zeros, tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(config.num_hidden_layers)))
+    buffers = lambda: tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(config.num_hidden_layers))  # noqa: E731
+    return KVCache(buffers(), buffers())
 
 
 def layer_params_from(stacked, num_layers: int) -> list:
@@ -443,8 +403,3 @@ def forward(graphdef, params, input_ids_BxT, positions_BxT, attention_mask_BxS, 
 def unembed(graphdef, params, hidden_BxTxD):
     """Logits [B, T, V] = lm_head(hidden) (or hidden @ embed_tokens^T when tied), in the compute dtype."""
     return nnx.merge(graphdef, params).unembed(hidden_BxTxD)
-
-
-def positions_from_mask(mask_BxT):
-    """RoPE positions for a left-padded mask: cumsum(mask) - 1, clipped at 0."""
-    return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)

@@ -1,0 +1,61 @@
+"""Where tokens sit: RoPE frequencies (transformers' rope types), rotary tables, left-padding positions and the
+causal / padding / sliding-window attention mask. Shapes as in `grpo_jax.models.transformer`."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def rope_inv_freq(config) -> np.ndarray:
+    """Inverse frequencies [Dh/2] float32, as transformers' ``ROPE_INIT_FUNCTIONS[rope_type]``."""
+    dim = config.resolved_head_dim
+    inv_freq = (1.0 / (config.rope_theta ** (np.arange(0, dim, 2).astype(np.float32) / dim))).astype(np.float32)
+    factor = np.float32(config.rope_factor)
+    if config.rope_type == "linear":
+        return inv_freq / factor
+    if config.rope_type == "llama3":  # transformers' _compute_llama3_parameters, op for op
+        low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+        old_context_len = config.rope_original_max_position_embeddings
+        low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+        wavelen = (2 * math.pi / inv_freq).astype(np.float32)
+        inv_freq_llama = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = ((old_context_len / wavelen - low) / (high - low)).astype(np.float32)
+        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+        medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return np.where(medium, smoothed, inv_freq_llama).astype(np.float32)
+    return inv_freq
+
+
+def rope_cos_sin(positions_BxT, inv_freq_F):
+    """Rotary tables cos, sin [B, T, Dh] in float32 (HF layout: frequencies repeated twice)."""
+    freqs_BxTxF = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_F, jnp.float32)
+    emb_BxTxDh = jnp.concatenate([freqs_BxTxF, freqs_BxTxF], axis=-1)
+    return jnp.cos(emb_BxTxDh), jnp.sin(emb_BxTxDh)
+
+
+def apply_rope(x_BxTxHxDh, cos_BxTxDh, sin_BxTxDh):
+    """x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2, x1]; computed in float32."""
+    x = x_BxTxHxDh.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    out = x * cos_BxTxDh[:, :, None, :] + rotated * sin_BxTxDh[:, :, None, :]
+    return out.astype(x_BxTxHxDh.dtype)
+
+
+def attention_mask(attention_mask_BxS, query_slot_T, sliding_window: int | None):
+    """Boolean [B, T, S]: key slot s is visible from query slot q when s <= q, its mask is 1 and, with a
+    sliding window W, q - s < W (transformers' ``sliding_window_overlay``)."""
+    key_slot_S = jnp.arange(attention_mask_BxS.shape[1])
+    delta_TxS = query_slot_T[:, None] - key_slot_S[None, :]
+    visible_TxS = delta_TxS >= 0
+    if sliding_window is not None:
+        visible_TxS &= delta_TxS < sliding_window
+    return visible_TxS[None] & (attention_mask_BxS[:, None, :] > 0)
+
+
+def positions_from_mask(mask_BxT):
+    """RoPE positions for a left-padded mask: cumsum(mask) - 1, clipped at 0."""
+    return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
