@@ -36,16 +36,16 @@ def completion_hidden(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, complet
     G = prompt_group_size
     if not isinstance(G, int) or G < 1 or B % G:
         raise ValueError(f"prompt_group_size={G!r} must be a positive integer dividing the {B} rows")
-    ids_BxL = jnp.concatenate([prompt_ids_BxP, completion_ids_BxT], axis=1).astype(jnp.int32)
     mask_BxL = jnp.concatenate([prompt_mask_BxP, completion_mask_BxT], axis=1).astype(jnp.int32)
     if G == 1:
+        ids_BxL = jnp.concatenate([prompt_ids_BxP, completion_ids_BxT], axis=1).astype(jnp.int32)
         hidden_BxLxD, _ = forward(graphdef, params, ids_BxL, positions_from_mask(mask_BxL), mask_BxL)
         return hidden_BxLxD[:, P - 1:P + T - 1]
     prompt_mask_RxP = prompt_mask_BxP[::G].astype(jnp.int32)
     hidden_RxPxD, prompt_kv = forward(graphdef, params, prompt_ids_BxP[::G].astype(jnp.int32),
                                       positions_from_mask(prompt_mask_RxP), prompt_mask_RxP, return_kv=True)
-    hidden_BxTxD, _ = forward(graphdef, params, ids_BxL[:, P:], positions_from_mask(mask_BxL)[:, P:], mask_BxL,
-                              prefix=prompt_kv, prefix_group_size=G)
+    hidden_BxTxD, _ = forward(graphdef, params, completion_ids_BxT.astype(jnp.int32),
+                              positions_from_mask(mask_BxL)[:, P:], mask_BxL, prefix=prompt_kv, prefix_group_size=G)
     last_prompt_Bx1xD = jnp.repeat(hidden_RxPxD[:, P - 1:], G, axis=0)
     return jnp.concatenate([last_prompt_Bx1xD, hidden_BxTxD[:, :T - 1]], axis=1)
 
