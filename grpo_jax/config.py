@@ -345,8 +345,17 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
         except yaml.YAMLError as e:
             raise ValueError(f"config file {path!r} is not valid YAML: {e}") from e
         _check(isinstance(values, dict), f"config file {path!r} must hold a mapping of keys")
+    return _build(Config, _with_overrides(values, overrides))
+
+
+def apply_overrides(config: Config, overrides: typing.Sequence[str]) -> Config:
+    """``config`` with `dotted.key=value` overrides (values parsed as YAML), checked as a file's would be."""
+    return _build(Config, _with_overrides(to_dict(config), overrides))
+
+
+def _with_overrides(values: dict, overrides: typing.Sequence[str]) -> dict:
     for item in overrides:
         _check("=" in item, f"override {item!r} must look like section.key=value, e.g. train.learning_rate=1e-4")
         key, raw = item.split("=", 1)
         _set_dotted(values, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
-    return _build(Config, values)
+    return values

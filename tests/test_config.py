@@ -6,7 +6,7 @@ import json
 import pytest
 import yaml
 
-from grpo_jax.config import Config, load_config, to_dict
+from grpo_jax.config import Config, apply_overrides, load_config, to_dict
 from grpo_jax.trainer import build
 
 
@@ -23,6 +23,17 @@ def test_overrides_win_over_the_file(tmp_path):
     path.write_text("max_steps: 7\ntrain:\n  num_generations: 4\n")
     config = load_config(str(path), ["max_steps=9"])
     assert config.max_steps == 9 and config.train.num_generations == 4
+
+
+def test_apply_overrides_to_a_built_config():
+    base = load_config(None, ["train.logps_chunk_size=4", "model.remat=dots"])
+    config = apply_overrides(base, ["model.scan_unroll=3", "train.logps_chunk_size=8"])
+    assert (config.model.scan_unroll, config.train.logps_chunk_size, config.model.remat) == (3, 8, "dots")
+    assert dataclasses.replace(config, model=base.model, train=base.train) == base  # the rest kept
+    with pytest.raises(ValueError, match="unknown config key train.chunk"):
+        apply_overrides(base, ["train.chunk=3"])
+    with pytest.raises(ValueError, match="model.scan_unroll=0 must be an integer >= 1"):
+        apply_overrides(base, ["model.scan_unroll=0"])
 
 
 def test_every_shipped_config_loads():
