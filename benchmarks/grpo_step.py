@@ -36,6 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_models  # noqa: E402
+import trace_summary  # noqa: E402
 
 PHASES = ("sample", "score", "logps", "update")
 REWARD = "grpo_jax.task:char_accuracy"
@@ -143,12 +144,16 @@ def _summary(steps: list[dict], first_rounds_s: float, flops: dict, peak: float,
 
 def run_grpo_jax(model_dir: str | None, size: str | None, prompts: Path, s: Setting, *, steps: int, warmup: int,
                  dtype: str = "float32", param_dtype: str | None = None, logps_chunk_size: int = 0,
-                 host_allocator: str = "retain") -> dict:
-    """grpo_jax's public trainer (`build` + `run_round`), phases from its step_time/* metrics."""
+                 host_allocator: str = "retain", overrides: tuple[str, ...] = (),
+                 profile_dir: str | None = None) -> dict:
+    """grpo_jax's public trainer (`build` + `run_round`), phases from its step_time/* metrics.
+
+    ``overrides``: `dotted.key=value` config overrides applied last. ``profile_dir``: one more round after the
+    timed ones runs under `jax.profiler.trace`; its per-op summary (`trace_summary`) joins the result."""
     import jax
 
     from grpo_jax import trainer
-    from grpo_jax.config import Config, DataConfig, EvalConfig, RewardConfig, TrainConfig
+    from grpo_jax.config import Config, DataConfig, EvalConfig, RewardConfig, TrainConfig, apply_overrides
     from grpo_jax.losses import LossConfig
     from grpo_jax.models import ModelConfig
     from grpo_jax.reporting import MetricsWriter
@@ -176,7 +181,7 @@ def run_grpo_jax(model_dir: str | None, size: str | None, prompts: Path, s: Sett
                             tie_word_embeddings=arch["tie_word_embeddings"],
                             initializer_range=arch.get("initializer_range", 0.02), **model_kwargs)
     config = Config(
-        seed=s.seed, output_dir=str(work / "run"), max_steps=warmup + steps, model=model,
+        seed=s.seed, output_dir=str(work / "run"), max_steps=warmup + steps + bool(profile_dir), model=model,
         host_allocator=host_allocator,
         data=DataConfig(path=str(prompts), tokenizer_path=tokenizer_dir, max_prompt_length=s.prompt_length),
         sampling=SamplingConfig(max_completion_length=s.max_completion_length, temperature=s.temperature),
@@ -185,6 +190,7 @@ def run_grpo_jax(model_dir: str | None, size: str | None, prompts: Path, s: Sett
                           adam_beta2=0.999, max_grad_norm=1.0,
                           logps_chunk_size=logps_chunk_size),  # TRL's (TrainingArguments') optimizer defaults
         reward=RewardConfig(functions=(REWARD,)), eval=EvalConfig(num_examples=0))
+    config = apply_overrides(config, overrides)
     start = time.perf_counter()
     run = trainer.build(config)
     build_s = time.perf_counter() - start
@@ -195,8 +201,11 @@ def run_grpo_jax(model_dir: str | None, size: str | None, prompts: Path, s: Sett
     first_rounds_s = time.perf_counter() - start
     for i in range(warmup, warmup + steps):
         trainer.run_round(run, writer, i)
+    if profile_dir:
+        with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+            trainer.run_round(run, writer, warmup + steps)
     writer.close()
-    timed = writer.history[warmup:]
+    timed = writer.history[warmup:warmup + steps]
     records = [{"step": h["step_time"], **{p: h[f"step_time/{p}"] for p in PHASES}} for h in timed]
     tokens = [int(round(h["completions/mean_length"] * s.rows)) for h in timed]
     device = jax.devices()[0]
@@ -215,6 +224,11 @@ def run_grpo_jax(model_dir: str | None, size: str | None, prompts: Path, s: Sett
     if stats and "peak_bytes_in_use" in stats:
         out["peak_device_memory_mib"] = stats["peak_bytes_in_use"] / 2 ** 20
     out["peak_rss_mib"] = _peak_rss_mib()
+    if overrides:
+        out["overrides"] = list(overrides)
+    if profile_dir:
+        out["profile"] = trace_summary.summarize(profile_dir, top=30)
+        print(trace_summary.format_summary(out["profile"]), file=sys.stderr)
     return out
 
 
@@ -323,6 +337,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--logps-chunk-size", type=int, default=0, help="grpo_jax train.logps_chunk_size")
     parser.add_argument("--host-allocator", choices=("retain", "system"), default="retain",
                         help="the process's malloc policy (grpo_jax.host_memory), set once for both libraries")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="grpo_jax config override, e.g. model.remat=dots (repeatable)")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="trace one more grpo_jax round into DIR and add its per-op summary")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args(argv)
     if args.size is not None and args.impl != "grpo_jax":
@@ -348,7 +366,8 @@ def main(argv=None) -> dict:
         result["grpo_jax"] = run_grpo_jax(args.model, args.size, prompts, s, steps=args.steps, warmup=args.warmup,
                                           dtype=args.dtype, param_dtype=args.param_dtype,
                                           logps_chunk_size=args.logps_chunk_size,
-                                          host_allocator=args.host_allocator)
+                                          host_allocator=args.host_allocator,
+                                          overrides=tuple(args.overrides), profile_dir=args.profile)
     if args.impl in ("both", "trl"):
         result["trl"] = run_trl(args.model, prompts, s, steps=args.steps, warmup=args.warmup, threads=args.threads)
     if args.impl == "both":

@@ -74,3 +74,41 @@ def test_grpo_jax_and_trl_one_step(tiny_folder, tmp_path):
         assert r["score_s"] >= 0 and r["compile_s"] >= 0
         assert 0 < r["mean_completion_tokens"] <= 8 * 4 * 32
     assert set(result["ratio_grpo_jax_over_trl"]) == {"step", "sample", "score", "logps", "update"}
+
+
+def test_trace_summary_self_times_and_kinds(tmp_path):
+    import gzip
+
+    import trace_summary
+
+    def op(ts, dur, op, name=None, tid=1, pid=1, module="jit_step"):
+        return {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name or op,
+                "args": {"hlo_op": op, "hlo_module": module}}
+    events = [  # a while op holding a dot and a copy; a fusion on another thread; host noise without hlo_op
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        op(0, 100, "while.3"), op(10, 30, "dot.1"), op(50, 20, "copy.2"), op(120, 5, "dot.1"),
+        op(0, 40, "loop_fusion", tid=2), {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 999, "name": "Python"},
+    ]
+    path = tmp_path / "perfetto_trace.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    s = trace_summary.summarize(tmp_path)
+    assert s["events"] == 5 and s["where"] == "host XLA threads"
+    assert s["per_kind_ms"] == pytest.approx({"matmul": 0.035, "copy": 0.02, "other": 0.09})  # while: 100-30-20
+    assert s["total_ms"] == pytest.approx(0.145) and s["per_module_kind_ms"]["jit_step"] == s["per_kind_ms"]
+    top = {o["op"]: (o["ms"], o["count"]) for o in s["top_ops"]["jit_step"]}
+    assert top["dot.1"] == (pytest.approx(0.035), 2) and top["while.3"] == (pytest.approx(0.05), 1)
+    # a device process: only its kernels count (the host's launches of them are not device time)
+    events += [{"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+               op(5, 7, "fusion.9", name="nvjet_tst_128x64", pid=2, tid=7)]
+    path.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    s = trace_summary.summarize(path)
+    assert s["where"] == "device streams" and s["per_kind_ms"] == pytest.approx({"matmul": 0.007})
+
+
+def test_profiled_round_is_summarized(tiny_folder, tmp_path):
+    result = grpo_step.main(["--model", str(tiny_folder / "tiny"), "--impl", "grpo_jax", "--steps", "1",
+                             "--warmup", "1", "--set", "model.scan_unroll=1", "--profile", str(tmp_path)])
+    r = result["grpo_jax"]
+    assert r["steps_timed"] == 1 and r["overrides"] == ["model.scan_unroll=1"]
+    modules = r["profile"]["per_module_ms"]
+    assert {"jit_sample", "jit_step"} <= set(modules) and r["profile"]["per_kind_ms"]["matmul"] > 0

@@ -1,0 +1,130 @@
+"""Where the device time goes: XLA ops of a `jax.profiler` trace, summed per program, op and kind.
+
+    python benchmarks/grpo_step.py --size tiny --impl grpo_jax --profile /tmp/prof ...
+    python benchmarks/trace_summary.py /tmp/prof --top 25
+
+Reads the Perfetto trace (`perfetto_trace.json.gz`, written by ``jax.profiler.trace(...,
+create_perfetto_trace=True)``). Counted: complete events that name an XLA op (`hlo_op`), on the device's
+streams when the trace has a device process (a GPU's kernels), else on the host's XLA threads (XLA:CPU).
+Ops on parallel streams or threads overlap, so the sum can exceed wall time. Kinds come from op and kernel
+names: matmul (dots, GEMMs, cuBLAS/cuDNN kernels), attention (fused attention kernels), copy (copies,
+transposes, memcpy, dynamic slices/updates), collective, other (elementwise and reduction fusions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+from pathlib import Path
+
+KINDS = (  # first match wins; matched against "<hlo_op> <event name>", lower case
+    ("attention", ("fmha", "flash", "cudnn$fused", "custom-call.attention", "dot_product_attention")),
+    ("matmul", ("dot", "gemm", "nvjet", "cublas", "cutlass", "sm90_xmma", "ynn_fusion", "triton_gemm", "convolution")),
+    ("collective", ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective", "nccl")),
+    ("copy", ("copy", "transpose", "memcpy", "memset", "dynamic-update-slice", "dynamic_update_slice",
+              "dynamic-slice", "dynamic_slice", "concatenate")),
+)
+
+
+def find_trace(path: str | Path) -> Path:
+    """The newest perfetto_trace.json.gz under ``path`` (or ``path`` itself)."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    found = sorted(path.rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {path}: trace with "
+                                "jax.profiler.trace(dir, create_perfetto_trace=True)")
+    return found[-1]
+
+
+def kind(op: str, name: str) -> str:
+    text = f"{op} {name}".lower()
+    for label, needles in KINDS:
+        if any(n in text for n in needles):
+            return label
+    return "other"
+
+
+def _self_times(ops: list[dict]):
+    """(event, its duration less its nested ops') per event: a ``while`` op's body ops are not counted twice."""
+    out = []
+    lanes = collections.defaultdict(list)
+    for e in ops:
+        lanes[(e["pid"], e["tid"])].append(e)
+    for lane in lanes.values():
+        lane.sort(key=lambda e: (e["ts"], -e.get("dur", 0.0)))
+        stack: list[list] = []  # [event, end, self time]
+        for e in lane:
+            dur = e.get("dur", 0.0)
+            while stack and e["ts"] >= stack[-1][1]:
+                out.append(tuple(stack.pop()[::2]))
+            if stack:
+                stack[-1][2] -= min(dur, stack[-1][1] - e["ts"])
+            stack.append([e, e["ts"] + dur, dur])
+        out.extend(tuple(item[::2]) for item in reversed(stack))
+    return out
+
+
+def summarize(path: str | Path, top: int = 15) -> dict:
+    """Totals (ms) per program (`hlo_module`) and kind, and each program's ``top`` ops, of one trace; see the
+    module docstring."""
+    data = json.loads(gzip.decompress(find_trace(path).read_bytes()))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    process = {e["pid"]: e["args"].get("name", "") for e in events
+               if e.get("ph") == "M" and e.get("name") == "process_name"}
+    ops = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
+    device = [e for e in ops if process.get(e["pid"], "").startswith("/device:")]
+    ops = device or ops
+    per_module, per_kind = collections.Counter(), collections.Counter()
+    per_op, count = collections.Counter(), collections.Counter()
+    per_module_kind = collections.defaultdict(collections.Counter)
+    for e, self_us in _self_times(ops):
+        ms = self_us / 1e3
+        module, op = e["args"].get("hlo_module", "?"), e["args"]["hlo_op"]
+        per_module[module] += ms
+        per_kind[kind(op, e["name"])] += ms
+        per_module_kind[module][kind(op, e["name"])] += ms
+        key = (module, op, e["name"][:60])
+        per_op[key] += ms
+        count[key] += 1
+    return {
+        "events": len(ops), "where": "device streams" if device else "host XLA threads",
+        "total_ms": sum(per_module.values()),
+        "per_module_ms": dict(per_module.most_common()),
+        "per_kind_ms": dict(per_kind.most_common()),
+        "per_module_kind_ms": {m: dict(c.most_common()) for m, c in per_module_kind.items()},
+        "top_ops": {m: [{"op": op, "name": name, "ms": ms, "count": count[(m, op, name)], "kind": kind(op, name)}
+                        for (_, op, name), ms in per_op.most_common() if _ == m][:top]
+                    for m, _ in per_module.most_common()},
+    }
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"{summary['events']} XLA op events on {summary['where']}, {summary['total_ms']:.1f} ms in all"]
+    lines += ["per program:"] + [f"  {ms:9.2f} ms  {m}" for m, ms in summary["per_module_ms"].items()]
+    lines += ["per kind:"] + [f"  {ms:9.2f} ms  {k}" for k, ms in summary["per_kind_ms"].items()]
+    for module, ops in summary["top_ops"].items():
+        if summary["per_module_ms"][module] < 0.01 * summary["total_ms"]:
+            continue
+        kinds = ", ".join(f"{k} {ms:.2f}" for k, ms in summary["per_module_kind_ms"][module].items())
+        lines.append(f"top ops of {module} (ms: {kinds}):")
+        lines += [f"  {o['ms']:9.2f} ms  x{o['count']:<5d} {o['kind']:<10s} {o['op'][:32]:<32s} {o['name'][:60]}"
+                  for o in ops]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace", help="a jax.profiler trace folder or perfetto_trace.json.gz")
+    parser.add_argument("--top", type=int, default=15)
+    args = parser.parse_args(argv)
+    summary = summarize(args.trace, args.top)
+    print(format_summary(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
