@@ -12,7 +12,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.models import forward, init_cache, layer_params, model_config, positions_from_mask, unembed
+from grpo_jax.models import (compute_dtype_params, forward, init_cache, layer_params, model_config,
+                             positions_from_mask, unembed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +157,9 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
     mask_BxS = jnp.concatenate([prompt_mask_BxP, jnp.zeros((B, T), jnp.int32)], axis=1)
     # one prefill per distinct prompt (R = B / G rows), then every group member starts from its cache
     cache_R = init_cache(model_config(graphdef, params), B // G, P + T)
-    layers = layer_params(graphdef, params)  # sliced once here, not in every decode step
+    # weights cast to the compute dtype and sliced per layer once here, not in every decode step
+    params = compute_dtype_params(graphdef, params)
+    layers = layer_params(graphdef, params)
     hidden_RxPxD, cache_R = forward(graphdef, params, prompt_ids_BxP[::G],
                                     positions_from_mask(prompt_mask_BxP[::G]), mask_BxS[::G], cache_R, 0,
                                     layers=layers)

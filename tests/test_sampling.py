@@ -221,3 +221,24 @@ def test_grouped_prefill_matches_per_row_prefill(tiny_model):
     with pytest.raises(ValueError, match="prompt_group_size=5"):
         generate_jit(graphdef, params, ids, mask, jax.random.key(4), config=config, eos_token_ids=(3,),
                      pad_token_id=PAD, prompt_group_size=5)
+
+
+def test_float32_weights_sample_as_their_compute_dtype_copy(tiny_model_config):
+    """bf16 compute over float32 storage: the sampler's one cast of the weights (`compute_dtype_params`)
+    gives the numbers of a model whose weights were stored in bf16 to begin with."""
+    import dataclasses
+
+    from grpo_jax.models import compute_dtype_params, init_model
+
+    config = dataclasses.replace(tiny_model_config, dtype="bfloat16")
+    graphdef, params = init_model(config, seed=0)
+    stored_bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    leaves = jax.tree.leaves(compute_dtype_params(graphdef, params))
+    assert {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(compute_dtype_params(*init_model(tiny_model_config, 0)))} == {
+        jnp.dtype(jnp.float32)}  # float32 compute: nothing cast
+    sampling_config = SamplingConfig(max_completion_length=6)
+    outs = [generate_jit(graphdef, p, PROMPT_IDS, PROMPT_MASK, jax.random.key(2), config=sampling_config,
+                         eos_token_ids=NO_EOS, pad_token_id=PAD) for p in (params, stored_bf16)]
+    np.testing.assert_array_equal(outs[0].completion_ids, outs[1].completion_ids)
+    np.testing.assert_array_equal(outs[0].sampler_logps, outs[1].sampler_logps)

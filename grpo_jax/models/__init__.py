@@ -5,6 +5,7 @@ from grpo_jax.models.transformer import (
     KVCache,
     ModelConfig,
     Transformer,
+    compute_dtype_params,
     forward,
     init_cache,
     init_model,
@@ -22,7 +23,7 @@ from grpo_jax.models.pretrained import (  # noqa: E402
     save_pretrained,
 )
 
-__all__ = ["KVCache", "ModelConfig", "Transformer", "forward", "init_cache", "init_model", "layer_params",
-           "model_config",
+__all__ = ["KVCache", "ModelConfig", "Transformer", "compute_dtype_params", "forward", "init_cache", "init_model",
+           "layer_params", "model_config",
            "positions_from_mask", "unembed", "Model", "abstract_model", "eos_token_ids", "from_pretrained",
            "resolve_config", "save_pretrained"]
