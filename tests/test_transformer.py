@@ -184,7 +184,7 @@ def test_param_layout_is_stacked():
 
 def test_compiled_program_does_not_grow_with_depth(tiny_model_config):
     def num_eqns(layers):
-        config = dataclasses.replace(tiny_model_config, num_hidden_layers=layers)
+        config = dataclasses.replace(tiny_model_config, num_hidden_layers=layers, scan_layers=True)
         graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
         jaxpr = jax.make_jaxpr(full_logits.__wrapped__, static_argnums=0)(graphdef, params, PROMPT_IDS, PROMPT_MASK)
         return len(jaxpr.eqns), str(jaxpr).count("scan[")
@@ -270,8 +270,9 @@ def test_cache_prefill_and_decode_match_full_forward(tiny_model_config, family):
 @pytest.mark.parametrize("family", [None, "mistral"])
 def test_shared_prefix_keys_values_match_the_full_forward(tiny_model_config, family):
     # rows 2g, 2g+1 share prompt row g: the prompt runs once (return_kv), its keys/values serve both rows' suffixes
-    if family is None:
-        config, graphdef, params = tiny_model_config, *init_model(tiny_model_config, seed=0)
+    if family is None:  # the layers as one scan (model.scan_layers) here; the families loop over them
+        config = dataclasses.replace(tiny_model_config, scan_layers=True)
+        graphdef, params = init_model(config, seed=0)
     else:  # sliding window (3 < the 8 slots, so the window cuts into the prefix) and qk norm together
         config, graphdef, params = family_model(tiny_model_config, family, qk_norm=True)
     G, P = 2, 5
@@ -294,7 +295,7 @@ def test_shared_prefix_keys_values_match_the_full_forward(tiny_model_config, fam
                 prefix_group_size=G)
 
 
-def test_remat_policies_give_equal_values_and_gradients(tiny_model_config):
+def test_remat_policies_and_layer_scan_give_equal_values_and_gradients(tiny_model_config):
     config, graphdef, params = family_model(tiny_model_config, "qwen3")
     weights = jnp.asarray(np.random.default_rng(1).standard_normal((*PROMPT_IDS.shape, config.vocab_size)),
                           jnp.float32)
@@ -303,14 +304,17 @@ def test_remat_policies_give_equal_values_and_gradients(tiny_model_config):
         return jnp.sum(jnp.tanh(full_logits.__wrapped__(graphdef, params, PROMPT_IDS, PROMPT_MASK)) * weights)
 
     results = {}
-    for remat in ("none", "full", "dots"):
-        remat_graphdef, _ = init_model(dataclasses.replace(config, remat=remat), seed=1)
+    variants = {"none": {}, "full": dict(remat="full"), "dots": dict(remat="dots"),
+                "scan": dict(scan_layers=True), "scan+dots": dict(scan_layers=True, remat="dots")}
+    for name, fields in variants.items():
+        variant_graphdef, _ = init_model(dataclasses.replace(config, **fields), seed=1)
         grad_fn = jax.value_and_grad(loss, argnums=1)
-        jaxpr = str(jax.make_jaxpr(grad_fn, static_argnums=0)(remat_graphdef, params))
-        assert ("checkpoint[" in jaxpr or "remat" in jaxpr) == (remat != "none"), remat
-        results[remat] = jax.jit(grad_fn, static_argnums=0)(remat_graphdef, params)
+        jaxpr = str(jax.make_jaxpr(grad_fn, static_argnums=0)(variant_graphdef, params))
+        assert ("checkpoint[" in jaxpr or "remat" in jaxpr) == ("remat" in fields), name
+        assert ("scan[" in jaxpr) == ("scan_layers" in fields), name  # the Python loop has no scan
+        results[name] = jax.jit(grad_fn, static_argnums=0)(variant_graphdef, params)
     # recomputation may fuse and reassociate float32 sums differently: equal up to a few ulps of each leaf's scale
-    for remat in ("full", "dots"):
+    for remat in ("full", "dots", "scan", "scan+dots"):
         np.testing.assert_allclose(results[remat][0], results["none"][0], rtol=1e-6)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6 * np.abs(b).max(), rtol=0),
                      results[remat][1], results["none"][1])

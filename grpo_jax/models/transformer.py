@@ -5,11 +5,11 @@ K key/value heads, G = H // K query heads per key/value head, Dh head dim, F MLP
 
 The module tree mirrors Hugging Face names (``embed_tokens``, ``layers.self_attn.q_proj``, ``mlp.gate_proj``,
 ``input_layernorm``, ``norm``, ``lm_head``) with every decoder layer STACKED on a leading L axis
-(``layers.self_attn.q_proj.kernel`` is [L, D, H*Dh]) and run by one ``jax.lax.scan``, so the training
-forward's compile time does not grow with depth; decoding with a KV cache runs them one by one from per-layer
-slices. Kernels are [in, out], the Hugging Face ``weight`` transposed. ``init_model`` splits the
-module once into ``(graphdef, params)``; ``forward`` / ``unembed`` merge them inside, so callers jit over the
-params pytree only.
+(``layers.self_attn.q_proj.kernel`` is [L, D, H*Dh]). The training forward runs them as a Python loop over
+per-layer slices (or, with ``scan_layers``, one ``jax.lax.scan`` whose compile time does not grow with depth);
+decoding with a KV cache runs them one by one from per-layer slices taken once per decode loop. Kernels are
+[in, out], the Hugging Face ``weight`` transposed. ``init_model`` splits the module once into
+``(graphdef, params)``; ``forward`` / ``unembed`` merge them inside, so callers jit over the params pytree only.
 """
 
 from __future__ import annotations
@@ -71,7 +71,10 @@ class ModelConfig:
     rope_original_max_position_embeddings: int | None = None
     param_dtype: str = "float32"  # storage dtype
     remat: str = "none"
-    scan_unroll: int = 2  # decoder layers per scan iteration: 1 compiles one layer body at any depth
+    # training/scoring forward: false runs the layers as a Python loop (each layer's residuals its own buffer);
+    # true as one lax.scan, whose compile time does not grow with depth but which stacks residuals into [L, ...]
+    scan_layers: bool = False
+    scan_unroll: int = 2  # with scan_layers: decoder layers per scan iteration
     path: str | None = None  # a local Hugging Face model folder; its config.json gives the architecture
 
     def __post_init__(self):
@@ -318,8 +321,9 @@ class Transformer(nnx.Module):
                 vs.append(v)
             return self.norm(x), KVCache(tuple(ks), tuple(vs))
 
-        # training and scoring: one scan over the stacked layers; a shared prefix's per-layer keys/values are
-        # scan inputs (sliced per layer), never a carry (a carried [L, ...] buffer is saved once per layer)
+        # training and scoring: a loop or one scan over the stacked layers; a shared prefix's per-layer keys/values
+        # are per-layer inputs (scan inputs, sliced per layer), never a carry (a carried [L, ...] buffer is saved
+        # once per layer)
         def layer_step(x, xs):
             params, prefix_kv = xs
             x, _, new_kv = nnx.merge(layer_graphdef, params)(x, cos, sin, mask_BxTxS, None, cache_index,
@@ -328,6 +332,16 @@ class Transformer(nnx.Module):
 
         if REMAT_POLICIES[config.remat] is not None:
             layer_step = jax.checkpoint(layer_step, policy=REMAT_POLICIES[config.remat], prevent_cse=False)
+        if not config.scan_layers:
+            # each layer's residuals stay separate buffers: a scan writes them into [L, ...] stacks slice by slice,
+            # which cost the 0.5B H100 update 144 vs 120 ms and 34 vs 24 GiB peak (benchmarks/RESULTS.md)
+            new_kvs = []
+            for i, params in enumerate(layer_params_from(stacked, config.num_hidden_layers)):
+                x, new_kv = layer_step(x, (params, None if prefix is None else (prefix.k[i], prefix.v[i])))
+                new_kvs.append(new_kv)
+            if return_kv:
+                return self.norm(x), KVCache(*(tuple(kv[j] for kv in new_kvs) for j in (0, 1)))
+            return self.norm(x), None
         prefix_kv = None if prefix is None else (jnp.stack(prefix.k), jnp.stack(prefix.v))
         # unrolling a few layers per iteration removes the loop's per-iteration cost, which dominates small
         # models (the default 2-layer run's update is 2x faster fully unrolled on CPU)
@@ -400,7 +414,8 @@ def forward(graphdef, params, input_ids_BxT, positions_BxT, attention_mask_BxS, 
     clipped at 0).
 
     With a cache the layers run one after another (``layers``: their `layer_params`, sliced once by a decode
-    loop's caller); without one a single ``lax.scan`` runs them, so its compile time does not grow with depth.
+    loop's caller); without one a Python loop runs them, or with ``model.scan_layers`` a single ``lax.scan``
+    (whose compile time does not grow with depth).
 
     Shared prefixes (no cache): ``return_kv`` returns the inputs' keys/values as a `KVCache` ([B, K, T, Dh] per
     layer) in place of the cache; ``prefix`` (such a `KVCache` of [R, K, P, Dh] with B = R * ``prefix_group_size``)
