@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 KINDS = (  # first match wins; matched against "<hlo_op> <event name>", lower case
-    ("attention", ("fmha", "flash", "cudnn$fused", "custom-call.attention", "dot_product_attention")),
+    ("attention", ("fmha", "flash", "cudnn", "dot_product_attention")),
     ("matmul", ("dot", "gemm", "nvjet", "cublas", "cutlass", "sm90_xmma", "ynn_fusion", "triton_gemm", "convolution")),
     ("collective", ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective", "nccl")),
     ("copy", ("copy", "transpose", "memcpy", "memset", "dynamic-update-slice", "dynamic_update_slice",

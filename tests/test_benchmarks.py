@@ -106,9 +106,16 @@ def test_trace_summary_self_times_and_kinds(tmp_path):
 
 
 def test_profiled_round_is_summarized(tiny_folder, tmp_path):
+    import digest
+
+    out = tmp_path / "step.json"
     result = grpo_step.main(["--model", str(tiny_folder / "tiny"), "--impl", "grpo_jax", "--steps", "1",
-                             "--warmup", "1", "--set", "model.scan_layers=true", "--profile", str(tmp_path)])
+                             "--warmup", "1", "--set", "model.scan_layers=true", "--profile", str(tmp_path / "trace"),
+                             "--out", str(out)])
     r = result["grpo_jax"]
     assert r["steps_timed"] == 1 and r["overrides"] == ["model.scan_layers=true"]
     modules = r["profile"]["per_module_ms"]
     assert {"jit_sample", "jit_step"} <= set(modules) and r["profile"]["per_kind_ms"]["matmul"] > 0
+    text = digest.digest(out)
+    assert f"step_s: {r['step_s']}" in text and "top ops of jit_step" in text
+    assert "missing" in digest.digest(tmp_path / "absent.json")
