@@ -1,9 +1,9 @@
-"""Models: the decoder architecture (`transformer`) used as pure functions over a params pytree, and
-Hugging Face checkpoints in and out (`pretrained`, `hf_config`, `safetensors_io`)."""
+"""Models: the decoder (`configuration` for its `ModelConfig`, `transformer`) used as pure functions over a
+params pytree, and Hugging Face checkpoints in and out (`pretrained`, `hf_config`, `safetensors_io`)."""
 
+from grpo_jax.models.configuration import ModelConfig
 from grpo_jax.models.transformer import (
     KVCache,
-    ModelConfig,
     Transformer,
     compute_dtype_params,
     forward,

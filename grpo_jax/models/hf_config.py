@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from grpo_jax.models.transformer import ModelConfig
+from grpo_jax.models.configuration import ROPE_TYPES, ModelConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
-ROPE_TYPES = ("default", "linear", "llama3")
 # fields taken from the user's config, never from config.json
 _KEPT = ("path", "dtype", "param_dtype", "remat")
 

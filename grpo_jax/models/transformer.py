@@ -14,13 +14,13 @@ decoding with a KV cache runs them one by one from per-layer slices taken once p
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from grpo_jax.models.configuration import REMAT_POLICIES, ModelConfig  # noqa: F401  (ModelConfig: re-exported)
 from grpo_jax.models.positional import (  # noqa: F401  (positions_from_mask: re-exported)
     apply_rope,
     attention_mask,
@@ -29,119 +29,10 @@ from grpo_jax.models.positional import (  # noqa: F401  (positions_from_mask: re
     rope_inv_freq,
 )
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-MODEL_TYPES = ("qwen2", "llama", "qwen3", "mistral")
-ROPE_TYPES = ("default", "linear", "llama3")
-REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
-                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
-
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Architecture hyper-parameters; names follow Hugging Face ``config.json`` where it has one."""
-
-    vocab_size: int | None = None  # None: the tokenizer's size (the trainer fills it in)
-    hidden_size: int = 64
-    intermediate_size: int = 256
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int | None = None
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = True
-    attention_bias: bool = False  # q/k/v bias (Qwen2)
-    max_position_embeddings: int = 2048
-    dtype: str = "float32"  # compute dtype
-    initializer_range: float = 0.02
-    model_type: str = "qwen2"
-    attention_out_bias: bool = False  # o_proj bias (Llama's attention_bias sets both)
-    mlp_bias: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm of q and k over the head dim before RoPE
-    sliding_window: int | None = None  # a key is visible when query_slot - key_slot < sliding_window
-    rope_type: str = "default"
-    rope_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_position_embeddings: int | None = None
-    param_dtype: str = "float32"  # storage dtype
-    remat: str = "none"
-    # training/scoring forward: false runs the layers as a Python loop (each layer's residuals its own buffer);
-    # true as one lax.scan, whose compile time does not grow with depth but which stacks residuals into [L, ...]
-    scan_layers: bool = False
-    scan_unroll: int = 2  # with scan_layers: decoder layers per scan iteration
-    path: str | None = None  # a local Hugging Face model folder; its config.json gives the architecture
-
-    def __post_init__(self):
-        names = ("vocab_size",) if self.vocab_size is not None else ()
-        for name in (*names, "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
-            value = getattr(self, name)
-            _check(isinstance(value, int) and value >= 1, f"model.{name}={value!r} must be a positive integer")
-        _check(self.num_attention_heads % self.num_key_value_heads == 0,
-               f"model.num_attention_heads={self.num_attention_heads} is not a multiple of "
-               f"model.num_key_value_heads={self.num_key_value_heads}: choose a divisor for the kv heads")
-        _check(self.head_dim is not None or self.hidden_size % self.num_attention_heads == 0,
-               f"model.hidden_size={self.hidden_size} is not a multiple of model.num_attention_heads="
-               f"{self.num_attention_heads}: set model.head_dim explicitly or change the head count")
-        _check(self.head_dim is None or (isinstance(self.head_dim, int) and self.head_dim >= 1),
-               f"model.head_dim={self.head_dim!r} must be a positive integer or None")
-        _check(self.resolved_head_dim % 2 == 0,
-               f"model.head_dim={self.resolved_head_dim} must be even for rotary embeddings")
-        for name in ("dtype", "param_dtype"):
-            _check(getattr(self, name) in _DTYPES,
-                   f"model.{name}={getattr(self, name)!r} is not supported: use one of {sorted(_DTYPES)}")
-        _check(self.rope_theta > 0, f"model.rope_theta={self.rope_theta} must be > 0")
-        _check(self.rms_norm_eps > 0, f"model.rms_norm_eps={self.rms_norm_eps} must be > 0")
-        _check(self.initializer_range > 0, f"model.initializer_range={self.initializer_range} must be > 0")
-        _check(self.model_type in MODEL_TYPES,
-               f"model.model_type={self.model_type!r} is not supported: use one of {', '.join(MODEL_TYPES)}")
-        _check(isinstance(self.scan_unroll, int) and self.scan_unroll >= 1,
-               f"model.scan_unroll={self.scan_unroll!r} must be an integer >= 1 (layers per scan iteration)")
-        _check(self.remat in REMAT_POLICIES,
-               f"model.remat={self.remat!r} is not supported: use one of {', '.join(REMAT_POLICIES)}")
-        _check(self.sliding_window is None or (isinstance(self.sliding_window, int) and self.sliding_window >= 1),
-               f"model.sliding_window={self.sliding_window!r} must be a positive integer, or null for full "
-               "attention")
-        self._check_rope()
-
-    def _check_rope(self):
-        _check(self.rope_type in ROPE_TYPES,
-               f"model.rope_type={self.rope_type!r} is not supported: use one of {', '.join(ROPE_TYPES)}")
-        if self.rope_type == "default":
-            _check(self.rope_factor == 1.0, f"model.rope_factor={self.rope_factor} has no effect with "
-                   "model.rope_type='default': set rope_type to linear or llama3, or the factor to 1.0")
-            return
-        _check(self.rope_factor >= 1.0, f"model.rope_factor={self.rope_factor} must be >= 1 for "
-               f"model.rope_type={self.rope_type!r}")
-        if self.rope_type == "llama3":
-            original = self.rope_original_max_position_embeddings
-            _check(isinstance(original, int) and original >= 1,
-                   f"model.rope_original_max_position_embeddings={original!r} must be a positive integer with "
-                   "model.rope_type='llama3' (8192 for Llama 3.1)")
-            _check(0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
-                   f"model.rope_low_freq_factor={self.rope_low_freq_factor}, model.rope_high_freq_factor="
-                   f"{self.rope_high_freq_factor}: need 0 < low_freq_factor < high_freq_factor (Llama 3.1: 1, 4)")
-
-    @property
-    def resolved_head_dim(self) -> int:
-        """Head dimension: ``head_dim`` or ``hidden_size // num_attention_heads``."""
-        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
-
-    @property
-    def jnp_dtype(self):
-        """The compute dtype (activations, KV cache, logits) as a jnp dtype."""
-        return _DTYPES[self.dtype]
-
-    @property
-    def param_jnp_dtype(self):
-        """The parameter storage dtype as a jnp dtype."""
-        return _DTYPES[self.param_dtype]
 
 
 class KVCache(NamedTuple):
