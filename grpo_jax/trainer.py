@@ -112,7 +112,7 @@ def sample_and_score(run: Run, draw_index: int, seconds: dict, on_device_rows: C
     batch = data.repeat_groups(run.prompts.next_batch(), tc.num_generations)
     sample_key = _fold_in(run.state.key, run.state.step)
     if draw_index:  # dynamic sampling's extra passes
-        sample_key = jax.random.fold_in(sample_key, draw_index)
+        sample_key = _fold_in(sample_key, draw_index)
     prompt_ids, prompt_mask = sharding.shard_global_rows((batch.prompt_ids, batch.prompt_mask), run.mesh)
     out = run.sample_fn(run.state.params, prompt_ids, prompt_mask, sample_key, False)
     if on_device_rows is not None:
@@ -165,9 +165,8 @@ def prepare_round(run: Run, round_index: int) -> RoundBuffer:
 
     def log_probs(*rows):
         """Reference (and old-policy) log-probs of the rows, dispatched to the devices without waiting."""
-        out = {"ref": None if cfg.loss.beta == 0.0 else run.ref_logps_fn(run.state.ref_params, *rows),
-               "old": run.logps_fn(run.state.params, *rows) if old_forward else None}
-        return out
+        return {"ref": None if cfg.loss.beta == 0.0 else run.ref_logps_fn(run.state.ref_params, *rows),
+                "old": run.logps_fn(run.state.params, *rows) if old_forward else None}
 
     def on_device_rows(*rows):
         # the sampled rows never leave the devices for these passes, which overlap the host's reward scoring.
@@ -208,9 +207,10 @@ def prepare_round(run: Run, round_index: int) -> RoundBuffer:
     round_metrics = {**_reward_metrics(draw.rewards, r_N, std_N, cfg.reward.functions, tc.num_generations),
                      **_completion_metrics(draw.completion_mask, draw.is_truncated),
                      "prompts/num_truncated": draw.num_prompts_truncated, **sampling_metrics}
-    order = np.random.default_rng([cfg.seed, round_index]).permutation(tc.generation_batch_size)
     if run.step_prompt_group_size > 1:  # one step takes the whole round: its row order changes nothing
         order = np.arange(tc.generation_batch_size)
+    else:
+        order = np.random.default_rng([cfg.seed, round_index]).permutation(tc.generation_batch_size)
     slices = [order[k * tc.train_batch_size:(k + 1) * tc.train_batch_size] for k in range(tc.steps_per_generation)]
     step_rows_KxB = np.stack([s for _ in range(tc.num_iterations) for s in slices])
     sampler = draw.sampler_logps * mask if tc.use_sampler_logps else None
