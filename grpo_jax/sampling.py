@@ -7,10 +7,13 @@ slots, V vocab. Everything has static shapes; the loop exits early once every ro
 from __future__ import annotations
 
 import dataclasses
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from grpo_jax.models import (compute_dtype_params, forward, init_cache, layer_params, model_config,
                              positions_from_mask, unembed)
@@ -18,13 +21,18 @@ from grpo_jax.models import (compute_dtype_params, forward, init_cache, layer_pa
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """Sampling hyper-parameters (TRL GRPOConfig names); filters follow HF logits warpers."""
+    """Sampling hyper-parameters (TRL GRPOConfig names); filters follow HF logits warpers.
+
+    ``host_threads`` (grpo_jax only) splits a one-device sampling call's rows into that many chunks, each run from
+    its own host thread: XLA:CPU runs a small model's decode steps on one core, so chunks keep the others busy.
+    The tokens do not depend on it. 0: one per CPU core on a one-device CPU mesh, else 1 (`host_chunks`)."""
 
     max_completion_length: int = 8
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    host_threads: int = 0
 
     def __post_init__(self):
         if not isinstance(self.max_completion_length, int) or self.max_completion_length < 1:
@@ -38,6 +46,9 @@ class SamplingConfig:
             raise ValueError(f"sampling.top_p={self.top_p} must be in (0, 1] (1.0 disables it)")
         if not 0 <= self.min_p < 1:
             raise ValueError(f"sampling.min_p={self.min_p} must be in [0, 1) (0.0 disables it)")
+        if not isinstance(self.host_threads, int) or self.host_threads < 0:
+            raise ValueError(f"sampling.host_threads={self.host_threads!r} must be an integer >= 0 (0: one per CPU "
+                             "core on CPU, 1 elsewhere)")
 
 
 class SampleOutput(NamedTuple):
@@ -135,7 +146,8 @@ class _DecodeState(NamedTuple):
 
 def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: SamplingConfig,
              eos_token_ids: tuple[int, ...], pad_token_id: int, greedy: bool = False,
-             prompt_group_size: int = 1, cache_sharding=None) -> SampleOutput:
+             prompt_group_size: int = 1, cache_sharding=None, row_offset=0,
+             total_rows: int | None = None) -> SampleOutput:
     """Sample up to T = config.max_completion_length tokens per left-padded prompt.
 
     Prefill writes the prompt into a KV cache of S = P + T slots; decode step t feeds token t - 1 at slot
@@ -144,12 +156,15 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
     ``prompt_group_size`` G > 1 promises that rows g*G .. g*G + G - 1 hold the same prompt
     (`data.repeat_groups` order): the prompt is then prefilled once per group and its cache copied G times.
     ``cache_sharding`` (`sharding.cache_sharding`) pins the KV cache's layout over a mesh; None leaves it to XLA.
+    ``row_offset`` / ``total_rows``: these B rows are rows ``row_offset ..`` of a call over ``total_rows`` rows,
+    whose noise they draw (the tokens of a chunk are those of the whole call).
     """
     B, P = prompt_ids_BxP.shape
     T = config.max_completion_length
     G = prompt_group_size
     if not isinstance(G, int) or G < 1 or B % G:
         raise ValueError(f"prompt_group_size={G!r} must be a positive integer dividing the {B} rows")
+    total = B if total_rows is None else total_rows
     eos_E = jnp.asarray(eos_token_ids, jnp.int32).reshape(-1)
     prompt_mask_BxP = prompt_mask_BxP.astype(jnp.int32)
     prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1)
@@ -174,15 +189,19 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
     V = logits_BxV.shape[-1]
     # a CPU threefry call is a small loop of its own: drawing every step's noise at once (when it is small)
     # takes it out of the decode loop; the same bits either way (vmap of the per-step draw)
+    def noise_at(step):  # this call's rows of the step's [total, V] draw
+        noise = _gumbel_BxV(key, step, (total, V))
+        return noise if total == B else jax.lax.dynamic_slice_in_dim(noise, row_offset, B, axis=0)
+
     noise_TxBxV = None
-    if not greedy and T * B * V * 4 <= PRECOMPUTED_NOISE_BYTES:
-        noise_TxBxV = jax.vmap(lambda t: _gumbel_BxV(key, t, (B, V)))(jnp.arange(T))
+    if not greedy and T * total * V * 4 <= PRECOMPUTED_NOISE_BYTES:
+        noise_TxBxV = jax.vmap(noise_at)(jnp.arange(T))
 
     def record(state: _DecodeState, logits_BxV):
         if greedy:
             noise_BxV = None
         elif noise_TxBxV is None:
-            noise_BxV = _gumbel_BxV(key, state.step, (B, V))
+            noise_BxV = noise_at(state.step)
         else:
             noise_BxV = jax.lax.dynamic_index_in_dim(noise_TxBxV, state.step, keepdims=False)
         tokens_B, logp_B = _choose(logits_BxV, noise_BxV, config, greedy)
@@ -232,7 +251,51 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
 
 
 generate_jit = jax.jit(generate, static_argnames=("config", "eos_token_ids", "pad_token_id", "greedy",
-                                                 "prompt_group_size", "cache_sharding"))
+                                                 "prompt_group_size", "cache_sharding", "total_rows"))
+
+
+def _host_threads(config: SamplingConfig, mesh) -> int:
+    if config.host_threads:
+        return config.host_threads
+    one_cpu = mesh.devices.size == 1 and mesh.devices.flat[0].platform == "cpu"
+    return len(os.sched_getaffinity(0)) if one_cpu and hasattr(os, "sched_getaffinity") else 1
+
+
+def host_chunks(config: SamplingConfig, mesh, num_rows: int, group_size: int) -> int:
+    """Row chunks for one sampling call: ``config.host_threads`` (0: the CPU cores this process may use on a
+    one-device CPU mesh, else 1), lowered until the chunks split into whole groups of ``group_size`` rows."""
+    groups = num_rows // group_size
+    return max(k for k in range(1, min(_host_threads(config, mesh), groups) + 1) if groups % k == 0)
+
+
+class _Sampler:
+    """`jit_generate`'s callable: one jitted call, or `host_chunks` row chunks run from host threads."""
+
+    def __init__(self, jitted, config: SamplingConfig, mesh, prompt_group_size: int):
+        self._jitted, self._config, self._mesh, self._group = jitted, config, mesh, prompt_group_size
+        self._pool = None  # made on the first chunked call (its threads start as chunks need them)
+        self._split = jax.jit(lambda x, k: tuple(jnp.split(x, k)), static_argnums=1)
+        self._concat = jax.jit(lambda outs: SampleOutput(
+            *(jnp.concatenate(parts) for parts in zip(*(o[:4] for o in outs))),
+            num_decode_steps=jnp.max(jnp.stack([o.num_decode_steps for o in outs]))))
+
+    def _cache_size(self) -> int:
+        return self._jitted._cache_size()
+
+    def __call__(self, params, prompt_ids_BxP, prompt_mask_BxP, key, greedy):
+        B = prompt_ids_BxP.shape[0]
+        k = host_chunks(self._config, self._mesh, B, 1 if greedy else self._group)
+        if k == 1:
+            return self._jitted(params, prompt_ids_BxP, prompt_mask_BxP, key, np.int32(0), greedy, B)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(_host_threads(self._config, self._mesh),
+                                            thread_name_prefix="grpo_jax-sample")
+        chunks = zip(self._split(prompt_ids_BxP, k), self._split(prompt_mask_BxP, k))
+
+        def run(i, ids, mask):  # waiting in the worker: chunks dispatched without it sometimes ran one by one
+            return jax.block_until_ready(self._jitted(params, ids, mask, key, np.int32(i * (B // k)), greedy, B))
+        futures = [self._pool.submit(run, i, ids, mask) for i, (ids, mask) in enumerate(chunks)]
+        return self._concat([f.result() for f in futures])
 
 
 def jit_generate(graphdef, mesh, *, config: SamplingConfig, eos_token_ids: tuple[int, ...], pad_token_id: int,
@@ -241,17 +304,26 @@ def jit_generate(graphdef, mesh, *, config: SamplingConfig, eos_token_ids: tuple
 
     Prompt rows and outputs split over (data, fsdp), key and step count replicated; `params_sharding`
     (`sharding.param_shardings`) None takes the params' own layout. `greedy` is static: greedy calls
-    (evaluation) have one row per prompt, sampling calls `prompt_group_size` rows per prompt.
+    (evaluation) have one row per prompt, sampling calls `prompt_group_size` rows per prompt. On a one-device
+    mesh `config.host_threads` may split a call into row chunks run concurrently (`host_chunks`).
     """
-    from grpo_jax import sharding  # local: sharding does not depend on sampling, keep it that way
+    from grpo_jax import (
+        sharding,  # local: sharding does not depend on sampling, keep it that way
+    )
 
+    if config.host_threads > 1 and mesh.devices.size > 1:
+        raise ValueError(f"sampling.host_threads={config.host_threads} splits one device's rows over host "
+                         f"threads, but the mesh has {mesh.devices.size} devices (which already sample in "
+                         "parallel): set it to 0 or 1")
     rows, replicated = sharding.row_sharded(mesh), sharding.replicated(mesh)
 
-    def sample(params, prompt_ids_BxP, prompt_mask_BxP, key, greedy):
+    def sample(params, prompt_ids_BxP, prompt_mask_BxP, key, row_offset, greedy, total_rows):
         cache = sharding.cache_sharding(mesh, model_config(graphdef, params).num_key_value_heads)
         return generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, config=config,
                         eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, greedy=greedy,
-                        prompt_group_size=1 if greedy else prompt_group_size, cache_sharding=cache)
+                        prompt_group_size=1 if greedy else prompt_group_size, cache_sharding=cache,
+                        row_offset=row_offset, total_rows=total_rows)
 
-    return jax.jit(sample, static_argnums=4, in_shardings=(params_sharding, rows, rows, replicated),
-                   out_shardings=SampleOutput(rows, rows, rows, rows, num_decode_steps=replicated))
+    jitted = jax.jit(sample, static_argnums=(5, 6), in_shardings=(params_sharding, rows, rows, replicated, replicated),
+                     out_shardings=SampleOutput(rows, rows, rows, rows, num_decode_steps=replicated))
+    return _Sampler(jitted, config, mesh, prompt_group_size)

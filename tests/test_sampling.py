@@ -242,3 +242,51 @@ def test_float32_weights_sample_as_their_compute_dtype_copy(tiny_model_config):
                          eos_token_ids=NO_EOS, pad_token_id=PAD) for p in (params, stored_bf16)]
     np.testing.assert_array_equal(outs[0].completion_ids, outs[1].completion_ids)
     np.testing.assert_array_equal(outs[0].sampler_logps, outs[1].sampler_logps)
+
+
+def _sampler(graphdef, host_threads, group_size, **config):
+    from grpo_jax import sharding
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    return sampling.jit_generate(graphdef, mesh, config=SamplingConfig(host_threads=host_threads, **config),
+                                 eos_token_ids=(3,), pad_token_id=PAD, prompt_group_size=group_size)
+
+
+@pytest.mark.parametrize("noise_bytes", [sampling.PRECOMPUTED_NOISE_BYTES, 0])
+def test_host_thread_chunks_sample_the_tokens_of_one_call(tiny_model, monkeypatch, noise_bytes):
+    # rows in chunks from host threads draw their rows of the whole call's noise: the same tokens, EOS and logps
+    monkeypatch.setattr(sampling, "PRECOMPUTED_NOISE_BYTES", noise_bytes)
+    _, graphdef, params = tiny_model
+    ids, mask = np.repeat(PROMPT_IDS, 2, axis=0), np.repeat(PROMPT_MASK, 2, axis=0)  # 4 groups of 2 rows
+    key = jax.random.key(3)
+    outs = {}
+    for threads in (1, 2, 4):
+        fn = _sampler(graphdef, threads, 2, max_completion_length=7, temperature=1.3)
+        assert sampling.host_chunks(fn._config, fn._mesh, 8, 2) == threads
+        outs[threads] = jax.device_get(fn(params, ids, mask, key, False))
+        greedy = jax.device_get(fn(params, PROMPT_IDS, PROMPT_MASK, key, True))  # 4 rows: chunks of 1 row
+        if threads == 1:
+            greedy_one = greedy
+        np.testing.assert_array_equal(greedy.completion_ids, greedy_one.completion_ids)
+    assert outs[1].completion_mask.sum() < outs[1].completion_mask.size  # some rows stop at EOS (id 3)
+    for threads in (2, 4):
+        for name in ("completion_ids", "completion_mask", "is_truncated", "num_decode_steps"):
+            np.testing.assert_array_equal(getattr(outs[threads], name), getattr(outs[1], name), err_msg=name)
+        np.testing.assert_allclose(outs[threads].sampler_logps, outs[1].sampler_logps, rtol=1e-6, atol=1e-6)
+    # the unchunked call is generate's own draw (jax.random.categorical of fold_in(key, t) per step, whole batch)
+    direct = generate_jit(graphdef, params, ids, mask, key, config=SamplingConfig(max_completion_length=7,
+                          temperature=1.3), eos_token_ids=(3,), pad_token_id=PAD, prompt_group_size=2)
+    np.testing.assert_array_equal(outs[1].completion_ids, direct.completion_ids)
+
+
+def test_host_chunks_split_into_whole_groups_and_default_to_the_cpu_cores(tiny_model, monkeypatch):
+    _, graphdef, _ = tiny_model
+    chunks = lambda threads, rows, group: sampling.host_chunks(  # noqa: E731
+        SamplingConfig(host_threads=threads), _sampler(graphdef, 1, 1)._mesh, rows, group)
+    assert chunks(2, 24, 8) == 1  # 3 groups do not split in 2
+    assert chunks(3, 32, 8) == 2  # 4 groups: the most chunks <= 3 that split them
+    assert chunks(8, 16, 8) == 2  # never more chunks than groups
+    assert chunks(1, 32, 8) == 1
+    monkeypatch.setattr(sampling.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert chunks(0, 32, 8) == 4  # 0: one per core on a one-device CPU mesh
+    with pytest.raises(ValueError, match="sampling.host_threads=-1"):
+        SamplingConfig(host_threads=-1)

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec
 from grpo_jax import reference, sharding
 from grpo_jax.losses import LossConfig
 from grpo_jax.models import ModelConfig, init_model
-from grpo_jax.sampling import SamplingConfig, jit_generate
+from grpo_jax.sampling import SamplingConfig, host_chunks, jit_generate
 from grpo_jax.state import init_state
 from grpo_jax.train_step import StepOptions, jit_train_step
 from test_train_step import make_batch, one_device_mesh
@@ -205,3 +205,14 @@ def test_state_from_given_params_is_laid_out_like_init_state(tiny_model_config):
                  given, state)
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(given.params), expected)
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(given.ref_params), expected)
+
+
+@needs_8
+def test_host_threads_refuse_a_multi_device_mesh(tiny_model):
+    _, graphdef, _ = tiny_model
+    with pytest.raises(ValueError, match="sampling.host_threads=2 .* 8 devices"):
+        jit_generate(graphdef, sharding.make_mesh(8, 1, 1), config=SamplingConfig(host_threads=2),
+                     eos_token_ids=(1,), pad_token_id=0)
+    fn = jit_generate(graphdef, sharding.make_mesh(8, 1, 1), config=SamplingConfig(), eos_token_ids=(1,),
+                      pad_token_id=0)
+    assert host_chunks(fn._config, fn._mesh, 64, 8) == 1  # the default: the devices already sample in parallel
