@@ -167,6 +167,7 @@ class PromptIterator:
         self._epoch = 0
         self._index = 0
         self._order = self._permutation(0)
+        self._prefetched = None  # ((epoch, index), PromptBatch): `prefetch`'s batch for that position
 
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self._seed, epoch]).permutation(len(self._rows))
@@ -182,6 +183,7 @@ class PromptIterator:
             raise ValueError(f"data iterator state {state} is out of range for {len(self._rows)} rows")
         self._epoch, self._index = epoch, index
         self._order = self._permutation(epoch)
+        self._prefetched = None
 
     def next_indices(self) -> list[int]:
         """Row indices of the next batch (advances the position)."""
@@ -197,8 +199,22 @@ class PromptIterator:
 
     def next_batch(self) -> PromptBatch:
         """The next `prompts_per_round` prompts as a PromptBatch [P, L]."""
+        position, (prefetched_at, batch) = (self._epoch, self._index), self._prefetched or (None, None)
+        self._prefetched = None
         rows = [self._rows[i] for i in self.next_indices()]
+        if prefetched_at == position:
+            return batch
         return _make_batch(self._tokenizer, rows, self._max_prompt_length, self._truncation)
+
+    def prefetch(self) -> None:
+        """Tokenize the next batch now, without moving the position (the trainer calls it while the devices run
+        an update); the next `next_batch` returns it."""
+        position = (self._epoch, self._index)
+        if self._prefetched is None or self._prefetched[0] != position:
+            saved = self._epoch, self._index, self._order
+            batch = self.next_batch()
+            self._epoch, self._index, self._order = saved
+            self._prefetched = (position, batch)
 
 
 def repeat_groups(batch: PromptBatch, num_generations: int) -> PromptBatch:

@@ -242,6 +242,7 @@ def run_steps(run: Run, writer: MetricsWriter, buffer: RoundBuffer, *, until: in
         run.state, metrics = run.step_fn(run.state, step_batch)
         pending.append(metrics)
         position += 1
+    run.prompts.prefetch()  # the next round's prompts are tokenized while the devices run the steps
     pending = jax.device_get(pending)  # one host sync per call, after every step was dispatched
     t_update = (time.perf_counter() - timer) / max(len(pending), 1)
 

@@ -147,6 +147,25 @@ def test_iterator_state_restore_continues_identically():
         b.restore({"epoch": 0, "index": 7})
 
 
+def test_prefetch_tokenizes_the_next_batch_without_moving_the_position(monkeypatch):
+    plain, fetched = _iter(n=7, p=3, seed=3), _iter(n=7, p=3, seed=3)
+    calls = []
+    make = data._make_batch
+    monkeypatch.setattr(data, "_make_batch", lambda *a: calls.append(1) or make(*a))
+    for round_index in range(6):  # 18 prompts: crosses two epoch boundaries
+        state = fetched.state()
+        fetched.prefetch()
+        fetched.prefetch()  # twice: one tokenization
+        assert fetched.state() == state and len(calls) == 2 * round_index + 1
+        want, got = plain.next_batch(), fetched.next_batch()
+        assert len(calls) == 2 * round_index + 2  # the plain iterator's; the prefetched batch is reused
+        assert got.columns["idx"] == want.columns["idx"] and fetched.state() == plain.state()
+        np.testing.assert_array_equal(got.prompt_ids, want.prompt_ids)
+    fetched.prefetch()
+    fetched.restore({"epoch": 0, "index": 1})  # a restored position drops the prefetched batch
+    assert fetched.next_batch().columns["idx"] == np.random.default_rng([3, 0]).permutation(7)[1:4].tolist()
+
+
 def test_iterator_missing_columns_become_none_and_truncation_counted():
     rows = [{"prompt": "123456>", "answer": "1"}, {"prompt": "1>"}]
     it = data.PromptIterator(rows, task.build_tokenizer(), prompts_per_round=2, max_prompt_length=4, seed=0)
