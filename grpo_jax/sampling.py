@@ -307,9 +307,7 @@ def jit_generate(graphdef, mesh, *, config: SamplingConfig, eos_token_ids: tuple
     (evaluation) have one row per prompt, sampling calls `prompt_group_size` rows per prompt. On a one-device
     mesh `config.host_threads` may split a call into row chunks run concurrently (`host_chunks`).
     """
-    from grpo_jax import (
-        sharding,  # local: sharding does not depend on sampling, keep it that way
-    )
+    from grpo_jax import sharding  # local: sharding does not depend on sampling, keep it that way
 
     if config.host_threads > 1 and mesh.devices.size > 1:
         raise ValueError(f"sampling.host_threads={config.host_threads} splits one device's rows over host "
@@ -324,6 +322,7 @@ def jit_generate(graphdef, mesh, *, config: SamplingConfig, eos_token_ids: tuple
                         prompt_group_size=1 if greedy else prompt_group_size, cache_sharding=cache,
                         row_offset=row_offset, total_rows=total_rows)
 
-    jitted = jax.jit(sample, static_argnums=(5, 6), in_shardings=(params_sharding, rows, rows, replicated, replicated),
+    jitted = jax.jit(sample, static_argnums=(5, 6),
+                     in_shardings=(params_sharding, rows, rows, replicated, replicated),
                      out_shardings=SampleOutput(rows, rows, rows, rows, num_decode_steps=replicated))
     return _Sampler(jitted, config, mesh, prompt_group_size)

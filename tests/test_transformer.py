@@ -312,8 +312,8 @@ def test_cpu_linear_weight_gradient_equals_the_plain_dots(tiny_model_config):
     # CPU Linear layers take it without remat; a remat policy ("dots" must see plain dots) keeps jax's own
     for remat, custom in (("none", True), ("dots", False)):
         graphdef, params = init_model(dataclasses.replace(tiny_model_config, remat=remat), seed=0)
-        logits = lambda p, graphdef=graphdef: full_logits.__wrapped__(graphdef, p, PROMPT_IDS, PROMPT_MASK)  # noqa: E731
-        jaxpr = str(jax.make_jaxpr(logits)(params))
+        jaxpr = str(jax.make_jaxpr(full_logits.__wrapped__, static_argnums=0)(graphdef, params, PROMPT_IDS,
+                                                                              PROMPT_MASK))
         assert ("custom_vjp_call" in jaxpr) == (custom and jax.default_backend() == "cpu"), remat
 
 
