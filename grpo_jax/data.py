@@ -201,10 +201,11 @@ class PromptIterator:
         """The next `prompts_per_round` prompts as a PromptBatch [P, L]."""
         position, (prefetched_at, batch) = (self._epoch, self._index), self._prefetched or (None, None)
         self._prefetched = None
-        rows = [self._rows[i] for i in self.next_indices()]
+        indices = self.next_indices()
         if prefetched_at == position:
             return batch
-        return _make_batch(self._tokenizer, rows, self._max_prompt_length, self._truncation)
+        return _make_batch(self._tokenizer, [self._rows[i] for i in indices], self._max_prompt_length,
+                           self._truncation)
 
     def prefetch(self) -> None:
         """Tokenize the next batch now, without moving the position (the trainer calls it while the devices run

@@ -20,7 +20,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from grpo_jax.models.configuration import REMAT_POLICIES, ModelConfig  # noqa: F401  (ModelConfig: re-exported)
+from grpo_jax.models.configuration import (  # noqa: F401  (ModelConfig: re-exported)
+    REMAT_POLICIES,
+    ModelConfig,
+    _check,
+)
 from grpo_jax.models.positional import (  # noqa: F401  (positions_from_mask: re-exported)
     apply_rope,
     attention_mask,
@@ -28,11 +32,6 @@ from grpo_jax.models.positional import (  # noqa: F401  (positions_from_mask: re
     rope_cos_sin,
     rope_inv_freq,
 )
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 class KVCache(NamedTuple):
@@ -72,7 +71,7 @@ def _matmul_cpu_bwd(residuals, g_NxO):
     x_NxI, w_IxO = residuals
     # x^T copied out first (a barrier keeps XLA from folding the transpose back into the dot): XLA:CPU hands a dot
     # with a transposed operand to a slower kernel: x^T @ g over N rows ran up to 1.6x slower than copy + product
-    x_IxN = jax.lax.optimization_barrier(jnp.transpose(x_NxI) + jnp.zeros((), x_NxI.dtype))
+    x_IxN = jax.lax.optimization_barrier(jnp.transpose(x_NxI))
     return g_NxO @ w_IxO.T, x_IxN @ g_NxO
 
 
