@@ -234,11 +234,15 @@ def run_steps(run: Run, writer: MetricsWriter, buffer: RoundBuffer, *, until: in
     buffer = buffer._replace(**{k: sharding.shard_global_rows(getattr(buffer, k), run.mesh)
                                 for k in RoundBuffer.ARRAYS[:-1] if isinstance(getattr(buffer, k), np.ndarray)})
     pending, position = [], buffer.position
+    round_rows = Batch(buffer.prompt_ids, buffer.prompt_mask, buffer.completion_ids, buffer.completion_mask,
+                       buffer.advantages, buffer.old_per_token_logps, buffer.ref_per_token_logps,
+                       buffer.sampler_per_token_logps)
+    num_rows = len(buffer.completion_ids)
     while position < last and not (stop is not None and stop()):
-        step_batch = run.take_fn(Batch(buffer.prompt_ids, buffer.prompt_mask, buffer.completion_ids,
-                                       buffer.completion_mask, buffer.advantages, buffer.old_per_token_logps,
-                                       buffer.ref_per_token_logps, buffer.sampler_per_token_logps),
-                                 buffer.step_rows[position])
+        step_rows = buffer.step_rows[position]
+        # a step of all the round's rows in order (one step per round) takes them as they are, without a gather
+        in_order = len(step_rows) == num_rows and np.array_equal(step_rows, np.arange(num_rows))
+        step_batch = round_rows if in_order else run.take_fn(round_rows, step_rows)
         run.state, metrics = run.step_fn(run.state, step_batch)
         pending.append(metrics)
         position += 1

@@ -131,6 +131,26 @@ def test_no_recompilation_across_rounds(tmp_path):
     assert run.logps_fn._cache_size() == 0  # float32: the sampler's log-probs serve as the old ones
 
 
+@pytest.mark.parametrize("batch_size, gathers", [(32, 0), (16, 1)])
+def test_a_step_gets_its_rows(tmp_path, batch_size, gathers):
+    """A step of the whole round in order (whole groups per device) takes the round's rows as they are, without a
+    gather program; a shuffled step gathers its rows. Either way it trains on exactly its rows."""
+    config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "max_steps=1", "eval.num_examples=0",
+                                f"train.train_batch_size={batch_size}"])
+    run = trainer.build(config)
+    taken, batches = [], []
+    take_fn, step_fn = run.take_fn, run.step_fn
+    run.take_fn = lambda batch, rows: taken.append(rows) or take_fn(batch, rows)
+    run.step_fn = lambda state, batch: batches.append(jax.device_get(batch)) or step_fn(state, batch)
+    buffer = trainer.run_round(run, trainer.MetricsWriter(tmp_path, max_steps=1, show_progress=False), 0)
+    assert len(taken) == gathers and len(batches) == 1
+    in_order = np.array_equal(buffer.step_rows[0], np.arange(batch_size))
+    assert in_order == (gathers == 0)
+    for name in ("prompt_ids", "completion_ids", "completion_mask", "advantages", "ref_per_token_logps"):
+        np.testing.assert_array_equal(getattr(batches[0], name),
+                                      jax.device_get(getattr(buffer, name))[buffer.step_rows[0]], err_msg=name)
+
+
 def test_sampler_logps_serve_as_old_logps(tmp_path):
     """With float32 compute the sampler's log-probs equal a fresh forward pass of the same params."""
     config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "max_steps=2", "eval.num_examples=0",
