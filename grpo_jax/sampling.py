@@ -14,6 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.random import threefry2x32_p
 
 from grpo_jax.models import (compute_dtype_params, forward, init_cache, layer_params, model_config,
                              positions_from_mask, unembed)
@@ -106,20 +107,27 @@ def filter_logits(scaled_logits_BxV, config: SamplingConfig):
 PRECOMPUTED_NOISE_BYTES = 32 << 20
 
 
-def _gumbel_BxV(key, step, shape):
-    """Step ``step``'s Gumbel noise: ``jax.random.categorical(fold_in(key, step), logits)`` is
-    ``argmax(logits + _gumbel_BxV(key, step, logits.shape))``."""
-    return jax.random.gumbel(jax.random.fold_in(key, step), shape, jnp.float32)
-
-
-def precomputed_noise(key, steps: int, rows: int, vocab: int):
-    """Every decode step's Gumbel noise [steps, rows, vocab] (`_gumbel_BxV` of steps 0 ..), or None when it
-    exceeds `PRECOMPUTED_NOISE_BYTES` (decode then draws each step's noise inside its loop)."""
-    if steps * rows * vocab * 4 > PRECOMPUTED_NOISE_BYTES:
-        return None
-    # a CPU threefry call is a small loop of its own: drawing every step's noise at once takes it out of the
-    # decode loop; the same bits either way (vmap of the per-step draw)
-    return jax.vmap(lambda step: _gumbel_BxV(key, step, (rows, vocab)))(jnp.arange(steps))
+def _gumbel_rows(key, step, total: int, row_offset, rows: int, vocab: int):
+    """Rows ``row_offset .. row_offset + rows`` of step ``step``'s Gumbel noise, the [total, vocab] draw
+    ``jax.random.gumbel(fold_in(key, step), (total, vocab))``: ``jax.random.categorical(fold_in(key, step),
+    logits)`` is ``argmax(logits + noise)``. With a threefry key and partitionable bits (jax's defaults) element i
+    of the draw depends on ``threefry2x32(key, (0, i))`` alone: only these rows' bits are drawn, then
+    `jax.random.gumbel`'s own float transform; otherwise the whole draw is sliced."""
+    key = jax.random.fold_in(key, step)
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        data = jax.random.key_data(key) if str(jax.random.key_impl(key)) == "threefry2x32" else None
+    else:
+        data = key if jax.config.jax_default_prng_impl == "threefry2x32" else None
+    if data is None or not jax.config.jax_threefry_partitionable:
+        noise = jax.random.gumbel(key, (total, vocab), jnp.float32)
+        return noise if rows == total else jax.lax.dynamic_slice_in_dim(noise, row_offset, rows, axis=0)
+    counts = jnp.asarray(row_offset, jnp.uint32) * vocab + jnp.arange(rows * vocab, dtype=jnp.uint32)
+    bits1, bits2 = threefry2x32_p.bind(data[0], data[1], jnp.zeros_like(counts), counts)
+    # jax.random.uniform's mantissa trick over [tiny, 1), then gumbel's -log(-log(u))
+    ones = jax.lax.bitcast_convert_type(((bits1 ^ bits2) >> np.uint32(9)) | np.uint32(0x3F800000), jnp.float32)
+    tiny = jnp.finfo(jnp.float32).tiny
+    uniform = jnp.maximum(tiny, (ones - 1.0) * (1.0 - tiny) + tiny)
+    return -jnp.log(-jnp.log(uniform)).reshape(rows, vocab)
 
 
 def argmax_last_axis(x_BxV):
@@ -157,7 +165,7 @@ class _DecodeState(NamedTuple):
 def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: SamplingConfig,
              eos_token_ids: tuple[int, ...], pad_token_id: int, greedy: bool = False,
              prompt_group_size: int = 1, cache_sharding=None, row_offset=0,
-             total_rows: int | None = None, noise_TxBxV=None) -> SampleOutput:
+             total_rows: int | None = None) -> SampleOutput:
     """Sample up to T = config.max_completion_length tokens per left-padded prompt.
 
     Prefill writes the prompt into a KV cache of S = P + T slots; decode step t feeds token t - 1 at slot
@@ -167,8 +175,7 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
     (`data.repeat_groups` order): the prompt is then prefilled once per group and its cache copied G times.
     ``cache_sharding`` (`sharding.cache_sharding`) pins the KV cache's layout over a mesh; None leaves it to XLA.
     ``row_offset`` / ``total_rows``: these B rows are rows ``row_offset ..`` of a call over ``total_rows`` rows,
-    whose noise they draw (the tokens of a chunk are those of the whole call). ``noise_TxBxV``: these rows of
-    the call's `precomputed_noise`, when the caller drew it (once for all of its chunks).
+    whose noise they draw (`_gumbel_rows`: the tokens of a chunk are those of the whole call).
     """
     B, P = prompt_ids_BxP.shape
     T = config.max_completion_length
@@ -198,15 +205,14 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
     logits_BxV = jnp.repeat(logits_RxV, G, axis=0) if G > 1 else logits_RxV
 
     V = logits_BxV.shape[-1]
-
     def noise_at(step):  # this call's rows of the step's [total, V] draw
-        noise = _gumbel_BxV(key, step, (total, V))
-        return noise if total == B else jax.lax.dynamic_slice_in_dim(noise, row_offset, B, axis=0)
+        return _gumbel_rows(key, step, total, row_offset, B, V)
 
-    if noise_TxBxV is None and not greedy:
-        noise_TxBxV = precomputed_noise(key, T, total, V)
-        if noise_TxBxV is not None and total != B:
-            noise_TxBxV = jax.lax.dynamic_slice_in_dim(noise_TxBxV, row_offset, B, axis=1)
+    # a CPU threefry call is a small loop of its own: drawing every step's noise at once (when it is small)
+    # takes it out of the decode loop; the same bits either way (vmap of the per-step draw)
+    noise_TxBxV = None
+    if not greedy and T * B * V * 4 <= PRECOMPUTED_NOISE_BYTES:
+        noise_TxBxV = jax.vmap(noise_at)(jnp.arange(T))
 
     def record(state: _DecodeState, logits_BxV):
         if greedy:
@@ -282,20 +288,13 @@ def host_chunks(config: SamplingConfig, mesh, num_rows: int, group_size: int) ->
 class _Sampler:
     """`jit_generate`'s callable: one jitted call, or `host_chunks` row chunks run from host threads."""
 
-    def __init__(self, jitted, config: SamplingConfig, mesh, prompt_group_size: int, vocab_size):
+    def __init__(self, jitted, config: SamplingConfig, mesh, prompt_group_size: int):
         self._jitted, self._config, self._mesh, self._group = jitted, config, mesh, prompt_group_size
-        self._vocab_size = vocab_size  # params -> V
         self._pool = None  # made on the first chunked call (its threads start as chunks need them)
-        self._split = jax.jit(self._chunks, static_argnums=(3, 4))
+        self._split = jax.jit(lambda ids, mask, k: list(zip(jnp.split(ids, k), jnp.split(mask, k))), static_argnums=2)
         self._concat = jax.jit(lambda outs: SampleOutput(
             *(jnp.concatenate(parts) for parts in zip(*(o[:4] for o in outs))),
             num_decode_steps=jnp.max(jnp.stack([o.num_decode_steps for o in outs]))))
-
-    def _chunks(self, prompt_ids_BxP, prompt_mask_BxP, key, k: int, noise_shape):
-        """k row chunks of (ids, mask, their rows of the call's noise): one draw of the noise for all chunks."""
-        noise_TxBxV = None if noise_shape is None else precomputed_noise(key, *noise_shape)
-        noise = [None] * k if noise_TxBxV is None else jnp.split(noise_TxBxV, k, axis=1)
-        return list(zip(jnp.split(prompt_ids_BxP, k), jnp.split(prompt_mask_BxP, k), noise))
 
     def _cache_size(self) -> int:
         return self._jitted._cache_size()
@@ -304,17 +303,15 @@ class _Sampler:
         B = prompt_ids_BxP.shape[0]
         k = host_chunks(self._config, self._mesh, B, 1 if greedy else self._group)
         if k == 1:
-            return self._jitted(params, prompt_ids_BxP, prompt_mask_BxP, key, np.int32(0), None, greedy, B)
+            return self._jitted(params, prompt_ids_BxP, prompt_mask_BxP, key, np.int32(0), greedy, B)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(_host_threads(self._config, self._mesh),
                                             thread_name_prefix="grpo_jax-sample")
-        noise_shape = None if greedy else (self._config.max_completion_length, B, self._vocab_size(params))
-        chunks = self._split(prompt_ids_BxP, prompt_mask_BxP, key, k, noise_shape)
 
-        def run(i, ids, mask, noise):  # waiting in the worker: chunks dispatched without it sometimes ran one by one
-            return jax.block_until_ready(self._jitted(params, ids, mask, key, np.int32(i * (B // k)), noise, greedy,
-                                                      B))
-        futures = [self._pool.submit(run, i, *chunk) for i, chunk in enumerate(chunks)]
+        def run(i, ids, mask):  # waiting in the worker: chunks dispatched without it sometimes ran one by one
+            return jax.block_until_ready(self._jitted(params, ids, mask, key, np.int32(i * (B // k)), greedy, B))
+        chunks = self._split(prompt_ids_BxP, prompt_mask_BxP, k)
+        futures = [self._pool.submit(run, i, ids, mask) for i, (ids, mask) in enumerate(chunks)]
         return self._concat([f.result() for f in futures])
 
 
@@ -335,21 +332,14 @@ def jit_generate(graphdef, mesh, *, config: SamplingConfig, eos_token_ids: tuple
                          "parallel): set it to 0 or 1")
     rows, replicated = sharding.row_sharded(mesh), sharding.replicated(mesh)
 
-    def sample(params, prompt_ids_BxP, prompt_mask_BxP, key, row_offset, noise_TxBxV, greedy, total_rows):
+    def sample(params, prompt_ids_BxP, prompt_mask_BxP, key, row_offset, greedy, total_rows):
         cache = sharding.cache_sharding(mesh, model_config(graphdef, params).num_key_value_heads)
         return generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, config=config,
                         eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, greedy=greedy,
                         prompt_group_size=1 if greedy else prompt_group_size, cache_sharding=cache,
-                        row_offset=row_offset, total_rows=total_rows, noise_TxBxV=noise_TxBxV)
+                        row_offset=row_offset, total_rows=total_rows)
 
-    # noise only comes with host chunks, i.e. on one device
-    jitted = jax.jit(sample, static_argnums=(6, 7),
-                     in_shardings=(params_sharding, rows, rows, replicated, replicated, replicated),
+    jitted = jax.jit(sample, static_argnums=(5, 6),
+                     in_shardings=(params_sharding, rows, rows, replicated, replicated),
                      out_shardings=SampleOutput(rows, rows, rows, rows, num_decode_steps=replicated))
-    vocab = {}  # the vocabulary size, read once from the first call's params
-
-    def vocab_size(params) -> int:
-        if "V" not in vocab:
-            vocab["V"] = model_config(graphdef, params).vocab_size
-        return vocab["V"]
-    return _Sampler(jitted, config, mesh, prompt_group_size, vocab_size)
+    return _Sampler(jitted, config, mesh, prompt_group_size)

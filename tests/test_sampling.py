@@ -129,6 +129,23 @@ def test_sampling_draws_categorical_of_fold_in_key_step(tiny_model, monkeypatch,
     np.testing.assert_array_equal(out.completion_ids, reference_sample(graphdef, params, key, 6, config))
 
 
+@pytest.mark.parametrize("partitionable", [True, False])
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey])
+def test_gumbel_rows_are_the_rows_of_the_whole_draw(partitionable, make_key):
+    # jax's defaults (partitionable threefry bits) draw only the chunk's rows' bits; otherwise the draw is sliced.
+    # Either way the rows equal those of jax.random.gumbel over the whole call, bit for bit
+    with jax.threefry_partitionable(partitionable):
+        key = make_key(11)
+        whole = np.asarray(jax.random.gumbel(jax.random.fold_in(key, 5), (12, 37), jnp.float32))
+        rows = jax.jit(sampling._gumbel_rows, static_argnums=(2, 4, 5))
+        for offset, n in ((0, 12), (0, 4), (4, 4), (8, 4), (3, 7)):
+            np.testing.assert_array_equal(rows(key, 5, 12, np.int32(offset), n, 37), whole[offset:offset + n])
+    # an rbg key (not threefry) takes the sliced draw
+    key = jax.random.key(11, impl="rbg")
+    whole = np.asarray(jax.random.gumbel(jax.random.fold_in(key, 2), (8, 37), jnp.float32))
+    np.testing.assert_array_equal(sampling._gumbel_rows(key, 2, 8, 4, 4, 37), whole[4:])
+
+
 def test_argmax_last_axis_equals_jnp_argmax_with_ties_infs_and_nans():
     rng = np.random.default_rng(0)
     x = rng.integers(-3, 3, (64, 9)).astype(np.float32)  # many ties: the first maximum wins
