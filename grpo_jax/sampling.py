@@ -7,6 +7,7 @@ slots, V vocab. Everything has static shapes; the loop exits early once every ro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -288,9 +289,11 @@ def host_chunks(config: SamplingConfig, mesh, num_rows: int, group_size: int) ->
 class _Sampler:
     """`jit_generate`'s callable: one jitted call, or `host_chunks` row chunks run from host threads."""
 
-    def __init__(self, jitted, config: SamplingConfig, mesh, prompt_group_size: int):
+    def __init__(self, jitted, config: SamplingConfig, mesh, prompt_group_size: int, replicated):
         self._jitted, self._config, self._mesh, self._group = jitted, config, mesh, prompt_group_size
         self._pool = None  # made on the first chunked call (its threads start as chunks need them)
+        # chunks' row offsets as device scalars, made once (one device): a host scalar is a transfer in every call
+        self._offset = functools.cache(lambda row: jax.device_put(np.int32(row), replicated))
         self._split = jax.jit(lambda ids, mask, k: list(zip(jnp.split(ids, k), jnp.split(mask, k))), static_argnums=2)
         self._concat = jax.jit(lambda outs: SampleOutput(
             *(jnp.concatenate(parts) for parts in zip(*(o[:4] for o in outs))),
@@ -309,7 +312,7 @@ class _Sampler:
                                             thread_name_prefix="grpo_jax-sample")
 
         def run(i, ids, mask):  # waiting in the worker: chunks dispatched without it sometimes ran one by one
-            return jax.block_until_ready(self._jitted(params, ids, mask, key, np.int32(i * (B // k)), greedy, B))
+            return jax.block_until_ready(self._jitted(params, ids, mask, key, self._offset(i * (B // k)), greedy, B))
         chunks = self._split(prompt_ids_BxP, prompt_mask_BxP, k)
         futures = [self._pool.submit(run, i, ids, mask) for i, (ids, mask) in enumerate(chunks)]
         return self._concat([f.result() for f in futures])
@@ -342,4 +345,4 @@ def jit_generate(graphdef, mesh, *, config: SamplingConfig, eos_token_ids: tuple
     jitted = jax.jit(sample, static_argnums=(5, 6),
                      in_shardings=(params_sharding, rows, rows, replicated, replicated),
                      out_shardings=SampleOutput(rows, rows, rows, rows, num_decode_steps=replicated))
-    return _Sampler(jitted, config, mesh, prompt_group_size)
+    return _Sampler(jitted, config, mesh, prompt_group_size, replicated)
