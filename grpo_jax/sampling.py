@@ -119,7 +119,7 @@ def _gumbel_rows(key, step, total: int, row_offset, rows: int, vocab: int):
         data = jax.random.key_data(key) if str(jax.random.key_impl(key)) == "threefry2x32" else None
     else:
         data = key if jax.config.jax_default_prng_impl == "threefry2x32" else None
-    if data is None or not jax.config.jax_threefry_partitionable:
+    if data is None or not jax.config.jax_threefry_partitionable or total * vocab >= 2 ** 32:  # counters (0, i), i < 2**32
         noise = jax.random.gumbel(key, (total, vocab), jnp.float32)
         return noise if rows == total else jax.lax.dynamic_slice_in_dim(noise, row_offset, rows, axis=0)
     counts = jnp.asarray(row_offset, jnp.uint32) * vocab + jnp.arange(rows * vocab, dtype=jnp.uint32)
