@@ -119,7 +119,8 @@ def _gumbel_rows(key, step, total: int, row_offset, rows: int, vocab: int):
         data = jax.random.key_data(key) if str(jax.random.key_impl(key)) == "threefry2x32" else None
     else:
         data = key if jax.config.jax_default_prng_impl == "threefry2x32" else None
-    if data is None or not jax.config.jax_threefry_partitionable or total * vocab >= 2 ** 32:  # counters (0, i), i < 2**32
+    # the counters are (0, i) with i < 2**32: larger draws take the sliced whole draw too
+    if data is None or not jax.config.jax_threefry_partitionable or total * vocab >= 2 ** 32:
         noise = jax.random.gumbel(key, (total, vocab), jnp.float32)
         return noise if rows == total else jax.lax.dynamic_slice_in_dim(noise, row_offset, rows, axis=0)
     counts = jnp.asarray(row_offset, jnp.uint32) * vocab + jnp.arange(rows * vocab, dtype=jnp.uint32)
@@ -206,6 +207,7 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
     logits_BxV = jnp.repeat(logits_RxV, G, axis=0) if G > 1 else logits_RxV
 
     V = logits_BxV.shape[-1]
+
     def noise_at(step):  # this call's rows of the step's [total, V] draw
         return _gumbel_rows(key, step, total, row_offset, B, V)
 
