@@ -18,7 +18,7 @@ import numpy as np
 from jax.extend.random import threefry2x32_p
 
 from grpo_jax.models import (compute_dtype_params, forward, init_cache, layer_params, model_config,
-                             positions_from_mask, unembed)
+                             positions_from_mask, rotary_tables, unembed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,9 +195,10 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
     # weights cast to the compute dtype and sliced per layer once here, not in every decode step
     params = compute_dtype_params(graphdef, params)
     layers = layer_params(graphdef, params)
+    rope = rotary_tables(model_config(graphdef, params), P + T)  # RoPE of every slot: decode steps gather theirs
     hidden_RxPxD, cache_R = forward(graphdef, params, prompt_ids_BxP[::G],
                                     positions_from_mask(prompt_mask_BxP[::G]), mask_BxS[::G], cache_R, 0,
-                                    layers=layers)
+                                    layers=layers, rope=rope)
     # left padding puts every row's last real token at slot P - 1
     logits_RxV = unembed(graphdef, params, hidden_RxPxD[:, -1:])[:, 0]
     cache = jax.tree.map(lambda x_RxKxSxDh: jnp.repeat(x_RxKxSxDh, G, axis=0), cache_R) if G > 1 else cache_R
@@ -245,7 +246,7 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
         mask_BxS = jax.lax.dynamic_update_slice(state.mask_BxS, jnp.ones((B, 1), jnp.int32), (0, slot))
         positions_Bx1 = (prompt_len_B + state.step - 1)[:, None]
         hidden_Bx1xD, cache = forward(graphdef, params, state.pending_B[:, None], positions_Bx1, mask_BxS,
-                                      state.cache, slot, layers=layers)
+                                      state.cache, slot, layers=layers, rope=rope)
         cache = constrain(cache)
         logits_BxV = unembed(graphdef, params, hidden_Bx1xD)[:, 0]
         return record(state._replace(cache=cache, mask_BxS=mask_BxS), logits_BxV)

@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 from grpo_jax.models import ModelConfig, Transformer, forward, init_cache, init_model, positions_from_mask, unembed
-from grpo_jax.models.transformer import attention_mask, rope_inv_freq
+from grpo_jax.models.positional import rope_cos_sin
+from grpo_jax.models.transformer import attention_mask, rope_inv_freq, rotary_tables
 
 # rows of different real lengths, left-padded with token 0
 PROMPT_IDS = np.array([[0, 0, 0, 5, 7, 9, 4], [0, 3, 1, 4, 1, 5, 9], [2, 7, 1, 8, 2, 8, 1]], np.int32)
@@ -387,6 +388,25 @@ def test_rope_inv_freq_matches_transformers(case):
     np.testing.assert_allclose(rope_inv_freq(config), expected.numpy(), rtol=1e-6, atol=0)
     np.testing.assert_allclose(rope_inv_freq(config), naive_inv_freq(config), rtol=1e-6, atol=0)
 
+
+
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+def test_rotary_tables_give_each_position_its_rotation(case):
+    """Gathered table rows are cos/sin(position * inv_freq) evaluated directly, bit for bit (the forward's values
+    do not change), match float64 numpy, repeat the frequencies in HF's layout and are NaN past the table."""
+    config = ModelConfig(hidden_size=256, num_attention_heads=2, max_position_embeddings=131072, **ROPE_CASES[case][0])
+    positions_BxT = np.array([[0, 0, 1, 2, 3], [4, 17, 18, 19, 19]], np.int32)
+    cos, sin = jax.jit(lambda p: rope_cos_sin(p, rotary_tables(config, 20)))(positions_BxT)
+    freqs = jax.jit(lambda p: p.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(config)))(positions_BxT)
+    freqs = jnp.concatenate([freqs, freqs], axis=-1)
+    np.testing.assert_array_equal(cos, jax.jit(jnp.cos)(freqs))
+    np.testing.assert_array_equal(sin, jax.jit(jnp.sin)(freqs))
+    angles = positions_BxT[..., None].astype(np.float64) * rope_inv_freq(config).astype(np.float64)
+    angles = np.concatenate([angles, angles], axis=-1)
+    np.testing.assert_allclose(cos, np.cos(angles), rtol=0, atol=2e-6)
+    np.testing.assert_allclose(sin, np.sin(angles), rtol=0, atol=2e-6)
+    past_cos, past_sin = rope_cos_sin(jnp.array([[19, 20]]), rotary_tables(config, 20))
+    assert np.isfinite(past_cos[0, 0]).all() and np.isnan(past_cos[0, 1]).all() and np.isnan(past_sin[0, 1]).all()
 
 def _hf_model(config: ModelConfig, params):
     """The transformers PyTorch model of the family, loaded with our (unstacked, transposed) params."""

@@ -12,6 +12,7 @@ from grpo_jax.models.transformer import (
     layer_params,
     model_config,
     positions_from_mask,
+    rotary_tables,
     unembed,
 )
 from grpo_jax.models.hf_config import resolve_config  # noqa: E402
@@ -24,6 +25,5 @@ from grpo_jax.models.pretrained import (  # noqa: E402
 )
 
 __all__ = ["KVCache", "ModelConfig", "Transformer", "compute_dtype_params", "forward", "init_cache", "init_model",
-           "layer_params", "model_config",
-           "positions_from_mask", "unembed", "Model", "abstract_model", "eos_token_ids", "from_pretrained",
-           "resolve_config", "save_pretrained"]
+           "layer_params", "model_config", "positions_from_mask", "rotary_tables", "unembed", "Model", "abstract_model",
+           "eos_token_ids", "from_pretrained", "resolve_config", "save_pretrained"]

@@ -29,11 +29,21 @@ def rope_inv_freq(config) -> np.ndarray:
     return inv_freq
 
 
-def rope_cos_sin(positions_BxT, inv_freq_F):
-    """Rotary tables cos, sin [B, T, Dh] in float32 (HF layout: frequencies repeated twice)."""
-    freqs_BxTxF = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_F, jnp.float32)
-    emb_BxTxDh = jnp.concatenate([freqs_BxTxF, freqs_BxTxF], axis=-1)
-    return jnp.cos(emb_BxTxDh), jnp.sin(emb_BxTxDh)
+def rope_tables(inv_freq_F, num_positions: int):
+    """cos, sin [num_positions, Dh/2] float32 of positions 0 .. num_positions - 1: one sin/cos per distinct
+    (position, frequency), gathered by `rope_cos_sin` (XLA:CPU evaluates each one as a scalar libm call)."""
+    freqs_SxF = jnp.arange(num_positions, dtype=jnp.int32).astype(jnp.float32)[:, None] * jnp.asarray(
+        inv_freq_F, jnp.float32)
+    return jnp.cos(freqs_SxF), jnp.sin(freqs_SxF)
+
+
+def rope_cos_sin(positions_BxT, tables):
+    """Rotary tables cos, sin [B, T, Dh] in float32 (HF layout: frequencies repeated twice): the `rope_tables`
+    rows of the positions, which must be below their length (cos(position * inv_freq) bit for bit)."""
+    def rows(table_SxF):
+        rows_BxTxF = jnp.take(table_SxF, positions_BxT, axis=0, mode="fill", fill_value=jnp.nan)
+        return jnp.concatenate([rows_BxTxF, rows_BxTxF], axis=-1)
+    return tuple(rows(table) for table in tables)
 
 
 def apply_rope(x_BxTxHxDh, cos_BxTxDh, sin_BxTxDh):

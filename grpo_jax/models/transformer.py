@@ -31,6 +31,7 @@ from grpo_jax.models.positional import (  # noqa: F401  (positions_from_mask: re
     positions_from_mask,
     rope_cos_sin,
     rope_inv_freq,
+    rope_tables,
 )
 
 
@@ -214,7 +215,7 @@ class Transformer(nnx.Module):
             self.lm_head = _linear(config.hidden_size, config.vocab_size, False, config, rngs)
 
     def __call__(self, input_ids_BxT, positions_BxT, attention_mask_BxS, cache=None, cache_index=0, *,
-                 prefix=None, prefix_group_size: int = 1, return_kv: bool = False, layers=None):
+                 prefix=None, prefix_group_size: int = 1, return_kv: bool = False, layers=None, rope=None):
         """Final-normed hidden states [B, T, D] and the updated cache, or the inputs' keys/values with
         ``return_kv`` (see module ``forward``)."""
         config = self.config
@@ -231,7 +232,7 @@ class Transformer(nnx.Module):
         else:
             query_slot_T = cache_index + jnp.arange(T)
         mask_BxTxS = attention_mask(attention_mask_BxS, query_slot_T, config.sliding_window)
-        cos, sin = rope_cos_sin(positions_BxT, rope_inv_freq(config))
+        cos, sin = rope_cos_sin(positions_BxT, rotary_tables(config, S) if rope is None else rope)
         layer_graphdef, stacked = nnx.split(self.layers)
         x = self.embed_tokens(input_ids_BxT)
 
@@ -297,6 +298,13 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int) -> KVCache
     return KVCache(buffers(), buffers())
 
 
+def rotary_tables(config: ModelConfig, num_positions: int):
+    """RoPE cos, sin [num_positions, Dh/2] of positions 0 .. num_positions - 1 (`positional.rope_tables`): a
+    forward gathers its positions' rows. Pass them as ``forward(..., rope=)`` to a decode loop, whose steps
+    then gather instead of evaluating sin/cos again."""
+    return rope_tables(rope_inv_freq(config), num_positions)
+
+
 def layer_params_from(stacked, num_layers: int) -> list:
     """Per-layer parameter states [l] of the stacked decoder layers (each leaf sliced on its leading L axis)."""
     return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_layers)]
@@ -329,14 +337,15 @@ def model_config(graphdef: nnx.GraphDef, params: nnx.State) -> ModelConfig:
 
 def forward(graphdef, params, input_ids_BxT, positions_BxT, attention_mask_BxS, cache: KVCache | None = None,
             cache_index: jax.Array | int = 0, *, prefix: KVCache | None = None, prefix_group_size: int = 1,
-            return_kv: bool = False, layers: list | None = None):
+            return_kv: bool = False, layers: list | None = None, rope=None):
     """Pure forward pass: (hidden [B, T, D], updated cache or None).
 
     Without a cache S == T and a token attends to earlier tokens whose ``attention_mask`` is 1 (and, with
     ``sliding_window`` W, to the last W slots only). With a cache the T new keys/values go to slots
     [cache_index, cache_index + T) for every row and a token at slot s attends to slots <= s masked by
     ``attention_mask_BxS`` over all S slots. ``positions_BxT`` drive RoPE (left padding: ``cumsum(mask) - 1``
-    clipped at 0).
+    clipped at 0); they must be below S (every left-padded or cached layout's are), the length of the RoPE
+    tables built for the call (``rope``: `rotary_tables` covering them, made once by a decode loop's caller).
 
     With a cache the layers run one after another (``layers``: their `layer_params`, sliced once by a decode
     loop's caller); without one a Python loop runs them, or with ``model.scan_layers`` a single ``lax.scan``
@@ -350,7 +359,7 @@ def forward(graphdef, params, input_ids_BxT, positions_BxT, attention_mask_BxS, 
     """
     model = nnx.merge(graphdef, params)
     return model(input_ids_BxT, positions_BxT, attention_mask_BxS, cache, cache_index, prefix=prefix,
-                 prefix_group_size=prefix_group_size, return_kv=return_kv, layers=layers)
+                 prefix_group_size=prefix_group_size, return_kv=return_kv, layers=layers, rope=rope)
 
 
 def unembed(graphdef, params, hidden_BxTxD):
