@@ -103,6 +103,12 @@ def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int,
     Message-list prompts are rendered with the chat template first (``render_prompt``). Longer prompts keep
     their last L tokens (truncation="left") or raise (truncation="error").
     """
+    ids_PxL, mask_PxL, truncated_P = _tokenize(tokenizer, prompts, max_prompt_length, truncation)
+    return ids_PxL, mask_PxL, int(truncated_P.sum())
+
+
+def _tokenize(tokenizer, prompts: list, max_prompt_length: int, truncation: str):
+    """`tokenize_prompts` with a per-prompt truncation flag [P] bool in place of the count."""
     if truncation not in ("left", "error"):
         raise ValueError(f"data.truncation={truncation!r} is unknown: use 'left' or 'error'")
     if max_prompt_length < 1:
@@ -114,7 +120,7 @@ def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int,
     token_lists = tokenizer(texts, add_special_tokens=False)["input_ids"] if prompts else []
     ids_PxL = np.full((len(prompts), max_prompt_length), pad_id, dtype=np.int32)
     mask_PxL = np.zeros((len(prompts), max_prompt_length), dtype=np.int32)
-    num_truncated = 0
+    truncated_P = np.zeros(len(prompts), bool)
     for i, tokens in enumerate(token_lists):
         if not tokens:
             # An all-padding row has no position to generate from.
@@ -122,23 +128,35 @@ def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int,
         if len(tokens) > max_prompt_length:
             if truncation == "error":
                 raise ValueError(
-                    f"prompt {i} has {len(tokens)} tokens > data.max_prompt_length={max_prompt_length}: "
-                    "raise data.max_prompt_length or set data.truncation=left"
+                    f"prompt {i} ({_preview(prompts[i])}) has {len(tokens)} tokens > data.max_prompt_length="
+                    f"{max_prompt_length}: raise data.max_prompt_length or set data.truncation=left"
                 )
             tokens = tokens[-max_prompt_length:]
-            num_truncated += 1
+            truncated_P[i] = True
         ids_PxL[i, max_prompt_length - len(tokens):] = tokens
         mask_PxL[i, max_prompt_length - len(tokens):] = 1
-    return ids_PxL, mask_PxL, num_truncated
+    return ids_PxL, mask_PxL, truncated_P
 
 
-def _make_batch(tokenizer, rows: list[dict[str, Any]], max_prompt_length: int, truncation: str) -> PromptBatch:
-    """Tokenize rows into a PromptBatch; columns are the union of keys (missing values -> None)."""
-    prompts = [row["prompt"] for row in rows]
-    ids, mask, num_truncated = tokenize_prompts(tokenizer, prompts, max_prompt_length, truncation)
-    keys = list(dict.fromkeys(k for row in rows for k in row if k != "prompt"))
-    columns = {k: [row.get(k) for row in rows] for k in keys}
-    return PromptBatch(ids, mask, prompts, columns, num_truncated)
+def _preview(prompt, limit: int = 60) -> str:
+    text = repr(prompt)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _make_batches(tokenizer, batches: list[list[dict[str, Any]]], max_prompt_length: int,
+                  truncation: str) -> list[PromptBatch]:
+    """Rows into PromptBatches, all tokenized in one call; columns are the union of a batch's keys (missing
+    values -> None)."""
+    rows = [row for batch in batches for row in batch]
+    ids, mask, truncated = _tokenize(tokenizer, [row["prompt"] for row in rows], max_prompt_length, truncation)
+    out, start = [], 0
+    for batch in batches:
+        keys = list(dict.fromkeys(k for row in batch for k in row if k != "prompt"))
+        part = slice(start, start + len(batch))
+        out.append(PromptBatch(ids[part], mask[part], [row["prompt"] for row in batch],
+                               {k: [row.get(k) for row in batch] for k in keys}, int(truncated[part].sum())))
+        start += len(batch)
+    return out
 
 
 class PromptIterator:
@@ -148,7 +166,13 @@ class PromptIterator:
     a batch that runs past the end of an epoch continues with the start of the next one, so every prompt is
     seen exactly once per epoch and prompts_per_round may exceed the number of rows (the batch then spans
     several epochs). `state()`/`restore()` give an explicit resumable position.
+
+    Prompts are tokenized `TOKENIZE_AT_ONCE` or more at a time, the next batches' together: a tokenizer call
+    hands its texts to the tokenizer's thread pool, whose wake-up costs more than encoding a few prompts while
+    XLA's threads hold the cores. A prompt's tokens do not depend on the others in its call.
     """
+
+    TOKENIZE_AT_ONCE = 64
 
     def __init__(self, rows: list[dict[str, Any]], tokenizer, *, prompts_per_round: int, max_prompt_length: int,
                  seed: int, truncation: str = "left"):
@@ -167,7 +191,7 @@ class PromptIterator:
         self._epoch = 0
         self._index = 0
         self._order = self._permutation(0)
-        self._prefetched = None  # ((epoch, index), PromptBatch): `prefetch`'s batch for that position
+        self._ahead: dict = {}  # (epoch, index) -> the PromptBatch starting there, for the next few batches
 
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self._seed, epoch]).permutation(len(self._rows))
@@ -183,7 +207,7 @@ class PromptIterator:
             raise ValueError(f"data iterator state {state} is out of range for {len(self._rows)} rows")
         self._epoch, self._index = epoch, index
         self._order = self._permutation(epoch)
-        self._prefetched = None
+        self._ahead = {}
 
     def next_indices(self) -> list[int]:
         """Row indices of the next batch (advances the position)."""
@@ -199,23 +223,25 @@ class PromptIterator:
 
     def next_batch(self) -> PromptBatch:
         """The next `prompts_per_round` prompts as a PromptBatch [P, L]."""
-        position, (prefetched_at, batch) = (self._epoch, self._index), self._prefetched or (None, None)
-        self._prefetched = None
-        indices = self.next_indices()
-        if prefetched_at == position:
-            return batch
-        return _make_batch(self._tokenizer, [self._rows[i] for i in indices], self._max_prompt_length,
-                           self._truncation)
+        self.prefetch()
+        batch = self._ahead.pop((self._epoch, self._index))
+        self.next_indices()
+        return batch
 
     def prefetch(self) -> None:
-        """Tokenize the next batch now, without moving the position (the trainer calls it while the devices run
-        an update); the next `next_batch` returns it."""
-        position = (self._epoch, self._index)
-        if self._prefetched is None or self._prefetched[0] != position:
-            saved = self._epoch, self._index, self._order
-            batch = self.next_batch()
-            self._epoch, self._index, self._order = saved
-            self._prefetched = (position, batch)
+        """Tokenize the next batch now, with the few after it when it is not tokenized yet, without moving the
+        position (the trainer calls it while the devices run an update); `next_batch` returns them."""
+        if (self._epoch, self._index) in self._ahead:
+            return
+        saved = self._epoch, self._index, self._order
+        count = -(-self.TOKENIZE_AT_ONCE // self._prompts_per_round)
+        positions, batches = [], []
+        for _ in range(count):
+            positions.append((self._epoch, self._index))
+            batches.append([self._rows[i] for i in self.next_indices()])
+        self._epoch, self._index, self._order = saved
+        self._ahead = dict(zip(positions, _make_batches(self._tokenizer, batches, self._max_prompt_length,
+                                                        self._truncation)))
 
 
 def repeat_groups(batch: PromptBatch, num_generations: int) -> PromptBatch:

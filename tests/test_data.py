@@ -76,7 +76,7 @@ def test_tokenize_prompts_left_truncation(tok):
 
 
 def test_tokenize_prompts_truncation_error(tok):
-    with pytest.raises(ValueError, match=r"prompt 1 has 7 tokens > data.max_prompt_length=4: raise "
+    with pytest.raises(ValueError, match=r"prompt 1 \('123456>'\) has 7 tokens > data.max_prompt_length=4: raise "
                                          r"data.max_prompt_length or set data.truncation=left"):
         data.tokenize_prompts(tok, ["1>", "123456>"], 4, truncation="error")
     ids, _, n = data.tokenize_prompts(tok, ["123>"], 4, truncation="error")
@@ -147,23 +147,29 @@ def test_iterator_state_restore_continues_identically():
         b.restore({"epoch": 0, "index": 7})
 
 
-def test_prefetch_tokenizes_the_next_batch_without_moving_the_position(monkeypatch):
-    plain, fetched = _iter(n=7, p=3, seed=3), _iter(n=7, p=3, seed=3)
+def test_prefetch_tokenizes_batches_ahead_in_one_call_without_moving_the_position(monkeypatch):
+    monkeypatch.setattr(data.PromptIterator, "TOKENIZE_AT_ONCE", 7)  # 3 batches of 3 prompts per call
     calls = []
-    make = data._make_batch
-    monkeypatch.setattr(data, "_make_batch", lambda *a: calls.append(1) or make(*a))
+    make = data._make_batches
+    monkeypatch.setattr(data, "_make_batches", lambda tok, batches, *a: calls.append(len(batches)) or
+                        make(tok, batches, *a))
+    it, tok = _iter(n=7, p=3, seed=3), task.build_tokenizer()
+    order = np.concatenate([np.random.default_rng([3, e]).permutation(7) for e in range(3)]).tolist()
     for round_index in range(6):  # 18 prompts: crosses two epoch boundaries
-        state = fetched.state()
-        fetched.prefetch()
-        fetched.prefetch()  # twice: one tokenization
-        assert fetched.state() == state and len(calls) == 2 * round_index + 1
-        want, got = plain.next_batch(), fetched.next_batch()
-        assert len(calls) == 2 * round_index + 2  # the plain iterator's; the prefetched batch is reused
-        assert got.columns["idx"] == want.columns["idx"] and fetched.state() == plain.state()
-        np.testing.assert_array_equal(got.prompt_ids, want.prompt_ids)
-    fetched.prefetch()
-    fetched.restore({"epoch": 0, "index": 1})  # a restored position drops the prefetched batch
-    assert fetched.next_batch().columns["idx"] == np.random.default_rng([3, 0]).permutation(7)[1:4].tolist()
+        state = it.state()
+        it.prefetch()
+        it.prefetch()
+        assert it.state() == state and calls == [3] * (round_index // 3 + 1)
+        batch = it.next_batch()
+        idx = order[3 * round_index:3 * round_index + 3]
+        assert batch.columns["idx"] == idx and batch.prompts == [f"{i}>" for i in idx]
+        ids, mask, _ = data.tokenize_prompts(tok, batch.prompts, 4)  # alone, as the batch's own call would
+        np.testing.assert_array_equal(batch.prompt_ids, ids)
+        np.testing.assert_array_equal(batch.prompt_mask, mask)
+    it.prefetch()
+    assert calls == [3, 3, 3]
+    it.restore({"epoch": 0, "index": 1})  # a restored position drops the batches tokenized ahead
+    assert it.next_batch().columns["idx"] == order[1:4] and calls == [3, 3, 3, 3]
 
 
 def test_iterator_missing_columns_become_none_and_truncation_counted():
@@ -174,7 +180,7 @@ def test_iterator_missing_columns_become_none_and_truncation_counted():
     assert dict(zip(batch.prompts, batch.columns["answer"])) == {"123456>": "1", "1>": None}
     strict = data.PromptIterator(rows, task.build_tokenizer(), prompts_per_round=2, max_prompt_length=4,
                                  seed=0, truncation="error")
-    with pytest.raises(ValueError, match="has 7 tokens > data.max_prompt_length=4"):
+    with pytest.raises(ValueError, match=r"\('123456>'\) has 7 tokens > data.max_prompt_length=4"):
         strict.next_batch()
 
 
