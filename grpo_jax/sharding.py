@@ -191,6 +191,13 @@ def process_rows(num_rows: int) -> slice:
     return slice(jax.process_index() * per, (jax.process_index() + 1) * per)
 
 
+def host_rows(tree, mesh: Mesh):
+    """Global host rows (every process holds the same) for jitted calls that split rows over the mesh themselves
+    (their ``in_shardings``): with one process the arrays as they are, placed by the call (in C++: a separate
+    `device_put` of a round's prompts cost ~0.3 ms more on the 2-core CPU benchmark), else `shard_global_rows`."""
+    return tree if jax.process_count() == 1 else shard_global_rows(tree, mesh)
+
+
 def shard_global_rows(tree, mesh: Mesh):
     """Every process holds the same global host rows (same seed, same data): each places only its slice."""
     if jax.process_count() == 1:

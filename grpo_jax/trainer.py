@@ -64,7 +64,7 @@ def evaluate(run: Run, params) -> dict[str, float]:
     padded = [run.eval_rows[i % n] for i in range(n + (-n) % shards)]  # rows must split over the devices
     ids, mask, _ = data.tokenize_prompts(run.tokenizer, [r["prompt"] for r in padded], cfg.data.max_prompt_length,
                                          truncation="left")
-    ids, mask = sharding.shard_global_rows((ids, mask), run.mesh)
+    ids, mask = sharding.host_rows((ids, mask), run.mesh)
     out = sharding.to_host(run.sample_fn(params, ids, mask, jax.random.PRNGKey(0), True))
     completions = decode(run.tokenizer, out.completion_ids, out.completion_mask)[:n]
     columns = {k: [r.get(k) for r in run.eval_rows] for k in run.eval_rows[0] if k != "prompt"}
@@ -104,8 +104,9 @@ def sample_and_score(run: Run, draw_index: int, seconds: dict, on_device_rows: C
     """One sampling pass of P prompts x G completions with the current policy, scored on the host.
 
     Adds its sampling and scoring time to seconds["sample"] / seconds["score"]. `on_device_rows(prompt_ids,
-    prompt_mask, completion_ids, completion_mask)` gets the sampled rows on the devices as soon as they are
-    dispatched: work queued there (log-probs) runs on the devices while the host scores.
+    prompt_mask, completion_ids, completion_mask)` gets the sampled rows (completions on the devices, prompts
+    as `sharding.host_rows`) as soon as they are dispatched: work queued there (log-probs) runs on the devices
+    while the host scores.
     """
     cfg, tc = run.config, run.config.train
     timer = time.perf_counter()
@@ -113,7 +114,7 @@ def sample_and_score(run: Run, draw_index: int, seconds: dict, on_device_rows: C
     sample_key = _fold_in(run.state.key, run.state.step)
     if draw_index:  # dynamic sampling's extra passes
         sample_key = _fold_in(sample_key, draw_index)
-    prompt_ids, prompt_mask = sharding.shard_global_rows((batch.prompt_ids, batch.prompt_mask), run.mesh)
+    prompt_ids, prompt_mask = sharding.host_rows((batch.prompt_ids, batch.prompt_mask), run.mesh)
     out = run.sample_fn(run.state.params, prompt_ids, prompt_mask, sample_key, False)
     if on_device_rows is not None:
         on_device_rows(prompt_ids, prompt_mask, out.completion_ids, out.completion_mask)
@@ -185,12 +186,12 @@ def prepare_round(run: Run, round_index: int) -> RoundBuffer:
     seconds["score"] += time.perf_counter() - timer
 
     timer = time.perf_counter()
-    # old/ref log-probs stay on the devices (no host round trip in a round); a one-pass round's rows are
-    # already there (the sampler's), a dynamic-sampling round's go up once
+    # old/ref log-probs stay on the devices (no host round trip in a round); a one-pass round's completions are
+    # already there (the sampler's), a dynamic-sampling round's rows go up once
     if dispatched:
         prompt_ids, prompt_mask, completion_ids, mask_dev = dispatched["rows"]
         if tc.mask_truncated_completions:
-            mask_dev = sharding.shard_global_rows(mask, run.mesh)
+            mask_dev = sharding.host_rows(mask, run.mesh)
     else:
         prompt_ids, prompt_mask, completion_ids, mask_dev = sharding.shard_global_rows(
             (draw.prompt_ids, draw.prompt_mask, draw.completion_ids, mask), run.mesh)
@@ -230,8 +231,10 @@ def run_steps(run: Run, writer: MetricsWriter, buffer: RoundBuffer, *, until: in
     """
     last = min(len(buffer.step_rows), until - buffer.first_step)
     timer = time.perf_counter()
-    # rows restored from a checkpoint (host arrays) go to the devices once
-    buffer = buffer._replace(**{k: sharding.shard_global_rows(getattr(buffer, k), run.mesh)
+    # host arrays (the advantages, a restored round's rows) go to the devices once, or as they are into the
+    # call of the only step left, which places them itself
+    put = sharding.host_rows if last - buffer.position <= 1 else sharding.shard_global_rows
+    buffer = buffer._replace(**{k: put(getattr(buffer, k), run.mesh)
                                 for k in RoundBuffer.ARRAYS[:-1] if isinstance(getattr(buffer, k), np.ndarray)})
     pending, position = [], buffer.position
     round_rows = Batch(buffer.prompt_ids, buffer.prompt_mask, buffer.completion_ids, buffer.completion_mask,
