@@ -191,11 +191,12 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
 
     mask_BxS = jnp.concatenate([prompt_mask_BxP, jnp.zeros((B, T), jnp.int32)], axis=1)
     # one prefill per distinct prompt (R = B / G rows), then every group member starts from its cache
-    cache_R = init_cache(model_config(graphdef, params), B // G, P + T)
+    model_cfg = model_config(graphdef, params)
+    cache_R = init_cache(model_cfg, B // G, P + T)
     # weights cast to the compute dtype and sliced per layer once here, not in every decode step
     params = compute_dtype_params(graphdef, params)
     layers = layer_params(graphdef, params)
-    rope = rotary_tables(model_config(graphdef, params), P + T)  # RoPE of every slot: decode steps gather theirs
+    rope = rotary_tables(model_cfg, P + T)  # RoPE of every slot: decode steps gather theirs
     hidden_RxPxD, cache_R = forward(graphdef, params, prompt_ids_BxP[::G],
                                     positions_from_mask(prompt_mask_BxP[::G]), mask_BxS[::G], cache_R, 0,
                                     layers=layers, rope=rope)
