@@ -156,7 +156,6 @@ def run_grpo_jax(model_dir: str | None, size: str | None, prompts: Path, s: Sett
     from grpo_jax.config import Config, DataConfig, EvalConfig, RewardConfig, TrainConfig, apply_overrides
     from grpo_jax.losses import LossConfig
     from grpo_jax.models import ModelConfig
-    from grpo_jax.reporting import MetricsWriter
     from grpo_jax.sampling import SamplingConfig
 
     arch = architecture(model_dir, size)
@@ -192,20 +191,21 @@ def run_grpo_jax(model_dir: str | None, size: str | None, prompts: Path, s: Sett
         reward=RewardConfig(functions=(REWARD,)), eval=EvalConfig(num_examples=0))
     config = apply_overrides(config, overrides)
     start = time.perf_counter()
-    run = trainer.build(config)
+    run, state = trainer.build(config)
     build_s = time.perf_counter() - start
-    writer = MetricsWriter(run.output_dir, max_steps=config.max_steps, show_progress=False)
+    history = []
     start = time.perf_counter()
     for i in range(warmup):
-        trainer.run_round(run, writer, i)
+        state, _, lines = trainer.run_round(run, state, i)
+        history += lines
     first_rounds_s = time.perf_counter() - start
     for i in range(warmup, warmup + steps):
-        trainer.run_round(run, writer, i)
+        state, _, lines = trainer.run_round(run, state, i)
+        history += lines
     if profile_dir:
         with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
-            trainer.run_round(run, writer, warmup + steps)
-    writer.close()
-    timed = writer.history[warmup:warmup + steps]
+            trainer.run_round(run, state, warmup + steps)
+    timed = history[warmup:warmup + steps]
     records = [{"step": h["step_time"], **{p: h[f"step_time/{p}"] for p in PHASES}} for h in timed]
     tokens = [int(round(h["completions/mean_length"] * s.rows)) for h in timed]
     device = jax.devices()[0]

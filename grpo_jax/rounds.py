@@ -2,8 +2,8 @@
 
 Dimension letters: N rows of one sampling pass (P prompts x G generations, group-major), T completion
 tokens, F reward functions. A round's arrays are the host copies the trainer already fetched (the reward
-functions run on the host), so these are NumPy functions of NamedTuples, with no I/O; only
-`compute_advantages` calls the jitted estimators of `grpo_jax.advantages`.
+functions run on the host), so these are NumPy functions of NamedTuples, with no I/O, except
+`round_advantages`: the estimators of `grpo_jax.advantages`, which `grpo_jax.programs` runs on the devices.
 
 - `mask_truncated`: TRL's `mask_truncated_completions` (DAPO overlong filtering).
 - DAPO dynamic sampling, an `init` / `update` / `finalize` triple on `DynamicSamplingState`: each sampling
@@ -12,14 +12,13 @@ functions run on the host), so these are NumPy functions of NamedTuples, with no
   `train.max_num_gen_batches` passes were drawn. At that cap the round is filled with set-aside
   zero-std groups (oldest first), counted in `dynamic_sampling/num_filled_groups`: the step keeps its
   static shape and its KL term, and the shortfall is visible in the metrics rather than an error.
-- `compute_advantages`: the `train.advantage_estimator` dispatch (grpo, rloo, reinforce_pp_baseline, process).
+- `round_advantages`: the `train.advantage_estimator` dispatch (grpo, rloo, reinforce_pp_baseline, process).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-import jax
 import numpy as np
 
 from grpo_jax import advantages
@@ -33,7 +32,7 @@ class Draw(NamedTuple):
     completion_ids: np.ndarray  # [N, T]
     completion_mask: np.ndarray  # [N, T], as sampled (before mask_truncated)
     is_truncated: np.ndarray  # [N] bool
-    sampler_logps: np.ndarray  # [N, T]
+    sampler_per_token_logps: np.ndarray  # [N, T]
     rewards: np.ndarray  # [N, F] (NaN: None)
     prompts: list  # N prompt strings
     columns: dict  # dataset columns, N values each
@@ -126,8 +125,14 @@ def finalize(state: DynamicSamplingState, num_groups: int, num_generations: int)
     return round_, metrics
 
 
-def _advantages(rewards_NxF, weights_F, mask_NxT, step_rewards_NxS, step_end_indices_NxS, *, estimator: str,
-                scale_rewards: str, multi_objective_aggregation: str, num_generations: int):
+def round_advantages(rewards_NxF, weights_F, mask_NxT, step_rewards_NxS=None, step_end_indices_NxS=None, *,
+                     estimator: str, scale_rewards: str, multi_objective_aggregation: str, num_generations: int):
+    """The round's advantages by `train.advantage_estimator`: ([N] or [N, T] for process, r_N, std_N).
+
+    r_N = nansum(R·w) and std_N (its group's std) feed the round's reward metrics. `mask_NxT` is the training
+    mask (after `mask_truncated`): REINFORCE++ whitens over its tokens and process supervision's per-token
+    advantages are zero outside it. Process step arrays come padded by `pad_steps`.
+    """
     r_N = advantages.weighted_reward_sum(rewards_NxF, weights_F)
     std_N = advantages.group_std(r_N, num_generations)
     if estimator == "grpo":
@@ -145,25 +150,11 @@ def _advantages(rewards_NxF, weights_F, mask_NxT, step_rewards_NxS, step_end_ind
                      "or process")
 
 
-_advantages_jit = jax.jit(_advantages, static_argnames=("estimator", "scale_rewards", "multi_objective_aggregation",
-                                                        "num_generations"))
-
-
-def compute_advantages(draw: Draw, completion_mask_NxT: np.ndarray, weights_F: np.ndarray, *, estimator: str,
-                       scale_rewards: str, multi_objective_aggregation: str, num_generations: int):
-    """The round's advantages by `train.advantage_estimator`: ([N] or [N, T] for process, r_N, std_N).
-
-    `completion_mask_NxT` is the training mask (after `mask_truncated`): REINFORCE++ whitens over its tokens
-    and process supervision's per-token advantages are zero outside it. Process step arrays are padded to a
-    multiple of T steps so the jitted estimator sees few distinct shapes.
-    """
-    steps = (None, None)
-    if estimator == "process":
-        t = completion_mask_NxT.shape[1]
-        pad = -draw.step_rewards.shape[1] % t
-        steps = (np.pad(draw.step_rewards, ((0, 0), (0, pad)), constant_values=np.nan),
-                 np.pad(draw.step_end_indices, ((0, 0), (0, pad)), constant_values=-1))
-    return jax.device_get(_advantages_jit(
-        draw.rewards, np.asarray(weights_F, np.float32), completion_mask_NxT, *steps, estimator=estimator,
-        scale_rewards=scale_rewards, multi_objective_aggregation=multi_objective_aggregation,
-        num_generations=num_generations))
+def pad_steps(draw: Draw, num_tokens: int) -> tuple:
+    """A process-supervision round's (step_rewards, step_end_indices) padded to a multiple of T steps, so the
+    jitted estimator sees few distinct shapes; (None, None) for outcome rewards."""
+    if draw.step_rewards is None:
+        return None, None
+    pad = -draw.step_rewards.shape[1] % num_tokens
+    return (np.pad(draw.step_rewards, ((0, 0), (0, pad)), constant_values=np.nan),
+            np.pad(draw.step_end_indices, ((0, 0), (0, pad)), constant_values=-1))

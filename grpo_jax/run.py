@@ -13,41 +13,43 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import optax
 import yaml
-from transformers import AutoTokenizer
+from flax import nnx
+from jax.sharding import Mesh
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from grpo_jax import checkpoint, data, rewards, sharding, task
+from grpo_jax import checkpoint, data, programs, rewards, sharding, task
 from grpo_jax.config import Config, to_dict
 from grpo_jax.host_memory import configure_host_allocator
 from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, resolve_config
 from grpo_jax.sampling import jit_generate
-from grpo_jax.state import init_state, learning_rate_schedule, make_optimizer, state_from_params
-from grpo_jax.train_step import StepOptions, jit_logps, jit_train_step
+from grpo_jax.state import TrainState, init_state, learning_rate_schedule, make_optimizer, state_from_params
+from grpo_jax.train_step import StepOptions
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Run:
-    """Everything `train` builds once before the loop: data, rewards, jitted functions, state."""
+    """Everything `train` builds once before the loop and never changes: config, data, rewards, mesh, programs.
+
+    The train state is not here: `build` returns it beside the run, and the loop passes it explicitly.
+    `prompts` is the data iterator, the one part that moves (I/O, saved in checkpoints by its `state()`).
+    """
 
     config: Config
     output_dir: Path
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
+    tokenizer_path: Path
     prompts: data.PromptIterator
     eval_rows: list[dict]
-    reward_fns: list
-    eval_reward_fns: list
-    mesh: object
-    graphdef: object
-    state: object
-    schedule: object
-    sample_fn: object
-    logps_fn: object
-    ref_logps_fn: object
-    step_fn: object
-    take_fn: object  # (Batch of a round's rows, row indices [B]) -> one step's Batch, on the devices
+    reward_fns: list[tuple[str, Callable]]
+    eval_reward_fns: list[tuple[str, Callable]]
+    mesh: Mesh
+    graphdef: nnx.GraphDef
+    schedule: optax.Schedule
+    programs: programs.Programs
     step_prompt_group_size: int = 1  # > 1: a step takes the round's rows in order (whole groups, shared prompts)
     resuming: bool = False  # output_dir holds this run already: `train` continues from its newest checkpoint
-    tokenizer_path: Path | None = None
 
     @property
     def keep_ref(self) -> bool:
@@ -142,8 +144,8 @@ def prompt_group_sizes(config: Config, mesh) -> tuple[int, int]:
     return round_g, step_g
 
 
-def build(config: Config, *, loss_fn: Callable | None = None) -> Run:
-    """Resolves data, rewards, mesh, optimizer and state; jits the three device programs.
+def build(config: Config, *, loss_fn: Callable | None = None) -> tuple[Run, TrainState]:
+    """Resolves data, rewards, mesh, optimizer and the initial train state; builds the device programs.
 
     `loss_fn` replaces `grpo_jax.losses.compute_loss` in the train step (same signature; see
     `grpo_jax.train_step`): the hook for a custom loss variant. It is not part of `config.yaml`.
@@ -189,19 +191,16 @@ def build(config: Config, *, loss_fn: Callable | None = None) -> Run:
                           logps_chunk_size=tc.logps_chunk_size, prompt_group_size=step_group,
                           ref_sync=tc.ref_sync, loss_fn=loss_fn)
     state_sharding = sharding.tree_shardings(state)
-    sample_fn = jit_generate(graphdef, mesh, config=config.sampling, eos_token_ids=eos_ids,
-                             pad_token_id=tokenizer.pad_token_id, params_sharding=state_sharding.params,
-                             prompt_group_size=tc.num_generations)
-    return Run(config=config, output_dir=output_dir, tokenizer=tokenizer, prompts=prompts, eval_rows=eval_rows,
-               reward_fns=reward_fns, eval_reward_fns=eval_reward_fns, mesh=mesh, graphdef=graphdef, state=state,
-               schedule=schedule, sample_fn=sample_fn,
-               logps_fn=jit_logps(graphdef, mesh, temperature=config.sampling.temperature,
-                                  chunk_size=tc.logps_chunk_size, params_sharding=state_sharding.params,
-                                  prompt_group_size=round_group),
-               ref_logps_fn=None if state.ref_params is None else jit_logps(
-                   graphdef, mesh, temperature=config.sampling.temperature, chunk_size=tc.logps_chunk_size,
-                   params_sharding=state_sharding.ref_params, prompt_group_size=round_group),
-               step_fn=jit_train_step(graphdef, optimizer, options, mesh, state_sharding),
-               take_fn=jax.jit(lambda batch, rows: jax.tree.map(lambda x: x[rows], batch),
-                               out_shardings=sharding.row_sharded(mesh)), resuming=resuming,
-               tokenizer_path=tokenizer_dir, step_prompt_group_size=step_group)
+    sample = jit_generate(graphdef, mesh, config=config.sampling, eos_token_ids=eos_ids,
+                          pad_token_id=tokenizer.pad_token_id, params_sharding=state_sharding.params,
+                          prompt_group_size=tc.num_generations)
+    advantage_options = dict(estimator=tc.advantage_estimator, scale_rewards=tc.scale_rewards,
+                             multi_objective_aggregation=tc.multi_objective_aggregation,
+                             num_generations=tc.num_generations)
+    run_programs = programs.build(graphdef, optimizer, options, mesh, state_sharding, sample=sample,
+                                  round_prompt_group_size=round_group, advantage_options=advantage_options)
+    run = Run(config=config, output_dir=output_dir, tokenizer=tokenizer, tokenizer_path=tokenizer_dir,
+              prompts=prompts, eval_rows=eval_rows, reward_fns=reward_fns, eval_reward_fns=eval_reward_fns,
+              mesh=mesh, graphdef=graphdef, schedule=schedule, programs=run_programs,
+              step_prompt_group_size=step_group, resuming=resuming)
+    return run, state

@@ -57,7 +57,7 @@ class SampleOutput(NamedTuple):
     """Sampled completions.
 
     completion_ids [B, T] int32 (pad after EOS), completion_mask [B, T] int32 (1 up to and including the
-    first EOS), is_truncated [B] bool (no EOS within T), sampler_logps [B, T] float32 (full-vocabulary
+    first EOS), is_truncated [B] bool (no EOS within T), sampler_per_token_logps [B, T] float32 (full-vocabulary
     log-softmax of logits / temperature at the sampled token, 0 where the mask is 0), num_decode_steps []
     int32 (tokens sampled per row before the loop stopped; < T when every row ended early).
     """
@@ -65,7 +65,7 @@ class SampleOutput(NamedTuple):
     completion_ids: jax.Array
     completion_mask: jax.Array
     is_truncated: jax.Array
-    sampler_logps: jax.Array
+    sampler_per_token_logps: jax.Array
     num_decode_steps: jax.Array
 
 
@@ -267,7 +267,7 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
         completion_ids=state.ids_BxT,
         completion_mask=state.completion_mask_BxT,
         is_truncated=~state.done_B,
-        sampler_logps=state.logps_BxT,
+        sampler_per_token_logps=state.logps_BxT,
         num_decode_steps=state.step,
     )
 

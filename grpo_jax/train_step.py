@@ -44,7 +44,7 @@ class Batch(NamedTuple):
     advantages: jax.Array  # [B] float32, or [B, T] (process supervision)
     old_per_token_logps: jax.Array | None  # [B, T]; None: on-policy (one update per round)
     ref_per_token_logps: jax.Array | None  # [B, T]; None when beta == 0
-    sampler_per_token_logps: jax.Array | None = None  # [B, T] the sampler's (SampleOutput.sampler_logps)
+    sampler_per_token_logps: jax.Array | None = None  # [B, T] the sampler's (SampleOutput.sampler_per_token_logps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,90 +160,3 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32), **aux_mean,
                "entropy": entropy_sum / jnp.maximum(num_items, 1.0)}
     return new_state, metrics
-
-
-def _on_device(shardings):
-    """The same shardings in device memory (None when none of them is elsewhere)."""
-    leaves = jax.tree.leaves(shardings)
-    if not any(getattr(x, "memory_kind", None) not in (None, "device") for x in leaves):
-        return None
-    return jax.tree.map(lambda x: x.with_memory_kind("device"), shardings)
-
-
-class _jit_on_first_call:
-    """Builds the jitted function from the first call's first argument (its layout), then reuses it."""
-
-    def __init__(self, build):
-        self._build, self._fn = build, None
-
-    def __call__(self, first, *args):
-        if self._fn is None:
-            self._fn = self._build(first)
-        return self._fn(first, *args)
-
-    def _cache_size(self) -> int:
-        return 0 if self._fn is None else self._fn._cache_size()
-
-
-def jit_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, options: StepOptions,
-                   mesh: Mesh, state_sharding: TrainState | None = None):
-    """`train_step` jitted over the mesh: state in `state_sharding` (in and out) and donated, batch rows split
-    over the data axes, metrics replicated.
-
-    `state_sharding`: `sharding.state_shardings(mesh, state)` or `sharding.tree_shardings(state)`; None takes
-    the layout of the first state passed in (as `init_state` made it) for input and output.
-    """
-    if state_sharding is None:
-        return _jit_on_first_call(lambda s: jit_train_step(graphdef, optimizer, options, mesh,
-                                                           sharding.tree_shardings(s)))
-    replicated, rows = sharding.replicated(mesh), sharding.row_sharded(mesh)
-    ref_device = _on_device(state_sharding.ref_params)
-
-    def step(state, batch):
-        return train_step(graphdef, optimizer, options, state, batch, mesh, ref_device)
-
-    if ref_device is None:
-        return jax.jit(step, in_shardings=(state_sharding, rows), out_shardings=(state_sharding, replicated),
-                       donate_argnums=0)
-    # a reference in host memory is a separate, non-donated argument: a host-side numpy view of it (a
-    # checkpoint, a device_get) would make its donation fail; without TR-DPO sync it is not even an output
-    sync = options.ref_sync.sync_ref_model
-    no_ref = state_sharding._replace(ref_params=None)
-
-    def split_step(state, ref_params, batch):
-        new_state, metrics = step(state._replace(ref_params=ref_params), batch)
-        return new_state._replace(ref_params=new_state.ref_params if sync else None), metrics
-
-    jitted = jax.jit(split_step, in_shardings=(no_ref, state_sharding.ref_params, rows),
-                     out_shardings=(state_sharding if sync else no_ref, replicated), donate_argnums=0)
-
-    def call(state, batch):
-        new_state, metrics = jitted(state._replace(ref_params=None), state.ref_params, batch)
-        return (new_state if sync else new_state._replace(ref_params=state.ref_params)), metrics
-
-    call._cache_size = jitted._cache_size
-    call.lower = lambda state, batch: jitted.lower(state._replace(ref_params=None), state.ref_params, batch)
-    return call
-
-
-def jit_logps(graphdef: nnx.GraphDef, mesh: Mesh, *, temperature: float, chunk_size: int = 0,
-              params_sharding=None, prompt_group_size: int = 1):
-    """Per-token log-probs of completions under some params (old policy or reference), rows sharded.
-
-    `prompt_group_size` G > 1: rows come in groups of G sharing a prompt (`logprobs.completion_hidden`).
-
-    `params_sharding`: the params' shardings (`sharding.param_shardings`); a reference in host memory is
-    brought to the devices inside. None: the layout of the params passed in (one compilation per layout).
-    """
-    rows = sharding.row_sharded(mesh)
-    on_device = None if params_sharding is None else _on_device(params_sharding)
-
-    def logps(params, prompt_ids, prompt_mask, completion_ids, completion_mask):
-        if on_device is not None:
-            params = jax.device_put(params, on_device)
-        out, _ = completion_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                  temperature=temperature, chunk_size=chunk_size,
-                                  prompt_group_size=prompt_group_size)
-        return out
-
-    return jax.jit(logps, in_shardings=(params_sharding, rows, rows, rows, rows), out_shardings=rows)

@@ -30,7 +30,8 @@ def _build(mesh):
     from grpo_jax import sharding
     from grpo_jax.losses import LossConfig
     from grpo_jax.state import init_state
-    from grpo_jax.train_step import StepOptions, jit_train_step
+    from grpo_jax.programs import jit_train_step
+    from grpo_jax.train_step import StepOptions
     optimizer = optax.sgd(1.0)
     graphdef, state = init_state(_config(), optimizer, seed=0, with_reference=True, mesh=mesh)
     step = jit_train_step(graphdef, optimizer, StepOptions(LossConfig(beta=0.04), 1.0, GRAD_ACCUM), mesh,

@@ -10,7 +10,8 @@ from grpo_jax import reference, sharding
 from grpo_jax.losses import LossConfig
 from grpo_jax.reference import RefSyncConfig
 from grpo_jax.state import init_state
-from grpo_jax.train_step import StepOptions, jit_train_step
+from grpo_jax.programs import jit_train_step
+from grpo_jax.train_step import StepOptions
 from tests.test_train_step import make_batch
 
 
@@ -51,7 +52,8 @@ def _run(tiny_model_config, ref_sync, steps):
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     optimizer = optax.sgd(0.1)
     graphdef, state = init_state(tiny_model_config, optimizer, seed=0, with_reference=True, mesh=mesh)
-    step = jit_train_step(graphdef, optimizer, StepOptions(LossConfig(), 1.0, ref_sync=ref_sync), mesh)
+    step = jit_train_step(graphdef, optimizer, StepOptions(LossConfig(), 1.0, ref_sync=ref_sync), mesh,
+                          sharding.tree_shardings(state))
     history = []
     for i in range(steps):
         before = jax.device_get(state.ref_params)

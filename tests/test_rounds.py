@@ -17,7 +17,7 @@ def make_draw(rewards_N, tag: int, *, truncated=None, steps=None) -> rounds.Draw
     mask = np.ones((n, T), np.int32)
     extra = {} if steps is None else {"step_rewards": steps[0], "step_end_indices": steps[1]}
     return rounds.Draw(prompt_ids=ids, prompt_mask=np.ones((n, 2), np.int32), completion_ids=ids,
-                       completion_mask=mask, is_truncated=truncated, sampler_logps=-ids.astype(np.float32),
+                       completion_mask=mask, is_truncated=truncated, sampler_per_token_logps=-ids.astype(np.float32),
                        rewards=np.asarray(rewards_N, np.float32)[:, None], prompts=[f"{tag}-{r}" for r in rows],
                        columns={"answer": [f"a{tag}-{r}" for r in rows]}, num_prompts_truncated=tag, **extra)
 
@@ -62,7 +62,7 @@ def test_dynamic_sampling_keeps_only_mixed_groups_and_counts_passes():
     np.testing.assert_array_equal(round_.rewards[:, 0], [0, 1, 1, 0, 0, 1])
     assert round_.prompts == ["0-2", "0-3", "1-4", "1-5", "2-0", "2-1"]
     assert round_.columns["answer"] == ["a0-2", "a0-3", "a1-4", "a1-5", "a2-0", "a2-1"]
-    np.testing.assert_array_equal(round_.sampler_logps[:, 0], -round_.completion_ids[:, 0])
+    np.testing.assert_array_equal(round_.sampler_per_token_logps[:, 0], -round_.completion_ids[:, 0])
     assert not rounds.zero_std_groups(round_, weights, G).any()
     assert metrics == {"dynamic_sampling/num_gen_batches": 3, "dynamic_sampling/num_filled_groups": 0,
                        "dynamic_sampling/frac_zero_std_drawn": pytest.approx(5 / 9)}
@@ -92,12 +92,12 @@ def test_finalize_pads_step_rewards_of_passes_with_different_step_counts():
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp_baseline"])
-def test_compute_advantages_dispatches_to_the_estimator(estimator):
+def test_round_advantages_dispatches_to_the_estimator(estimator):
     rng = np.random.default_rng(0)
     draw = make_draw(rng.normal(size=6), 0)
     mask = np.array([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0], [1, 1, 1], [1, 0, 0]], np.int32)
-    adv, r, std = rounds.compute_advantages(draw, mask, np.ones(1), estimator=estimator, scale_rewards="group",
-                                            multi_objective_aggregation="sum_then_normalize", num_generations=G)
+    adv, r, std = rounds.round_advantages(draw.rewards, np.ones(1), mask, estimator=estimator, scale_rewards="group",
+                                          multi_objective_aggregation="sum_then_normalize", num_generations=G)
     r_N = draw.rewards[:, 0]
     expected = {"grpo": lambda: advantages.group_advantages(draw.rewards, np.ones(1), num_generations=G)[0],
                 "rloo": lambda: advantages.rloo_advantages(r_N, num_generations=G),
@@ -109,12 +109,15 @@ def test_compute_advantages_dispatches_to_the_estimator(estimator):
         np.testing.assert_allclose(adv, r_N - r_N.reshape(-1, 2)[:, ::-1].reshape(-1), rtol=1e-6)
 
 
-def test_compute_advantages_process_supervision_per_token():
+def test_round_advantages_process_supervision_per_token():
     """Two completions, one step each at token 1 and 2: r̃ = ±1/√2·(1/(1+1e-4·√2)); reverse cumsum along T."""
     steps = (np.array([[1.0], [0.0]], np.float32), np.array([[1], [2]], np.int32))
     draw = make_draw([0, 0], 0, steps=steps)
     mask = np.ones((2, T), np.int32)
-    adv, _, _ = rounds.compute_advantages(draw, mask, np.ones(1), estimator="process", scale_rewards="group",
-                                          multi_objective_aggregation="sum_then_normalize", num_generations=G)
+    padded = rounds.pad_steps(draw, T)
+    assert padded[0].shape == (2, T) and padded[1][0, 1:].tolist() == [-1] * (T - 1)
+    adv, _, _ = rounds.round_advantages(draw.rewards, np.ones(1), mask, *padded, estimator="process",
+                                        scale_rewards="group", multi_objective_aggregation="sum_then_normalize",
+                                        num_generations=G)
     z = 0.5 / (np.sqrt(0.5) + 1e-4)
     np.testing.assert_allclose(adv, [[z, z, 0.0], [-z, -z, -z]], rtol=1e-5)

@@ -14,7 +14,8 @@ from grpo_jax.losses import LossConfig
 from grpo_jax.models import ModelConfig, init_model
 from grpo_jax.sampling import SamplingConfig, host_chunks, jit_generate
 from grpo_jax.state import init_state
-from grpo_jax.train_step import StepOptions, jit_train_step
+from grpo_jax.programs import jit_train_step
+from grpo_jax.train_step import StepOptions
 from test_train_step import make_batch, one_device_mesh
 
 MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)]

@@ -12,7 +12,8 @@ from grpo_jax import sharding
 from grpo_jax.logprobs import completion_logps
 from grpo_jax.losses import LossConfig, compute_loss
 from grpo_jax.state import init_state, learning_rate_schedule, make_optimizer
-from grpo_jax.train_step import Batch, StepOptions, jit_train_step, train_step
+from grpo_jax.programs import jit_train_step
+from grpo_jax.train_step import Batch, StepOptions, train_step
 
 B, P, T = 16, 5, 6
 
@@ -58,7 +59,7 @@ def run_step(tiny_model_config, mesh, loss_config, grad_accum=1, batch_seed=0, g
     batch = make_batch(graphdef, state.params, seed=batch_seed, beta=loss_config.beta, group_size=group_size)
     options = StepOptions(loss=loss_config, temperature=1.0, gradient_accumulation_steps=grad_accum,
                           prompt_group_size=prompt_group_size)
-    step = jit_train_step(graphdef, optimizer, options, mesh)
+    step = jit_train_step(graphdef, optimizer, options, mesh, sharding.tree_shardings(state))
     new_state, metrics = step(state, batch)
     return jax.device_get((new_state, metrics))
 
@@ -126,10 +127,11 @@ def test_custom_loss_fn_replaces_compute_loss(tiny_model_config):
 
     graphdef, optimizer, state = setup(tiny_model_config, mesh, adam=False)
     batch = make_batch(graphdef, state.params)
-    reference_state, reference_metrics = jit_train_step(graphdef, optimizer, StepOptions(config, 1.0), mesh)(
-        state, batch)
+    shardings = sharding.tree_shardings(state)
+    reference_state, reference_metrics = jit_train_step(graphdef, optimizer, StepOptions(config, 1.0), mesh,
+                                                        shardings)(state, batch)
     _, _, state = setup(tiny_model_config, mesh, adam=False)
-    custom_step = jit_train_step(graphdef, optimizer, StepOptions(config, 1.0, loss_fn=scaled), mesh)
+    custom_step = jit_train_step(graphdef, optimizer, StepOptions(config, 1.0, loss_fn=scaled), mesh, shardings)
     _, metrics = custom_step(state, batch)
     np.testing.assert_allclose(metrics["loss"], 2 * reference_metrics["loss"], rtol=1e-6)
     np.testing.assert_allclose(metrics["grad_norm"], 2 * reference_metrics["grad_norm"], rtol=1e-5)
@@ -196,7 +198,7 @@ def test_shared_prompt_step_equals_per_row_step(tiny_model_config, shape):
 def test_no_recompilation_on_second_step(tiny_model_config):
     mesh = one_device_mesh()
     graphdef, optimizer, state = setup(tiny_model_config, mesh)
-    step = jit_train_step(graphdef, optimizer, StepOptions(LossConfig(), 1.0, 2), mesh)
+    step = jit_train_step(graphdef, optimizer, StepOptions(LossConfig(), 1.0, 2), mesh, sharding.tree_shardings(state))
     for seed in range(3):
         state, _ = step(state, make_batch(graphdef, state.params, seed=seed))
     assert step._cache_size() == 1
@@ -209,7 +211,7 @@ def test_non_finite_loss_skips_the_update(tiny_model_config):
     before = jax.device_get(state)
     batch = make_batch(graphdef, state.params)
     batch = batch._replace(advantages=np.full(B, np.nan, np.float32))
-    step = jit_train_step(graphdef, optimizer, StepOptions(LossConfig(), 1.0), mesh)
+    step = jit_train_step(graphdef, optimizer, StepOptions(LossConfig(), 1.0), mesh, sharding.tree_shardings(state))
     state, metrics = jax.device_get(step(state, batch))
     assert metrics["skipped"] == 1 and not np.isfinite(metrics["loss"])
     jax.tree.map(np.testing.assert_array_equal, state.params, before.params)

@@ -15,6 +15,11 @@ QUICK = ["max_steps=4", "train.train_batch_size=16", "train.num_generations=4", 
          "sampling.max_completion_length=6"]
 
 
+def spy(run, **programs):
+    """The run with some of its programs replaced (e.g. by wrappers that record their calls)."""
+    return dataclasses.replace(run, programs=run.programs._replace(**programs))
+
+
 def bad_count_reward(prompts, completions, **kwargs):
     return [0.0] * (len(completions) - 1)
 
@@ -62,13 +67,11 @@ def test_on_policy_round_skips_old_logps(tmp_path, monkeypatch):
     """With one update per round the old-policy forward is never run (old = sg(logp))."""
     config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "max_steps=2", "eval.num_examples=0",
                                 "loss.beta=0"])
-    run = trainer.build(config)
+    run, state = trainer.build(config)
     calls = []
-    logps_fn = run.logps_fn
-    run.logps_fn = lambda *a: calls.append(1) or logps_fn(*a)
-    writer = trainer.MetricsWriter(tmp_path, max_steps=2, show_progress=False)
-    trainer.run_round(run, writer, 0)
-    assert calls == [] and int(run.state.step) == 1
+    run = spy(run, logps=lambda *a: calls.append(1) or run.programs.logps(*a))
+    state, _, _ = trainer.run_round(run, state, 0)
+    assert calls == [] and int(state.step) == 1
 
 
 @pytest.mark.parametrize("path, match", [
@@ -85,13 +88,13 @@ def test_bad_reward_functions_stop_with_their_name(tmp_path, path, match):
 def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
     config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "eval.num_examples=0",
                                 "train.max_nonfinite_steps=2"])
-    real = trainer.rounds.compute_advantages
+    real = trainer.rounds.round_advantages
 
     def nan_advantages(*args, **kwargs):
         advantages, r, std = real(*args, **kwargs)
         return advantages * np.nan, r, std
 
-    monkeypatch.setattr(trainer.rounds, "compute_advantages", nan_advantages)
+    monkeypatch.setattr(trainer.rounds, "round_advantages", nan_advantages)
     with pytest.raises(RuntimeError, match="3 optimizer steps had a non-finite loss .*train.max_nonfinite_steps=2"):
         trainer.train(config, show_progress=False)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -120,15 +123,15 @@ def test_no_recompilation_across_rounds(tmp_path):
     """Static shapes: sampler, log-prob and step programs compile once, whatever the prompts and completions."""
     config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "max_steps=6", "eval.num_examples=0",
                                 "train.steps_per_generation=2"])
-    run = trainer.build(config)
-    writer = trainer.MetricsWriter(run.output_dir, max_steps=6, show_progress=False)
+    run, state = trainer.build(config)
     for round_index in range(3):
-        trainer.run_round(run, writer, round_index)
-    assert int(run.state.step) == 6
-    assert run.sample_fn._cache_size() == run.step_fn._cache_size() == 1
-    if run.ref_logps_fn is not None:
-        assert run.ref_logps_fn._cache_size() == 1
-    assert run.logps_fn._cache_size() == 0  # float32: the sampler's log-probs serve as the old ones
+        state, _, _ = trainer.run_round(run, state, round_index)
+    assert int(state.step) == 6
+    programs = run.programs
+    assert programs.sample._cache_size() == programs.step._cache_size() == programs.advantages._cache_size() == 1
+    if programs.ref_logps is not None:
+        assert programs.ref_logps._cache_size() == 1
+    assert programs.logps._cache_size() == 0  # float32: the sampler's log-probs serve as the old ones
 
 
 @pytest.mark.parametrize("batch_size, gathers", [(32, 0), (16, 1)])
@@ -137,31 +140,32 @@ def test_a_step_gets_its_rows(tmp_path, batch_size, gathers):
     gather program; a shuffled step gathers its rows. Either way it trains on exactly its rows."""
     config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "max_steps=1", "eval.num_examples=0",
                                 f"train.train_batch_size={batch_size}"])
-    run = trainer.build(config)
+    run, state = trainer.build(config)
     taken, batches = [], []
-    take_fn, step_fn = run.take_fn, run.step_fn
-    run.take_fn = lambda batch, rows: taken.append(rows) or take_fn(batch, rows)
-    run.step_fn = lambda state, batch: batches.append(jax.device_get(batch)) or step_fn(state, batch)
-    buffer = trainer.run_round(run, trainer.MetricsWriter(tmp_path, max_steps=1, show_progress=False), 0)
+    take, step = run.programs.take, run.programs.step
+    run = spy(run, take=lambda batch, rows: taken.append(rows) or take(batch, rows),
+              step=lambda state, batch: batches.append(jax.device_get(batch)) or step(state, batch))
+    _, round_batch, _ = trainer.run_round(run, state, 0)
     assert len(taken) == gathers and len(batches) == 1
-    in_order = np.array_equal(buffer.step_rows[0], np.arange(batch_size))
+    in_order = np.array_equal(round_batch.step_rows[0], np.arange(batch_size))
     assert in_order == (gathers == 0)
     for name in ("prompt_ids", "completion_ids", "completion_mask", "advantages", "ref_per_token_logps"):
         np.testing.assert_array_equal(getattr(batches[0], name),
-                                      jax.device_get(getattr(buffer, name))[buffer.step_rows[0]], err_msg=name)
+                                      jax.device_get(getattr(round_batch.rows, name))[round_batch.step_rows[0]],
+                                      err_msg=name)
 
 
 def test_sampler_logps_serve_as_old_logps(tmp_path):
     """With float32 compute the sampler's log-probs equal a fresh forward pass of the same params."""
     config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "max_steps=2", "eval.num_examples=0",
                                 "train.steps_per_generation=2"])
-    run = trainer.build(config)
-    buffer = trainer.prepare_round(run, 0)
-    fresh = run.logps_fn(run.state.params, buffer.prompt_ids, buffer.prompt_mask, buffer.completion_ids,
-                         buffer.completion_mask)
-    mask = np.asarray(buffer.completion_mask, bool)
+    run, state = trainer.build(config)
+    rows = trainer.prepare_round(run, state, 0).rows
+    fresh = run.programs.logps(state.params, rows.prompt_ids, rows.prompt_mask, rows.completion_ids,
+                               rows.completion_mask)
+    mask = np.asarray(rows.completion_mask, bool)
     assert mask.sum() > 0
-    np.testing.assert_allclose(np.asarray(buffer.old_per_token_logps)[mask], np.asarray(fresh)[mask],
+    np.testing.assert_allclose(np.asarray(rows.old_per_token_logps)[mask], np.asarray(fresh)[mask],
                                rtol=1e-5, atol=1e-5)
 
 
@@ -190,12 +194,12 @@ def test_shared_prompt_round_equals_per_row_round(tmp_path):
         config = load_config(None, [f"output_dir={tmp_path / str(share)}", *QUICK, "max_steps=1",
                                     "eval.num_examples=0", "train.train_batch_size=32",  # one group per device
                                     f"train.share_prompt_prefix={str(share).lower()}"])
-        run = trainer.build(config)
+        run, state = trainer.build(config)
         assert run.step_prompt_group_size == (4 if share else 1)
-        writer = trainer.MetricsWriter(tmp_path, max_steps=1, show_progress=False)
-        buffer = trainer.run_round(run, writer, 0)
-        out[share] = (*jax.device_get((buffer.completion_ids, buffer.completion_mask, buffer.ref_per_token_logps)),
-                      writer.history[0])
+        _, round_batch, lines = trainer.run_round(run, state, 0)
+        rows = round_batch.rows
+        out[share] = (*jax.device_get((rows.completion_ids, rows.completion_mask, rows.ref_per_token_logps)),
+                      lines[0])
     (ids, mask, ref, metrics), (ids_1, _, ref_1, metrics_1) = out[True], out[False]
     np.testing.assert_array_equal(ids, ids_1)  # the same samples: sampling does not depend on the option
     real = np.asarray(mask, bool)
@@ -210,11 +214,10 @@ def test_seeded_runs_are_reproducible(tmp_path):
     params = []
     for name in ("a", "b"):
         config = load_config(None, [f"output_dir={tmp_path / name}", *QUICK, "max_steps=2", "eval.num_examples=0"])
-        run = trainer.build(config)
-        writer = trainer.MetricsWriter(run.output_dir, max_steps=2, show_progress=False)
-        trainer.run_round(run, writer, 0)
-        trainer.run_round(run, writer, 1)
-        params.append(jax.device_get(run.state.params))
+        run, state = trainer.build(config)
+        state, _, _ = trainer.run_round(run, state, 0)
+        state, _, _ = trainer.run_round(run, state, 1)
+        params.append(jax.device_get(state.params))
     jax.tree.map(np.testing.assert_array_equal, *params)
 
 
@@ -235,19 +238,18 @@ def step_reward(prompts, completions, completion_ids, **kwargs):
 def _one_round(tmp_path, overrides, loss_fn=None):
     """Builds a quick run, spies on the reward calls and the step batches, and runs one round."""
     config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "max_steps=1", "eval.num_examples=0", *overrides])
-    run = trainer.build(config, loss_fn=loss_fn)
+    run, state = trainer.build(config, loss_fn=loss_fn)
     calls, batches = [], []
-    run.reward_fns = [(name, lambda fn=fn, **kw: calls.append(kw["completion_ids"]) or fn(**kw))
-                      for name, fn in run.reward_fns]
-    step_fn = run.step_fn
-    run.step_fn = lambda state, batch: batches.append(batch) or step_fn(state, batch)
-    writer = trainer.MetricsWriter(tmp_path, max_steps=1, show_progress=False)
-    trainer.run_round(run, writer, 0)
-    return run, calls, batches, writer.history[0]
+    step = run.programs.step
+    run = dataclasses.replace(spy(run, step=lambda state, batch: batches.append(batch) or step(state, batch)),
+                              reward_fns=[(name, lambda fn=fn, **kw: calls.append(kw["completion_ids"]) or fn(**kw))
+                                          for name, fn in run.reward_fns])
+    state, _, lines = trainer.run_round(run, state, 0)
+    return run, state, calls, batches, lines[0]
 
 
 def test_dynamic_sampling_trains_only_on_mixed_groups(tmp_path):
-    run, calls, batches, line = _one_round(tmp_path, ["train.dynamic_sampling=true",
+    run, _, calls, batches, line = _one_round(tmp_path, ["train.dynamic_sampling=true",
                                                       "reward.functions=[tests.test_trainer:half_constant_reward]"])
     assert line["dynamic_sampling/num_gen_batches"] == len(calls) >= 1
     assert batches[0].sampler_per_token_logps is None  # train.use_sampler_logps is off by default
@@ -257,7 +259,7 @@ def test_dynamic_sampling_trains_only_on_mixed_groups(tmp_path):
 
 
 def test_dynamic_sampling_fills_zero_std_groups_at_the_cap(tmp_path):
-    _, calls, batches, line = _one_round(tmp_path, ["train.dynamic_sampling=true", "train.max_num_gen_batches=3",
+    _, _, calls, batches, line = _one_round(tmp_path, ["train.dynamic_sampling=true", "train.max_num_gen_batches=3",
                                                     "reward.functions=[tests.test_trainer:constant_reward]"])
     assert len(calls) == line["dynamic_sampling/num_gen_batches"] == 3
     assert line["dynamic_sampling/num_filled_groups"] == 4 and line["frac_reward_zero_std"] == 1.0
@@ -267,7 +269,7 @@ def test_dynamic_sampling_fills_zero_std_groups_at_the_cap(tmp_path):
 
 def test_mask_truncated_and_soft_overlong_punishment_in_the_loop(tmp_path):
     """Truncated rows train with mask 0; the built-in length penalty matches eq. 13 on the sampled lengths."""
-    _, calls, batches, line = _one_round(tmp_path, [
+    _, _, calls, batches, line = _one_round(tmp_path, [
         "train.mask_truncated_completions=true", "train.use_sampler_logps=true", "sampling.max_completion_length=4",
         "reward.soft_punish_cache=2",
         "reward.functions=[grpo_jax.task:char_accuracy,grpo_jax.rewards:soft_overlong_punishment]"])
@@ -285,7 +287,7 @@ def test_mask_truncated_and_soft_overlong_punishment_in_the_loop(tmp_path):
 
 
 def test_process_supervision_gives_per_token_advantages(tmp_path):
-    _, _, batches, line = _one_round(tmp_path, ["train.advantage_estimator=process", "loss.beta=0",
+    _, _, _, batches, line = _one_round(tmp_path, ["train.advantage_estimator=process", "loss.beta=0",
                                                 "reward.functions=[tests.test_trainer:step_reward]"])
     advantages, mask = np.asarray(batches[0].advantages), np.asarray(batches[0].completion_mask)
     assert advantages.shape == mask.shape
@@ -294,10 +296,9 @@ def test_process_supervision_gives_per_token_advantages(tmp_path):
 
 
 def test_iterative_grpo_resets_the_reference_every_step(tmp_path):
-    run, _, _, _ = _one_round(tmp_path, ["train.sync_ref_model=true", "train.ref_model_mixup_alpha=1.0",
+    _, state, _, _, _ = _one_round(tmp_path, ["train.sync_ref_model=true", "train.ref_model_mixup_alpha=1.0",
                                          "train.ref_model_sync_steps=1"])
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(run.state.ref_params),
-                 jax.device_get(run.state.params))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.ref_params), jax.device_get(state.params))
 
 
 def test_train_accepts_a_custom_loss(tmp_path):
@@ -309,7 +310,7 @@ def test_train_accepts_a_custom_loss(tmp_path):
         loss, aux = compute_loss(*args, **kwargs)
         return loss, {"kl": aux.kl, "my/ratio": aux.clip_ratio_region}
 
-    _, _, _, line = _one_round(tmp_path, [], loss_fn=my_loss)
+    _, _, _, _, line = _one_round(tmp_path, [], loss_fn=my_loss)
     assert traced and "my/ratio" in line and "clip_ratio/low_mean" not in line
 
 
@@ -326,11 +327,11 @@ def test_training_from_a_hugging_face_folder(tmp_path):
     task.build_tokenizer(tmp_path / "hf")  # the embedded task's characters; the model's vocab is larger
     config = load_config(None, [f"output_dir={tmp_path}/run", *QUICK, "max_steps=2", "eval.num_examples=0",
                                 f"model.path={folder}", "loss.beta=0.04", "train.learning_rate=1e-3"])
-    run = trainer.build(config)
+    run, state = trainer.build(config)
     assert run.config.model.hidden_size == 64 and run.config.model.vocab_size == hf_fixtures.VOCAB
     ids = np.array([[3, 4, 5, 6], [0, 7, 8, 9]], np.int32)
     mask = np.array([[1, 1, 1, 1], [0, 1, 1, 1]], np.int32)
-    ours = np.asarray(Model(run.graphdef, run.config.model)(run.state.params, ids, mask))
+    ours = np.asarray(Model(run.graphdef, run.config.model)(state.params, ids, mask))
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = reference(input_ids=torch.tensor(ids, dtype=torch.long),
