@@ -15,22 +15,18 @@ from typing import Any
 
 import yaml
 
+from grpo_jax.advantages import MULTI_OBJECTIVE_AGGREGATIONS
 from grpo_jax.distributed import DistributedConfig
 from grpo_jax.host_memory import HOST_ALLOCATORS
 from grpo_jax.losses import LossConfig
 from grpo_jax.models import ModelConfig
+from grpo_jax.models.configuration import _check
 from grpo_jax.reference import RefSyncConfig
 from grpo_jax.rewards import SOFT_OVERLONG, resolve_reward_fn
 from grpo_jax.sampling import SamplingConfig
 
 TASK_REWARDS = ("grpo_jax.task:char_accuracy",)
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "process")
-MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 def _check_importable(field: str, paths: tuple[str, ...]) -> None:
