@@ -33,10 +33,10 @@ def _export_parser() -> argparse.ArgumentParser:
 def export_main(argv: list[str]) -> int:
     """`grpo-jax export --checkpoint DIR --out HF_DIR`."""
     args = _export_parser().parse_args(argv)
-    from grpo_jax import checkpoint
+    from grpo_jax import export
 
     try:
-        step, fmt = checkpoint.export(args.checkpoint, args.out)
+        step, fmt = export.export(args.checkpoint, args.out)
     except (ValueError, RuntimeError) as e:
         print(f"grpo-jax export: {e}", file=sys.stderr)
         return 1
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from grpo_jax.distributed import initialize
 
     initialize(config.distributed)  # before any computation: every process of a multi-host run joins here
-    from grpo_jax.checkpoint import Preempted
+    from grpo_jax.preemption import Preempted
     from grpo_jax.trainer import train
 
     try:

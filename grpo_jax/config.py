@@ -15,22 +15,18 @@ from typing import Any
 
 import yaml
 
+from grpo_jax.advantages import MULTI_OBJECTIVE_AGGREGATIONS
 from grpo_jax.distributed import DistributedConfig
 from grpo_jax.host_memory import HOST_ALLOCATORS
 from grpo_jax.losses import LossConfig
 from grpo_jax.models import ModelConfig
+from grpo_jax.models.configuration import _check
 from grpo_jax.reference import RefSyncConfig
 from grpo_jax.rewards import SOFT_OVERLONG, resolve_reward_fn
 from grpo_jax.sampling import SamplingConfig
 
 TASK_REWARDS = ("grpo_jax.task:char_accuracy",)
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "process")
-MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 def _check_importable(field: str, paths: tuple[str, ...]) -> None:
@@ -297,7 +293,7 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         return tuple(_coerce(v, item_type, f"{where}[{i}]") for i, v in enumerate(value))
     if dataclasses.is_dataclass(annotation):
         _check(isinstance(value, dict), f"{where} must be a mapping of keys, got {value!r}")
-        return _build(annotation, value, where + ".")
+        return from_dict(annotation, value, where + ".")
     if annotation is bool:
         _check(isinstance(value, bool), f"{where}={value!r} must be true or false")
     elif annotation is int:
@@ -315,7 +311,11 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     return value
 
 
-def _build(cls: type, values: dict, prefix: str = "") -> Any:
+def from_dict(cls: type, values: dict, prefix: str = "") -> Any:
+    """The config dataclass `cls` (any section, or `Config`) from plain data, each value checked and converted.
+
+    `prefix` is the section's dotted name ("model.") for error messages; unknown keys are an error.
+    """
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(values) - set(names))
@@ -345,12 +345,12 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
         except yaml.YAMLError as e:
             raise ValueError(f"config file {path!r} is not valid YAML: {e}") from e
         _check(isinstance(values, dict), f"config file {path!r} must hold a mapping of keys")
-    return _build(Config, _with_overrides(values, overrides))
+    return from_dict(Config, _with_overrides(values, overrides))
 
 
 def apply_overrides(config: Config, overrides: typing.Sequence[str]) -> Config:
     """``config`` with `dotted.key=value` overrides (values parsed as YAML), checked as a file's would be."""
-    return _build(Config, _with_overrides(to_dict(config), overrides))
+    return from_dict(Config, _with_overrides(to_dict(config), overrides))
 
 
 def _with_overrides(values: dict, overrides: typing.Sequence[str]) -> dict:

@@ -107,10 +107,14 @@ def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int,
     return ids_PxL, mask_PxL, int(truncated_P.sum())
 
 
-def _tokenize(tokenizer, prompts: list, max_prompt_length: int, truncation: str):
-    """`tokenize_prompts` with a per-prompt truncation flag [P] bool in place of the count."""
+def _check_truncation(truncation: str) -> None:
     if truncation not in ("left", "error"):
         raise ValueError(f"data.truncation={truncation!r} is unknown: use 'left' or 'error'")
+
+
+def _tokenize(tokenizer, prompts: list, max_prompt_length: int, truncation: str):
+    """`tokenize_prompts` with a per-prompt truncation flag [P] bool in place of the count."""
+    _check_truncation(truncation)
     if max_prompt_length < 1:
         raise ValueError(f"data.max_prompt_length={max_prompt_length} must be >= 1")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -180,8 +184,7 @@ class PromptIterator:
             raise ValueError("PromptIterator needs at least one row")
         if prompts_per_round < 1:
             raise ValueError(f"prompts_per_round={prompts_per_round} must be >= 1")
-        if truncation not in ("left", "error"):
-            raise ValueError(f"data.truncation={truncation!r} is unknown: use 'left' or 'error'")
+        _check_truncation(truncation)
         self._rows = rows
         self._tokenizer = tokenizer
         self._prompts_per_round = prompts_per_round

@@ -85,10 +85,3 @@ def initialize(config: DistributedConfig) -> bool:
                          "JAX_NUM_PROCESSES and JAX_PROCESS_ID")
     jax.distributed.initialize(**given)
     return True
-
-
-def is_main_process() -> bool:
-    """True on process 0: the one that writes logs, plots and exports."""
-    import jax
-
-    return jax.process_index() == 0

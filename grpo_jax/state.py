@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +12,9 @@ from jax.sharding import Mesh
 
 from grpo_jax import reference, sharding
 from grpo_jax.models import ModelConfig, Transformer, init_model
+
+if TYPE_CHECKING:
+    from grpo_jax.config import TrainConfig
 
 
 class TrainState(NamedTuple):
@@ -60,6 +63,17 @@ def make_optimizer(schedule: optax.Schedule, *, weight_decay: float, b1: float, 
     return adamw
 
 
+def optimizer_from_config(train_config: TrainConfig, max_steps: int,
+                          ) -> tuple[optax.Schedule, optax.GradientTransformation]:
+    """(learning-rate schedule, optimizer) of a run: `learning_rate_schedule` and `make_optimizer` from `train.*`."""
+    tc = train_config
+    schedule = learning_rate_schedule(learning_rate=tc.learning_rate, scheduler=tc.lr_scheduler_type,
+                                      warmup_steps=tc.warmup_steps, max_steps=max_steps)
+    optimizer = make_optimizer(schedule, weight_decay=tc.weight_decay, b1=tc.adam_beta1, b2=tc.adam_beta2,
+                               eps=tc.adam_epsilon, max_grad_norm=tc.max_grad_norm)
+    return schedule, optimizer
+
+
 def as_float32(tree: Any) -> Any:
     """Floating leaves cast to float32 (the optimizer's working precision); others unchanged."""
     return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
@@ -79,23 +93,40 @@ def model_graphdef(model_config: ModelConfig) -> nnx.GraphDef:
     return graphdef
 
 
+def _new_state(params: Any, optimizer: optax.GradientTransformation, *, seed: int, with_reference: bool,
+               ref_param_dtype: str | None) -> TrainState:
+    """The state at step 0 around `params`: fresh optimizer moments (float32), the reference a copy of `params`."""
+    ref_params = cast_floating(reference.init(params), ref_param_dtype) if with_reference else None
+    return TrainState(params=params, opt_state=optimizer.init(as_float32(params)), ref_params=ref_params,
+                      step=jnp.zeros((), jnp.int32), key=jax.random.PRNGKey(seed))
+
+
+def abstract_state(model_config: ModelConfig, optimizer: optax.GradientTransformation, *, with_reference: bool,
+                   ref_param_dtype: str | None = None) -> TrainState:
+    """The shapes and dtypes of `init_state`'s state (ShapeDtypeStructs, no sharding): nothing is allocated.
+
+    The tree a checkpoint of such a run holds (with `ref_params` None when it was saved without them).
+    """
+    return jax.eval_shape(lambda: _new_state(init_model(model_config, 0)[1], optimizer, seed=0,
+                                             with_reference=with_reference, ref_param_dtype=ref_param_dtype))
+
+
 def init_state(model_config: ModelConfig, optimizer: optax.GradientTransformation, *, seed: int,
                with_reference: bool, mesh: Mesh, ref_param_dtype: str | None = None,
                offload_ref_params: bool = False) -> tuple[nnx.GraphDef, TrainState]:
     """Initialises model, optimizer and reference straight into their sharded layout (`sharding.state_shardings`).
 
-    eval_shape -> shardings -> one jitted init with out_shardings: no host copy of the full params ever exists.
-    The reference is stored in `ref_param_dtype` (None: the params' dtype), in host memory when
+    abstract_state -> shardings -> one jitted init with out_shardings: no host copy of the full params ever
+    exists. The reference is stored in `ref_param_dtype` (None: the params' dtype), in host memory when
     `offload_ref_params`; optimizer moments are float32.
     """
 
     def init():
-        _, params = init_model(model_config, seed)
-        ref_params = cast_floating(reference.init(params), ref_param_dtype) if with_reference else None
-        return TrainState(params=params, opt_state=optimizer.init(as_float32(params)), ref_params=ref_params,
-                          step=jnp.zeros((), jnp.int32), key=jax.random.PRNGKey(seed))
+        return _new_state(init_model(model_config, seed)[1], optimizer, seed=seed, with_reference=with_reference,
+                          ref_param_dtype=ref_param_dtype)
 
-    shardings = sharding.state_shardings(mesh, jax.eval_shape(init), offload_ref=offload_ref_params)
+    shapes = abstract_state(model_config, optimizer, with_reference=with_reference, ref_param_dtype=ref_param_dtype)
+    shardings = sharding.state_shardings(mesh, shapes, offload_ref=offload_ref_params)
     state = jax.jit(init, out_shardings=shardings)()
     return model_graphdef(model_config), state
 
@@ -109,10 +140,10 @@ def state_from_params(params: Any, optimizer: optax.GradientTransformation, *, s
     """
 
     def init(params):
-        ref_params = cast_floating(reference.init(params), ref_param_dtype) if with_reference else None
-        return TrainState(params=params, opt_state=optimizer.init(as_float32(params)), ref_params=ref_params,
-                          step=jnp.zeros((), jnp.int32), key=jax.random.PRNGKey(seed))
+        return _new_state(params, optimizer, seed=seed, with_reference=with_reference,
+                          ref_param_dtype=ref_param_dtype)
 
+    # the given params' own shapes (not the config's): the state is built around exactly these
     shardings = sharding.state_shardings(mesh, jax.eval_shape(init, params), offload_ref=offload_ref_params)
     # placed first (a no-op when already there), so the donated input and the params output alias exactly
     params = jax.device_put(params, shardings.params, donate=True)

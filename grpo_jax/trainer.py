@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from grpo_jax import checkpoint, data, rewards, rounds, sharding
+from grpo_jax import checkpoint, data, export, preemption, rewards, rounds, sharding
 from grpo_jax.config import Config, to_dict
 from grpo_jax.reporting import MetricsWriter, plain, plot_rewards
 from grpo_jax.run import Run, build
@@ -310,7 +310,7 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
 
     Continues the run in `output_dir` from its newest checkpoint when there is one (`resume`). Saves every
     `save_steps` steps and at the end, then exports the policy to `output_dir/final/`. On SIGTERM/SIGINT it
-    finishes the step, saves, and raises `checkpoint.Preempted`. `loss_fn`: a custom loss with
+    finishes the step, saves, and raises `preemption.Preempted`. `loss_fn`: a custom loss with
     `compute_loss`'s signature, used instead of it (see `build`).
     """
     run, state = build(config, loss_fn=loss_fn)
@@ -336,7 +336,7 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
 
     skipped, step = 0, int(state.step)
     try:
-        with checkpoint.PreemptionGuard() as guard:
+        with preemption.PreemptionGuard() as guard:
             while step < config.max_steps and not guard.requested:
                 if round_batch is None:
                     round_batch = prepare_round(run, state, round_index)
@@ -363,7 +363,7 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
             if step != saved_step:
                 save(wait=True)
             if guard.requested:
-                raise checkpoint.Preempted(guard.signum, step, mngr.directory / str(step))
+                raise preemption.Preempted(guard.signum, step, mngr.directory / str(step))
     finally:
         mngr.wait_until_finished()
         mngr.close()
@@ -379,7 +379,7 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
     if main:
         (run.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         shutil.rmtree(final, ignore_errors=True)
-    fmt = checkpoint.export_policy(run.graphdef, run.config.model, state.params, final, tokenizer=run.tokenizer)
+    fmt = export.export_policy(run.graphdef, run.config.model, state.params, final, tokenizer=run.tokenizer)
     if main:
         print(f"reward first 10% of steps={summary['reward_first_10pct']:.3f}  "
               f"last 10%={summary['reward_last_10pct']:.3f}  plot: {run.output_dir / 'reward.png'}  "

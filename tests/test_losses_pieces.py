@@ -41,6 +41,21 @@ def test_sequence_ratio_hand_values():
     np.testing.assert_allclose(jac.reshape(6, 6), np.eye(6))
 
 
+def test_log_importance_weights_dispatches_on_level():
+    logp = jnp.array([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
+    old = jnp.array([[-1.5, -2.0, 9.0], [0.0, 0.0, 0.0]])
+    mask = jnp.array([[1, 1, 0], [0, 0, 0]])
+    np.testing.assert_array_equal(losses.log_importance_weights(logp, old), logp - old)  # token level by default
+    np.testing.assert_array_equal(losses.log_importance_weights(logp, old, mask, level="sequence"),
+                                  sequence_log_importance_weights(logp, old, mask))
+    np.testing.assert_array_equal(losses.log_importance_weights(logp, old, mask, level="sequence_token"),
+                                  sequence_token_log_importance_weights(logp, old, mask))
+    with pytest.raises(ValueError, match="needs completion_mask"):
+        losses.log_importance_weights(logp, old, level="sequence")
+    with pytest.raises(ValueError, match="importance_sampling_level='word'"):
+        losses.log_importance_weights(logp, old, mask, level="word")
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "sapo", "luspo"])
 def test_gspo_token_equals_gspo_for_per_sequence_advantages(loss_type):
     logp, old, ref, adv, mask = batch(seed=1)

@@ -5,7 +5,7 @@ Dimension letters: B rows of this (micro-)batch, T completion tokens. A loss nev
 
 The pieces are small pure functions, one concern per module; `compute_loss` is one way to chain them:
 
-    ratios       log_w = importance_log_weights(logp, old, mask, level)      token | sequence | sequence_token
+    ratios       log_w = log_importance_weights(logp, old, mask, level=...)  token | sequence | sequence_token
     surrogates   ℓ = clipped_surrogate | cispo_surrogate | sapo_surrogate | vespo_surrogate(vespo_weights)
     masks        ℓ ·= off_policy_sequence_mask · high_entropy_mask · sampler_importance_weights
     kl           ℓ += beta · kl_divergence(logp, ref, estimator) [· r  via bias_corrected_kl]
@@ -45,7 +45,7 @@ from grpo_jax.losses.config import (CLIPPED_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVE
 from grpo_jax.losses.kl import LOW_VAR_KL_BOUND, bias_corrected_kl, kl_divergence
 from grpo_jax.losses.masks import (high_entropy_mask, masked_mean, masked_sum, off_policy_sequence_mask, quantile,
                                    sampler_importance_weights, sampler_log_ratio)
-from grpo_jax.losses.ratios import (importance_log_weights, log_importance_weights, sequence_log_importance_weights,
+from grpo_jax.losses.ratios import (log_importance_weights, sequence_log_importance_weights,
                                     sequence_token_log_importance_weights)
 from grpo_jax.losses.surrogates import (cispo_surrogate, clipped_surrogate, sapo_surrogate, vespo_surrogate,
                                         vespo_weights)
@@ -55,7 +55,6 @@ __all__ = [
     "LOSS_TYPES", "CLIPPED_LOSS_TYPES", "IMPORTANCE_SAMPLING_LEVELS", "KL_ESTIMATORS", "IS_CORRECTION_MODES",
     # ratios
     "log_importance_weights", "sequence_log_importance_weights", "sequence_token_log_importance_weights",
-    "importance_log_weights",
     # surrogates
     "clipped_surrogate", "cispo_surrogate", "sapo_surrogate", "vespo_weights", "vespo_surrogate",
     # KL
@@ -135,7 +134,7 @@ def compute_loss(per_token_logps: jax.Array, old_per_token_logps: jax.Array | No
                          f"{config.entropy_coef} need per-token entropies: pass entropies=... to compute_loss")
 
     log_ratio_BxT = log_importance_weights(logp_BxT, old_BxT)
-    log_w = importance_log_weights(logp_BxT, old_BxT, mask_BxT, level=config.importance_sampling_level)
+    log_w = log_importance_weights(logp_BxT, old_BxT, mask_BxT, level=config.importance_sampling_level)
     ratio = jnp.exp(log_w)  # [B, T], or [B, 1] at sequence level
     eps_low, eps_high = config.epsilon, config.epsilon_high_resolved
 

@@ -9,11 +9,6 @@ import jax
 import jax.numpy as jnp
 
 
-def log_importance_weights(per_token_logps: jax.Array, old_per_token_logps: jax.Array) -> jax.Array:
-    """Token-level log importance weight: log_w = logp - old, [B, T] (ALGORITHMS.md §3)."""
-    return per_token_logps - old_per_token_logps
-
-
 def sequence_log_importance_weights(per_token_logps: jax.Array, old_per_token_logps: jax.Array,
                                     completion_mask: jax.Array) -> jax.Array:
     """GSPO sequence-level log weight: masked mean over T of (logp - old), [B, 1].
@@ -37,14 +32,18 @@ def sequence_token_log_importance_weights(per_token_logps: jax.Array, old_per_to
     return per_token_logps - jax.lax.stop_gradient(per_token_logps) + jax.lax.stop_gradient(seq_Bx1)
 
 
-def importance_log_weights(per_token_logps: jax.Array, old_per_token_logps: jax.Array,
-                           completion_mask: jax.Array, *, level: str = "token") -> jax.Array:
-    """log_w at `level` (token -> [B, T]; sequence -> [B, 1]; sequence_token -> [B, T])."""
+def log_importance_weights(per_token_logps: jax.Array, old_per_token_logps: jax.Array,
+                           completion_mask: jax.Array | None = None, *, level: str = "token") -> jax.Array:
+    """log_w at `level` (ALGORITHMS.md §3): token (default) -> logp - old, [B, T]; sequence -> [B, 1];
+    sequence_token -> [B, T]. The sequence levels need `completion_mask` [B, T].
+    """
     if level == "token":
-        return log_importance_weights(per_token_logps, old_per_token_logps)
+        return per_token_logps - old_per_token_logps
+    if level not in ("sequence", "sequence_token"):
+        raise ValueError(f"loss.importance_sampling_level={level!r} is not supported: choose token, sequence or "
+                         "sequence_token")
+    if completion_mask is None:
+        raise ValueError(f"log_importance_weights at level={level!r} needs completion_mask")
     if level == "sequence":
         return sequence_log_importance_weights(per_token_logps, old_per_token_logps, completion_mask)
-    if level == "sequence_token":
-        return sequence_token_log_importance_weights(per_token_logps, old_per_token_logps, completion_mask)
-    raise ValueError(f"loss.importance_sampling_level={level!r} is not supported: choose token, sequence or "
-                     "sequence_token")
+    return sequence_token_log_importance_weights(per_token_logps, old_per_token_logps, completion_mask)

@@ -1,0 +1,115 @@
+"""Export of a trained policy: Hugging Face format (native orbax format as the fallback), and `grpo-jax export`.
+
+`export_policy` writes given params (a run's final policy); `export` reads the params of a checkpoint
+(`grpo_jax.checkpoint`'s layout) without its optimizer state or reference, and writes them the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+from grpo_jax.checkpoint import CHECKPOINTS
+
+
+def export_policy(graphdef, model_config, params, out: Path, *, tokenizer=None) -> str:
+    """Writes the policy to `out` in Hugging Face format via `grpo_jax.models.save_pretrained`, when it exists.
+
+    Falls back to the native format (`params/` orbax tree + `model_config.json` + tokenizer) otherwise; returns
+    "hf" or "native". Every process calls it (the arrays are gathered collectively); process 0 writes.
+    """
+    out = Path(out).absolute()
+    try:
+        from grpo_jax.models import Model, save_pretrained
+    except ImportError:
+        Model = save_pretrained = None
+    if save_pretrained is not None:
+        try:
+            save_pretrained(Model(graphdef=graphdef, config=model_config), params, out, tokenizer=tokenizer)
+            return "hf"
+        except Exception as e:  # noqa: BLE001 - never lose a trained policy to an export problem
+            warnings.warn(f"Hugging Face export to {out} failed ({type(e).__name__}: {e}); writing the native "
+                          "format there instead", RuntimeWarning, stacklevel=2)
+            shutil.rmtree(out, ignore_errors=True)
+    from grpo_jax.config import to_dict
+
+    out.mkdir(parents=True, exist_ok=True)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(out / "params", params, force=True)
+    checkpointer.wait_until_finished()
+    (out / "model_config.json").write_text(json.dumps(to_dict(model_config), indent=2))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return "native"
+
+
+def load_native(path: Path):
+    """(graphdef, params) of a native-format export (see `export_policy`), on the default device."""
+    from grpo_jax.config import from_dict
+    from grpo_jax.models import ModelConfig, init_model
+    from grpo_jax.state import model_graphdef
+
+    path = Path(path).absolute()
+    model_config = from_dict(ModelConfig, json.loads((path / "model_config.json").read_text()), "model.")
+    target = jax.eval_shape(lambda: init_model(model_config, 0)[1])
+    params = ocp.StandardCheckpointer().restore(path / "params", target)
+    return model_graphdef(model_config), params
+
+
+def _step_folder(path: Path) -> tuple[Path, int | None]:
+    """(checkpoints folder, step or None for the newest) from an output_dir or one step folder."""
+    path = Path(path).absolute()
+    if (path / CHECKPOINTS).is_dir():
+        return path / CHECKPOINTS, None
+    if path.name.isdigit() and (path / "meta").is_dir():
+        return path.parent, int(path.name)
+    raise ValueError(f"--checkpoint {str(path)!r} is neither a run's output_dir (with a {CHECKPOINTS}/ folder) "
+                     f"nor a checkpoint step folder ({CHECKPOINTS}/<step>)")
+
+
+def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> tuple[int, str]:
+    """`grpo-jax export`: the policy of a checkpoint (newest valid one of an output_dir) to `out`; (step, format)."""
+    from transformers import AutoTokenizer
+
+    from grpo_jax.config import TrainConfig, from_dict
+    from grpo_jax.models import ModelConfig
+    from grpo_jax.state import abstract_state, model_graphdef, optimizer_from_config
+
+    directory, step = _step_folder(Path(checkpoint))
+    mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
+    steps = [step] if step is not None else sorted(mngr.all_steps(), reverse=True)
+    if not steps:
+        raise ValueError(f"no checkpoint in {directory}")
+    errors = []
+    for step in steps:
+        try:
+            meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+            model_config = from_dict(ModelConfig, meta["model_config"], "model.")
+            # the optimizer only shapes the tree of the saved state: its values are not read
+            _, optimizer = optimizer_from_config(from_dict(TrainConfig, meta["config"]["train"], "train."),
+                                                 meta["config"]["max_steps"])
+            shapes = abstract_state(model_config, optimizer, with_reference=meta["ref_params_saved"])
+            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), shapes)
+            skip = lambda tree: jax.tree.map(lambda _: ocp.PLACEHOLDER, tree)  # noqa: E731 - not read at all
+            target = target._replace(opt_state=skip(target.opt_state), ref_params=skip(target.ref_params))
+            restore_args = jax.tree.map(lambda x: x if x is ocp.PLACEHOLDER else ocp.ArrayRestoreArgs(
+                sharding=x.sharding), target, is_leaf=lambda x: x is ocp.PLACEHOLDER)
+            state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item=target, restore_args=restore_args))).state
+            break
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"step {step}: {type(e).__name__}: {str(e)[:300]}")
+            warnings.warn(f"checkpoint {directory / str(step)} could not be restored ({errors[-1]})",
+                          RuntimeWarning, stacklevel=2)
+    else:
+        raise RuntimeError(f"no valid checkpoint in {directory}: " + "; ".join(errors))
+    tokenizer = AutoTokenizer.from_pretrained(meta["tokenizer_path"]) if meta.get("tokenizer_path") else None
+    fmt = export_policy(model_graphdef(model_config), model_config, state.params, Path(out), tokenizer=tokenizer)
+    return step, fmt
