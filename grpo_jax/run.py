@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from grpo_jax import checkpoint, data, rewards, sharding, task
 from grpo_jax.config import Config, to_dict
-from grpo_jax.host_memory import configure_host_allocator
+from grpo_jax import cpu
 from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, resolve_config
 from grpo_jax.sampling import jit_generate
 from grpo_jax.state import init_state, learning_rate_schedule, make_optimizer, state_from_params
@@ -149,7 +149,8 @@ def build(config: Config, *, loss_fn: Callable | None = None) -> Run:
     `grpo_jax.train_step`): the hook for a custom loss variant. It is not part of `config.yaml`.
     An `output_dir` holding a run is checked against its config.yaml (`checkpoint.check_compatible`).
     """
-    configure_host_allocator(config.host_allocator)  # before the first jitted call allocates
+    if cpu.enabled(config.cpu_speedups):
+        cpu.configure_host_allocator(config.host_allocator)  # before the first jitted call allocates
     output_dir, resuming = _output_dir(config)
     if resuming:
         checkpoint.check_compatible(yaml.safe_load((output_dir / "config.yaml").read_text()), to_dict(config))
@@ -191,7 +192,8 @@ def build(config: Config, *, loss_fn: Callable | None = None) -> Run:
     state_sharding = sharding.tree_shardings(state)
     sample_fn = jit_generate(graphdef, mesh, config=config.sampling, eos_token_ids=eos_ids,
                              pad_token_id=tokenizer.pad_token_id, params_sharding=state_sharding.params,
-                             prompt_group_size=tc.num_generations)
+                             prompt_group_size=tc.num_generations,
+                             cpu_speedups=cpu.enabled(config.cpu_speedups))
     return Run(config=config, output_dir=output_dir, tokenizer=tokenizer, prompts=prompts, eval_rows=eval_rows,
                reward_fns=reward_fns, eval_reward_fns=eval_reward_fns, mesh=mesh, graphdef=graphdef, state=state,
                schedule=schedule, sample_fn=sample_fn,

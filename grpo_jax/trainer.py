@@ -136,7 +136,7 @@ def sample_and_score(run: Run, draw_index: int, seconds: dict, on_device_rows: C
                                                 columns)
     seconds["score"] = seconds.get("score", 0.0) + time.perf_counter() - timer
     return rounds.Draw(batch.prompt_ids, batch.prompt_mask, out.completion_ids, out.completion_mask,
-                       np.asarray(out.is_truncated), out.sampler_logps, rewards_NxF, batch.prompts, batch.columns,
+                       np.asarray(out.is_truncated), out.sampler_per_token_logps, rewards_NxF, batch.prompts, batch.columns,
                        batch.num_truncated, **steps)
 
 
