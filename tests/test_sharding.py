@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec
 from grpo_jax import reference, sharding
 from grpo_jax.losses import LossConfig
 from grpo_jax.models import ModelConfig, init_model
-from grpo_jax.sampling import SamplingConfig, host_chunks, jit_generate
+from grpo_jax.sampling import SamplingConfig, jit_generate
 from grpo_jax.state import init_state
 from grpo_jax.train_step import StepOptions, jit_train_step
 from test_train_step import make_batch, one_device_mesh
@@ -148,7 +148,8 @@ def test_greedy_sampling_equals_single_device(tiny_model, shape):
     single_out, out = sample(one_device_mesh()), sample(sharding.make_mesh(*shape))
     np.testing.assert_array_equal(out.completion_ids, single_out.completion_ids)
     np.testing.assert_array_equal(out.completion_mask, single_out.completion_mask)
-    np.testing.assert_allclose(out.sampler_logps, single_out.sampler_logps, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out.sampler_per_token_logps, single_out.sampler_per_token_logps, rtol=1e-5,
+                               atol=1e-6)
 
 
 @needs_8
@@ -212,7 +213,7 @@ def test_host_threads_refuse_a_multi_device_mesh(tiny_model):
     _, graphdef, _ = tiny_model
     with pytest.raises(ValueError, match="sampling.host_threads=2 .* 8 devices"):
         jit_generate(graphdef, sharding.make_mesh(8, 1, 1), config=SamplingConfig(host_threads=2),
-                     eos_token_ids=(1,), pad_token_id=0)
-    fn = jit_generate(graphdef, sharding.make_mesh(8, 1, 1), config=SamplingConfig(), eos_token_ids=(1,),
-                      pad_token_id=0)
-    assert host_chunks(fn._config, fn._mesh, 64, 8) == 1  # the default: the devices already sample in parallel
+                     eos_token_ids=(1,), pad_token_id=0, cpu_speedups=True)
+    # the CPU speed-ups off: host_threads is not used, nothing to refuse
+    jit_generate(graphdef, sharding.make_mesh(8, 1, 1), config=SamplingConfig(host_threads=2), eos_token_ids=(1,),
+                 pad_token_id=0, cpu_speedups=False)
