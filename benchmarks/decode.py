@@ -61,6 +61,7 @@ def model_config_for(size: str, dtype: str, param_dtype: str | None):
 def measure(size: str, rows: int, prompt_length: int, new_tokens: int, dtype: str, param_dtype: str | None,
             repeats: int = 3) -> dict:
     """Decode tokens/s of `generate` and its fraction of the bandwidth bound (see the module docstring)."""
+    from grpo_jax import cpu
     from grpo_jax.models import init_model
     from grpo_jax.sampling import SamplingConfig, generate
 
@@ -70,8 +71,9 @@ def measure(size: str, rows: int, prompt_length: int, new_tokens: int, dtype: st
     mask = jnp.ones((rows, prompt_length), jnp.int32)
 
     def timed(T):
+        choose_tokens = cpu.token_chooser() if cpu.enabled(None) else None  # as a training run samples
         fn = jax.jit(lambda p, i, m, k: generate(graphdef, p, i, m, k, config=SamplingConfig(max_completion_length=T),
-                                                 eos_token_ids=(-1,), pad_token_id=1))
+                                                 eos_token_ids=(-1,), pad_token_id=1, choose_tokens=choose_tokens))
         start = time.perf_counter()
         out = fn(params, ids, mask, jax.random.PRNGKey(1))
         int(out.num_decode_steps)
@@ -113,12 +115,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--param-dtype", default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--host-allocator", choices=("retain", "system"), default="retain",
-                        help="malloc policy (grpo_jax.host_memory), as a training run sets it")
+                        help="malloc policy (grpo_jax.cpu), as a training run sets it")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.new_tokens < 2:
         parser.error("--new-tokens must be >= 2")
-    from grpo_jax.host_memory import configure_host_allocator
+    from grpo_jax.cpu import configure_host_allocator
 
     configure_host_allocator(args.host_allocator)
     result = measure(args.size, args.rows, args.prompt_length, args.new_tokens, args.dtype, args.param_dtype,

@@ -336,7 +336,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-length", type=int, default=16)
     parser.add_argument("--logps-chunk-size", type=int, default=0, help="grpo_jax train.logps_chunk_size")
     parser.add_argument("--host-allocator", choices=("retain", "system"), default="retain",
-                        help="the process's malloc policy (grpo_jax.host_memory), set once for both libraries")
+                        help="the process's malloc policy (grpo_jax.cpu), set once for both libraries")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="grpo_jax config override, e.g. model.remat=dots (repeatable)")
     parser.add_argument("--profile", metavar="DIR",
@@ -355,7 +355,7 @@ def main(argv=None) -> dict:
         prompts = Path(tempfile.mkdtemp(prefix="bench_prompts_")) / "prompts.jsonl"
         prompts.write_text("".join(json.dumps(r) + "\n" for r in make_models.make_prompts(
             512, length=s.prompt_length - 1)))
-    from grpo_jax.host_memory import configure_host_allocator
+    from grpo_jax.cpu import configure_host_allocator
 
     # one process, one malloc: set before either library allocates, so both run under the same policy
     result = {"setting": dataclasses.asdict(s), "model": args.model or args.size, "steps": args.steps,

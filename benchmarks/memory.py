@@ -25,9 +25,9 @@ import optax  # noqa: E402
 from grpo_jax import sharding  # noqa: E402
 from grpo_jax.losses import LossConfig  # noqa: E402
 from grpo_jax.models import ModelConfig, init_model  # noqa: E402
-from grpo_jax.sampling import SamplingConfig, jit_generate  # noqa: E402
+from grpo_jax.sampling import SamplingConfig  # noqa: E402
 from grpo_jax.state import TrainState, as_float32, make_optimizer, model_graphdef  # noqa: E402
-from grpo_jax.programs import jit_logps, jit_train_step  # noqa: E402
+from grpo_jax.programs import jit_generate, jit_logps, jit_train_step  # noqa: E402
 from grpo_jax.train_step import Batch, StepOptions  # noqa: E402
 
 QWEN25_05B = ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

@@ -16,8 +16,8 @@ from typing import Any
 import yaml
 
 from grpo_jax.advantages import MULTI_OBJECTIVE_AGGREGATIONS
+from grpo_jax.cpu import HOST_ALLOCATORS
 from grpo_jax.distributed import DistributedConfig
-from grpo_jax.host_memory import HOST_ALLOCATORS
 from grpo_jax.losses import LossConfig
 from grpo_jax.models import ModelConfig
 from grpo_jax.models.configuration import _check
@@ -226,7 +226,8 @@ class Config:
     save_steps: int = 500  # checkpoint every N optimizer steps (0: only at the end and on SIGTERM/SIGINT)
     save_total_limit: int | None = 2  # checkpoints kept (oldest deleted first); None: keep all
     resume: bool = True  # continue from output_dir's newest checkpoint; false: a non-empty output_dir is an error
-    host_allocator: str = "retain"  # retain: glibc keeps freed blocks (no page faults per call); system: leave malloc
+    cpu_speedups: bool | None = None  # XLA:CPU speed-ups (grpo_jax.cpu), same numbers; None: on when backend is cpu
+    host_allocator: str = "retain"  # with cpu_speedups: retain keeps freed blocks in glibc; system: leave malloc
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
@@ -244,6 +245,8 @@ class Config:
                "data.path is set but neither data.tokenizer_path nor model.path is: point one of them at a Hugging "
                "Face folder holding the tokenizer")
         _check(self.save_steps >= 0, f"save_steps={self.save_steps} must be >= 0 (0: save only at the end)")
+        _check(self.cpu_speedups is None or isinstance(self.cpu_speedups, bool),
+               f"cpu_speedups={self.cpu_speedups!r} must be true, false or null (null: on when jax's backend is cpu)")
         _check(self.host_allocator in HOST_ALLOCATORS, f"host_allocator={self.host_allocator!r} is not supported: "
                f"use one of {', '.join(HOST_ALLOCATORS)}")
         _check(self.save_total_limit is None or self.save_total_limit >= 1,

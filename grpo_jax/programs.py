@@ -13,12 +13,16 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from grpo_jax import rounds, sharding
+from grpo_jax import cpu, rounds, sharding
 from grpo_jax.logprobs import completion_logps
+from grpo_jax.models import ModelConfig, init_model, model_config
+from grpo_jax.sampling import SampleOutput, SamplingConfig, generate
+from grpo_jax.state import TrainState, abstract_state, model_graphdef, new_state
 from grpo_jax.train_step import StepOptions, train_step
 
 
@@ -134,6 +138,87 @@ def jit_take(mesh: Mesh):
     """`(batch, rows_B) -> batch[rows_B]` leaf by leaf, the result row-split: one step's rows of a round."""
     return jax.jit(lambda batch, rows_B: jax.tree.map(lambda x: x[rows_B], batch),
                    out_shardings=sharding.row_sharded(mesh))
+
+
+def jit_generate(graphdef, mesh, *, config: SamplingConfig, eos_token_ids: tuple[int, ...], pad_token_id: int,
+                 params_sharding=None, prompt_group_size: int = 1, cpu_speedups: bool = False):
+    """`generate` jitted over `mesh`: `fn(params, prompt_ids, prompt_mask, key, greedy) -> SampleOutput`.
+
+    Prompt rows and outputs split over (data, fsdp), key and step count replicated; `params_sharding`
+    (`sharding.param_shardings`) None takes the params' own layout. `greedy` is static: greedy calls
+    (evaluation) have one row per prompt, sampling calls `prompt_group_size` rows per prompt.
+    ``cpu_speedups`` (`cpu.enabled`) draws the same tokens with `cpu.token_chooser`, and on a one-device mesh
+    ``config.host_threads`` may split a call into row chunks run concurrently (`cpu.ChunkedSampler`).
+    """
+    rows, replicated = sharding.row_sharded(mesh), sharding.replicated(mesh)
+    out_shardings = SampleOutput(rows, rows, rows, rows, num_decode_steps=replicated)
+
+    def sample(params, prompt_ids_BxP, prompt_mask_BxP, key, greedy, choose_tokens=None):
+        cache = sharding.cache_sharding(mesh, model_config(graphdef, params).num_key_value_heads)
+        return generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, config=config,
+                        eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, greedy=greedy,
+                        prompt_group_size=1 if greedy else prompt_group_size, cache_sharding=cache,
+                        choose_tokens=choose_tokens)
+
+    if not cpu_speedups:
+        return jax.jit(sample, static_argnums=4, in_shardings=(params_sharding, rows, rows, replicated),
+                       out_shardings=out_shardings)
+    if config.host_threads > 1 and mesh.devices.size > 1:
+        raise ValueError(f"sampling.host_threads={config.host_threads} splits one device's rows over host "
+                         f"threads, but the mesh has {mesh.devices.size} devices (which already sample in "
+                         "parallel): set it to 0 or 1")
+
+    def sample_rows(params, prompt_ids_BxP, prompt_mask_BxP, key, row_offset, greedy, total_rows):
+        return sample(params, prompt_ids_BxP, prompt_mask_BxP, key, greedy,
+                      cpu.token_chooser(row_offset, total_rows))
+
+    jitted = jax.jit(sample_rows, static_argnums=(5, 6),
+                     in_shardings=(params_sharding, rows, rows, replicated, replicated), out_shardings=out_shardings)
+    split = jax.jit(lambda ids, mask, k: list(zip(jnp.split(ids, k), jnp.split(mask, k))), static_argnums=2)
+    concat = jax.jit(lambda outs: SampleOutput(
+        *(jnp.concatenate(parts) for parts in zip(*(o[:4] for o in outs))),
+        num_decode_steps=jnp.max(jnp.stack([o.num_decode_steps for o in outs]))))
+    return cpu.ChunkedSampler(jitted, split, concat, host_threads=config.host_threads, mesh=mesh,
+                              prompt_group_size=prompt_group_size, offset_sharding=replicated)
+
+
+def init_state(model_config: ModelConfig, optimizer: optax.GradientTransformation, *, seed: int,
+               with_reference: bool, mesh: Mesh, ref_param_dtype: str | None = None,
+               offload_ref_params: bool = False) -> tuple[nnx.GraphDef, TrainState]:
+    """Initialises model, optimizer and reference straight into their sharded layout (`sharding.state_shardings`).
+
+    abstract_state -> shardings -> one jitted init with out_shardings: no host copy of the full params ever
+    exists. The reference is stored in `ref_param_dtype` (None: the params' dtype), in host memory when
+    `offload_ref_params`; optimizer moments are float32.
+    """
+
+    def init():
+        return new_state(init_model(model_config, seed)[1], optimizer, seed=seed, with_reference=with_reference,
+                          ref_param_dtype=ref_param_dtype)
+
+    shapes = abstract_state(model_config, optimizer, with_reference=with_reference, ref_param_dtype=ref_param_dtype)
+    shardings = sharding.state_shardings(mesh, shapes, offload_ref=offload_ref_params)
+    state = jax.jit(init, out_shardings=shardings)()
+    return model_graphdef(model_config), state
+
+
+def state_from_params(params: Any, optimizer: optax.GradientTransformation, *, seed: int, with_reference: bool,
+                      mesh: Mesh, ref_param_dtype: str | None = None, offload_ref_params: bool = False) -> TrainState:
+    """A TrainState around given params (e.g. `from_pretrained`'s), laid out as `init_state` does.
+
+    `params` is donated: the state's copy replaces it (load with `shardings=sharding.param_shardings(...)`
+    so the policy never exists twice).
+    """
+
+    def init(params):
+        return new_state(params, optimizer, seed=seed, with_reference=with_reference,
+                          ref_param_dtype=ref_param_dtype)
+
+    # the given params' own shapes (not the config's): the state is built around exactly these
+    shardings = sharding.state_shardings(mesh, jax.eval_shape(init, params), offload_ref=offload_ref_params)
+    # placed first (a no-op when already there), so the donated input and the params output alias exactly
+    params = jax.device_put(params, shardings.params, donate=True)
+    return jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings, donate_argnums=0)(params)
 
 
 def _sample_key(key, step, draw_index: int):

@@ -19,12 +19,10 @@ from flax import nnx
 from jax.sharding import Mesh
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from grpo_jax import checkpoint, data, programs, rewards, sharding, task
+from grpo_jax import checkpoint, cpu, data, programs, rewards, sharding, task
 from grpo_jax.config import Config, to_dict
-from grpo_jax.host_memory import configure_host_allocator
 from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, resolve_config
-from grpo_jax.sampling import jit_generate
-from grpo_jax.state import TrainState, init_state, learning_rate_schedule, make_optimizer, state_from_params
+from grpo_jax.state import TrainState, optimizer_from_config
 from grpo_jax.train_step import StepOptions
 
 
@@ -151,7 +149,9 @@ def build(config: Config, *, loss_fn: Callable | None = None) -> tuple[Run, Trai
     `grpo_jax.train_step`): the hook for a custom loss variant. It is not part of `config.yaml`.
     An `output_dir` holding a run is checked against its config.yaml (`checkpoint.check_compatible`).
     """
-    configure_host_allocator(config.host_allocator)  # before the first jitted call allocates
+    speedups = cpu.enabled(config.cpu_speedups)
+    if speedups:
+        cpu.configure_host_allocator(config.host_allocator)  # before the first jitted call allocates
     output_dir, resuming = _output_dir(config)
     if resuming:
         checkpoint.check_compatible(yaml.safe_load((output_dir / "config.yaml").read_text()), to_dict(config))
@@ -170,19 +170,17 @@ def build(config: Config, *, loss_fn: Callable | None = None) -> tuple[Run, Trai
     prompts = data.PromptIterator(train_rows, tokenizer, prompts_per_round=tc.prompts_per_round,
                                   max_prompt_length=config.data.max_prompt_length, seed=config.seed,
                                   truncation=config.data.truncation)
-    schedule = learning_rate_schedule(learning_rate=tc.learning_rate, scheduler=tc.lr_scheduler_type,
-                                      warmup_steps=tc.warmup_steps, max_steps=config.max_steps)
-    optimizer = make_optimizer(schedule, weight_decay=tc.weight_decay, b1=tc.adam_beta1, b2=tc.adam_beta2,
-                               eps=tc.adam_epsilon, max_grad_norm=tc.max_grad_norm)
+    schedule, optimizer = optimizer_from_config(tc, config.max_steps)
     state_options = dict(seed=config.seed, with_reference=config.loss.beta != 0.0, mesh=mesh,
                          ref_param_dtype=tc.ref_param_dtype, offload_ref_params=tc.offload_ref_params)
     if config.model.path is None:
-        graphdef, state = init_state(config.model, optimizer, **state_options)
+        graphdef, state = programs.init_state(config.model, optimizer, **state_options)
     else:  # each tensor read from the safetensors straight into its shard
         model, abstract_params = abstract_model(config.model)
         _, params = from_pretrained(config.model.path, config=config.model,
                                     shardings=sharding.param_shardings(mesh, abstract_params))
-        graphdef, state = model.graphdef, state_from_params(params, optimizer, **state_options)
+        graphdef, state = model.graphdef, programs.state_from_params(params, optimizer, **state_options)
+    graphdef = cpu.linear_layers(graphdef, state.params, speedups)
     eos_ids = eos_token_ids(config.model.path, tokenizer) if config.model.path else (tokenizer.eos_token_id,)
     loss_config = dataclasses.replace(config.loss, max_completion_length=config.sampling.max_completion_length)
     round_group, step_group = prompt_group_sizes(config, mesh)
@@ -191,9 +189,9 @@ def build(config: Config, *, loss_fn: Callable | None = None) -> tuple[Run, Trai
                           logps_chunk_size=tc.logps_chunk_size, prompt_group_size=step_group,
                           ref_sync=tc.ref_sync, loss_fn=loss_fn)
     state_sharding = sharding.tree_shardings(state)
-    sample = jit_generate(graphdef, mesh, config=config.sampling, eos_token_ids=eos_ids,
-                          pad_token_id=tokenizer.pad_token_id, params_sharding=state_sharding.params,
-                          prompt_group_size=tc.num_generations)
+    sample = programs.jit_generate(graphdef, mesh, config=config.sampling, eos_token_ids=eos_ids,
+                                   pad_token_id=tokenizer.pad_token_id, params_sharding=state_sharding.params,
+                                   prompt_group_size=tc.num_generations, cpu_speedups=speedups)
     advantage_options = dict(estimator=tc.advantage_estimator, scale_rewards=tc.scale_rewards,
                              multi_objective_aggregation=tc.multi_objective_aggregation,
                              num_generations=tc.num_generations)

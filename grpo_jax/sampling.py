@@ -7,15 +7,10 @@ slots, V vocab. Everything has static shapes; the loop exits early once every ro
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.extend.random import threefry2x32_p
 
 from grpo_jax.models import (compute_dtype_params, forward, init_cache, layer_params, model_config,
                              positions_from_mask, rotary_tables, unembed)
@@ -25,9 +20,9 @@ from grpo_jax.models import (compute_dtype_params, forward, init_cache, layer_pa
 class SamplingConfig:
     """Sampling hyper-parameters (TRL GRPOConfig names); filters follow HF logits warpers.
 
-    ``host_threads`` (grpo_jax only) splits a one-device sampling call's rows into that many chunks, each run from
-    its own host thread: XLA:CPU runs a small model's decode steps on one core, so chunks keep the others busy.
-    The tokens do not depend on it. 0: one per CPU core on a one-device CPU mesh, else 1 (`host_chunks`)."""
+    ``host_threads`` (grpo_jax only; used when ``cpu_speedups`` is on) splits a one-device sampling call's rows into
+    that many chunks, each run from its own host thread (`cpu.ChunkedSampler`). The tokens do not depend on it.
+    0: one per CPU core on a one-device CPU mesh, else 1 (`cpu.host_chunks`)."""
 
     max_completion_length: int = 8
     temperature: float = 1.0
@@ -104,55 +99,6 @@ def filter_logits(scaled_logits_BxV, config: SamplingConfig):
     return scores
 
 
-# below this many bytes of [T, B, V] float32 noise, decode draws every step's Gumbel noise before its loop
-PRECOMPUTED_NOISE_BYTES = 32 << 20
-
-
-def _gumbel_rows(key, step, total: int, row_offset, rows: int, vocab: int):
-    """Rows ``row_offset .. row_offset + rows`` of step ``step``'s Gumbel noise, the [total, vocab] draw
-    ``jax.random.gumbel(fold_in(key, step), (total, vocab))``: ``jax.random.categorical(fold_in(key, step),
-    logits)`` is ``argmax(logits + noise)``. With a threefry key and partitionable bits (jax's defaults) element i
-    of the draw depends on ``threefry2x32(key, (0, i))`` alone: only these rows' bits are drawn, then
-    `jax.random.gumbel`'s own float transform; otherwise the whole draw is sliced."""
-    key = jax.random.fold_in(key, step)
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        data = jax.random.key_data(key) if str(jax.random.key_impl(key)) == "threefry2x32" else None
-    else:
-        data = key if jax.config.jax_default_prng_impl == "threefry2x32" else None
-    # the counters are (0, i) with i < 2**32: larger draws take the sliced whole draw too
-    if data is None or not jax.config.jax_threefry_partitionable or total * vocab >= 2 ** 32:
-        noise = jax.random.gumbel(key, (total, vocab), jnp.float32)
-        return noise if rows == total else jax.lax.dynamic_slice_in_dim(noise, row_offset, rows, axis=0)
-    counts = jnp.asarray(row_offset, jnp.uint32) * vocab + jnp.arange(rows * vocab, dtype=jnp.uint32)
-    bits1, bits2 = threefry2x32_p.bind(data[0], data[1], jnp.zeros_like(counts), counts)
-    # jax.random.uniform's mantissa trick over [tiny, 1), then gumbel's -log(-log(u))
-    ones = jax.lax.bitcast_convert_type(((bits1 ^ bits2) >> np.uint32(9)) | np.uint32(0x3F800000), jnp.float32)
-    tiny = jnp.finfo(jnp.float32).tiny
-    uniform = jnp.maximum(tiny, (ones - 1.0) * (1.0 - tiny) + tiny)
-    return -jnp.log(-jnp.log(uniform)).reshape(rows, vocab)
-
-
-def argmax_last_axis(x_BxV):
-    """``jnp.argmax(x, axis=-1)`` (first maximum; a NaN counts as the maximum) as two plain reductions: XLA:CPU
-    runs argmax's (value, index) reduction element by element, ~3x slower on a decode step's [B, V]."""
-    V = x_BxV.shape[-1]
-    max_Bx1 = jnp.max(x_BxV, axis=-1, keepdims=True)
-    hit_BxV = (x_BxV == max_Bx1) | jnp.isnan(x_BxV)
-    return jnp.min(jnp.where(hit_BxV, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
-
-
-def _choose(logits_BxV, noise_BxV, config: SamplingConfig, greedy: bool):
-    """Pick one token per row; returns (tokens [B], full-vocab logp at temperature [B])."""
-    scaled_BxV = logits_BxV.astype(jnp.float32) / config.temperature
-    logp_BxV = jax.nn.log_softmax(scaled_BxV, axis=-1)
-    if greedy:
-        tokens_B = argmax_last_axis(scaled_BxV)
-    else:  # jax.random.categorical's own formula (Gumbel-max), with the noise drawn by the caller
-        tokens_B = argmax_last_axis(noise_BxV + filter_logits(scaled_BxV, config))
-    tokens_B = tokens_B.astype(jnp.int32)
-    return tokens_B, jnp.take_along_axis(logp_BxV, tokens_B[:, None], axis=-1)[:, 0]
-
-
 class _DecodeState(NamedTuple):
     step: jax.Array           # tokens sampled so far (also the slot of the pending token, minus P)
     pending_B: jax.Array      # the last sampled token, not yet fed through the model
@@ -166,25 +112,24 @@ class _DecodeState(NamedTuple):
 
 def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: SamplingConfig,
              eos_token_ids: tuple[int, ...], pad_token_id: int, greedy: bool = False,
-             prompt_group_size: int = 1, cache_sharding=None, row_offset=0,
-             total_rows: int | None = None) -> SampleOutput:
+             prompt_group_size: int = 1, cache_sharding=None, choose_tokens=None) -> SampleOutput:
     """Sample up to T = config.max_completion_length tokens per left-padded prompt.
 
     Prefill writes the prompt into a KV cache of S = P + T slots; decode step t feeds token t - 1 at slot
-    P + t - 1 (RoPE position = real prompt length + t - 1) and samples token t with key
-    ``fold_in(key, t)``. ``greedy`` takes the arg-max (no filters) but still reports logps at temperature.
+    P + t - 1 (RoPE position = real prompt length + t - 1) and samples token t as
+    ``jax.random.categorical(fold_in(key, t), filter_logits(logits / temperature))``. ``greedy`` takes the
+    arg-max (no filters) but still reports logps at temperature.
     ``prompt_group_size`` G > 1 promises that rows g*G .. g*G + G - 1 hold the same prompt
     (`data.repeat_groups` order): the prompt is then prefilled once per group and its cache copied G times.
     ``cache_sharding`` (`sharding.cache_sharding`) pins the KV cache's layout over a mesh; None leaves it to XLA.
-    ``row_offset`` / ``total_rows``: these B rows are rows ``row_offset ..`` of a call over ``total_rows`` rows,
-    whose noise they draw (`_gumbel_rows`: the tokens of a chunk are those of the whole call).
+    ``choose_tokens(key, (T, B, V), greedy)`` (e.g. `cpu.token_chooser`), called once before the decode loop,
+    returns ``choose(t, scores_BxV) -> tokens_B`` picking the same tokens another way; None: the draw above.
     """
     B, P = prompt_ids_BxP.shape
     T = config.max_completion_length
     G = prompt_group_size
     if not isinstance(G, int) or G < 1 or B % G:
         raise ValueError(f"prompt_group_size={G!r} must be a positive integer dividing the {B} rows")
-    total = B if total_rows is None else total_rows
     eos_E = jnp.asarray(eos_token_ids, jnp.int32).reshape(-1)
     prompt_mask_BxP = prompt_mask_BxP.astype(jnp.int32)
     prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1)
@@ -208,25 +153,18 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
     cache = constrain(cache)
     logits_BxV = jnp.repeat(logits_RxV, G, axis=0) if G > 1 else logits_RxV
 
-    V = logits_BxV.shape[-1]
+    def categorical(step, scores_BxV):
+        if greedy:
+            return jnp.argmax(scores_BxV, axis=-1)
+        return jax.random.categorical(jax.random.fold_in(key, step), scores_BxV)
 
-    def noise_at(step):  # this call's rows of the step's [total, V] draw
-        return _gumbel_rows(key, step, total, row_offset, B, V)
-
-    # a CPU threefry call is a small loop of its own: drawing every step's noise at once (when it is small)
-    # takes it out of the decode loop; the same bits either way (vmap of the per-step draw)
-    noise_TxBxV = None
-    if not greedy and T * B * V * 4 <= PRECOMPUTED_NOISE_BYTES:
-        noise_TxBxV = jax.vmap(noise_at)(jnp.arange(T))
+    choose = categorical if choose_tokens is None else choose_tokens(key, (T, B, logits_BxV.shape[-1]), greedy)
 
     def record(state: _DecodeState, logits_BxV):
-        if greedy:
-            noise_BxV = None
-        elif noise_TxBxV is None:
-            noise_BxV = noise_at(state.step)
-        else:
-            noise_BxV = jax.lax.dynamic_index_in_dim(noise_TxBxV, state.step, keepdims=False)
-        tokens_B, logp_B = _choose(logits_BxV, noise_BxV, config, greedy)
+        scaled_BxV = logits_BxV.astype(jnp.float32) / config.temperature
+        tokens_B = choose(state.step, scaled_BxV if greedy else filter_logits(scaled_BxV, config))
+        tokens_B = tokens_B.astype(jnp.int32)
+        logp_B = jnp.take_along_axis(jax.nn.log_softmax(scaled_BxV, axis=-1), tokens_B[:, None], axis=-1)[:, 0]
         live_B = ~state.done_B
         tokens_B = jnp.where(live_B, tokens_B, pad_token_id)
         t = state.step
@@ -270,83 +208,3 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
         sampler_per_token_logps=state.logps_BxT,
         num_decode_steps=state.step,
     )
-
-
-generate_jit = jax.jit(generate, static_argnames=("config", "eos_token_ids", "pad_token_id", "greedy",
-                                                 "prompt_group_size", "cache_sharding", "total_rows"))
-
-
-def _host_threads(config: SamplingConfig, mesh) -> int:
-    if config.host_threads:
-        return config.host_threads
-    one_cpu = mesh.devices.size == 1 and mesh.devices.flat[0].platform == "cpu"
-    return len(os.sched_getaffinity(0)) if one_cpu and hasattr(os, "sched_getaffinity") else 1
-
-
-def host_chunks(config: SamplingConfig, mesh, num_rows: int, group_size: int) -> int:
-    """Row chunks for one sampling call: ``config.host_threads`` (0: the CPU cores this process may use on a
-    one-device CPU mesh, else 1), lowered until the chunks split into whole groups of ``group_size`` rows."""
-    groups = num_rows // group_size
-    return max(k for k in range(1, min(_host_threads(config, mesh), groups) + 1) if groups % k == 0)
-
-
-class _Sampler:
-    """`jit_generate`'s callable: one jitted call, or `host_chunks` row chunks run from host threads."""
-
-    def __init__(self, jitted, config: SamplingConfig, mesh, prompt_group_size: int, replicated):
-        self._jitted, self._config, self._mesh, self._group = jitted, config, mesh, prompt_group_size
-        self._pool = None  # made on the first chunked call (its threads start as chunks need them)
-        # chunks' row offsets as device scalars, made once (one device): a host scalar is a transfer in every call
-        self._offset = functools.cache(lambda row: jax.device_put(np.int32(row), replicated))
-        self._split = jax.jit(lambda ids, mask, k: list(zip(jnp.split(ids, k), jnp.split(mask, k))), static_argnums=2)
-        self._concat = jax.jit(lambda outs: SampleOutput(
-            *(jnp.concatenate(parts) for parts in zip(*(o[:4] for o in outs))),
-            num_decode_steps=jnp.max(jnp.stack([o.num_decode_steps for o in outs]))))
-
-    def _cache_size(self) -> int:
-        return self._jitted._cache_size()
-
-    def __call__(self, params, prompt_ids_BxP, prompt_mask_BxP, key, greedy):
-        B = prompt_ids_BxP.shape[0]
-        k = host_chunks(self._config, self._mesh, B, 1 if greedy else self._group)
-        if k == 1:
-            return self._jitted(params, prompt_ids_BxP, prompt_mask_BxP, key, np.int32(0), greedy, B)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(_host_threads(self._config, self._mesh),
-                                            thread_name_prefix="grpo_jax-sample")
-
-        def run(i, ids, mask):  # waiting in the worker: chunks dispatched without it sometimes ran one by one
-            return jax.block_until_ready(self._jitted(params, ids, mask, key, self._offset(i * (B // k)), greedy, B))
-        chunks = self._split(prompt_ids_BxP, prompt_mask_BxP, k)
-        futures = [self._pool.submit(run, i, ids, mask) for i, (ids, mask) in enumerate(chunks)]
-        return self._concat([f.result() for f in futures])
-
-
-def jit_generate(graphdef, mesh, *, config: SamplingConfig, eos_token_ids: tuple[int, ...], pad_token_id: int,
-                 params_sharding=None, prompt_group_size: int = 1):
-    """`generate` jitted over `mesh`: `fn(params, prompt_ids, prompt_mask, key, greedy) -> SampleOutput`.
-
-    Prompt rows and outputs split over (data, fsdp), key and step count replicated; `params_sharding`
-    (`sharding.param_shardings`) None takes the params' own layout. `greedy` is static: greedy calls
-    (evaluation) have one row per prompt, sampling calls `prompt_group_size` rows per prompt. On a one-device
-    mesh `config.host_threads` may split a call into row chunks run concurrently (`host_chunks`).
-    """
-    from grpo_jax import sharding  # local: sharding does not depend on sampling, keep it that way
-
-    if config.host_threads > 1 and mesh.devices.size > 1:
-        raise ValueError(f"sampling.host_threads={config.host_threads} splits one device's rows over host "
-                         f"threads, but the mesh has {mesh.devices.size} devices (which already sample in "
-                         "parallel): set it to 0 or 1")
-    rows, replicated = sharding.row_sharded(mesh), sharding.replicated(mesh)
-
-    def sample(params, prompt_ids_BxP, prompt_mask_BxP, key, row_offset, greedy, total_rows):
-        cache = sharding.cache_sharding(mesh, model_config(graphdef, params).num_key_value_heads)
-        return generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, config=config,
-                        eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, greedy=greedy,
-                        prompt_group_size=1 if greedy else prompt_group_size, cache_sharding=cache,
-                        row_offset=row_offset, total_rows=total_rows)
-
-    jitted = jax.jit(sample, static_argnums=(5, 6),
-                     in_shardings=(params_sharding, rows, rows, replicated, replicated),
-                     out_shardings=SampleOutput(rows, rows, rows, rows, num_decode_steps=replicated))
-    return _Sampler(jitted, config, mesh, prompt_group_size, replicated)

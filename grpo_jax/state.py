@@ -8,9 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh
 
-from grpo_jax import reference, sharding
+from grpo_jax import reference
 from grpo_jax.models import ModelConfig, Transformer, init_model
 
 if TYPE_CHECKING:
@@ -93,7 +92,7 @@ def model_graphdef(model_config: ModelConfig) -> nnx.GraphDef:
     return graphdef
 
 
-def _new_state(params: Any, optimizer: optax.GradientTransformation, *, seed: int, with_reference: bool,
+def new_state(params: Any, optimizer: optax.GradientTransformation, *, seed: int, with_reference: bool,
                ref_param_dtype: str | None) -> TrainState:
     """The state at step 0 around `params`: fresh optimizer moments (float32), the reference a copy of `params`."""
     ref_params = cast_floating(reference.init(params), ref_param_dtype) if with_reference else None
@@ -107,44 +106,5 @@ def abstract_state(model_config: ModelConfig, optimizer: optax.GradientTransform
 
     The tree a checkpoint of such a run holds (with `ref_params` None when it was saved without them).
     """
-    return jax.eval_shape(lambda: _new_state(init_model(model_config, 0)[1], optimizer, seed=0,
+    return jax.eval_shape(lambda: new_state(init_model(model_config, 0)[1], optimizer, seed=0,
                                              with_reference=with_reference, ref_param_dtype=ref_param_dtype))
-
-
-def init_state(model_config: ModelConfig, optimizer: optax.GradientTransformation, *, seed: int,
-               with_reference: bool, mesh: Mesh, ref_param_dtype: str | None = None,
-               offload_ref_params: bool = False) -> tuple[nnx.GraphDef, TrainState]:
-    """Initialises model, optimizer and reference straight into their sharded layout (`sharding.state_shardings`).
-
-    abstract_state -> shardings -> one jitted init with out_shardings: no host copy of the full params ever
-    exists. The reference is stored in `ref_param_dtype` (None: the params' dtype), in host memory when
-    `offload_ref_params`; optimizer moments are float32.
-    """
-
-    def init():
-        return _new_state(init_model(model_config, seed)[1], optimizer, seed=seed, with_reference=with_reference,
-                          ref_param_dtype=ref_param_dtype)
-
-    shapes = abstract_state(model_config, optimizer, with_reference=with_reference, ref_param_dtype=ref_param_dtype)
-    shardings = sharding.state_shardings(mesh, shapes, offload_ref=offload_ref_params)
-    state = jax.jit(init, out_shardings=shardings)()
-    return model_graphdef(model_config), state
-
-
-def state_from_params(params: Any, optimizer: optax.GradientTransformation, *, seed: int, with_reference: bool,
-                      mesh: Mesh, ref_param_dtype: str | None = None, offload_ref_params: bool = False) -> TrainState:
-    """A TrainState around given params (e.g. `from_pretrained`'s), laid out as `init_state` does.
-
-    `params` is donated: the state's copy replaces it (load with `shardings=sharding.param_shardings(...)`
-    so the policy never exists twice).
-    """
-
-    def init(params):
-        return _new_state(params, optimizer, seed=seed, with_reference=with_reference,
-                          ref_param_dtype=ref_param_dtype)
-
-    # the given params' own shapes (not the config's): the state is built around exactly these
-    shardings = sharding.state_shardings(mesh, jax.eval_shape(init, params), offload_ref=offload_ref_params)
-    # placed first (a no-op when already there), so the donated input and the params output alias exactly
-    params = jax.device_put(params, shardings.params, donate=True)
-    return jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings, donate_argnums=0)(params)

@@ -29,7 +29,7 @@ def _build(mesh):
 
     from grpo_jax import sharding
     from grpo_jax.losses import LossConfig
-    from grpo_jax.state import init_state
+    from grpo_jax.programs import init_state
     from grpo_jax.programs import jit_train_step
     from grpo_jax.train_step import StepOptions
     optimizer = optax.sgd(1.0)

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 import hf_fixtures as hf  # noqa: E402
 
+from grpo_jax import sharding  # noqa: E402
 from grpo_jax.models import (  # noqa: E402
     Model,
     ModelConfig,
@@ -32,7 +33,8 @@ from grpo_jax.models import (  # noqa: E402
 )
 from grpo_jax.models.hf_config import config_fields, to_hf_config  # noqa: E402
 from grpo_jax.models.safetensors_io import INDEX_FILE  # noqa: E402
-from grpo_jax.sampling import SamplingConfig, generate_jit  # noqa: E402
+from grpo_jax.programs import jit_generate  # noqa: E402
+from grpo_jax.sampling import SamplingConfig  # noqa: E402
 
 VARIANTS = [(family, tied) for family in hf.FAMILIES for tied in (True, False)]
 IDS = [f"{family}-{'tied' if tied else 'untied'}" for family, tied in VARIANTS]
@@ -101,9 +103,10 @@ def test_greedy_generation_matches_transformers(variant):
             input_ids=torch.tensor(INPUT_IDS, dtype=torch.long), attention_mask=torch.tensor(MASK),
             do_sample=False, max_new_tokens=new, eos_token_id=hf.EOS_ID, pad_token_id=hf.PAD_ID,
         ).numpy()[:, INPUT_IDS.shape[1]:]
-    out = generate_jit(model.graphdef, params, INPUT_IDS, MASK, jax.random.key(0),
-                       config=SamplingConfig(max_completion_length=new), eos_token_ids=(hf.EOS_ID,),
-                       pad_token_id=hf.PAD_ID, greedy=True)
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    sample = jit_generate(model.graphdef, mesh, config=SamplingConfig(max_completion_length=new),
+                          eos_token_ids=(hf.EOS_ID,), pad_token_id=hf.PAD_ID)
+    out = sample(params, INPUT_IDS, MASK, jax.random.key(0), True)
     ours = np.asarray(out.completion_ids)
     # transformers stops once every row has emitted EOS; the rest is padding on our side
     np.testing.assert_array_equal(ours[:, :expected.shape[1]], expected)

@@ -9,7 +9,7 @@ import pytest
 from grpo_jax import reference, sharding
 from grpo_jax.losses import LossConfig
 from grpo_jax.reference import RefSyncConfig
-from grpo_jax.state import init_state
+from grpo_jax.programs import init_state
 from grpo_jax.programs import jit_train_step
 from grpo_jax.train_step import StepOptions
 from tests.test_train_step import make_batch

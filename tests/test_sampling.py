@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from grpo_jax import programs, sharding
 from grpo_jax.logprobs import completion_logps
 from grpo_jax.models import forward, positions_from_mask, unembed
-from grpo_jax import sampling
-from grpo_jax.sampling import SamplingConfig, filter_logits, generate_jit
+from grpo_jax.sampling import SamplingConfig, filter_logits
 
 PROMPT_IDS = np.array([[0, 0, 0, 5, 7, 9], [0, 3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8], [0, 0, 0, 0, 0, 6]], np.int32)
 PROMPT_MASK = (np.arange(6)[None] >= np.array([[3], [1], [0], [5]])).astype(np.int32)
@@ -20,6 +20,15 @@ NO_EOS = (-1,)  # an id that never occurs
 def _last_logits(graphdef, params, ids, mask):
     hidden, _ = forward(graphdef, params, ids, positions_from_mask(mask), mask)
     return unembed(graphdef, params, hidden[:, -1])
+
+
+def generate_jit(graphdef, params, ids, mask, key, *, config, eos_token_ids, pad_token_id, greedy=False,
+                 prompt_group_size=1):
+    """One `programs.jit_generate` call on one device, CPU speed-ups off: `generate`'s default path."""
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    fn = programs.jit_generate(graphdef, mesh, config=config, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                               prompt_group_size=prompt_group_size)
+    return fn(params, ids, mask, key, greedy)
 
 
 def reference_greedy(graphdef, params, T):
@@ -76,7 +85,7 @@ def test_eos_mask_truncation_and_early_exit(tiny_model):
     np.testing.assert_array_equal(out.completion_ids, ids)
     np.testing.assert_array_equal(out.completion_mask, mask)
     np.testing.assert_array_equal(out.is_truncated, truncated)
-    assert np.all(np.asarray(out.sampler_logps)[mask == 0] == 0)
+    assert np.all(np.asarray(out.sampler_per_token_logps)[mask == 0] == 0)
     # every token any row emits at step 1 is an EOS: all rows stop by then and the loop exits after 2 steps
     eos = tuple(sorted(set(raw[:, :2].ravel().tolist())))
     out = run(tiny_model, greedy=True, eos=eos)
@@ -97,7 +106,7 @@ def test_all_eos_stops_after_one_token(tiny_model):
 def test_keys(tiny_model):
     a, b, c = run(tiny_model, key=0), run(tiny_model, key=0), run(tiny_model, key=1)
     np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
-    np.testing.assert_array_equal(a.sampler_logps, b.sampler_logps)
+    np.testing.assert_array_equal(a.sampler_per_token_logps, b.sampler_per_token_logps)
     assert not np.array_equal(a.completion_ids, c.completion_ids)
 
 
@@ -114,57 +123,24 @@ def reference_sample(graphdef, params, key, T, config):
     return np.stack(out, 1)
 
 
-@pytest.mark.parametrize("noise_bytes", [sampling.PRECOMPUTED_NOISE_BYTES, 0])
-def test_sampling_draws_categorical_of_fold_in_key_step(tiny_model, monkeypatch, noise_bytes):
-    # every step's noise drawn before the loop, or inside it (above PRECOMPUTED_NOISE_BYTES): the same tokens
-    monkeypatch.setattr(sampling, "PRECOMPUTED_NOISE_BYTES", noise_bytes)
+def test_sampling_draws_categorical_of_fold_in_key_step(tiny_model):
     _, graphdef, params = tiny_model
     config = SamplingConfig(max_completion_length=6, temperature=0.9, top_k=8)
     key = jax.random.key(7)
-    # a new function object: jax would reuse a trace of `generate` made under the other noise_bytes
-    fresh = jax.jit(lambda *a, **k: sampling.generate(*a, **k),
-                    static_argnames=("config", "eos_token_ids", "pad_token_id"))
-    out = fresh(graphdef, params, PROMPT_IDS, PROMPT_MASK, key, config=config, eos_token_ids=NO_EOS,
-                pad_token_id=PAD)
+    out = generate_jit(graphdef, params, PROMPT_IDS, PROMPT_MASK, key, config=config, eos_token_ids=NO_EOS,
+                       pad_token_id=PAD)
     np.testing.assert_array_equal(out.completion_ids, reference_sample(graphdef, params, key, 6, config))
-
-
-@pytest.mark.parametrize("partitionable", [True, False])
-@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey])
-def test_gumbel_rows_are_the_rows_of_the_whole_draw(partitionable, make_key):
-    # jax's defaults (partitionable threefry bits) draw only the chunk's rows' bits; otherwise the draw is sliced.
-    # Either way the rows equal those of jax.random.gumbel over the whole call, bit for bit
-    with jax.threefry_partitionable(partitionable):
-        key = make_key(11)
-        whole = np.asarray(jax.random.gumbel(jax.random.fold_in(key, 5), (12, 37), jnp.float32))
-        rows = jax.jit(sampling._gumbel_rows, static_argnums=(2, 4, 5))
-        for offset, n in ((0, 12), (0, 4), (4, 4), (8, 4), (3, 7)):
-            np.testing.assert_array_equal(rows(key, 5, 12, np.int32(offset), n, 37), whole[offset:offset + n])
-    # an rbg key (not threefry) takes the sliced draw
-    key = jax.random.key(11, impl="rbg")
-    whole = np.asarray(jax.random.gumbel(jax.random.fold_in(key, 2), (8, 37), jnp.float32))
-    np.testing.assert_array_equal(sampling._gumbel_rows(key, 2, 8, 4, 4, 37), whole[4:])
-
-
-def test_argmax_last_axis_equals_jnp_argmax_with_ties_infs_and_nans():
-    rng = np.random.default_rng(0)
-    x = rng.integers(-3, 3, (64, 9)).astype(np.float32)  # many ties: the first maximum wins
-    x[1, :] = -np.inf
-    x[2, 4] = np.inf
-    x[3, [2, 6]] = np.nan  # a NaN is the maximum, the first NaN wins
-    x[4, :] = np.nan
-    np.testing.assert_array_equal(sampling.argmax_last_axis(jnp.asarray(x)), np.asarray(jnp.argmax(x, axis=-1)))
 
 
 def test_top_k_one_is_greedy(tiny_model):
     greedy = run(tiny_model, greedy=True, temperature=0.7)
     top1 = run(tiny_model, key=3, top_k=1, temperature=0.7)
     np.testing.assert_array_equal(greedy.completion_ids, top1.completion_ids)
-    np.testing.assert_allclose(greedy.sampler_logps, top1.sampler_logps, atol=1e-6)
+    np.testing.assert_allclose(greedy.sampler_per_token_logps, top1.sampler_per_token_logps, atol=1e-6)
 
 
 @pytest.mark.parametrize("filters", [{}, {"top_k": 5, "top_p": 0.9}, {"min_p": 0.1}])
-def test_sampler_logps_match_completion_logps(tiny_model, filters):
+def test_sampler_per_token_logps_match_completion_logps(tiny_model, filters):
     _, graphdef, params = tiny_model
     raw = reference_greedy(graphdef, params, 6)
     eos = (int(raw[1, 3]),)  # make some rows stop so masked positions exist
@@ -172,7 +148,7 @@ def test_sampler_logps_match_completion_logps(tiny_model, filters):
     logps, _ = completion_logps(graphdef, params, PROMPT_IDS, PROMPT_MASK, out.completion_ids,
                                 out.completion_mask, temperature=0.7)
     mask = np.asarray(out.completion_mask) == 1
-    np.testing.assert_allclose(np.asarray(out.sampler_logps)[mask], np.asarray(logps)[mask], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out.sampler_per_token_logps)[mask], np.asarray(logps)[mask], atol=1e-5)
 
 
 def test_filter_logits_hand_computed():
@@ -233,7 +209,8 @@ def test_grouped_prefill_matches_per_row_prefill(tiny_model):
                          pad_token_id=PAD, prompt_group_size=g) for g in (1, G)]
     np.testing.assert_array_equal(outs[0].completion_ids, outs[1].completion_ids)
     np.testing.assert_array_equal(outs[0].completion_mask, outs[1].completion_mask)
-    np.testing.assert_allclose(outs[0].sampler_logps, outs[1].sampler_logps, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(outs[0].sampler_per_token_logps, outs[1].sampler_per_token_logps, rtol=1e-5,
+                               atol=1e-5)
     assert len({tuple(r) for r in np.asarray(outs[1].completion_ids)}) > len(PROMPT_IDS)  # rows of a group differ
     with pytest.raises(ValueError, match="prompt_group_size=5"):
         generate_jit(graphdef, params, ids, mask, jax.random.key(4), config=config, eos_token_ids=(3,),
@@ -258,52 +235,4 @@ def test_float32_weights_sample_as_their_compute_dtype_copy(tiny_model_config):
     outs = [generate_jit(graphdef, p, PROMPT_IDS, PROMPT_MASK, jax.random.key(2), config=sampling_config,
                          eos_token_ids=NO_EOS, pad_token_id=PAD) for p in (params, stored_bf16)]
     np.testing.assert_array_equal(outs[0].completion_ids, outs[1].completion_ids)
-    np.testing.assert_array_equal(outs[0].sampler_logps, outs[1].sampler_logps)
-
-
-def _sampler(graphdef, host_threads, group_size, **config):
-    from grpo_jax import sharding
-    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    return sampling.jit_generate(graphdef, mesh, config=SamplingConfig(host_threads=host_threads, **config),
-                                 eos_token_ids=(3,), pad_token_id=PAD, prompt_group_size=group_size)
-
-
-@pytest.mark.parametrize("noise_bytes", [sampling.PRECOMPUTED_NOISE_BYTES, 0])
-def test_host_thread_chunks_sample_the_tokens_of_one_call(tiny_model, monkeypatch, noise_bytes):
-    # rows in chunks from host threads draw their rows of the whole call's noise: the same tokens, EOS and logps
-    monkeypatch.setattr(sampling, "PRECOMPUTED_NOISE_BYTES", noise_bytes)
-    _, graphdef, params = tiny_model
-    ids, mask = np.repeat(PROMPT_IDS, 2, axis=0), np.repeat(PROMPT_MASK, 2, axis=0)  # 4 groups of 2 rows
-    key = jax.random.key(3)
-    outs = {}
-    for threads in (1, 2, 4):
-        fn = _sampler(graphdef, threads, 2, max_completion_length=7, temperature=1.3)
-        assert sampling.host_chunks(fn._config, fn._mesh, 8, 2) == threads
-        outs[threads] = jax.device_get(fn(params, ids, mask, key, False))
-        greedy = jax.device_get(fn(params, PROMPT_IDS, PROMPT_MASK, key, True))  # 4 rows: chunks of 1 row
-        if threads == 1:
-            greedy_one = greedy
-        np.testing.assert_array_equal(greedy.completion_ids, greedy_one.completion_ids)
-    assert outs[1].completion_mask.sum() < outs[1].completion_mask.size  # some rows stop at EOS (id 3)
-    for threads in (2, 4):
-        for name in ("completion_ids", "completion_mask", "is_truncated", "num_decode_steps"):
-            np.testing.assert_array_equal(getattr(outs[threads], name), getattr(outs[1], name), err_msg=name)
-        np.testing.assert_allclose(outs[threads].sampler_logps, outs[1].sampler_logps, rtol=1e-6, atol=1e-6)
-    # the unchunked call is generate's own draw (jax.random.categorical of fold_in(key, t) per step, whole batch)
-    direct = generate_jit(graphdef, params, ids, mask, key, config=SamplingConfig(max_completion_length=7,
-                          temperature=1.3), eos_token_ids=(3,), pad_token_id=PAD, prompt_group_size=2)
-    np.testing.assert_array_equal(outs[1].completion_ids, direct.completion_ids)
-
-
-def test_host_chunks_split_into_whole_groups_and_default_to_the_cpu_cores(tiny_model, monkeypatch):
-    _, graphdef, _ = tiny_model
-    chunks = lambda threads, rows, group: sampling.host_chunks(  # noqa: E731
-        SamplingConfig(host_threads=threads), _sampler(graphdef, 1, 1)._mesh, rows, group)
-    assert chunks(2, 24, 8) == 1  # 3 groups do not split in 2
-    assert chunks(3, 32, 8) == 2  # 4 groups: the most chunks <= 3 that split them
-    assert chunks(8, 16, 8) == 2  # never more chunks than groups
-    assert chunks(1, 32, 8) == 1
-    monkeypatch.setattr(sampling.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
-    assert chunks(0, 32, 8) == 4  # 0: one per core on a one-device CPU mesh
-    with pytest.raises(ValueError, match="sampling.host_threads=-1"):
-        SamplingConfig(host_threads=-1)
+    np.testing.assert_array_equal(outs[0].sampler_per_token_logps, outs[1].sampler_per_token_logps)

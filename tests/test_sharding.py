@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec
 from grpo_jax import reference, sharding
 from grpo_jax.losses import LossConfig
 from grpo_jax.models import ModelConfig, init_model
-from grpo_jax.sampling import SamplingConfig, host_chunks, jit_generate
-from grpo_jax.state import init_state
+from grpo_jax.sampling import SamplingConfig
+from grpo_jax.programs import init_state, jit_generate
 from grpo_jax.programs import jit_train_step
 from grpo_jax.train_step import StepOptions
 from test_train_step import make_batch, one_device_mesh
@@ -149,7 +149,8 @@ def test_greedy_sampling_equals_single_device(tiny_model, shape):
     single_out, out = sample(one_device_mesh()), sample(sharding.make_mesh(*shape))
     np.testing.assert_array_equal(out.completion_ids, single_out.completion_ids)
     np.testing.assert_array_equal(out.completion_mask, single_out.completion_mask)
-    np.testing.assert_allclose(out.sampler_logps, single_out.sampler_logps, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out.sampler_per_token_logps, single_out.sampler_per_token_logps, rtol=1e-5,
+                               atol=1e-6)
 
 
 @needs_8
@@ -194,7 +195,7 @@ def test_offloaded_reference_lives_in_host_memory_and_mixes(tiny_model_config):
 
 @needs_8
 def test_state_from_given_params_is_laid_out_like_init_state(tiny_model_config):
-    from grpo_jax.state import state_from_params
+    from grpo_jax.programs import state_from_params
     mesh = sharding.make_mesh(2, 2, 2)
     optimizer = optax.adamw(1e-3)
     _, state = init_state(tiny_model_config, optimizer, seed=0, with_reference=True, mesh=mesh)
@@ -213,7 +214,7 @@ def test_host_threads_refuse_a_multi_device_mesh(tiny_model):
     _, graphdef, _ = tiny_model
     with pytest.raises(ValueError, match="sampling.host_threads=2 .* 8 devices"):
         jit_generate(graphdef, sharding.make_mesh(8, 1, 1), config=SamplingConfig(host_threads=2),
-                     eos_token_ids=(1,), pad_token_id=0)
-    fn = jit_generate(graphdef, sharding.make_mesh(8, 1, 1), config=SamplingConfig(), eos_token_ids=(1,),
-                      pad_token_id=0)
-    assert host_chunks(fn._config, fn._mesh, 64, 8) == 1  # the default: the devices already sample in parallel
+                     eos_token_ids=(1,), pad_token_id=0, cpu_speedups=True)
+    # the CPU speed-ups off: host_threads is not used, nothing to refuse
+    jit_generate(graphdef, sharding.make_mesh(8, 1, 1), config=SamplingConfig(host_threads=2), eos_token_ids=(1,),
+                 pad_token_id=0, cpu_speedups=False)

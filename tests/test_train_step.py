@@ -11,7 +11,8 @@ import pytest
 from grpo_jax import sharding
 from grpo_jax.logprobs import completion_logps
 from grpo_jax.losses import LossConfig, compute_loss
-from grpo_jax.state import init_state, learning_rate_schedule, make_optimizer
+from grpo_jax.state import learning_rate_schedule, make_optimizer
+from grpo_jax.programs import init_state
 from grpo_jax.programs import jit_train_step
 from grpo_jax.train_step import Batch, StepOptions, train_step
 

@@ -296,28 +296,6 @@ def test_shared_prefix_keys_values_match_the_full_forward(tiny_model_config, fam
                 prefix_group_size=G)
 
 
-def test_cpu_linear_weight_gradient_equals_the_plain_dots(tiny_model_config):
-    from grpo_jax.models import transformer
-    rng = np.random.default_rng(0)
-    x, w, g = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((37, 24), (24, 11), (37, 11)))
-    plain = (((1,), (0,)), ((), ()))
-    for dot in (transformer._dot_general_cpu, jax.lax.dot_general):
-        value, grads = jax.value_and_grad(lambda x, w, dot=dot: jnp.sum(dot(x, w, plain) * g), argnums=(0, 1))(x, w)
-        np.testing.assert_allclose(value, float(np.sum((np.asarray(x) @ np.asarray(w)) * np.asarray(g))), rtol=1e-5)
-        np.testing.assert_allclose(grads[0], np.asarray(g) @ np.asarray(w).T, rtol=1e-5, atol=1e-5)  # dL/dx
-        np.testing.assert_allclose(grads[1], np.asarray(x).T @ np.asarray(g), rtol=1e-5, atol=1e-5)  # dL/dW
-    batched = jnp.asarray(rng.standard_normal((2, 5, 24)), jnp.float32)  # not a 2-D x @ W: plain dot_general
-    three_d = (((2,), (0,)), ((), ()))
-    np.testing.assert_array_equal(transformer._dot_general_cpu(batched, w, three_d),
-                                  jax.lax.dot_general(batched, w, three_d))
-    # CPU Linear layers take it without remat; a remat policy ("dots" must see plain dots) keeps jax's own
-    for remat, custom in (("none", True), ("dots", False)):
-        graphdef, params = init_model(dataclasses.replace(tiny_model_config, remat=remat), seed=0)
-        jaxpr = str(jax.make_jaxpr(full_logits.__wrapped__, static_argnums=0)(graphdef, params, PROMPT_IDS,
-                                                                              PROMPT_MASK))
-        assert ("custom_vjp_call" in jaxpr) == (custom and jax.default_backend() == "cpu"), remat
-
-
 def test_remat_policies_and_layer_scan_give_equal_values_and_gradients(tiny_model_config):
     config, graphdef, params = family_model(tiny_model_config, "qwen3")
     weights = jnp.asarray(np.random.default_rng(1).standard_normal((*PROMPT_IDS.shape, config.vocab_size)),
@@ -458,9 +436,12 @@ def _hf_model(config: ModelConfig, params):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_matches_transformers(tiny_model_config, family):
+@pytest.mark.parametrize("cpu_speedups", [False, True])
+def test_matches_transformers(tiny_model_config, family, cpu_speedups):
     torch = pytest.importorskip("torch")
+    from grpo_jax import cpu
     config, graphdef, params = family_model(tiny_model_config, family)
+    graphdef = cpu.linear_layers(graphdef, params, cpu_speedups)
     model = _hf_model(config, params)
     with torch.no_grad():
         out = model(input_ids=torch.from_numpy(PROMPT_IDS.astype(np.int64)),

@@ -59,45 +59,10 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
 
 
-@jax.custom_vjp
-def _matmul_cpu(x_NxI, w_IxO):
-    return x_NxI @ w_IxO
-
-
-def _matmul_cpu_fwd(x_NxI, w_IxO):
-    return x_NxI @ w_IxO, (x_NxI, w_IxO)
-
-
-def _matmul_cpu_bwd(residuals, g_NxO):
-    x_NxI, w_IxO = residuals
-    # x^T copied out first (a barrier keeps XLA from folding the transpose back into the dot): XLA:CPU hands a dot
-    # with a transposed operand to a slower kernel: x^T @ g over N rows ran up to 1.6x slower than copy + product
-    x_IxN = jax.lax.optimization_barrier(jnp.transpose(x_NxI))
-    return g_NxO @ w_IxO.T, x_IxN @ g_NxO
-
-
-_matmul_cpu.defvjp(_matmul_cpu_fwd, _matmul_cpu_bwd)
-
-
-def _dot_general_cpu(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
-    """`jax.lax.dot_general` for the Linear layers on CPU: a plain 2-D ``x @ W`` goes through `_matmul_cpu`,
-    whose weight gradient multiplies a materialised x^T (same numbers; faster on XLA:CPU)."""
-    plain = (lhs.ndim == rhs.ndim == 2 and tuple(map(tuple, dimension_numbers[0])) == ((1,), (0,))
-             and precision is None and preferred_element_type is None and kwargs.get("out_sharding") is None
-             and lhs.dtype == rhs.dtype)
-    if plain:
-        return _matmul_cpu(lhs, rhs)
-    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                               preferred_element_type=preferred_element_type, **kwargs)
-
-
 def _linear(din, dout, bias, config, rngs):
     init = nnx.initializers.normal(config.initializer_range)
-    # on CPU without remat (whose "dots" policy must see the plain dots) the weight gradients take `_matmul_cpu`;
-    # accelerators' GEMMs read transposed operands natively
-    cpu = jax.default_backend() == "cpu" and REMAT_POLICIES[config.remat] is None
     return nnx.Linear(din, dout, use_bias=bias, dtype=config.jnp_dtype, param_dtype=config.param_jnp_dtype,
-                      kernel_init=init, rngs=rngs, **({"dot_general": _dot_general_cpu} if cpu else {}))
+                      kernel_init=init, rngs=rngs)
 
 
 class Attention(nnx.Module):

@@ -1,0 +1,248 @@
+"""XLA:CPU speed-ups, all behind one switch (the config's ``cpu_speedups``); none changes a number.
+
+- Sampling rows in chunks, each run from its own host thread (`ChunkedSampler`): XLA:CPU runs a small model's
+  decode steps on one core, so chunks keep the other cores busy.
+- A chunk draws only its own rows' Gumbel noise (`gumbel_rows`): threefry is a rolled loop on CPU, so drawing
+  the whole call's noise in every chunk costs each chunk the other chunks' bits too.
+- Every decode step's noise drawn before the decode loop when it is small (`PRECOMPUTED_NOISE_BYTES`): one
+  threefry call outside the loop instead of a small loop of its own in every step.
+- Arg-max as two plain reductions (`argmax_last_axis`): XLA:CPU runs argmax's (value, index) reduction element
+  by element.
+- The Linear layers' weight gradient multiplies a materialised x^T (`linear_layers`): XLA:CPU hands a dot with a
+  transposed operand to a slower kernel.
+- glibc keeps freed blocks (`configure_host_allocator`): XLA:CPU gives each call one large block of temporaries,
+  which glibc would otherwise mmap and unmap per call, page-faulting the working set in again every time.
+
+The tokens, log-probs and gradients are those of the default path (`sampling.generate`'s
+``jax.random.categorical`` and ``jnp.argmax``, jax's own dots) bit for bit; tests check it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.extend.random import threefry_2x32
+
+from grpo_jax.models.configuration import REMAT_POLICIES
+
+
+def enabled(setting: bool | None) -> bool:
+    """The ``cpu_speedups`` setting resolved: None means on exactly when jax's default backend is the CPU."""
+    return jax.default_backend() == "cpu" if setting is None else bool(setting)
+
+
+# --- host allocator -------------------------------------------------------------------------------------------
+
+HOST_ALLOCATORS = ("retain", "system")
+RETAIN_BYTES = 1 << 30  # blocks below 1 GiB come from (and go back to) the heap; mallopt takes a C int
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
+
+
+def _glibc():
+    """The process's C library when it is glibc (mallopt's parameters are glibc's), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version.restype = ctypes.c_char_p
+        libc.gnu_get_libc_version()
+    except (OSError, AttributeError):  # musl, or no libc to load: leave its allocator alone
+        return None
+    return libc
+
+
+def configure_host_allocator(policy: str) -> bool:
+    """Apply ``policy`` to this process's malloc; True when glibc accepted the thresholds.
+
+    ``retain``: blocks under `RETAIN_BYTES` are never mmap'd per call nor trimmed (glibc only; elsewhere a
+    no-op); the process keeps its peak heap, which a training process needs again next step anyway.
+    ``system``: leave malloc as it is, e.g. for an ``LD_PRELOAD``-ed jemalloc or tcmalloc.
+    """
+    if policy not in HOST_ALLOCATORS:
+        raise ValueError(f"host_allocator={policy!r} is not supported: use one of {', '.join(HOST_ALLOCATORS)}")
+    libc = None if policy == "system" else _glibc()
+    if libc is None:
+        return False
+    return (libc.mallopt(_M_MMAP_THRESHOLD, RETAIN_BYTES) == 1) & (libc.mallopt(_M_TRIM_THRESHOLD, RETAIN_BYTES) == 1)
+
+
+# --- Linear layers --------------------------------------------------------------------------------------------
+
+@jax.custom_vjp
+def _matmul(x_NxI, w_IxO):
+    return x_NxI @ w_IxO
+
+
+def _matmul_fwd(x_NxI, w_IxO):
+    return x_NxI @ w_IxO, (x_NxI, w_IxO)
+
+
+def _matmul_bwd(residuals, g_NxO):
+    x_NxI, w_IxO = residuals
+    # x^T copied out first: the barrier keeps XLA from folding the transpose back into the dot
+    x_IxN = jax.lax.optimization_barrier(jnp.transpose(x_NxI))
+    return g_NxO @ w_IxO.T, x_IxN @ g_NxO
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+    """`jax.lax.dot_general` whose plain 2-D ``x @ W`` takes `_matmul`: the weight gradient multiplies a
+    materialised x^T (same numbers)."""
+    plain = (lhs.ndim == rhs.ndim == 2 and tuple(map(tuple, dimension_numbers[0])) == ((1,), (0,))
+             and precision is None and preferred_element_type is None and kwargs.get("out_sharding") is None
+             and lhs.dtype == rhs.dtype)
+    if plain:
+        return _matmul(lhs, rhs)
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type, **kwargs)
+
+
+def linear_layers(graphdef: nnx.GraphDef, params: nnx.State, on: bool) -> nnx.GraphDef:
+    """``graphdef`` whose ``nnx.Linear`` layers use `dot_general` when ``on`` and the model has no remat policy
+    (remat's "dots" policy must see jax's plain dots), else ``graphdef`` unchanged. Apply once, where the model
+    is built; ``params`` may be abstract (shapes only)."""
+    model = nnx.merge(graphdef, params)
+    if not on or REMAT_POLICIES[model.config.remat] is not None:
+        return graphdef
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, nnx.Linear):
+            module.dot_general = dot_general
+    return nnx.split(model)[0]
+
+
+# --- sampling -------------------------------------------------------------------------------------------------
+
+# below this many bytes of [T, B, V] float32 noise, the draws of every decode step are made before the loop
+PRECOMPUTED_NOISE_BYTES = 32 << 20
+
+
+def _threefry_words(key):
+    """The key's two uint32 words when it is a threefry key, else None (other PRNGs draw other bits)."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(key) if str(jax.random.key_impl(key)) == "threefry2x32" else None
+    return key if jax.config.jax_default_prng_impl == "threefry2x32" else None
+
+
+def gumbel_rows(key, step, total: int, row_offset, rows: int, vocab: int):
+    """Rows ``row_offset .. row_offset + rows`` of ``jax.random.gumbel(fold_in(key, step), (total, vocab))``.
+
+    With a threefry key and partitionable bits (jax's defaults) element i of that draw hashes the counter
+    (0, i) alone, so only these rows' bits are drawn (`jax.extend.random.threefry_2x32`), then
+    `jax.random.gumbel`'s own float transform; otherwise the whole draw is sliced.
+    """
+    key = jax.random.fold_in(key, step)
+    words = _threefry_words(key)
+    # the counters are (0, i) with i < 2**32: larger draws take the sliced whole draw too
+    if (words is None or not jax.config.jax_threefry_partitionable or total * vocab >= 2 ** 32
+            or jax.config.jax_high_dynamic_range_gumbel):
+        noise = jax.random.gumbel(key, (total, vocab), jnp.float32)
+        return noise if rows == total else jax.lax.dynamic_slice_in_dim(noise, row_offset, rows, axis=0)
+    n = rows * vocab
+    counts = jnp.asarray(row_offset, jnp.uint32) * vocab + jnp.arange(n, dtype=jnp.uint32)
+    # threefry_2x32 hashes the pairs (first half[i], second half[i]) of its counts into the two output halves
+    bits = threefry_2x32((words[0], words[1]), jnp.concatenate([jnp.zeros_like(counts), counts]))
+    # jax.random.uniform's mantissa trick over [tiny, 1), then gumbel's -log(-log(u))
+    ones = jax.lax.bitcast_convert_type(((bits[:n] ^ bits[n:]) >> np.uint32(9)) | np.uint32(0x3F800000),
+                                        jnp.float32)
+    tiny = jnp.finfo(jnp.float32).tiny
+    uniform = jnp.maximum(tiny, (ones - 1.0) * (1.0 - tiny) + tiny)
+    return -jnp.log(-jnp.log(uniform)).reshape(rows, vocab)
+
+
+def argmax_last_axis(x_BxV):
+    """``jnp.argmax(x, axis=-1)`` (first maximum; a NaN counts as the maximum) as two plain reductions."""
+    V = x_BxV.shape[-1]
+    max_Bx1 = jnp.max(x_BxV, axis=-1, keepdims=True)
+    hit_BxV = (x_BxV == max_Bx1) | jnp.isnan(x_BxV)
+    return jnp.min(jnp.where(hit_BxV, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
+
+
+def token_chooser(row_offset=0, total_rows: int | None = None):
+    """`sampling.generate`'s ``choose_tokens``: the tokens of ``jax.random.categorical(fold_in(key, t), scores)``
+    (and ``jnp.argmax`` when greedy), with every step's noise drawn before the loop when it is small.
+
+    ``row_offset`` / ``total_rows``: the call's B rows are rows ``row_offset ..`` of a call over ``total_rows``
+    rows (None: B), whose noise they draw: the tokens of a chunk are those of the whole call.
+    """
+    def make(key, shape_TxBxV: tuple[int, int, int], greedy: bool):
+        if greedy:
+            return lambda step, scores_BxV: argmax_last_axis(scores_BxV)
+        T, B, V = shape_TxBxV
+        total = B if total_rows is None else total_rows
+
+        def noise_at(step):
+            return gumbel_rows(key, step, total, row_offset, B, V)
+
+        if T * B * V * 4 <= PRECOMPUTED_NOISE_BYTES:
+            noise_TxBxV = jax.vmap(noise_at)(jnp.arange(T))  # the same bits as per step (vmap of the draw)
+            noise_at = lambda step: jax.lax.dynamic_index_in_dim(noise_TxBxV, step, keepdims=False)  # noqa: E731
+        # jax.random.categorical's own formula (Gumbel-max): argmax(noise + scores)
+        return lambda step, scores_BxV: argmax_last_axis(noise_at(step) + scores_BxV)
+    return make
+
+
+def host_threads(setting: int, mesh) -> int:
+    """``sampling.host_threads`` resolved: 0 means the CPU cores this process may use on a one-device CPU mesh,
+    else 1."""
+    if setting:
+        return setting
+    one_cpu = mesh.devices.size == 1 and mesh.devices.flat[0].platform == "cpu"
+    return len(os.sched_getaffinity(0)) if one_cpu and hasattr(os, "sched_getaffinity") else 1
+
+
+def host_chunks(setting: int, mesh, num_rows: int, group_size: int) -> int:
+    """Row chunks for one sampling call: `host_threads`, lowered until the chunks split into whole groups of
+    ``group_size`` rows."""
+    groups = num_rows // group_size
+    return max(k for k in range(1, min(host_threads(setting, mesh), groups) + 1) if groups % k == 0)
+
+
+class ChunkedSampler:
+    """A sampling callable ``fn(params, prompt_ids, prompt_mask, key, greedy)`` whose calls run as `host_chunks`
+    row chunks, each from its own host thread, or as one call.
+
+    ``jitted(params, ids, mask, key, row_offset, greedy, total_rows)`` samples rows ``row_offset ..`` of a call
+    over ``total_rows`` rows; ``split(ids, mask, k)`` cuts a call's rows into k chunks of (ids, mask);
+    ``concat(outputs)`` joins the chunks' outputs. ``offset_sharding`` places the chunks' row offsets.
+    """
+
+    def __init__(self, jitted, split, concat, *, host_threads: int, mesh, prompt_group_size: int,
+                 offset_sharding):
+        self._jitted, self._split, self._concat = jitted, split, concat
+        self._threads, self._mesh, self._group = host_threads, mesh, prompt_group_size
+        self._offset_sharding = offset_sharding
+        self._offsets = {}  # row offset -> device scalar, made once: a host scalar is a transfer in every call
+        self._pool = None  # made on the first chunked call
+
+    def _cache_size(self) -> int:
+        return self._jitted._cache_size()
+
+    def _offset(self, row: int):
+        if row not in self._offsets:
+            self._offsets[row] = jax.device_put(np.int32(row), self._offset_sharding)
+        return self._offsets[row]
+
+    def __call__(self, params, prompt_ids_BxP, prompt_mask_BxP, key, greedy):
+        B = prompt_ids_BxP.shape[0]
+        k = host_chunks(self._threads, self._mesh, B, 1 if greedy else self._group)
+        if k == 1:
+            return self._jitted(params, prompt_ids_BxP, prompt_mask_BxP, key, np.int32(0), greedy, B)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(host_threads(self._threads, self._mesh),
+                                            thread_name_prefix="grpo_jax-sample")
+
+        def run(i, ids, mask):  # waiting in the worker: chunks dispatched without it sometimes ran one by one
+            return jax.block_until_ready(self._jitted(params, ids, mask, key, self._offset(i * (B // k)), greedy, B))
+        chunks = self._split(prompt_ids_BxP, prompt_mask_BxP, k)
+        futures = [self._pool.submit(run, i, ids, mask) for i, (ids, mask) in enumerate(chunks)]
+        return self._concat([f.result() for f in futures])
