@@ -1,7 +1,8 @@
-"""README, shipped configs and CI stay true to the code: reference tables, defaults, test command, fast --help.
+"""README, docs/configuration.md, shipped configs and CI stay true to the code: reference tables, defaults, test
+command, fast --help.
 
-Defaults are read from the dataclasses, never written here: when a default changes, these tests name the README
-row and the configs/default.yaml key to update, with the literal to write.
+Defaults are read from the dataclasses, never written here: when a default changes, these tests name the
+docs/configuration.md row and the configs/default.yaml key to update, with the literal to write.
 """
 
 import dataclasses
@@ -19,10 +20,11 @@ from grpo_jax.config import Config, load_config, to_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+CONFIGURATION = ROOT / "docs" / "configuration.md"
 
 
 def _defaults() -> dict:
-    """Every config key as written in the README (`seed`, `train.learning_rate`) -> its dataclass default."""
+    """Every config key as written in the reference (`seed`, `train.learning_rate`) -> its dataclass default."""
     out = {}
     config = Config()
     for field in dataclasses.fields(config):
@@ -35,7 +37,7 @@ def _defaults() -> dict:
 
 
 def _literal(value) -> str:
-    """A default as the README writes it: YAML literals, tuples as flow lists, 1e-6 not 1e-06."""
+    """A default as the reference writes it: YAML literals, tuples as flow lists, 1e-6 not 1e-06."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -49,7 +51,7 @@ def _literal(value) -> str:
 
 
 def _same(cell, default) -> bool:
-    """A YAML-loaded README cell equals a dataclass default (lists vs tuples, ints as floats, YAML 1.1 1e-6)."""
+    """A YAML-loaded reference cell equals a dataclass default (lists vs tuples, ints as floats, YAML 1.1 1e-6)."""
     if isinstance(default, tuple):
         return isinstance(cell, list) and len(cell) == len(default) and all(map(_same, cell, default))
     if default is None or isinstance(default, (bool, str)):
@@ -65,17 +67,18 @@ def _same(cell, default) -> bool:
 
 
 def _reference_rows() -> list[tuple[str, str]]:
-    """(key, default cell) of every table row under README's "## Configuration reference"."""
-    text = README.read_text()
-    start = text.index("\n## Configuration reference")
-    end = text.find("\n## ", start + 1)
-    rows = []
-    for line in text[start:end if end != -1 else None].splitlines():
-        if not line.startswith("|") or re.match(r"\|\s*(key\s*\||-)", line):
+    """(key, default cell) of every row of docs/configuration.md's `| key | default | meaning |` tables."""
+    rows, in_table = [], False
+    for line in CONFIGURATION.read_text().splitlines():
+        if not line.startswith("|"):
+            in_table = False
             continue
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
-        assert len(cells) == 3, f"README reference row needs key | default | meaning: {line}"
-        rows.append((cells[0].strip("`"), cells[1].strip("`")))
+        if cells[:2] == ["key", "default"]:  # other tables (metrics, estimators) are not config rows
+            in_table = True
+        elif in_table and not cells[0].startswith("-"):
+            assert len(cells) == 3, f"docs/configuration.md row needs key | default | meaning: {line}"
+            rows.append((cells[0].strip("`"), cells[1].strip("`")))
     return rows
 
 
@@ -103,7 +106,7 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def test_readme_reference_lists_every_config_field_once():
+def test_configuration_reference_lists_every_config_field_once():
     keys = [key for key, _ in _reference_rows()]
     expected = _defaults()
     duplicates = sorted({k for k in keys if keys.count(k) > 1})
@@ -112,16 +115,16 @@ def test_readme_reference_lists_every_config_field_once():
     problems = [f"listed twice: {k}" for k in duplicates]
     problems += [f"not a config field: {k}" for k in unknown]
     problems += [f"missing row: | `{k}` | `{_literal(expected[k])}` | ... |" for k in missing]
-    assert not problems, "README configuration reference:\n" + "\n".join(problems)
+    assert not problems, "docs/configuration.md:\n" + "\n".join(problems)
 
 
-def test_readme_reference_defaults_equal_the_dataclass_defaults():
+def test_configuration_reference_defaults_equal_the_dataclass_defaults():
     expected = _defaults()
     wrong = []
     for key, cell in _reference_rows():
         if key in expected and not _same(yaml.safe_load(cell), expected[key]):
-            wrong.append(f"`{key}`: README says `{cell}`, the default is `{_literal(expected[key])}`")
-    assert not wrong, "README configuration reference is stale:\n" + "\n".join(wrong)
+            wrong.append(f"`{key}`: docs/configuration.md says `{cell}`, the default is `{_literal(expected[key])}`")
+    assert not wrong, "docs/configuration.md is stale:\n" + "\n".join(wrong)
 
 
 def test_readme_test_command_is_what_ci_runs():
