@@ -1,4 +1,4 @@
-"""XLA:CPU speed-ups, all behind one switch (the config's ``cpu_speedups``); none changes a number.
+"""XLA:CPU speed-ups, all behind one switch (the config's ``cpu_speedups``, on by default on CPU).
 
 - Sampling rows in chunks, each run from its own host thread (`ChunkedSampler`): XLA:CPU runs a small model's
   decode steps on one core, so chunks keep the other cores busy.
@@ -13,8 +13,9 @@
 - glibc keeps freed blocks (`configure_host_allocator`): XLA:CPU gives each call one large block of temporaries,
   which glibc would otherwise mmap and unmap per call, page-faulting the working set in again every time.
 
-The tokens, log-probs and gradients are those of the default path (`sampling.generate`'s
-``jax.random.categorical`` and ``jnp.argmax``, jax's own dots) bit for bit; tests check it.
+The tokens and sampler log-probs are those of the default path (`sampling.generate`'s
+``jax.random.categorical`` and ``jnp.argmax``) bit for bit, whatever the chunks; tests check it. The Linear
+weight gradients are the same products summed in another order: equal up to float rounding.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
     """`jax.lax.dot_general` whose plain 2-D ``x @ W`` takes `_matmul`: the weight gradient multiplies a
-    materialised x^T (same numbers)."""
+    materialised x^T (the same products, summed in XLA:CPU's order for that layout)."""
     plain = (lhs.ndim == rhs.ndim == 2 and tuple(map(tuple, dimension_numbers[0])) == ((1,), (0,))
              and precision is None and preferred_element_type is None and kwargs.get("out_sharding") is None
              and lhs.dtype == rhs.dtype)

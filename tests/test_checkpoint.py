@@ -1,6 +1,7 @@
 """Checkpoints: resumed == uninterrupted bit for bit, torn and corrupted saves, config checks."""
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -80,6 +81,18 @@ def test_resumed_run_equals_uninterrupted_run_bitwise(tmp_path, capsys, options)
     assert whole_step == split_step == 6
     _assert_same_state(whole_state, split_state)
     assert (tmp_path / "split" / "final").is_dir()
+
+
+def test_resume_from_an_older_checkpoint_truncates_the_metrics_log(tmp_path):
+    """A run killed after logging steps past its newest checkpoint resumes from that checkpoint: metrics.jsonl drops
+    the lines after it, so every step is logged once and the log equals the uninterrupted run's."""
+    options = ["train.num_iterations=2"]  # rounds of 4 steps: the checkpoint at step 2 is inside a round
+    _train(tmp_path / "whole", "max_steps=6", "save_steps=0", *options)
+    _train(tmp_path / "split", "max_steps=3", "save_steps=2", *options)
+    shutil.rmtree(tmp_path / "split" / "checkpoints" / "3")  # as if killed before the save of step 3
+    assert [line["step"] for line in _lines(tmp_path / "split")] == [1, 2, 3]
+    _train(tmp_path / "split", "max_steps=6", "save_steps=2", *options)
+    assert _lines(tmp_path / "split") == _lines(tmp_path / "whole")
 
 
 def test_corrupted_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):

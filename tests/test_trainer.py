@@ -342,3 +342,27 @@ def test_training_from_a_hugging_face_folder(tmp_path):
     final = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run2" / "final", dtype=torch.float32)
     moved = [not torch.equal(a, b) for a, b in zip(final.state_dict().values(), reference.state_dict().values())]
     assert any(moved)  # trained, then written back in Hugging Face format
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["frozen_ref", "tr_dpo"])
+def test_offloaded_reference_trains_like_one_on_the_devices(tmp_path, sync):
+    """train.offload_ref_params keeps the reference in host memory: the same rounds, metrics and params bit for bit,
+    with a frozen reference and with TR-DPO mixing it after every step."""
+    out = {}
+    for offload in (False, True):
+        config = load_config(None, [f"output_dir={tmp_path / str(offload)}", *QUICK, "max_steps=2",
+                                    "eval.num_examples=0", "train.steps_per_generation=2",
+                                    f"train.offload_ref_params={str(offload).lower()}",
+                                    f"train.sync_ref_model={str(sync).lower()}", "train.ref_model_sync_steps=1"])
+        run, state = trainer.build(config)
+        kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.ref_params)}
+        assert kinds == ({"pinned_host"} if offload else {"device"})
+        initial_ref = jax.device_get(state.ref_params)
+        state, _, lines = trainer.run_round(run, state, 0)
+        out[offload] = ([{k: v for k, v in line.items() if not k.startswith("step_time")} for line in lines],
+                        jax.device_get((state.params, state.ref_params)))
+    (lines, trees), (lines_on_device, trees_on_device) = out[True], out[False]
+    assert len(lines) == 2 and lines == lines_on_device and lines[1]["kl"] > 0
+    jax.tree.map(np.testing.assert_array_equal, trees, trees_on_device)
+    moved = any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(trees[1]), jax.tree.leaves(initial_ref)))
+    assert moved == sync  # with TR-DPO the comparison covers the mixing path
