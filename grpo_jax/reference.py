@@ -39,7 +39,7 @@ def init(params: Any) -> Any:
 
 
 def mix(ref_params: Any, params: Any, alpha: float) -> Any:
-    """TR-DPO soft update, leaf by leaf: α·policy + (1−α)·ref, computed in float32, stored in the reference's dtype."""
+    """TR-DPO soft update, leaf by leaf: α·policy + (1−α)·ref in float32, stored in the reference's dtype."""
     as_f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731
     mixed = optax.incremental_update(as_f32(params), as_f32(ref_params), alpha)
     return jax.tree.map(lambda m, r: m.astype(r.dtype), mixed, ref_params)

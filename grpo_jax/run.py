@@ -1,6 +1,7 @@
-"""Everything a run builds once before its loop: output folder, tokenizer and data, rewards, mesh, state, jitted programs.
+"""Everything a run builds once before its loop: output folder, tokenizer and data, rewards, mesh, state, programs.
 
-`build(config)` resolves a `Config` into a `Run`; `grpo_jax.trainer` drives it. A `model.path` (Hugging Face
+`build(config)` resolves a `Config` into an immutable `Run` and the initial `TrainState`; `grpo_jax.trainer`
+drives them. A `model.path` (Hugging Face
 folder) supplies the architecture, weights (read straight into their shards), tokenizer and EOS ids.
 """
 

@@ -390,4 +390,5 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
 def _reward_summary(history: list[dict]) -> dict:
     rewards_ = np.array([np.nan if h.get("reward") is None else h["reward"] for h in history], dtype=float)
     k = max(1, len(rewards_) // 10)
-    return {"reward_first_10pct": float(np.nanmean(rewards_[:k])), "reward_last_10pct": float(np.nanmean(rewards_[-k:]))}
+    return {"reward_first_10pct": float(np.nanmean(rewards_[:k])),
+            "reward_last_10pct": float(np.nanmean(rewards_[-k:]))}
