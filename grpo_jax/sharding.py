@@ -192,9 +192,10 @@ def process_rows(num_rows: int) -> slice:
 
 
 def host_rows(tree, mesh: Mesh):
-    """Global host rows (every process holds the same) for jitted calls that split rows over the mesh themselves
-    (their ``in_shardings``): with one process the arrays as they are, placed by the call (in C++: a separate
-    `device_put` of a round's prompts cost ~0.3 ms more on the 2-core CPU benchmark), else `shard_global_rows`."""
+    """Global host rows (every process holds the same) as ONE call of a row-sharded program takes them: with one
+    process the host arrays themselves, which the call's ``in_shardings`` place (a separate `device_put` is a
+    slower Python round trip), with several the global arrays of `shard_global_rows`. Rows used by several calls
+    go up once with `shard_global_rows` instead."""
     return tree if jax.process_count() == 1 else shard_global_rows(tree, mesh)
 
 
