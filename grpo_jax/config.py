@@ -20,7 +20,7 @@ from grpo_jax.cpu import HOST_ALLOCATORS
 from grpo_jax.distributed import DistributedConfig
 from grpo_jax.losses import LossConfig
 from grpo_jax.models import ModelConfig
-from grpo_jax.models.configuration import _check
+from grpo_jax.models.configuration import check
 from grpo_jax.reference import RefSyncConfig
 from grpo_jax.rewards import SOFT_OVERLONG, resolve_reward_fn
 from grpo_jax.sampling import SamplingConfig
@@ -52,19 +52,19 @@ class DataConfig:
     truncation: str = "left"  # left: keep the last tokens and count it; error: refuse long prompts
 
     def __post_init__(self):
-        _check(self.task in ("reverse", "sort", "add"),
+        check(self.task in ("reverse", "sort", "add"),
                f"data.task={self.task!r} is unknown: use reverse, sort or add (or set data.path to a JSONL file)")
-        _check(1 <= self.task_min_len <= self.task_max_len,
+        check(1 <= self.task_min_len <= self.task_max_len,
                f"data.task_min_len={self.task_min_len}, data.task_max_len={self.task_max_len}: "
                "need 1 <= task_min_len <= task_max_len")
-        _check(self.task_num_train >= 1, f"data.task_num_train={self.task_num_train} must be >= 1")
-        _check(self.max_prompt_length >= 1, f"data.max_prompt_length={self.max_prompt_length} must be >= 1")
-        _check(self.truncation in ("left", "error"),
+        check(self.task_num_train >= 1, f"data.task_num_train={self.task_num_train} must be >= 1")
+        check(self.max_prompt_length >= 1, f"data.max_prompt_length={self.max_prompt_length} must be >= 1")
+        check(self.truncation in ("left", "error"),
                f"data.truncation={self.truncation!r}: use 'left' (truncate and count) or 'error'")
         if self.path is not None:
-            _check(Path(self.path).is_file(), f"data.path={self.path!r} does not exist: point it at a JSONL file")
+            check(Path(self.path).is_file(), f"data.path={self.path!r} does not exist: point it at a JSONL file")
         if self.tokenizer_path is not None:
-            _check(Path(self.tokenizer_path).is_dir(),
+            check(Path(self.tokenizer_path).is_dir(),
                    f"data.tokenizer_path={self.tokenizer_path!r} is not a folder: point it at a saved tokenizer")
 
 
@@ -77,16 +77,16 @@ class RewardConfig:
     soft_punish_cache: int = 0  # DAPO L_cache in tokens for grpo_jax.rewards:soft_overlong_punishment
 
     def __post_init__(self):
-        _check(len(self.functions) >= 1, "reward.functions is empty: list at least one 'module:function'")
+        check(len(self.functions) >= 1, "reward.functions is empty: list at least one 'module:function'")
         _check_importable("reward.functions", self.functions)
-        _check(self.soft_punish_cache >= 0, f"reward.soft_punish_cache={self.soft_punish_cache} must be >= 0")
+        check(self.soft_punish_cache >= 0, f"reward.soft_punish_cache={self.soft_punish_cache} must be >= 0")
         listed = SOFT_OVERLONG in self.functions
-        _check(listed == (self.soft_punish_cache > 0),
+        check(listed == (self.soft_punish_cache > 0),
                f"reward.soft_punish_cache={self.soft_punish_cache} and reward.functions "
                f"{'lists' if listed else 'does not list'} {SOFT_OVERLONG}: the soft overlong punishment needs "
                "both (a cache > 0 and the function listed) or neither")
         if self.weights is not None:
-            _check(len(self.weights) == len(self.functions),
+            check(len(self.weights) == len(self.functions),
                    f"reward.weights has {len(self.weights)} entries for {len(self.functions)} reward.functions: "
                    "give one weight per function")
 
@@ -127,43 +127,43 @@ class TrainConfig:
     def __post_init__(self):
         for name in ("num_generations", "train_batch_size", "gradient_accumulation_steps",
                      "steps_per_generation", "num_iterations", "max_nonfinite_steps"):
-            _check(getattr(self, name) >= 1, f"train.{name}={getattr(self, name)} must be >= 1")
-        _check(self.num_generations >= 2,
+            check(getattr(self, name) >= 1, f"train.{name}={getattr(self, name)} must be >= 1")
+        check(self.num_generations >= 2,
                f"train.num_generations={self.num_generations}: GRPO needs >= 2 completions per prompt")
-        _check(self.train_batch_size % self.gradient_accumulation_steps == 0,
+        check(self.train_batch_size % self.gradient_accumulation_steps == 0,
                f"train.train_batch_size={self.train_batch_size} is not divisible by "
                f"train.gradient_accumulation_steps={self.gradient_accumulation_steps}: change either")
-        _check(self.generation_batch_size % self.num_generations == 0,
+        check(self.generation_batch_size % self.num_generations == 0,
                f"train.train_batch_size * train.steps_per_generation = {self.generation_batch_size} rows per "
                f"round is not divisible by train.num_generations={self.num_generations}: make it a multiple")
-        _check(self.scale_rewards in ("group", "batch", "none"),
+        check(self.scale_rewards in ("group", "batch", "none"),
                f"train.scale_rewards={self.scale_rewards!r}: use group, batch or none")
-        _check(self.multi_objective_aggregation in MULTI_OBJECTIVE_AGGREGATIONS,
+        check(self.multi_objective_aggregation in MULTI_OBJECTIVE_AGGREGATIONS,
                f"train.multi_objective_aggregation={self.multi_objective_aggregation!r}: use "
                + " or ".join(MULTI_OBJECTIVE_AGGREGATIONS))
-        _check(self.advantage_estimator in ADVANTAGE_ESTIMATORS,
+        check(self.advantage_estimator in ADVANTAGE_ESTIMATORS,
                f"train.advantage_estimator={self.advantage_estimator!r} is unknown: use "
                + ", ".join(ADVANTAGE_ESTIMATORS))
-        _check(self.advantage_estimator == "grpo" or self.multi_objective_aggregation == "sum_then_normalize",
+        check(self.advantage_estimator == "grpo" or self.multi_objective_aggregation == "sum_then_normalize",
                f"train.multi_objective_aggregation={self.multi_objective_aggregation!r} only applies to "
                f"train.advantage_estimator='grpo', not {self.advantage_estimator!r}: set it to sum_then_normalize")
-        _check(self.advantage_estimator == "grpo" or self.scale_rewards == "group",
+        check(self.advantage_estimator == "grpo" or self.scale_rewards == "group",
                f"train.scale_rewards={self.scale_rewards!r} only applies to train.advantage_estimator='grpo': "
                f"{self.advantage_estimator!r} has its own scaling; leave scale_rewards at group")
-        _check(self.multi_objective_aggregation == "sum_then_normalize" or self.scale_rewards == "group",
+        check(self.multi_objective_aggregation == "sum_then_normalize" or self.scale_rewards == "group",
                f"train.scale_rewards={self.scale_rewards!r} does not apply to train.multi_objective_aggregation="
                "'normalize_then_sum' (it normalises per function, then over the batch): leave scale_rewards at group")
-        _check(self.max_num_gen_batches >= 1, f"train.max_num_gen_batches={self.max_num_gen_batches} must be >= 1")
-        _check(0.0 < self.ref_model_mixup_alpha <= 1.0,
+        check(self.max_num_gen_batches >= 1, f"train.max_num_gen_batches={self.max_num_gen_batches} must be >= 1")
+        check(0.0 < self.ref_model_mixup_alpha <= 1.0,
                f"train.ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in (0, 1] (1.0: iterative GRPO)")
-        _check(self.ref_model_sync_steps >= 1, f"train.ref_model_sync_steps={self.ref_model_sync_steps} must be >= 1")
-        _check(self.learning_rate > 0, f"train.learning_rate={self.learning_rate} must be > 0")
-        _check(self.lr_scheduler_type in ("constant", "linear", "cosine"),
+        check(self.ref_model_sync_steps >= 1, f"train.ref_model_sync_steps={self.ref_model_sync_steps} must be >= 1")
+        check(self.learning_rate > 0, f"train.learning_rate={self.learning_rate} must be > 0")
+        check(self.lr_scheduler_type in ("constant", "linear", "cosine"),
                f"train.lr_scheduler_type={self.lr_scheduler_type!r}: use constant, linear or cosine")
-        _check(self.warmup_steps >= 0, f"train.warmup_steps={self.warmup_steps} must be >= 0")
-        _check(self.max_grad_norm >= 0, f"train.max_grad_norm={self.max_grad_norm} must be >= 0")
-        _check(self.logps_chunk_size >= 0, f"train.logps_chunk_size={self.logps_chunk_size} must be >= 0")
-        _check(self.ref_param_dtype in (None, "float32", "bfloat16"),
+        check(self.warmup_steps >= 0, f"train.warmup_steps={self.warmup_steps} must be >= 0")
+        check(self.max_grad_norm >= 0, f"train.max_grad_norm={self.max_grad_norm} must be >= 0")
+        check(self.logps_chunk_size >= 0, f"train.logps_chunk_size={self.logps_chunk_size} must be >= 0")
+        check(self.ref_param_dtype in (None, "float32", "bfloat16"),
                f"train.ref_param_dtype={self.ref_param_dtype!r}: use float32, bfloat16 or null (the params' dtype)")
 
     @property
@@ -196,8 +196,8 @@ class MeshConfig:
 
     def __post_init__(self):
         sizes = (self.data, self.fsdp, self.tensor)
-        _check(sizes.count(-1) <= 1, "mesh: at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
-        _check(all(s == -1 or s >= 1 for s in sizes), f"mesh sizes {sizes} must be >= 1 or -1")
+        check(sizes.count(-1) <= 1, "mesh: at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
+        check(all(s == -1 or s >= 1 for s in sizes), f"mesh sizes {sizes} must be >= 1 or -1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,9 +210,9 @@ class EvalConfig:
 
     def __post_init__(self):
         _check_importable("eval.reward_functions", self.reward_functions)
-        _check(self.num_examples >= 0, f"eval.num_examples={self.num_examples} must be >= 0")
+        check(self.num_examples >= 0, f"eval.num_examples={self.num_examples} must be >= 0")
         if self.path is not None:
-            _check(Path(self.path).is_file(), f"eval.path={self.path!r} does not exist: point it at a JSONL file")
+            check(Path(self.path).is_file(), f"eval.path={self.path!r} does not exist: point it at a JSONL file")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,26 +239,26 @@ class Config:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self):
-        _check(self.max_steps >= 1, f"max_steps={self.max_steps} must be >= 1")
-        _check(self.logging_steps >= 1, f"logging_steps={self.logging_steps} must be >= 1")
-        _check(self.data.path is None or self.data.tokenizer_path is not None or self.model.path is not None,
+        check(self.max_steps >= 1, f"max_steps={self.max_steps} must be >= 1")
+        check(self.logging_steps >= 1, f"logging_steps={self.logging_steps} must be >= 1")
+        check(self.data.path is None or self.data.tokenizer_path is not None or self.model.path is not None,
                "data.path is set but neither data.tokenizer_path nor model.path is: point one of them at a Hugging "
                "Face folder holding the tokenizer")
-        _check(self.save_steps >= 0, f"save_steps={self.save_steps} must be >= 0 (0: save only at the end)")
-        _check(self.cpu_speedups is None or isinstance(self.cpu_speedups, bool),
+        check(self.save_steps >= 0, f"save_steps={self.save_steps} must be >= 0 (0: save only at the end)")
+        check(self.cpu_speedups is None or isinstance(self.cpu_speedups, bool),
                f"cpu_speedups={self.cpu_speedups!r} must be true, false or null (null: on when jax's backend is cpu)")
-        _check(self.host_allocator in HOST_ALLOCATORS, f"host_allocator={self.host_allocator!r} is not supported: "
+        check(self.host_allocator in HOST_ALLOCATORS, f"host_allocator={self.host_allocator!r} is not supported: "
                f"use one of {', '.join(HOST_ALLOCATORS)}")
-        _check(self.save_total_limit is None or self.save_total_limit >= 1,
+        check(self.save_total_limit is None or self.save_total_limit >= 1,
                f"save_total_limit={self.save_total_limit} must be >= 1, or null to keep every checkpoint")
-        _check(self.loss.loss_type != "dr_grpo" or self.loss.max_completion_length
+        check(self.loss.loss_type != "dr_grpo" or self.loss.max_completion_length
                in (None, self.sampling.max_completion_length),
                f"loss.max_completion_length={self.loss.max_completion_length} differs from "
                f"sampling.max_completion_length={self.sampling.max_completion_length}: leave it unset")
-        _check(not self.train.sync_ref_model or self.loss.beta != 0.0,
+        check(not self.train.sync_ref_model or self.loss.beta != 0.0,
                "train.sync_ref_model=true with loss.beta=0: there is no reference to sync (beta 0 drops the KL "
                "and the reference model); set loss.beta > 0 or train.sync_ref_model=false")
-        _check(self.reward.soft_punish_cache <= self.sampling.max_completion_length,
+        check(self.reward.soft_punish_cache <= self.sampling.max_completion_length,
                f"reward.soft_punish_cache={self.reward.soft_punish_cache} exceeds sampling.max_completion_length="
                f"{self.sampling.max_completion_length}: the punishment zone must fit inside the completion length")
 
@@ -291,26 +291,26 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
                 errors.append(str(e))
         raise ValueError(errors[0] if errors else f"{where}: invalid value {value!r}")
     if origin is tuple:
-        _check(isinstance(value, (list, tuple)), f"{where}={value!r} must be a list")
+        check(isinstance(value, (list, tuple)), f"{where}={value!r} must be a list")
         (item_type, _) = typing.get_args(annotation)
         return tuple(_coerce(v, item_type, f"{where}[{i}]") for i, v in enumerate(value))
     if dataclasses.is_dataclass(annotation):
-        _check(isinstance(value, dict), f"{where} must be a mapping of keys, got {value!r}")
+        check(isinstance(value, dict), f"{where} must be a mapping of keys, got {value!r}")
         return from_dict(annotation, value, where + ".")
     if annotation is bool:
-        _check(isinstance(value, bool), f"{where}={value!r} must be true or false")
+        check(isinstance(value, bool), f"{where}={value!r} must be true or false")
     elif annotation is int:
-        _check(isinstance(value, int) and not isinstance(value, bool), f"{where}={value!r} must be an integer")
+        check(isinstance(value, int) and not isinstance(value, bool), f"{where}={value!r} must be an integer")
     elif annotation is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
             try:
                 value = float(value)
             except ValueError:
                 pass
-        _check(isinstance(value, (int, float)) and not isinstance(value, bool), f"{where}={value!r} must be a number")
+        check(isinstance(value, (int, float)) and not isinstance(value, bool), f"{where}={value!r} must be a number")
         return float(value)
     elif annotation is str:
-        _check(isinstance(value, str), f"{where}={value!r} must be a string")
+        check(isinstance(value, str), f"{where}={value!r} must be a string")
     return value
 
 
@@ -332,7 +332,7 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     for key in keys[:-1]:
         node = tree.setdefault(key, {})
-        _check(isinstance(node, dict), f"override {dotted}: {key} is not a section")
+        check(isinstance(node, dict), f"override {dotted}: {key} is not a section")
         tree = node
     tree[keys[-1]] = value
 
@@ -342,12 +342,12 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
     values: dict = {}
     if path is not None:
         file = Path(path)
-        _check(file.is_file(), f"config file {path!r} does not exist: pass an existing YAML file to --config")
+        check(file.is_file(), f"config file {path!r} does not exist: pass an existing YAML file to --config")
         try:
             values = yaml.safe_load(file.read_text()) or {}
         except yaml.YAMLError as e:
             raise ValueError(f"config file {path!r} is not valid YAML: {e}") from e
-        _check(isinstance(values, dict), f"config file {path!r} must hold a mapping of keys")
+        check(isinstance(values, dict), f"config file {path!r} must hold a mapping of keys")
     return from_dict(Config, _with_overrides(values, overrides))
 
 
@@ -358,7 +358,7 @@ def apply_overrides(config: Config, overrides: typing.Sequence[str]) -> Config:
 
 def _with_overrides(values: dict, overrides: typing.Sequence[str]) -> dict:
     for item in overrides:
-        _check("=" in item, f"override {item!r} must look like section.key=value, e.g. train.learning_rate=1e-4")
+        check("=" in item, f"override {item!r} must look like section.key=value, e.g. train.learning_rate=1e-4")
         key, raw = item.split("=", 1)
         _set_dotted(values, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
     return values

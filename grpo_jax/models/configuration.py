@@ -15,7 +15,8 @@ REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-def _check(ok: bool, message: str) -> None:
+def check(ok: bool, message: str) -> None:
+    """A ValueError with `message` (which names the field and the fix) unless `ok`: every config's validation."""
     if not ok:
         raise ValueError(message)
 
@@ -61,49 +62,49 @@ class ModelConfig:
         for name in (*names, "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
             value = getattr(self, name)
-            _check(isinstance(value, int) and value >= 1, f"model.{name}={value!r} must be a positive integer")
-        _check(self.num_attention_heads % self.num_key_value_heads == 0,
+            check(isinstance(value, int) and value >= 1, f"model.{name}={value!r} must be a positive integer")
+        check(self.num_attention_heads % self.num_key_value_heads == 0,
                f"model.num_attention_heads={self.num_attention_heads} is not a multiple of "
                f"model.num_key_value_heads={self.num_key_value_heads}: choose a divisor for the kv heads")
-        _check(self.head_dim is not None or self.hidden_size % self.num_attention_heads == 0,
+        check(self.head_dim is not None or self.hidden_size % self.num_attention_heads == 0,
                f"model.hidden_size={self.hidden_size} is not a multiple of model.num_attention_heads="
                f"{self.num_attention_heads}: set model.head_dim explicitly or change the head count")
-        _check(self.head_dim is None or (isinstance(self.head_dim, int) and self.head_dim >= 1),
+        check(self.head_dim is None or (isinstance(self.head_dim, int) and self.head_dim >= 1),
                f"model.head_dim={self.head_dim!r} must be a positive integer or None")
-        _check(self.resolved_head_dim % 2 == 0,
+        check(self.resolved_head_dim % 2 == 0,
                f"model.head_dim={self.resolved_head_dim} must be even for rotary embeddings")
         for name in ("dtype", "param_dtype"):
-            _check(getattr(self, name) in _DTYPES,
+            check(getattr(self, name) in _DTYPES,
                    f"model.{name}={getattr(self, name)!r} is not supported: use one of {sorted(_DTYPES)}")
-        _check(self.rope_theta > 0, f"model.rope_theta={self.rope_theta} must be > 0")
-        _check(self.rms_norm_eps > 0, f"model.rms_norm_eps={self.rms_norm_eps} must be > 0")
-        _check(self.initializer_range > 0, f"model.initializer_range={self.initializer_range} must be > 0")
-        _check(self.model_type in MODEL_TYPES,
+        check(self.rope_theta > 0, f"model.rope_theta={self.rope_theta} must be > 0")
+        check(self.rms_norm_eps > 0, f"model.rms_norm_eps={self.rms_norm_eps} must be > 0")
+        check(self.initializer_range > 0, f"model.initializer_range={self.initializer_range} must be > 0")
+        check(self.model_type in MODEL_TYPES,
                f"model.model_type={self.model_type!r} is not supported: use one of {', '.join(MODEL_TYPES)}")
-        _check(isinstance(self.scan_unroll, int) and self.scan_unroll >= 1,
+        check(isinstance(self.scan_unroll, int) and self.scan_unroll >= 1,
                f"model.scan_unroll={self.scan_unroll!r} must be an integer >= 1 (layers per scan iteration)")
-        _check(self.remat in REMAT_POLICIES,
+        check(self.remat in REMAT_POLICIES,
                f"model.remat={self.remat!r} is not supported: use one of {', '.join(REMAT_POLICIES)}")
-        _check(self.sliding_window is None or (isinstance(self.sliding_window, int) and self.sliding_window >= 1),
+        check(self.sliding_window is None or (isinstance(self.sliding_window, int) and self.sliding_window >= 1),
                f"model.sliding_window={self.sliding_window!r} must be a positive integer, or null for full "
                "attention")
         self._check_rope()
 
     def _check_rope(self):
-        _check(self.rope_type in ROPE_TYPES,
+        check(self.rope_type in ROPE_TYPES,
                f"model.rope_type={self.rope_type!r} is not supported: use one of {', '.join(ROPE_TYPES)}")
         if self.rope_type == "default":
-            _check(self.rope_factor == 1.0, f"model.rope_factor={self.rope_factor} has no effect with "
+            check(self.rope_factor == 1.0, f"model.rope_factor={self.rope_factor} has no effect with "
                    "model.rope_type='default': set rope_type to linear or llama3, or the factor to 1.0")
             return
-        _check(self.rope_factor >= 1.0, f"model.rope_factor={self.rope_factor} must be >= 1 for "
+        check(self.rope_factor >= 1.0, f"model.rope_factor={self.rope_factor} must be >= 1 for "
                f"model.rope_type={self.rope_type!r}")
         if self.rope_type == "llama3":
             original = self.rope_original_max_position_embeddings
-            _check(isinstance(original, int) and original >= 1,
+            check(isinstance(original, int) and original >= 1,
                    f"model.rope_original_max_position_embeddings={original!r} must be a positive integer with "
                    "model.rope_type='llama3' (8192 for Llama 3.1)")
-            _check(0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
+            check(0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
                    f"model.rope_low_freq_factor={self.rope_low_freq_factor}, model.rope_high_freq_factor="
                    f"{self.rope_high_freq_factor}: need 0 < low_freq_factor < high_freq_factor (Llama 3.1: 1, 4)")
 

@@ -23,7 +23,7 @@ from flax import nnx
 from grpo_jax.models.configuration import (  # noqa: F401  (ModelConfig: re-exported)
     REMAT_POLICIES,
     ModelConfig,
-    _check,
+    check,
 )
 from grpo_jax.models.positional import (  # noqa: F401  (positions_from_mask: re-exported)
     apply_rope,
@@ -161,7 +161,7 @@ class Transformer(nnx.Module):
     head."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        _check(config.vocab_size is not None, "model.vocab_size is None: set it, or train through "
+        check(config.vocab_size is not None, "model.vocab_size is None: set it, or train through "
                "grpo_jax.trainer, which takes it from the tokenizer")
         self.config = config
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=config.jnp_dtype,
@@ -187,11 +187,11 @@ class Transformer(nnx.Module):
         T = input_ids_BxT.shape[1]
         S = attention_mask_BxS.shape[1]
         cache_index = jnp.asarray(cache_index, jnp.int32)
-        _check(cache is None or (prefix is None and not return_kv),
+        check(cache is None or (prefix is None and not return_kv),
                "a KV cache excludes prefix= and return_kv=: they are for cache-free (training) forwards")
         prefix_len = 0 if prefix is None else prefix.k[0].shape[2]
         if cache is None:
-            _check(S == prefix_len + T, f"without a cache attention_mask must cover the {prefix_len} prefix and "
+            check(S == prefix_len + T, f"without a cache attention_mask must cover the {prefix_len} prefix and "
                    f"T={T} input slots, got S={S}")
             query_slot_T = prefix_len + jnp.arange(T)
         else:
