@@ -1,12 +1,41 @@
 """Shared tiny fixtures; the env vars must be set before anything imports jax."""
 import os
+import shutil
+import sys
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# Compilation dominates the suite on CPU (a tiny model's train step takes ~4 s to compile, and many tests build the
+# same programs: the same run config in several trainer/checkpoint tests, a subprocess's run resumed in the test
+# process). JAX's persistent compilation cache lets every process of the session compile each program once. The
+# directory is made fresh by the first process of the session (the xdist controller, or the only process) and handed
+# down through the environment, which xdist workers and subprocesses (CLI runs, multi-process workers, notebook
+# kernels) inherit; it is deleted when that process ends. Never a cache left by an earlier session: the suite's time
+# must hold on a cold machine, and an executable compiled by other code must never stand in for this code's.
+# Entries are loaded executables of the same HLO, flags and devices, so a cache hit computes the same bits.
+_CACHE_OWNER = "GRPO_JAX_TEST_COMPILATION_CACHE" not in os.environ
+if _CACHE_OWNER:
+    os.environ["GRPO_JAX_TEST_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="grpo_jax_test_jit_cache_")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["GRPO_JAX_TEST_COMPILATION_CACHE"]
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # the default 1 s would skip most of them
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+if "jax" in sys.modules:  # a plugin imported jax first: it has read its config from the environment already
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 import pytest  # noqa: E402
 
 from grpo_jax.models import ModelConfig, init_model  # noqa: E402
+
+
+def pytest_unconfigure(config):
+    if _CACHE_OWNER:
+        shutil.rmtree(os.environ["GRPO_JAX_TEST_COMPILATION_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

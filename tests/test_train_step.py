@@ -1,6 +1,7 @@
 """The jitted train step: micro-batching, sharding, recompilation and non-finite guards."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,9 @@ from grpo_jax.train_step import Batch, StepOptions, train_step
 
 B, P, T = 16, 5, 6
 
+# the batch's log-probs as one program (compiled once), not completion_logps' ops dispatched one by one
+_batch_logps = jax.jit(functools.partial(completion_logps, temperature=1.0), static_argnums=0)
+
 
 def make_batch(graphdef, params, *, seed=0, off_policy=True, beta=0.04, group_size=1) -> Batch:
     """Random rows with ragged masks, a fully masked row, and old/ref log-probs near the current ones;
@@ -31,8 +35,9 @@ def make_batch(graphdef, params, *, seed=0, off_policy=True, beta=0.04, group_si
     lengths = rng.integers(1, T + 1, B)
     lengths[1] = 0  # a fully masked row
     completion_mask = (np.arange(T)[None] < lengths[:, None]).astype(np.int32)
-    logps, _ = completion_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                temperature=1.0)
+    # on the host's params: every mesh's run of a test gets the same batch
+    logps, _ = _batch_logps(graphdef, jax.device_get(params), prompt_ids, prompt_mask, completion_ids,
+                            completion_mask)
     old = np.asarray(logps) + rng.normal(0, 0.3, (B, T)).astype(np.float32) if off_policy else None
     ref = np.asarray(logps) + rng.normal(0, 0.2, (B, T)).astype(np.float32) if beta else None
     advantages = rng.normal(0, 1, B).astype(np.float32)
@@ -42,13 +47,25 @@ def make_batch(graphdef, params, *, seed=0, off_policy=True, beta=0.04, group_si
     return Batch(prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, old, ref, sampler)
 
 
+def _optimizer(lr, adam):
+    return (make_optimizer(optax.constant_schedule(lr), weight_decay=0.0, b1=0.9, b2=0.99, eps=1e-8,
+                           max_grad_norm=1.0) if adam else optax.sgd(1.0))
+
+
+@functools.cache
+def _initial_state(tiny_model_config, mesh, with_reference, lr, adam):
+    """init_state once per (model, mesh, reference, optimizer): graphdef, a host copy, and its layout."""
+    graphdef, state = init_state(tiny_model_config, _optimizer(lr, adam), seed=0, with_reference=with_reference,
+                                 mesh=mesh)
+    return graphdef, jax.device_get(state), sharding.tree_shardings(state)
+
+
 def setup(tiny_model_config, mesh, *, beta=0.04, lr=1e-2, adam=True):
     """Adam for the update test; plain SGD (lr 1) elsewhere, so param differences are gradient differences
     (Adam's first step lr*g/(|g|+eps) turns rounding noise in near-zero gradients into lr-sized jumps)."""
-    optimizer = (make_optimizer(optax.constant_schedule(lr), weight_decay=0.0, b1=0.9, b2=0.99, eps=1e-8,
-                                max_grad_norm=1.0) if adam else optax.sgd(1.0))
-    graphdef, state = init_state(tiny_model_config, optimizer, seed=0, with_reference=beta != 0, mesh=mesh)
-    return graphdef, optimizer, state
+    graphdef, host_state, shardings = _initial_state(tiny_model_config, mesh, beta != 0, lr, adam)
+    # a fresh copy of init_state's output in its layout (the step donates the state it is given)
+    return graphdef, _optimizer(lr, adam), jax.device_put(host_state, shardings)
 
 
 def one_device_mesh():
@@ -157,7 +174,7 @@ def test_step_matches_optax_update_of_the_loss_gradient(tiny_model_config):
                             sampler_per_token_logps=batch.sampler_per_token_logps)[0]
 
     params = jax.device_get(state.params)
-    grads = jax.grad(naive_loss)(params)
+    grads = jax.jit(jax.grad(naive_loss))(params)  # one program, not the ops one by one
     norm = optax.tree_utils.tree_norm(grads)
     scale = jnp.minimum(1.0, 1.0 / norm)
     # first Adam step: m = (1-b1) g, v = (1-b2) g^2, bias-corrected update = lr * g / (|g| + eps)
