@@ -1,8 +1,8 @@
 """Everything a run builds once before its loop: output folder, tokenizer and data, rewards, mesh, state, programs.
 
 `build(config)` resolves a `Config` into an immutable `Run` and the initial `TrainState`; `grpo_jax.trainer`
-drives them. A `model.path` (Hugging Face
-folder) supplies the architecture, weights (read straight into their shards), tokenizer and EOS ids.
+drives them. A `model.path` (Hugging Face folder) supplies the architecture, weights (read straight into their
+shards), tokenizer and EOS ids.
 """
 
 from __future__ import annotations

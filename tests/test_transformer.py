@@ -367,7 +367,6 @@ def test_rope_inv_freq_matches_transformers(case):
     np.testing.assert_allclose(rope_inv_freq(config), naive_inv_freq(config), rtol=1e-6, atol=0)
 
 
-
 @pytest.mark.parametrize("case", list(ROPE_CASES))
 def test_rotary_tables_give_each_position_its_rotation(case):
     """Gathered table rows are cos/sin(position * inv_freq) evaluated directly, bit for bit (the forward's values
