@@ -130,8 +130,13 @@ def jit_advantages(mesh: Mesh, **options):
     """`rounds.round_advantages` with its static `options`: advantages placed row-split for the steps (they
     never come back to the host), r_N and std_N replicated for the round's reward metrics."""
     rows, replicated = sharding.row_sharded(mesh), sharding.replicated(mesh)
-    return jax.jit(functools.partial(rounds.round_advantages, **options),
-                   out_shardings=(rows, replicated, replicated))
+
+    def advantages(*args):
+        # computed whole on every device, then split: group and batch statistics in one summation order, the
+        # single-device one, whatever the mesh
+        return jax.lax.with_sharding_constraint(rounds.round_advantages(*args, **options), replicated)
+
+    return jax.jit(advantages, out_shardings=(rows, replicated, replicated))
 
 
 def jit_take(mesh: Mesh):
@@ -194,7 +199,7 @@ def init_state(model_config: ModelConfig, optimizer: optax.GradientTransformatio
 
     def init():
         return new_state(init_model(model_config, seed)[1], optimizer, seed=seed, with_reference=with_reference,
-                          ref_param_dtype=ref_param_dtype)
+                         ref_param_dtype=ref_param_dtype)
 
     shapes = abstract_state(model_config, optimizer, with_reference=with_reference, ref_param_dtype=ref_param_dtype)
     shardings = sharding.state_shardings(mesh, shapes, offload_ref=offload_ref_params)
@@ -212,7 +217,7 @@ def state_from_params(params: Any, optimizer: optax.GradientTransformation, *, s
 
     def init(params):
         return new_state(params, optimizer, seed=seed, with_reference=with_reference,
-                          ref_param_dtype=ref_param_dtype)
+                         ref_param_dtype=ref_param_dtype)
 
     # the given params' own shapes (not the config's): the state is built around exactly these
     shardings = sharding.state_shardings(mesh, jax.eval_shape(init, params), offload_ref=offload_ref_params)
@@ -229,12 +234,12 @@ def _sample_key(key, step, draw_index: int):
 def build(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, options: StepOptions, mesh: Mesh,
           state_sharding, *, sample: Callable, round_prompt_group_size: int, advantage_options: dict) -> Programs:
     """The run's programs over `mesh` for a state laid out as `state_sharding`; `sample` is the jitted sampler
-    (`sampling.jit_generate`), `round_prompt_group_size` the G of the round's log-prob passes."""
+    (`jit_generate`), `round_prompt_group_size` the G of the round's log-prob passes."""
     logps = functools.partial(jit_logps, graphdef, mesh, temperature=options.temperature,
                               chunk_size=options.logps_chunk_size, prompt_group_size=round_prompt_group_size)
     return Programs(
         sample=sample,
-        # one dispatch, not fold_in's primitives one by one (~0.7 ms on CPU)
+        # one dispatch, not fold_in's primitives one by one
         sample_key=jax.jit(_sample_key, static_argnums=2),
         logps=logps(params_sharding=state_sharding.params),
         ref_logps=None if state_sharding.ref_params is None else logps(params_sharding=state_sharding.ref_params),

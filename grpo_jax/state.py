@@ -53,7 +53,7 @@ def make_optimizer(schedule: optax.Schedule, *, weight_decay: float, b1: float, 
                    max_grad_norm: float) -> optax.GradientTransformation:
     """AdamW (TRL's default optimizer) behind global-norm gradient clipping.
 
-    `init_state` / `train_step` feed it float32 copies of params and gradients, so its moments are float32
+    `programs.init_state` / `train_step` feed it float32 copies of params and gradients, so its moments are float32
     even when `model.param_dtype` is bfloat16.
     """
     adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
@@ -93,7 +93,7 @@ def model_graphdef(model_config: ModelConfig) -> nnx.GraphDef:
 
 
 def new_state(params: Any, optimizer: optax.GradientTransformation, *, seed: int, with_reference: bool,
-               ref_param_dtype: str | None) -> TrainState:
+              ref_param_dtype: str | None) -> TrainState:
     """The state at step 0 around `params`: fresh optimizer moments (float32), the reference a copy of `params`."""
     ref_params = cast_floating(reference.init(params), ref_param_dtype) if with_reference else None
     return TrainState(params=params, opt_state=optimizer.init(as_float32(params)), ref_params=ref_params,
@@ -102,9 +102,9 @@ def new_state(params: Any, optimizer: optax.GradientTransformation, *, seed: int
 
 def abstract_state(model_config: ModelConfig, optimizer: optax.GradientTransformation, *, with_reference: bool,
                    ref_param_dtype: str | None = None) -> TrainState:
-    """The shapes and dtypes of `init_state`'s state (ShapeDtypeStructs, no sharding): nothing is allocated.
+    """The shapes and dtypes of `programs.init_state`'s state (ShapeDtypeStructs, no sharding): nothing is allocated.
 
     The tree a checkpoint of such a run holds (with `ref_params` None when it was saved without them).
     """
     return jax.eval_shape(lambda: new_state(init_model(model_config, 0)[1], optimizer, seed=0,
-                                             with_reference=with_reference, ref_param_dtype=ref_param_dtype))
+                                            with_reference=with_reference, ref_param_dtype=ref_param_dtype))

@@ -210,9 +210,11 @@ def prepare_round(run: Run, state: TrainState, round_index: int) -> RoundBatch:
     advantages, r_N, std_N = run.programs.advantages(draw.rewards, _weights(cfg), mask,
                                                      *rounds.pad_steps(draw, mask.shape[1]))
     r_N, std_N = jax.device_get((r_N, std_N))
+    masked_sampler = None  # the sampler's log-probs under the training mask: one upload for both uses
+    if tc.use_sampler_logps or (tc.needs_old_logps and old is None):
+        masked_sampler = upload(draw.sampler_per_token_logps * mask, run.mesh)
     if tc.needs_old_logps and old is None:
-        old = upload(draw.sampler_per_token_logps * mask, run.mesh)  # see `_dispatch_logps`
-    sampler = upload(draw.sampler_per_token_logps * mask, run.mesh) if tc.use_sampler_logps else None
+        old = masked_sampler  # see `_dispatch_logps`
     seconds["score"] += time.perf_counter() - timer
 
     timer = time.perf_counter()
@@ -224,7 +226,7 @@ def prepare_round(run: Run, state: TrainState, round_index: int) -> RoundBatch:
                **_completion_metrics(draw.completion_mask, draw.is_truncated),
                "prompts/num_truncated": draw.num_prompts_truncated, **sampling_metrics}
     return RoundBatch(rows=Batch(*rows, advantages=advantages, old_per_token_logps=old, ref_per_token_logps=ref,
-                                 sampler_per_token_logps=sampler),
+                                 sampler_per_token_logps=masked_sampler if tc.use_sampler_logps else None),
                       step_rows=step_rows, round_index=round_index, first_step=int(state.step),
                       position=0, metrics={k: plain(v) for k, v in metrics.items()}, seconds=seconds)
 
