@@ -30,6 +30,11 @@ PARTITION_RULES: tuple[tuple[str, tuple], ...] = (
     (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)\.bias$", (TENSOR,)),   # [.., out]
     (r"(o_proj|down_proj)\.bias$", (None,)),                           # [.., D]: tiny, replicated
     (r"(norm|layernorm)\.weight$", (None,)),                           # RMSNorm scales: replicated
+    # LoRA adapters (models/lora.py): A's input dim and B's output dim split like their kernel's, rank r unsplit
+    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)\.lora_a$", (FSDP, None)),   # [.., D, r]
+    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)\.lora_b$", (None, TENSOR)),  # [.., r, out]
+    (r"(o_proj|down_proj)\.lora_a$", (TENSOR, None)),                        # [.., in, r]
+    (r"(o_proj|down_proj)\.lora_b$", (None, FSDP)),                          # [.., r, D]
 )
 
 

@@ -13,12 +13,60 @@ MODEL_TYPES = ("qwen2", "llama", "qwen3", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")
 REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+# the decoder's linear layers by PEFT's names; "all-linear" targets all of them (never lm_head, as in PEFT)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def check(ok: bool, message: str) -> None:
     """A ValueError with `message` (which names the field and the fix) unless `ok`: every config's validation."""
     if not ok:
         raise ValueError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters on the decoder's linear layers (PEFT's ``LoraConfig`` names): y = x W + (alpha / r) (x A) B.
+
+    ``rank`` 0 and no ``path``: no adapters (full fine-tuning). ``path``: a PEFT adapter folder whose
+    ``adapter_config.json`` and tensors give rank, alpha and targets (`models.peft_io.resolve_lora`)."""
+
+    rank: int = 0  # PEFT's r; 0: full fine-tuning
+    alpha: float = 8.0  # PEFT's lora_alpha: the update is scaled by alpha / rank
+    dropout: float = 0.0  # PEFT's lora_dropout; only 0 (log-probs must be deterministic)
+    target_modules: tuple[str, ...] | str = "all-linear"
+    use_rslora: bool = False  # scale by alpha / sqrt(rank) (rank-stabilised LoRA)
+    init_lora_weights: bool | str = True  # true: A Kaiming-uniform; gaussian: A ~ N(0, 1/r); B zero. false: B too
+    path: str | None = None  # a PEFT adapter folder to start from (needs model.path, its base)
+
+    def __post_init__(self):
+        check(isinstance(self.rank, int) and self.rank >= 0,
+              f"model.lora.rank={self.rank!r} must be an integer >= 0 (0: no adapters)")
+        check(self.alpha > 0, f"model.lora.alpha={self.alpha} must be > 0")
+        check(self.dropout == 0.0, f"model.lora.dropout={self.dropout} is not supported: dropout would make the "
+              "policy's log-probs random between the sampler, the old policy and the update; set it to 0")
+        names = (self.target_modules,) if isinstance(self.target_modules, str) else self.target_modules
+        check(names == ("all-linear",) or (len(names) >= 1 and set(names) <= set(LORA_TARGETS)),
+              f"model.lora.target_modules={self.target_modules!r}: use all-linear or a list of "
+              f"{', '.join(LORA_TARGETS)}")
+        check(self.init_lora_weights in (True, False, "gaussian"),
+              f"model.lora.init_lora_weights={self.init_lora_weights!r}: use true (A Kaiming-uniform), gaussian "
+              "(A normal with std 1/rank) or false (B random too: the adapters change the model at step 0)")
+
+    @property
+    def enabled(self) -> bool:
+        """The model carries adapters: a rank, or a PEFT folder that gives one."""
+        return self.rank > 0 or self.path is not None
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The adapted layers' names, in `LORA_TARGETS` order."""
+        names = (self.target_modules,) if isinstance(self.target_modules, str) else self.target_modules
+        return LORA_TARGETS if names == ("all-linear",) else tuple(n for n in LORA_TARGETS if n in names)
+
+    @property
+    def scale(self) -> float:
+        """PEFT's ``scaling``: alpha / rank, or alpha / sqrt(rank) with ``use_rslora``."""
+        return self.alpha / (self.rank ** 0.5 if self.use_rslora else self.rank)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +104,7 @@ class ModelConfig:
     scan_layers: bool = False
     scan_unroll: int = 2  # with scan_layers: decoder layers per scan iteration
     path: str | None = None  # a local Hugging Face model folder; its config.json gives the architecture
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)  # adapters trained on the frozen model
 
     def __post_init__(self):
         names = ("vocab_size",) if self.vocab_size is not None else ()

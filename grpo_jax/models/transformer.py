@@ -25,6 +25,7 @@ from grpo_jax.models.configuration import (  # noqa: F401  (ModelConfig: re-expo
     ModelConfig,
     check,
 )
+from grpo_jax.models.lora import LoRALinear
 from grpo_jax.models.positional import (  # noqa: F401  (positions_from_mask: re-exported)
     apply_rope,
     attention_mask,
@@ -59,10 +60,13 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
 
 
-def _linear(din, dout, bias, config, rngs):
-    init = nnx.initializers.normal(config.initializer_range)
-    return nnx.Linear(din, dout, use_bias=bias, dtype=config.jnp_dtype, param_dtype=config.param_jnp_dtype,
-                      kernel_init=init, rngs=rngs)
+def _linear(din, dout, bias, config, rngs, name=None):
+    """The layer ``name`` (PEFT's name): a `LoRALinear` when ``config.lora`` targets it, else ``nnx.Linear``."""
+    kwargs = {"use_bias": bias, "dtype": config.jnp_dtype, "param_dtype": config.param_jnp_dtype,
+              "kernel_init": nnx.initializers.normal(config.initializer_range), "rngs": rngs}
+    if config.lora.enabled and name in config.lora.targets:
+        return LoRALinear(din, dout, lora=config.lora, **kwargs)
+    return nnx.Linear(din, dout, **kwargs)
 
 
 class Attention(nnx.Module):
@@ -72,10 +76,10 @@ class Attention(nnx.Module):
         D, H, K, Dh = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                        config.resolved_head_dim)
         self.num_heads, self.num_kv_heads, self.head_dim = H, K, Dh
-        self.q_proj = _linear(D, H * Dh, config.attention_bias, config, rngs)
-        self.k_proj = _linear(D, K * Dh, config.attention_bias, config, rngs)
-        self.v_proj = _linear(D, K * Dh, config.attention_bias, config, rngs)
-        self.o_proj = _linear(H * Dh, D, config.attention_out_bias, config, rngs)
+        self.q_proj = _linear(D, H * Dh, config.attention_bias, config, rngs, "q_proj")
+        self.k_proj = _linear(D, K * Dh, config.attention_bias, config, rngs, "k_proj")
+        self.v_proj = _linear(D, K * Dh, config.attention_bias, config, rngs, "v_proj")
+        self.o_proj = _linear(H * Dh, D, config.attention_out_bias, config, rngs, "o_proj")
         if config.qk_norm:
             self.q_norm = RMSNorm(Dh, config)
             self.k_norm = RMSNorm(Dh, config)
@@ -129,9 +133,9 @@ class MLP(nnx.Module):
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         D, F = config.hidden_size, config.intermediate_size
-        self.gate_proj = _linear(D, F, config.mlp_bias, config, rngs)
-        self.up_proj = _linear(D, F, config.mlp_bias, config, rngs)
-        self.down_proj = _linear(F, D, config.mlp_bias, config, rngs)
+        self.gate_proj = _linear(D, F, config.mlp_bias, config, rngs, "gate_proj")
+        self.up_proj = _linear(D, F, config.mlp_bias, config, rngs, "up_proj")
+        self.down_proj = _linear(F, D, config.mlp_bias, config, rngs, "down_proj")
 
     def __call__(self, x_BxTxD):
         # 2-D matmuls: XLA:CPU runs the weight gradient of a [B, T, D] dense (two contracting dims) ~2x slower
@@ -251,8 +255,11 @@ class Transformer(nnx.Module):
 
 
 def init_model(config: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
-    """Build the transformer and split it once into ``(graphdef, params)``."""
-    model = Transformer(config, rngs=nnx.Rngs(seed))
+    """Build the transformer and split it once into ``(graphdef, params)``.
+
+    LoRA adapters (``config.lora``) draw from a stream of their own: the base weights are the same seed's
+    without adapters."""
+    model = Transformer(config, rngs=nnx.Rngs(seed, lora=jax.random.fold_in(jax.random.key(seed), 1)))
     return nnx.split(model)
 
 

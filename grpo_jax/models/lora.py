@@ -1,0 +1,124 @@
+"""LoRA (Hu et al., arXiv 2106.09685) on the decoder's linear layers: y = x W + b + (alpha / r) (x A) B.
+
+`LoRALinear` is ``nnx.Linear`` (same ``kernel`` and ``bias``, so the base keeps its paths, Hugging Face names and
+sharding rules) plus ``lora_a`` [in, r] and ``lora_b`` [r, out] as ``nnx.LoRAParam``; stacked over the layers
+they are [L, in, r] and [L, r, out]. The variable type is the split: `split_trainable` separates the adapters
+(trained) from the base (frozen) in any params pytree, and `base_params` is the base with the adapters off,
+which is the reference policy. Initialisation and scaling follow PEFT's ``LoraConfig``: A Kaiming-uniform
+(bound 1/sqrt(in), PyTorch's ``nn.Linear`` default) or Gaussian (std 1/r), B zero, scale alpha / r.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from grpo_jax.models.configuration import LoRAConfig, ModelConfig
+
+# PyTorch's nn.Linear init, which PEFT uses for A: Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in))
+_KAIMING_A = nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+
+
+def _initializers(lora: LoRAConfig):
+    """(A init, B init) of PEFT's ``init_lora_weights``: true, "gaussian", or false (B like A: not zero)."""
+    if lora.init_lora_weights == "gaussian":
+        return nnx.initializers.normal(1.0 / lora.rank), nnx.initializers.zeros_init()
+    if lora.init_lora_weights is False:
+        return _KAIMING_A, _KAIMING_A
+    return _KAIMING_A, nnx.initializers.zeros_init()
+
+
+class LoRALinear(nnx.Linear):
+    """``nnx.Linear`` plus a rank-r update in the compute dtype: x W + b + scale * ((x A) B).
+
+    A and B are drawn from the ``lora`` stream of ``rngs``, so a model's base weights are those of the same seed
+    without adapters. They are stored in float32 whatever ``param_dtype`` (PEFT's ``autocast_adapter_dtype``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, lora: LoRAConfig, rngs: nnx.Rngs, **kwargs):
+        super().__init__(in_features, out_features, rngs=rngs, **kwargs)
+        a_init, b_init = _initializers(lora)
+        self.lora_a = nnx.LoRAParam(a_init(rngs.lora(), (in_features, lora.rank), jnp.float32))
+        # fan-in of B is r (PyTorch's layout [out, r]); flax's initializer takes it from the first dim here too
+        self.lora_b = nnx.LoRAParam(b_init(rngs.lora(), (lora.rank, out_features), jnp.float32))
+        self.lora_scale = lora.scale
+        self.adapters_on = True  # static: `adapters_off` makes a graphdef of the base model (the reference)
+
+    def __call__(self, x, out_sharding=None):
+        y = super().__call__(x, out_sharding=out_sharding)
+        if not self.adapters_on:
+            return y
+        dtype = y.dtype
+        a, b = self.lora_a[...].astype(dtype), self.lora_b[...].astype(dtype)
+        return y + ((x.astype(dtype) @ a) @ b) * jnp.asarray(self.lora_scale, dtype)
+
+
+def adapters_off(graphdef: nnx.GraphDef, params: Any) -> nnx.GraphDef:
+    """``graphdef`` whose LoRA layers skip their adapters: with the same params, the frozen base model (the
+    reference policy), without a copy of its weights and without the adapters' FLOPs. ``params`` may be abstract
+    (shapes or shardings)."""
+    model = nnx.merge(graphdef, params)
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, LoRALinear):
+            module.adapters_on = False
+    return nnx.split(model)[0]
+
+
+def base_config(config: ModelConfig) -> ModelConfig:
+    """The config without adapters: the frozen base's architecture."""
+    return dataclasses.replace(config, lora=LoRAConfig())
+
+
+def has_adapters(params: Any) -> bool:
+    """Whether a params state holds LoRA adapters."""
+    return len(jax.tree.leaves(nnx.filter_state(params, nnx.LoRAParam))) > 0
+
+
+def split_trainable(params: nnx.State) -> tuple[nnx.State, nnx.State | None]:
+    """(trainable, frozen): (adapters, base) when ``params`` holds adapters, else (params, None).
+
+    The train step differentiates and the optimizer updates the trainable part only; `join` puts them back.
+    """
+    if not has_adapters(params):
+        return params, None
+    return nnx.split_state(params, nnx.LoRAParam, ...)
+
+
+def join(trainable: nnx.State, frozen: nnx.State | None) -> nnx.State:
+    """The params state `split_trainable` split."""
+    return trainable if frozen is None else nnx.merge_state(frozen, trainable)
+
+
+def base_params(params: nnx.State) -> nnx.State:
+    """The base of a params state with adapters: the model with the adapters off (the reference policy)."""
+    return nnx.split_state(params, nnx.LoRAParam, ...)[1]
+
+
+def merged_params(config: ModelConfig, params: nnx.State) -> nnx.State:
+    """``params`` with every adapted kernel replaced by W + scale * A B (summed in float32, stored in W's dtype).
+
+    PEFT's ``merge_and_unload``: run with `adapters_off` (or, after `base_params`, the base graphdef) they give
+    the logits of the model with adapters, up to rounding.
+    """
+    pairs = nnx.to_pure_dict(nnx.filter_state(params, nnx.LoRAParam))["layers"]  # {block: {module: {lora_a, _b}}}
+
+    def merge(path, w):
+        keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        ab = pairs.get(keys[1], {}).get(keys[2]) if keys[0] == "layers" and keys[-1] == "kernel" else None
+        if ab is None:
+            return w
+        delta = jnp.einsum("lir,lro->lio", ab["lora_a"], ab["lora_b"], preferred_element_type=jnp.float32)
+        return (w.astype(jnp.float32) + config.lora.scale * delta).astype(w.dtype)
+
+    return jax.tree_util.tree_map_with_path(merge, params)
+
+
+def merged(graphdef: nnx.GraphDef, params: nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
+    """The same model as ``(graphdef, params)`` with the adapters merged into the kernels (`merged_params`) and
+    skipped (`adapters_off`): one product per layer, as the base model runs. What sampling runs, once per call."""
+    config = nnx.merge(graphdef, params).config
+    return adapters_off(graphdef, params), merged_params(config, params)
