@@ -258,6 +258,16 @@ class Config:
         check(not self.train.sync_ref_model or self.loss.beta != 0.0,
                "train.sync_ref_model=true with loss.beta=0: there is no reference to sync (beta 0 drops the KL "
                "and the reference model); set loss.beta > 0 or train.sync_ref_model=false")
+        if self.model.lora.enabled:  # the reference is the base with the adapters off: there is no copy of it
+            check(not self.train.sync_ref_model, "train.sync_ref_model=true with model.lora: the reference is the "
+                  "frozen base with the adapters off, which TR-DPO cannot mix the policy into; set "
+                  "train.sync_ref_model=false, or train without model.lora")
+            check(not self.train.offload_ref_params and self.train.ref_param_dtype is None,
+                  "train.offload_ref_params / train.ref_param_dtype with model.lora: the reference is the frozen "
+                  "base itself, not a copy to offload or cast; leave them at false / null")
+            check(self.model.lora.path is None or self.model.path is not None,
+                  f"model.lora.path={self.model.lora.path!r} without model.path: adapters need the base model they "
+                  "were trained on; set model.path to its Hugging Face folder")
         check(self.reward.soft_punish_cache <= self.sampling.max_completion_length,
                f"reward.soft_punish_cache={self.reward.soft_punish_cache} exceeds sampling.max_completion_length="
                f"{self.sampling.max_completion_length}: the punishment zone must fit inside the completion length")

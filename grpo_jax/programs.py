@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from grpo_jax import cpu, rounds, sharding
 from grpo_jax.logprobs import completion_logps
-from grpo_jax.models import ModelConfig, init_model, model_config
+from grpo_jax.models import ModelConfig, init_model, lora, model_config
 from grpo_jax.sampling import SampleOutput, SamplingConfig, generate
 from grpo_jax.state import TrainState, abstract_state, model_graphdef, new_state
 from grpo_jax.train_step import StepOptions, train_step
@@ -32,7 +32,8 @@ class Programs(NamedTuple):
     - `sample(params, prompt_ids, prompt_mask, key, greedy) -> SampleOutput` (`sampling.jit_generate`)
     - `sample_key(key, step, draw_index) -> key`: the key of a round's sampling pass
     - `logps(params, prompt_ids, prompt_mask, completion_ids, completion_mask) -> [N, T]` (old policy)
-    - `ref_logps(ref_params, ...)`: the same over the reference's layout; None when beta = 0
+    - `ref_logps(ref_params, ...)`: the same over the reference's layout; None when beta = 0. With LoRA
+      adapters it takes the policy's params (`TrainState.reference_params`) and runs them with the adapters off
     - `advantages(rewards_NxF, weights_F, mask_NxT, step_rewards, step_ends) -> (advantages, r_N, std_N)`
     - `take(batch, rows_B) -> Batch`: one step's rows of a round, gathered on the devices
     - `step(state, batch) -> (state, metrics)`: one optimizer step, the state donated
@@ -152,6 +153,7 @@ def jit_generate(graphdef, mesh, *, config: SamplingConfig, eos_token_ids: tuple
     Prompt rows and outputs split over (data, fsdp), key and step count replicated; `params_sharding`
     (`sharding.param_shardings`) None takes the params' own layout. `greedy` is static: greedy calls
     (evaluation) have one row per prompt, sampling calls `prompt_group_size` rows per prompt.
+    LoRA adapters are merged into the kernels once per call (`lora.merged`), not run in every decode step.
     ``cpu_speedups`` (`cpu.enabled`) draws the same tokens with `cpu.token_chooser`, and on a one-device mesh
     ``config.host_threads`` may split a call into row chunks run concurrently (`cpu.ChunkedSampler`).
     """
@@ -160,7 +162,9 @@ def jit_generate(graphdef, mesh, *, config: SamplingConfig, eos_token_ids: tuple
 
     def sample(params, prompt_ids_BxP, prompt_mask_BxP, key, greedy, choose_tokens=None):
         cache = sharding.cache_sharding(mesh, model_config(graphdef, params).num_key_value_heads)
-        return generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, config=config,
+        # LoRA adapters merged into the kernels once per call (`lora.merged`): decode steps run the base's products
+        model, params = lora.merged(graphdef, params) if lora.has_adapters(params) else (graphdef, params)
+        return generate(model, params, prompt_ids_BxP, prompt_mask_BxP, key, config=config,
                         eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, greedy=greedy,
                         prompt_group_size=1 if greedy else prompt_group_size, cache_sharding=cache,
                         choose_tokens=choose_tokens)
@@ -226,6 +230,15 @@ def state_from_params(params: Any, optimizer: optax.GradientTransformation, *, s
     return jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings, donate_argnums=0)(params)
 
 
+def init_adapters(model_config: ModelConfig, seed: int, shardings) -> nnx.State:
+    """Fresh LoRA adapters of `model_config` (those `init_model` draws for `seed`), placed in their `shardings`
+    (the model's params' shardings): one jitted init whose base weights XLA never computes."""
+    def init():
+        return nnx.filter_state(init_model(model_config, seed)[1], nnx.LoRAParam)
+
+    return jax.jit(init, out_shardings=nnx.filter_state(shardings, nnx.LoRAParam))()
+
+
 def _sample_key(key, step, draw_index: int):
     key = jax.random.fold_in(key, step)
     return jax.random.fold_in(key, draw_index) if draw_index else key  # dynamic sampling's extra passes
@@ -235,14 +248,19 @@ def build(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, optio
           state_sharding, *, sample: Callable, round_prompt_group_size: int, advantage_options: dict) -> Programs:
     """The run's programs over `mesh` for a state laid out as `state_sharding`; `sample` is the jitted sampler
     (`jit_generate`), `round_prompt_group_size` the G of the round's log-prob passes."""
-    logps = functools.partial(jit_logps, graphdef, mesh, temperature=options.temperature,
+    logps = functools.partial(jit_logps, mesh=mesh, temperature=options.temperature,
                               chunk_size=options.logps_chunk_size, prompt_group_size=round_prompt_group_size)
+    ref_logps = None
+    if state_sharding.ref_params is not None:
+        ref_logps = logps(graphdef, params_sharding=state_sharding.ref_params)
+    elif options.loss.beta != 0.0 and lora.has_adapters(state_sharding.params):  # the base is the reference
+        ref_logps = logps(lora.adapters_off(graphdef, state_sharding.params), params_sharding=state_sharding.params)
     return Programs(
         sample=sample,
         # one dispatch, not fold_in's primitives one by one
         sample_key=jax.jit(_sample_key, static_argnums=2),
-        logps=logps(params_sharding=state_sharding.params),
-        ref_logps=None if state_sharding.ref_params is None else logps(params_sharding=state_sharding.ref_params),
+        logps=logps(graphdef, params_sharding=state_sharding.params),
+        ref_logps=ref_logps,
         advantages=jit_advantages(mesh, **advantage_options),
         take=jit_take(mesh),
         step=jit_train_step(graphdef, optimizer, options, mesh, state_sharding),

@@ -10,7 +10,7 @@ import optax
 from flax import nnx
 
 from grpo_jax import reference
-from grpo_jax.models import ModelConfig, Transformer, init_model
+from grpo_jax.models import ModelConfig, Transformer, init_model, lora
 
 if TYPE_CHECKING:
     from grpo_jax.config import TrainConfig
@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 class TrainState(NamedTuple):
     """Everything a GRPO run carries from step to step, as one pytree.
 
-    `ref_params` is None when beta == 0 (no reference model is kept or run); `grpo_jax.reference` updates it
+    `ref_params` is None when beta == 0 (no reference model is kept or run) and when `params` hold LoRA
+    adapters (the reference is their base, `lora.base_params`: no copy); `grpo_jax.reference` updates it
     (TR-DPO mixing, iterative-GRPO resets) inside the train step. `key` is the run's root PRNG key;
     each use derives its own with `fold_in(key, step)` so the state never needs a split to stay reproducible.
     """
@@ -29,6 +30,12 @@ class TrainState(NamedTuple):
     ref_params: Any
     step: jax.Array  # int32 scalar: optimizer steps taken (skipped non-finite steps included)
     key: jax.Array
+
+    @property
+    def reference_params(self) -> Any:
+        """What the reference log-probs run on: `ref_params`, or with LoRA adapters the policy's params, whose
+        base the reference program reads with the adapters off (`programs.build`)."""
+        return self.params if self.ref_params is None and lora.has_adapters(self.params) else self.ref_params
 
 
 def learning_rate_schedule(*, learning_rate: float, scheduler: str, warmup_steps: int,
@@ -94,9 +101,12 @@ def model_graphdef(model_config: ModelConfig) -> nnx.GraphDef:
 
 def new_state(params: Any, optimizer: optax.GradientTransformation, *, seed: int, with_reference: bool,
               ref_param_dtype: str | None) -> TrainState:
-    """The state at step 0 around `params`: fresh optimizer moments (float32), the reference a copy of `params`."""
-    ref_params = cast_floating(reference.init(params), ref_param_dtype) if with_reference else None
-    return TrainState(params=params, opt_state=optimizer.init(as_float32(params)), ref_params=ref_params,
+    """The state at step 0 around `params`: fresh optimizer moments (float32) for the trainable params (LoRA: the
+    adapters, `lora.split_trainable`), the reference a copy of `params` (LoRA: none, the base is the reference)."""
+    trainable, frozen = lora.split_trainable(params)
+    copy = with_reference and frozen is None
+    ref_params = cast_floating(reference.init(params), ref_param_dtype) if copy else None
+    return TrainState(params=params, opt_state=optimizer.init(as_float32(trainable)), ref_params=ref_params,
                       step=jnp.zeros((), jnp.int32), key=jax.random.PRNGKey(seed))
 
 

@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from grpo_jax import reference, sharding
 from grpo_jax.logprobs import completion_logps
 from grpo_jax.losses import CLIPPED_LOSS_TYPES, LossConfig, compute_loss
+from grpo_jax.models import lora
 from grpo_jax.state import TrainState, as_float32
 
 
@@ -92,14 +93,18 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
 
     A non-finite loss or gradient norm leaves params and optimizer state untouched (`skipped` = 1). The
     optimizer sees float32 gradients and params (float32 moments whatever `model.param_dtype`); the update is
-    cast back to the params' dtype. `ref_device_sharding`: device-memory shardings of a reference kept in host
-    memory, used to bring it over when TR-DPO mixing needs it.
+    cast back to the params' dtype. With LoRA adapters only they are differentiated and updated
+    (`lora.split_trainable`): the base gets no gradient, no optimizer state and no update.
+    `ref_device_sharding`: device-memory shardings of a reference kept in host memory, used to bring it over
+    when TR-DPO mixing needs it.
     """
     num_sequences = batch.completion_mask.shape[0]
     num_items = jnp.sum(batch.completion_mask).astype(jnp.float32)
     loss_fn_ = compute_loss if options.loss_fn is None else options.loss_fn
+    trainable, frozen = lora.split_trainable(state.params)
 
-    def loss_fn(params, micro: Batch):
+    def loss_fn(trainable, micro: Batch):
+        params = lora.join(trainable, frozen)
         logps_BxT, entropy_BxT = completion_logps(
             graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.completion_ids, micro.completion_mask,
             temperature=options.temperature, with_entropy=True, chunk_size=options.logps_chunk_size,
@@ -121,12 +126,12 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
 
     def accumulate(carry, micro):
         grads, loss, aux_sum, entropy_sum = carry
-        (micro_loss, (aux, micro_entropy)), micro_grads = grad_fn(state.params, micro)
+        (micro_loss, (aux, micro_entropy)), micro_grads = grad_fn(trainable, micro)
         return (jax.tree.map(jnp.add, grads, micro_grads), loss + micro_loss,
                 jax.tree.map(jnp.add, aux_sum, aux), entropy_sum + micro_entropy), None
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
-    aux_shape = jax.eval_shape(lambda: loss_fn(state.params, jax.tree.map(lambda x: x[0], micro_batches))[1][0])
+    zeros = jax.tree.map(jnp.zeros_like, trainable)
+    aux_shape = jax.eval_shape(lambda: loss_fn(trainable, jax.tree.map(lambda x: x[0], micro_batches))[1][0])
     aux_zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
     init = (zeros, jnp.zeros((), jnp.float32), aux_zeros, jnp.zeros((), jnp.float32))
     (grads, loss, aux_sum, entropy_sum), _ = jax.lax.scan(accumulate, init, micro_batches)
@@ -134,10 +139,10 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     grads = as_float32(grads)
     grad_norm = optax.tree_utils.tree_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, new_opt_state = optimizer.update(grads, state.opt_state, as_float32(state.params))
-    new_params = optax.apply_updates(state.params, updates)  # in each param's own dtype
+    updates, new_opt_state = optimizer.update(grads, state.opt_state, as_float32(trainable))
+    new_trainable = optax.apply_updates(trainable, updates)  # in each param's own dtype
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-    params = keep(new_params, state.params)
+    params = lora.join(keep(new_trainable, trainable), frozen)
     step = state.step + 1
     ref_params = state.ref_params
     if ref_params is not None and options.ref_sync.sync_ref_model:

@@ -132,7 +132,7 @@ def _dispatch_logps(run: Run, state: TrainState, rows: tuple):
     """(reference, old-policy) log-probs of the rows (prompt_ids, prompt_mask, completion_ids, completion_mask),
     queued on the devices without waiting; None where the round needs none."""
     cfg, tc = run.config, run.config.train
-    ref = None if run.programs.ref_logps is None else run.programs.ref_logps(state.ref_params, *rows)
+    ref = None if run.programs.ref_logps is None else run.programs.ref_logps(state.reference_params, *rows)
     # in float32 the sampler's log-probs are the old policy's (same params, full-vocabulary log-softmax at the
     # temperature) up to rounding: no forward pass for them (`prepare_round`)
     old = run.programs.logps(state.params, *rows) if tc.needs_old_logps and cfg.model.dtype != "float32" else None
