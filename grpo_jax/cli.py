@@ -27,6 +27,8 @@ def _export_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", required=True,
                         help="a run's output_dir (its newest valid checkpoint) or one step folder checkpoints/<step>")
     parser.add_argument("--out", required=True, help="folder to write (config.json, weights, tokenizer)")
+    parser.add_argument("--merge", action="store_true",
+                        help="LoRA runs: write the model with the adapters merged, not a PEFT adapter folder")
     return parser
 
 
@@ -36,11 +38,11 @@ def export_main(argv: list[str]) -> int:
     from grpo_jax import export
 
     try:
-        step, fmt = export.export(args.checkpoint, args.out)
+        step, fmt = export.export(args.checkpoint, args.out, merge=args.merge)
     except (ValueError, RuntimeError) as e:
         print(f"grpo-jax export: {e}", file=sys.stderr)
         return 1
-    kind = "Hugging Face" if fmt == "hf" else "native (params/ + model_config.json)"
+    kind = "native (params/ + model_config.json)" if fmt == "native" else export.FORMAT_NAMES[fmt]
     print(f"grpo-jax export: step {step} written to {args.out} in {kind} format")
     return 0
 

@@ -1,7 +1,8 @@
 """Export of a trained policy: Hugging Face format (native orbax format as the fallback), and `grpo-jax export`.
 
 `export_policy` writes given params (a run's final policy); `export` reads the params of a checkpoint
-(`grpo_jax.checkpoint`'s layout) without its optimizer state or reference, and writes them the same way.
+(`grpo_jax.checkpoint`'s layout) without its optimizer state or reference, and writes them the same way. A LoRA
+policy is written as a PEFT adapter folder, or with ``merge`` as the Hugging Face model with the adapters merged.
 """
 
 from __future__ import annotations
@@ -17,13 +18,23 @@ import orbax.checkpoint as ocp
 
 from grpo_jax.checkpoint import CHECKPOINTS
 
+FORMAT_NAMES = {"hf": "Hugging Face", "peft": "PEFT adapter", "native": "native"}  # export_policy's formats
 
-def export_policy(graphdef, model_config, params, out: Path, *, tokenizer=None) -> str:
+
+def export_policy(graphdef, model_config, params, out: Path, *, tokenizer=None, merge: bool = False) -> str:
     """Writes the policy to `out` in Hugging Face format via `grpo_jax.models.save_pretrained`, when it exists.
 
     Falls back to the native format (`params/` orbax tree + `model_config.json` + tokenizer) otherwise; returns
     "hf" or "native". Every process calls it (the arrays are gathered collectively); process 0 writes.
+    With LoRA adapters: a PEFT adapter folder (`export_adapters`, "peft"), or with `merge` the merged model.
     """
+    from grpo_jax.models import lora
+
+    adapters = lora.has_adapters(params) and not merge
+    if lora.has_adapters(params) and merge:
+        params = lora.base_params(lora.merged_params(model_config, params))
+        model_config = lora.base_config(model_config)
+        graphdef = _graphdef(model_config)
     out = Path(out).absolute()
     try:
         from grpo_jax.models import Model, save_pretrained
@@ -31,11 +42,14 @@ def export_policy(graphdef, model_config, params, out: Path, *, tokenizer=None) 
         Model = save_pretrained = None
     if save_pretrained is not None:
         try:
+            if adapters:
+                export_adapters(model_config, params, out, tokenizer=tokenizer)
+                return "peft"
             save_pretrained(Model(graphdef=graphdef, config=model_config), params, out, tokenizer=tokenizer)
             return "hf"
         except Exception as e:  # noqa: BLE001 - never lose a trained policy to an export problem
-            warnings.warn(f"Hugging Face export to {out} failed ({type(e).__name__}: {e}); writing the native "
-                          "format there instead", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"{'PEFT' if adapters else 'Hugging Face'} export to {out} failed ({type(e).__name__}: "
+                          f"{e}); writing the native format there instead", RuntimeWarning, stacklevel=2)
             shutil.rmtree(out, ignore_errors=True)
     from grpo_jax.config import to_dict
 
@@ -47,6 +61,28 @@ def export_policy(graphdef, model_config, params, out: Path, *, tokenizer=None) 
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     return "native"
+
+
+def _graphdef(model_config):
+    from grpo_jax.state import model_graphdef
+    return model_graphdef(model_config)
+
+
+def export_adapters(model_config, params, out: Path, *, tokenizer=None) -> None:
+    """A LoRA policy's adapters as a PEFT folder (`models.peft_io.save_adapters`) that names `model.path` as its
+    base; a random-init base (no `model.path`) is written beside them, to `out/base_model/`, and named instead."""
+    from grpo_jax.models import lora, peft_io, save_pretrained
+    from grpo_jax.models.pretrained import Model
+
+    out = Path(out).absolute()
+    base_path = model_config.path and str(Path(model_config.path).absolute())
+    if base_path is None:
+        base_path, base_config = str(out / "base_model"), lora.base_config(model_config)
+        save_pretrained(Model(graphdef=_graphdef(base_config), config=base_config), lora.base_params(params),
+                        base_path, tokenizer=tokenizer)
+    peft_io.save_adapters(model_config, params, out, base_model_name_or_path=base_path)
+    if tokenizer is not None and jax.process_index() == 0:
+        tokenizer.save_pretrained(str(out))
 
 
 def load_native(path: Path):
@@ -73,8 +109,10 @@ def _step_folder(path: Path) -> tuple[Path, int | None]:
                      f"nor a checkpoint step folder ({CHECKPOINTS}/<step>)")
 
 
-def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> tuple[int, str]:
-    """`grpo-jax export`: the policy of a checkpoint (newest valid one of an output_dir) to `out`; (step, format)."""
+def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge: bool = False) -> tuple[int, str]:
+    """`grpo-jax export`: the policy of a checkpoint (newest valid one of an output_dir) to `out`; (step, format).
+
+    `merge`: a LoRA policy as the Hugging Face model with its adapters merged, not a PEFT adapter folder."""
     from transformers import AutoTokenizer
 
     from grpo_jax.config import TrainConfig, from_dict
@@ -111,5 +149,6 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> tuple[int, 
     else:
         raise RuntimeError(f"no valid checkpoint in {directory}: " + "; ".join(errors))
     tokenizer = AutoTokenizer.from_pretrained(meta["tokenizer_path"]) if meta.get("tokenizer_path") else None
-    fmt = export_policy(model_graphdef(model_config), model_config, state.params, Path(out), tokenizer=tokenizer)
+    fmt = export_policy(model_graphdef(model_config), model_config, state.params, Path(out), tokenizer=tokenizer,
+                        merge=merge)
     return step, fmt

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from grpo_jax import checkpoint, cpu, data, programs, rewards, sharding, task
 from grpo_jax.config import Config, to_dict
-from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, resolve_config
+from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, lora, peft_io, resolve_config
 from grpo_jax.state import TrainState, optimizer_from_config
 from grpo_jax.train_step import StepOptions
 
@@ -158,7 +158,10 @@ def build(config: Config, *, loss_fn: Callable | None = None) -> tuple[Run, Trai
         checkpoint.check_compatible(yaml.safe_load((output_dir / "config.yaml").read_text()), to_dict(config))
     if jax.process_index() == 0:
         (output_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-    config = dataclasses.replace(config, model=resolve_config(config.model))  # a model.path fills the architecture
+    # a model.path fills the architecture, a model.lora.path the adapters' rank, alpha and targets
+    model_config = resolve_config(config.model)
+    model_config = dataclasses.replace(model_config, lora=peft_io.resolve_lora(model_config.lora))
+    config = dataclasses.replace(config, model=model_config)
     tokenizer, tokenizer_dir, train_rows, eval_rows = _load_data(config, output_dir)
     if config.model.vocab_size is None:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=len(tokenizer)))
@@ -178,8 +181,12 @@ def build(config: Config, *, loss_fn: Callable | None = None) -> tuple[Run, Trai
         graphdef, state = programs.init_state(config.model, optimizer, **state_options)
     else:  # each tensor read from the safetensors straight into its shard
         model, abstract_params = abstract_model(config.model)
-        _, params = from_pretrained(config.model.path, config=config.model,
-                                    shardings=sharding.param_shardings(mesh, abstract_params))
+        shardings = sharding.param_shardings(mesh, abstract_params)
+        _, params = from_pretrained(config.model.path, config=lora.base_config(config.model), shardings=shardings)
+        if config.model.lora.path is not None:
+            params = lora.join(peft_io.load_adapters(config.model, shardings=shardings), params)
+        elif config.model.lora.enabled:
+            params = lora.join(programs.init_adapters(config.model, config.seed, shardings), params)
         graphdef, state = model.graphdef, programs.state_from_params(params, optimizer, **state_options)
     graphdef = cpu.linear_layers(graphdef, state.params, speedups)
     eos_ids = eos_token_ids(config.model.path, tokenizer) if config.model.path else (tokenizer.eos_token_id,)

@@ -385,7 +385,7 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
     if main:
         print(f"reward first 10% of steps={summary['reward_first_10pct']:.3f}  "
               f"last 10%={summary['reward_last_10pct']:.3f}  plot: {run.output_dir / 'reward.png'}  "
-              f"policy ({'Hugging Face' if fmt == 'hf' else 'native'} format): {final}")
+              f"policy ({export.FORMAT_NAMES[fmt]} format): {final}")
     return summary
 
 

@@ -139,7 +139,7 @@ def plan_shards(entries: list[Entry], max_bytes: int) -> list[list[Entry]]:
     return shards
 
 
-def _write_file(file: str | None, entries: Iterable[Entry]) -> None:
+def write_file(file: str | None, entries: Iterable[Entry]) -> None:
     """Write one safetensors file, fetching one tensor at a time; ``file=None`` only fetches (other hosts)."""
     entries = list(entries)
     header, offset = {}, 0
@@ -179,7 +179,7 @@ def write_folder(folder: str, entries: list[Entry], max_shard_size: int | str, *
             if old.endswith(".safetensors") or old == INDEX_FILE:
                 os.remove(os.path.join(folder, old))
     for name, shard in zip(names, shards):
-        _write_file(os.path.join(folder, name) if write else None, shard)
+        write_file(os.path.join(folder, name) if write else None, shard)
     if write and len(shards) > 1:
         index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
                  "weight_map": {e.name: name for name, shard in zip(names, shards) for e in shard}}
