@@ -23,16 +23,17 @@ README = ROOT / "README.md"
 CONFIGURATION = ROOT / "docs" / "configuration.md"
 
 
-def _defaults() -> dict:
-    """Every config key as written in the reference (`seed`, `train.learning_rate`) -> its dataclass default."""
+def _defaults(config=None, prefix: str = "") -> dict:
+    """Every config key as written in the reference (`seed`, `train.learning_rate`, `model.lora.rank`) -> its
+    dataclass default."""
     out = {}
-    config = Config()
+    config = Config() if config is None else config
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
         if dataclasses.is_dataclass(value):
-            out.update({f"{field.name}.{f.name}": getattr(value, f.name) for f in dataclasses.fields(value)})
+            out.update(_defaults(value, f"{prefix}{field.name}."))
         else:
-            out[field.name] = value
+            out[prefix + field.name] = value
     return out
 
 
