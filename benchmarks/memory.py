@@ -3,9 +3,13 @@
 Compiles each phase for abstract inputs (nothing is allocated: `jax.jit(...).lower(...).compile()
 .memory_analysis()`) and reports XLA's buffer assignment: arguments, outputs, temporaries and the peak
 estimate arguments + outputs - donated aliases + temporaries, with and without chunked log-probs and remat.
+`--lora R` adds the same phases with LoRA adapters of rank R on every projection (`model.lora`, the base frozen,
+no reference copy); `--time-steps N` also times N train steps of each on real arrays (interleaved, median after a
+warm-up), on `--time-layers` of the model's layers and `--time-rows` rows when the whole model is too slow.
 
     python benchmarks/memory.py            # Qwen2.5-0.5B shape, 8 rows x (128 prompt + 256 completion) tokens
     python benchmarks/memory.py --quick    # a tiny model, for a smoke test
+    python benchmarks/memory.py --lora 16 --remat none --time-steps 5 --time-rows 1   # full FT vs LoRA r=16
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -22,12 +27,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from grpo_jax import sharding  # noqa: E402
+
+from grpo_jax import cpu, sharding  # noqa: E402
 from grpo_jax.losses import LossConfig  # noqa: E402
-from grpo_jax.models import ModelConfig, init_model  # noqa: E402
+from grpo_jax.models.configuration import LoRAConfig, ModelConfig  # noqa: E402
 from grpo_jax.sampling import SamplingConfig  # noqa: E402
-from grpo_jax.state import TrainState, as_float32, make_optimizer, model_graphdef  # noqa: E402
-from grpo_jax.programs import jit_generate, jit_logps, jit_train_step  # noqa: E402
+from grpo_jax.state import abstract_state as library_abstract_state, make_optimizer, model_graphdef  # noqa: E402
+from grpo_jax.programs import init_state, jit_generate, jit_logps, jit_train_step  # noqa: E402
 from grpo_jax.train_step import Batch, StepOptions  # noqa: E402
 
 QWEN25_05B = ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -43,11 +49,9 @@ def _abstract(shape, dtype, s):
 
 
 def abstract_state(config: ModelConfig, optimizer, mesh):
-    """The TrainState's shapes and shardings (policy, float32 Adam moments, a reference), nothing allocated."""
-    params = jax.eval_shape(lambda: init_model(config, 0)[1])
-    state = TrainState(params=params, opt_state=jax.eval_shape(lambda p: optimizer.init(as_float32(p)), params),
-                       ref_params=params, step=jax.ShapeDtypeStruct((), jnp.int32),
-                       key=jax.eval_shape(lambda: jax.random.PRNGKey(0)))
+    """The TrainState's shapes and shardings (policy, float32 Adam moments of the trained params, a reference copy
+    unless LoRA adapters make the base the reference), nothing allocated."""
+    state = library_abstract_state(config, optimizer, with_reference=True)
     shardings = sharding.state_shardings(mesh, state)
     return jax.tree.map(lambda x, s: _abstract(x.shape, x.dtype, s), state, shardings), shardings
 
@@ -60,7 +64,8 @@ def stats(compiled) -> dict:
             "aliased": m.alias_size_in_bytes, "temporaries": m.temp_size_in_bytes, "peak": peak}
 
 
-def measure(config: ModelConfig, *, rows: int, prompt: int, completion: int, chunk: int, remat: str) -> list[dict]:
+def measure(config: ModelConfig, *, rows: int, prompt: int, completion: int, chunk: int, remat: str,
+            every_phase: bool = False) -> list[dict]:
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     config = dataclasses.replace(config, remat=remat)
     graphdef = model_graphdef(config)
@@ -74,15 +79,15 @@ def measure(config: ModelConfig, *, rows: int, prompt: int, completion: int, chu
     def record(phase, lowered, **extra):
         timer = time.perf_counter()
         compiled = lowered.compile()
-        out.append({"phase": phase, "remat": remat, "logps_chunk_size": chunk, **extra, **stats(compiled),
-                    "compile_s": round(time.perf_counter() - timer, 1)})
+        out.append({"phase": phase, "lora": config.lora.rank, "remat": remat, "logps_chunk_size": chunk, **extra,
+                    **stats(compiled), "compile_s": round(time.perf_counter() - timer, 1)})
 
-    if chunk == 0 and remat == "none":  # sampling does not depend on either
+    if every_phase or (chunk == 0 and remat == "none"):  # sampling does not depend on either
         sample = jit_generate(graphdef, mesh, config=SamplingConfig(max_completion_length=completion),
                               eos_token_ids=(0,), pad_token_id=0, params_sharding=shardings.params)
         record("sampling", sample.lower(state.params, ids(prompt), ids(prompt),
                                         jax.eval_shape(lambda: jax.random.PRNGKey(0)), False))
-    if remat == "none":
+    if every_phase or remat == "none":
         logps = jit_logps(graphdef, mesh, temperature=1.0, chunk_size=chunk, params_sharding=shardings.params)
         record("logps", logps.lower(state.params, ids(prompt), ids(prompt), ids(completion), ids(completion)))
     batch = Batch(ids(prompt), ids(prompt), ids(completion), ids(completion),
@@ -93,6 +98,38 @@ def measure(config: ModelConfig, *, rows: int, prompt: int, completion: int, chu
     return out
 
 
+def time_steps(configs: list[ModelConfig], *, rows: int, prompt: int, completion: int, chunk: int,
+               steps: int) -> list[float]:
+    """Median seconds of a train step (beta 0.04) of each config on real random arrays, one device, with the
+    run's CPU speed-ups (`cpu.linear_layers`, as `grpo_jax.run.build` applies them): after one warm-up step each,
+    `steps` rounds that step every config once, in alternating order (a loaded machine slows them alike)."""
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    optimizer = make_optimizer(optax.constant_schedule(1e-6), weight_decay=0.0, b1=0.9, b2=0.99, eps=1e-8,
+                               max_grad_norm=1.0)
+    runs = []
+    for config in configs:
+        graphdef, state = init_state(config, optimizer, seed=0, with_reference=True, mesh=mesh)
+        graphdef = cpu.linear_layers(graphdef, state.params, cpu.enabled(None))
+        keys = jax.random.split(jax.random.PRNGKey(0), 4)
+        prompt_ids, completion_ids = (jax.random.randint(k, (rows, n), 0, config.vocab_size)
+                                      for k, n in zip(keys, (prompt, completion)))
+        batch = Batch(prompt_ids, jnp.ones((rows, prompt), jnp.int32), completion_ids,
+                      jnp.ones((rows, completion), jnp.int32), jax.random.normal(keys[2], (rows,)), None,
+                      -12.0 + 0.1 * jax.random.normal(keys[3], (rows, completion)))
+        step = jit_train_step(graphdef, optimizer, StepOptions(LossConfig(beta=0.04), 1.0, logps_chunk_size=chunk),
+                              mesh, sharding.tree_shardings(state))
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        runs.append({"step": step, "state": state, "batch": batch, "seconds": []})
+    for i in range(steps):
+        for run in runs if i % 2 == 0 else runs[::-1]:
+            timer = time.perf_counter()
+            run["state"], metrics = run["step"](run["state"], run["batch"])
+            jax.block_until_ready(metrics)
+            run["seconds"].append(time.perf_counter() - timer)
+    return [statistics.median(run["seconds"]) for run in runs]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model and batch (smoke test)")
@@ -101,25 +138,50 @@ def main() -> None:
     parser.add_argument("--completion", type=int, default=256)
     parser.add_argument("--chunk", type=int, default=1, help="train.logps_chunk_size of the chunked variant")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--remat", choices=("none", "full", "dots"),
+                        help="measure every phase at this remat and --chunk only (default: four settings)")
+    parser.add_argument("--scan-layers", action="store_true", help="model.scan_layers: true (remat acts through it)")
+    parser.add_argument("--lora", type=int, default=0, help="also measure LoRA adapters of this rank (all-linear)")
+    parser.add_argument("--time-steps", type=int, default=0, help="also time this many train steps of each model")
+    parser.add_argument("--time-layers", type=int, default=0, help="decoder layers of the timed models (0: all)")
+    parser.add_argument("--time-rows", type=int, default=0, help="rows of the timed steps (0: --rows)")
     args = parser.parse_args()
     config, rows, prompt, completion = QWEN25_05B, args.rows, args.prompt, args.completion
     if args.quick:
         config, rows, prompt, completion = TINY, 4, 8, 8
+    config = dataclasses.replace(config, scan_layers=args.scan_layers)
+    configs = [config] + ([dataclasses.replace(config, lora=LoRAConfig(rank=args.lora, alpha=2.0 * args.lora))]
+                          if args.lora else [])
     table = []
-    for chunk, remat in ((0, "none"), (args.chunk, "none"), (0, "full"), (args.chunk, "full")):
-        table += measure(config, rows=rows, prompt=prompt, completion=completion, chunk=chunk, remat=remat)
+    settings = (((0, "none"), (args.chunk, "none"), (0, "full"), (args.chunk, "full")) if args.remat is None
+                else ((args.chunk, args.remat),))
+    for chunk, remat in settings:
+        for c in configs:
+            table += measure(c, rows=rows, prompt=prompt, completion=completion, chunk=chunk, remat=remat,
+                             every_phase=args.remat is not None)
     logits = rows * completion * config.vocab_size * 4 / GIB
     print(f"model: vocab {config.vocab_size}, hidden {config.hidden_size}, {config.num_hidden_layers} layers; "
           f"{rows} rows x ({prompt} prompt + {completion} completion) tokens; float32 [B, T, V] logits = "
           f"{logits:.2f} GiB; jax {jax.__version__} on {jax.devices()[0].platform}\n")
     unit, name = (2 ** 20, "MiB") if args.quick else (GIB, "GiB")
     sizes = ["arguments", "outputs", "aliased", "temporaries", "peak"]
-    keys = ["phase", "remat", "logps_chunk_size"]
+    keys = ["phase", "lora", "remat", "logps_chunk_size"]
     print("| " + " | ".join(keys + [f"{k} ({name})" for k in sizes] + ["compile_s"]) + " |\n|"
           + "---|" * (len(keys) + len(sizes) + 1))
     for row in table:
         print("| " + " | ".join([str(row[k]) for k in keys] + [f"{row[k] / unit:.3f}" for k in sizes]
                                 + [str(row["compile_s"])]) + " |")
+    if args.time_steps:
+        timed = [dataclasses.replace(c, num_hidden_layers=args.time_layers or c.num_hidden_layers, remat=args.remat
+                                     or "none") for c in configs]
+        medians = time_steps(timed, rows=args.time_rows or rows, prompt=prompt, completion=completion,
+                             chunk=args.chunk, steps=args.time_steps)
+        for c, seconds in zip(timed, medians):
+            table.append({"phase": "train_step_time", "lora": c.lora.rank, "layers": c.num_hidden_layers,
+                          "rows": args.time_rows or rows, "remat": c.remat, "logps_chunk_size": args.chunk,
+                          "seconds": round(seconds, 3)})
+            print(f"train step, lora rank {c.lora.rank}, {c.num_hidden_layers} layers, {args.time_rows or rows} rows, "
+                  f"remat {c.remat}, logps_chunk_size {args.chunk}: {seconds:.3f} s (median of {args.time_steps})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(table, f, indent=1)
