@@ -7,6 +7,7 @@ one device is tests/test_sharding.py's.)
 """
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -98,7 +99,9 @@ def test_two_processes_equal_one(tmp_path):
     expected = _flat(jax.device_get(state.params))
 
     port = _free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+    # the workers compile as this process does (conftest's XLA_FLAGS), with 2 devices each
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {flags}", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, __file__, str(i), str(port), str(tmp_path)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
