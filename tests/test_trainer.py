@@ -52,7 +52,11 @@ def test_run_directory_contents(tmp_path):
     summary = trainer.train(config, show_progress=False)
     assert load_config(str(tmp_path / "config.yaml")) == config
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in lines] == [1, 2, 3, 4]
+    assert [line["step"] for line in lines] == [0, 1, 2, 3, 4, 4]  # held-out evaluation before and after
+    evals, lines = [lines[0], lines[-1]], lines[1:-1]
+    assert set(evals[0]) == {"step", "eval/greedy/exact_match", "eval/greedy/char_accuracy"}
+    assert summary["eval_after"] == {"exact_match": evals[1]["eval/greedy/exact_match"],
+                                     "char_accuracy": evals[1]["eval/greedy/char_accuracy"]}
     required = {"step", "reward", "reward_std", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean",
                 "clip_ratio/region_mean", "completions/mean_length", "entropy", "grad_norm", "learning_rate",
                 "step_time", "step_time/sample", "step_time/score", "step_time/logps", "step_time/update",
@@ -63,7 +67,6 @@ def test_run_directory_contents(tmp_path):
     assert lines[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the first update starts at the reference
     assert (tmp_path / "reward.png").stat().st_size > 1000
     assert (tmp_path / "tokenizer" / "tokenizer.json").is_file()
-    assert set(summary["eval_after"]) == {"exact_match", "char_accuracy"}
 
 
 def test_on_policy_round_skips_old_logps(tmp_path, monkeypatch):
