@@ -89,12 +89,12 @@ def _generate(run, sample, params, n: int, key, greedy: bool):
     ids, mask = sharding.host_rows((np.repeat(ids, n, axis=0), np.repeat(mask, n, axis=0)), run.mesh)
     out = sharding.to_host(sample(params, ids, mask, key, greedy))
     completion_ids, completion_mask = out.completion_ids[:num_prompts * n], out.completion_mask[:num_prompts * n]
-    lengths = completion_mask.sum(axis=1)
-    texts = run.tokenizer.batch_decode([ids[:m] for ids, m in zip(completion_ids.tolist(), lengths)],
-                                       skip_special_tokens=True)
+    # as the training rounds hand them to reward functions: EOS kept in the ids, padding removed
+    token_ids = [row[:length] for row, length in zip(completion_ids.tolist(), completion_mask.sum(axis=1))]
+    texts = run.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
     columns = {k: [r.get(k) for r in rows for _ in range(n)] for k in dict.fromkeys(k for r in rows for k in r)
                if k != "prompt"}
-    columns["completion_ids"] = [ids[:m] for ids, m in zip(completion_ids.tolist(), lengths)]
+    columns["completion_ids"] = token_ids
     prompts = [r["prompt"] for r in rows for _ in range(n)]
     scores = rewards.score_completions(run.eval_reward_fns, *data.reward_inputs(prompts, texts), columns)
     return texts, scores, completion_mask
