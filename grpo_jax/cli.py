@@ -15,7 +15,8 @@ def _train_parser() -> argparse.ArgumentParser:
         "task (a tiny model learns to reverse digit strings on CPU in a few minutes). Run the same command with "
         "the same output_dir again to resume from its newest checkpoint.")
     parser.add_argument("--config", help="YAML config file (see configs/); keys not given keep their defaults")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar: one line every logging_steps steps on stderr instead")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="override any config key, e.g. train.learning_rate=1e-4 loss.beta=0")
     return parser

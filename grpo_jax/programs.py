@@ -36,6 +36,8 @@ class Programs(NamedTuple):
     - `advantages(rewards_NxF, weights_F, mask_NxT, step_rewards, step_ends) -> (advantages, r_N, std_N)`
     - `take(batch, rows_B) -> Batch`: one step's rows of a round, gathered on the devices
     - `step(state, batch) -> (state, metrics)`: one optimizer step, the state donated
+    - `eval_sample`: `sample` at `eval.temperature` with `eval.num_generations` rows per prompt; None when
+      evaluation samples nothing (`grpo_jax.evaluation`)
     """
 
     sample: Callable
@@ -45,6 +47,7 @@ class Programs(NamedTuple):
     advantages: Callable
     take: Callable
     step: Callable
+    eval_sample: Callable | None = None
 
 
 def _on_device(shardings):
@@ -232,9 +235,10 @@ def _sample_key(key, step, draw_index: int):
 
 
 def build(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, options: StepOptions, mesh: Mesh,
-          state_sharding, *, sample: Callable, round_prompt_group_size: int, advantage_options: dict) -> Programs:
-    """The run's programs over `mesh` for a state laid out as `state_sharding`; `sample` is the jitted sampler
-    (`jit_generate`), `round_prompt_group_size` the G of the round's log-prob passes."""
+          state_sharding, *, sample: Callable, round_prompt_group_size: int, advantage_options: dict,
+          eval_sample: Callable | None = None) -> Programs:
+    """The run's programs over `mesh` for a state laid out as `state_sharding`; `sample` and `eval_sample` are
+    jitted samplers (`jit_generate`), `round_prompt_group_size` the G of the round's log-prob passes."""
     logps = functools.partial(jit_logps, graphdef, mesh, temperature=options.temperature,
                               chunk_size=options.logps_chunk_size, prompt_group_size=round_prompt_group_size)
     return Programs(
@@ -246,4 +250,5 @@ def build(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, optio
         advantages=jit_advantages(mesh, **advantage_options),
         take=jit_take(mesh),
         step=jit_train_step(graphdef, optimizer, options, mesh, state_sharding),
+        eval_sample=eval_sample,
     )

@@ -193,11 +193,18 @@ def build(config: Config, *, loss_fn: Callable | None = None) -> tuple[Run, Trai
     sample = programs.jit_generate(graphdef, mesh, config=config.sampling, eos_token_ids=eos_ids,
                                    pad_token_id=tokenizer.pad_token_id, params_sharding=state_sharding.params,
                                    prompt_group_size=tc.num_generations, cpu_speedups=speedups)
+    eval_sample = None
+    if config.eval.num_generations and eval_rows:  # evaluation's sampled completions, at their own temperature
+        eval_sample = programs.jit_generate(
+            graphdef, mesh, config=dataclasses.replace(config.sampling, temperature=config.eval.temperature),
+            eos_token_ids=eos_ids, pad_token_id=tokenizer.pad_token_id, params_sharding=state_sharding.params,
+            prompt_group_size=config.eval.num_generations, cpu_speedups=speedups)
     advantage_options = dict(estimator=tc.advantage_estimator, scale_rewards=tc.scale_rewards,
                              multi_objective_aggregation=tc.multi_objective_aggregation,
                              num_generations=tc.num_generations)
     run_programs = programs.build(graphdef, optimizer, options, mesh, state_sharding, sample=sample,
-                                  round_prompt_group_size=round_group, advantage_options=advantage_options)
+                                  round_prompt_group_size=round_group, advantage_options=advantage_options,
+                                  eval_sample=eval_sample)
     run = Run(config=config, output_dir=output_dir, tokenizer=tokenizer, tokenizer_path=tokenizer_dir,
               prompts=prompts, eval_rows=eval_rows, reward_fns=reward_fns, eval_reward_fns=eval_reward_fns,
               mesh=mesh, graphdef=graphdef, schedule=schedule, programs=run_programs,

@@ -21,7 +21,8 @@ import numpy as np
 
 from grpo_jax import checkpoint, data, export, preemption, rewards, rounds, sharding
 from grpo_jax.config import Config, to_dict
-from grpo_jax.reporting import MetricsWriter, plain, plot_rewards
+from grpo_jax.evaluation import evaluate, short_names
+from grpo_jax.reporting import MetricsWriter, completion_rows, is_eval, plain, plot_run
 from grpo_jax.run import Run, build
 from grpo_jax.state import TrainState
 from grpo_jax.train_step import Batch
@@ -41,6 +42,7 @@ class RoundBatch(NamedTuple):
     position: int  # steps of the round done
     metrics: dict  # the round's metrics (rewards, lengths), repeated on each of its steps
     seconds: dict  # sample / score / logps seconds of the round
+    completions: list | None = None  # with log_completions: the round's table (`reporting.completion_rows`)
 
 
 def decode(tokenizer, completion_ids: np.ndarray, completion_mask: np.ndarray) -> list[str]:
@@ -56,28 +58,6 @@ def _columns(columns: dict, completion_ids: np.ndarray, completion_mask: np.ndar
                          "completions' token ids under that name, as in TRL)")
     lengths = completion_mask.sum(axis=1)
     return {**columns, "completion_ids": [ids[:n].tolist() for ids, n in zip(completion_ids, lengths)]}
-
-
-def evaluate(run: Run, params) -> dict[str, float]:
-    """Greedy completions of the held-out prompts, scored by `eval.reward_functions` (mean per function)."""
-    if not run.eval_rows:
-        return {}
-    cfg = run.config
-    shards = sharding.num_row_shards(run.mesh)
-    n = len(run.eval_rows)
-    padded = [run.eval_rows[i % n] for i in range(n + (-n) % shards)]  # rows must split over the devices
-    ids, mask, _ = data.tokenize_prompts(run.tokenizer, [r["prompt"] for r in padded], cfg.data.max_prompt_length,
-                                         truncation="left")
-    ids, mask = sharding.host_rows((ids, mask), run.mesh)
-    out = sharding.to_host(run.programs.sample(params, ids, mask, jax.random.PRNGKey(0), True))
-    completion_ids, completion_mask = out.completion_ids[:n], out.completion_mask[:n]
-    prompts = [r["prompt"] for r in run.eval_rows]
-    columns = _columns({k: [r.get(k) for r in run.eval_rows] for k in run.eval_rows[0] if k != "prompt"},
-                       completion_ids, completion_mask)
-    scores = rewards.score_completions(
-        run.eval_reward_fns, *data.reward_inputs(prompts, decode(run.tokenizer, completion_ids, completion_mask)),
-        columns)
-    return {name.split(":")[-1]: float(np.nanmean(scores[:, i])) for i, (name, _) in enumerate(run.eval_reward_fns)}
 
 
 def _completion_metrics(mask: np.ndarray, truncated: np.ndarray) -> dict:
@@ -225,10 +205,15 @@ def prepare_round(run: Run, state: TrainState, round_index: int) -> RoundBatch:
     metrics = {**_reward_metrics(draw.rewards, r_N, std_N, cfg.reward.functions, tc.num_generations),
                **_completion_metrics(draw.completion_mask, draw.is_truncated),
                "prompts/num_truncated": draw.num_prompts_truncated, **sampling_metrics}
+    completions = None
+    if cfg.log_completions:
+        completions = completion_rows(draw.prompts, decode(run.tokenizer, draw.completion_ids, draw.completion_mask),
+                                      draw.rewards, cfg.reward.functions, r_N, sharding.to_host(advantages), mask)
     return RoundBatch(rows=Batch(*rows, advantages=advantages, old_per_token_logps=old, ref_per_token_logps=ref,
                                  sampler_per_token_logps=masked_sampler if tc.use_sampler_logps else None),
                       step_rows=step_rows, round_index=round_index, first_step=int(state.step),
-                      position=0, metrics={k: plain(v) for k, v in metrics.items()}, seconds=seconds)
+                      position=0, metrics={k: plain(v) for k, v in metrics.items()}, seconds=seconds,
+                      completions=completions)
 
 
 def run_steps(run: Run, state: TrainState, round_batch: RoundBatch, *, until: int,
@@ -269,7 +254,7 @@ def run_round(run: Run, state: TrainState, round_index: int) -> tuple[TrainState
     return run_steps(run, state, prepare_round(run, state, round_index), until=run.config.max_steps)
 
 
-_SCALARS = ("round_index", "first_step", "position", "metrics", "seconds")  # a RoundBatch's JSON part
+_SCALARS = ("round_index", "first_step", "position", "metrics", "seconds", "completions")  # its JSON part
 
 
 def _meta(run: Run, round_index: int, round_batch: RoundBatch | None, history: list, eval_before: dict) -> dict:
@@ -324,13 +309,14 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
     if run.resuming:
         state, round_batch, round_index, history, before = _restore(run, state, mngr)
     saved_step = int(state.step) if history else -1
-    if before is None:
-        before = evaluate(run, state.params)
-    if before:
-        print("held-out greedy before training: " + "  ".join(f"{k}={v:.3f}" for k, v in before.items()))
     writer = MetricsWriter(run.output_dir, max_steps=config.max_steps, initial_step=int(state.step),
                            logging_steps=config.logging_steps, show_progress=show_progress, history=history,
-                           write_file=main)
+                           write_file=main, report_to=config.report_to,
+                           num_completions_to_print=config.num_completions_to_print, run_config=to_dict(config))
+    if before is None:
+        before = evaluate(run, state.params, int(state.step))
+        writer.write_eval(int(state.step), before)
+    after = {}
 
     def save(wait: bool) -> None:
         checkpoint.save(mngr, state, keep_ref=run.keep_ref, wait=wait, arrays=_arrays(round_batch),
@@ -345,10 +331,12 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
                 until = config.max_steps
                 if config.save_steps:
                     until = min(until, (step // config.save_steps + 1) * config.save_steps)
+                if config.eval.steps:
+                    until = min(until, (step // config.eval.steps + 1) * config.eval.steps)
                 state, round_batch, lines = run_steps(run, state, round_batch, until=until,
                                                       stop=lambda: guard.requested)
                 for line in lines:
-                    writer.write(line)
+                    writer.write(line, completions=round_batch.completions)
                 step = round_batch.first_step + round_batch.position
                 if round_batch.position == len(round_batch.step_rows):
                     round_batch, round_index = None, round_index + 1
@@ -358,10 +346,15 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
                         f"{skipped} optimizer steps had a non-finite loss or gradient (train.max_nonfinite_steps="
                         f"{config.train.max_nonfinite_steps}); their updates were skipped. Lower "
                         "train.learning_rate, check the reward functions, or raise train.max_nonfinite_steps.")
+                if config.eval.steps and step % config.eval.steps == 0 and step < config.max_steps \
+                        and not guard.requested:
+                    writer.write_eval(step, evaluate(run, state.params, step))
                 if config.save_steps and step % config.save_steps == 0 and step < config.max_steps \
                         and not guard.requested:
                     save(wait=False)
                     saved_step = step
+            if not guard.requested:
+                after = _evaluate_after(run, state, writer, step)
             if step != saved_step:
                 save(wait=True)
             if guard.requested:
@@ -371,12 +364,10 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
         mngr.close()
         writer.close()
         if writer.history and main:
-            plot_rewards(writer.history, run.output_dir / "reward.png")
-    after = evaluate(run, state.params)
-    if after:
-        print("held-out greedy after training:  " + "  ".join(f"{k}={v:.3f}" for k, v in after.items()))
+            plot_run(writer.history, run.output_dir)
     summary = {"output_dir": str(run.output_dir), "steps": int(state.step), "skipped_steps": skipped,
-               "eval_before": before, "eval_after": after, **_reward_summary(writer.history)}
+               "eval_before": short_names(before), "eval_after": short_names(after),
+               **_reward_summary(writer.history)}
     final = run.output_dir / "final"
     if main:
         (run.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -389,7 +380,19 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
     return summary
 
 
+def _evaluate_after(run: Run, state: TrainState, writer: MetricsWriter, step: int) -> dict:
+    """The evaluation after training, logged; one logged at this step already (a resumed run that had ended)
+    is reused."""
+    last = writer.history[-1] if writer.history else {}
+    if is_eval(last) and last["step"] == step:
+        return {k: v for k, v in last.items() if k != "step"}
+    metrics = evaluate(run, state.params, step)
+    writer.write_eval(step, metrics)
+    return metrics
+
+
 def _reward_summary(history: list[dict]) -> dict:
+    history = [h for h in history if not is_eval(h)]
     rewards_ = np.array([np.nan if h.get("reward") is None else h["reward"] for h in history], dtype=float)
     k = max(1, len(rewards_) // 10)
     return {"reward_first_10pct": float(np.nanmean(rewards_[:k])),
