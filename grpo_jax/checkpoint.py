@@ -24,8 +24,8 @@ CHECKPOINTS = "checkpoints"
 UNREADABLE = "unreadable_checkpoints"  # where restore_latest moves steps that fail to read
 # top-level and section keys that may change between a run and its resume (dotted; "eval" covers the section)
 RESUMABLE_KEYS = ("output_dir", "max_steps", "logging_steps", "save_steps", "save_total_limit", "resume",
-                  "cpu_speedups", "host_allocator", "eval", "train.max_nonfinite_steps", "sampling.host_threads",
-                  "report_to", "log_completions", "num_completions_to_print")
+                  "cpu_speedups", "host_allocator", "compilation_cache_dir", "eval", "train.max_nonfinite_steps",
+                  "sampling.host_threads", "report_to", "log_completions", "num_completions_to_print")
 
 
 def manager(output_dir: Path, *, save_total_limit: int | None = None,

@@ -253,6 +253,7 @@ class Config:
     resume: bool = True  # continue from output_dir's newest checkpoint; false: a non-empty output_dir is an error
     cpu_speedups: bool | None = None  # XLA:CPU speed-ups (grpo_jax.cpu), same numbers; None: on when backend is cpu
     host_allocator: str = "retain"  # with cpu_speedups: retain keeps freed blocks in glibc; system: leave malloc
+    compilation_cache_dir: str | None = "~/.cache/grpo_jax/jax"  # JAX's persistent compilation cache; None: off
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)

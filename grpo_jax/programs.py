@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -48,6 +50,26 @@ class Programs(NamedTuple):
     take: Callable
     step: Callable
     eval_sample: Callable | None = None
+
+
+def use_compilation_cache(path: str | None) -> None:
+    """JAX's persistent compilation cache in `path` (`compilation_cache_dir`), so that a second start of a run (a
+    resume, the same command again) loads its programs instead of compiling them. A cache chosen already (the
+    environment's JAX_COMPILATION_CACHE_DIR, or jax.config in the caller's code) is left as it is. JAX keys each
+    entry by the program, the compile options, the devices and the jaxlib version: a hit is the same executable."""
+    if path is None or jax.config.jax_compilation_cache_dir:
+        return
+    folder = Path(path).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        warnings.warn(f"compilation_cache_dir={path!r} cannot be created ({e.strerror}): compiling without a "
+                      "persistent cache; point compilation_cache_dir at a writable folder, or null to silence this",
+                      RuntimeWarning, stacklevel=2)
+        return
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    # every program, not only those over JAX's default 1 s: a start runs dozens of sub-second ones
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def _on_device(shardings):

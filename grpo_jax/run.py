@@ -150,6 +150,7 @@ def build(config: Config, *, loss_fn: Callable | None = None) -> tuple[Run, Trai
     `grpo_jax.train_step`): the hook for a custom loss variant. It is not part of `config.yaml`.
     An `output_dir` holding a run is checked against its config.yaml (`checkpoint.check_compatible`).
     """
+    programs.use_compilation_cache(config.compilation_cache_dir)
     speedups = cpu.enabled(config.cpu_speedups)
     if speedups:
         cpu.configure_host_allocator(config.host_allocator)  # before the first jitted call allocates
