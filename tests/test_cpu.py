@@ -4,6 +4,7 @@ through glibc's own accounting (mallinfo2) in a fresh process."""
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -17,6 +18,11 @@ from grpo_jax.config import load_config
 from grpo_jax.cpu import _glibc, configure_host_allocator
 from grpo_jax.models import forward, init_model, positions_from_mask, unembed
 from grpo_jax.sampling import SamplingConfig
+
+# this module's claims are about the programs users run: at the suite's LLVM -O0 (conftest) it runs in a subprocess
+# at XLA's default flags instead (tests/test_cpu_default_flags.py)
+pytestmark = pytest.mark.skipif("--xla_backend_optimization_level=0" in os.environ.get("XLA_FLAGS", ""),
+                                reason="runs at XLA's default flags in tests/test_cpu_default_flags.py")
 
 # mallinfo2: hblkhd = bytes in mmap'd blocks, arena = bytes of the brk heap (glibc >= 2.33)
 PROBE = """
