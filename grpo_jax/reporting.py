@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ def plain(value):
 
 
 class MetricsWriter:
-    """Appends one JSON line per optimizer step and drives the progress bar.
+    """Appends one JSON line per optimizer step and drives the progress bar; the file only ever ends in a whole line.
 
     `history` holds every line written (the checkpoint saves it); with `write_file=False` (processes other than
     0 of a multi-host run) nothing is written to disk and no bar is shown.
@@ -31,8 +32,11 @@ class MetricsWriter:
         self.logging_steps = logging_steps
         self.write_file = write_file
         self.history: list[dict] = list(history or [])
-        if write_file and history is not None:  # a resumed run: drop lines written after the checkpoint
-            self.path.write_text("".join(json.dumps(line) + "\n" for line in self.history))
+        if write_file and history is not None:  # a resumed run: drop lines written after the checkpoint (and a
+            # line torn by a crash), replacing the file whole so that a failed rewrite leaves the old one
+            partial = self.path.with_name(self.path.name + ".partial")
+            partial.write_text("".join(json.dumps(line) + "\n" for line in self.history))
+            os.replace(partial, self.path)
         self.bar = tqdm(total=max_steps, initial=initial_step, desc="grpo", unit="step", dynamic_ncols=True,
                         disable=not (show_progress and write_file))
 
@@ -40,8 +44,16 @@ class MetricsWriter:
         line = {k: plain(v) for k, v in line.items()}
         self.history.append(line)
         if self.write_file:
-            with self.path.open("a") as f:
-                f.write(json.dumps(line) + "\n")
+            data = (json.dumps(line) + "\n").encode()
+            with self.path.open("ab", buffering=0) as f:
+                end = f.seek(0, os.SEEK_END)
+                try:
+                    written = 0
+                    while written < len(data):  # a short write happens when the disk fills up
+                        written += f.write(data[written:])
+                except OSError:  # then the file keeps whole lines only
+                    f.truncate(end)
+                    raise
         self.bar.update(1)
         if line["step"] % self.logging_steps == 0:
             postfix = {"reward": line.get("reward"), "kl": line.get("kl"), "len": line.get("completions/mean_length")}
