@@ -253,8 +253,9 @@ def verify_run(path: str | os.PathLike) -> tuple[bool, list[str]]:
             lines.append(f"{name}: not verifiable: no {CHECKSUMS} (written before grpo_jax recorded checksums)")
         elif problems:
             ok = False
-            lines += [f"{name}: CORRUPTED: {len(problems)} file(s) differ from when written (a resumed run skips "
-                      f"this step and moves it to {UNREADABLE}/)"] + [f"  {p}" for p in problems]
+            lines.append(f"{name}: CORRUPTED: {len(problems)} file(s) differ from when written (a resumed run "
+                         f"skips this step and moves it to {UNREADABLE}/)")
+            lines += [f"  {p}" for p in problems]
         else:
             files = _files(folder)
             lines.append(f"{name}: ok ({len(files)} files, {sum(f.stat().st_size for f in files):,} bytes)")
