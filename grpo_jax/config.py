@@ -161,10 +161,10 @@ class TrainConfig:
         check(0.0 < self.ref_model_mixup_alpha <= 1.0,
                f"train.ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in (0, 1] (1.0: iterative GRPO)")
         check(self.ref_model_sync_steps >= 1, f"train.ref_model_sync_steps={self.ref_model_sync_steps} must be >= 1")
-        check(self.learning_rate > 0, f"train.learning_rate={self.learning_rate} must be > 0")
         for name in ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon"):
             check(math.isfinite(getattr(self, name)),
                    f"train.{name}={getattr(self, name)} must be a finite number (it would make every update NaN)")
+        check(self.learning_rate > 0, f"train.learning_rate={self.learning_rate} must be > 0")
         check(self.lr_scheduler_type in ("constant", "linear", "cosine"),
                f"train.lr_scheduler_type={self.lr_scheduler_type!r}: use constant, linear or cosine")
         check(self.warmup_steps >= 0, f"train.warmup_steps={self.warmup_steps} must be >= 0")

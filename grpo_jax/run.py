@@ -83,16 +83,21 @@ def _output_dir(config: Config) -> tuple[Path, bool, lock.RunLock]:
     return path, resuming, held
 
 
-def _saved_config(output_dir: Path) -> dict:
-    """The config of the run in `output_dir`: its config.yaml, else (deleted) the one its newest checkpoint holds."""
+def _saved_config(output_dir: Path, config: Config) -> tuple[dict, dict]:
+    """(saved, given) configs of a resumed run as `checkpoint.check_compatible` compares them: config.yaml and
+    `config`; when config.yaml was deleted, the config of the newest checkpoint (whose model section is resolved)
+    and `config` resolved the same way (`model.path`'s architecture, the vocabulary size the run found)."""
     if (output_dir / "config.yaml").is_file():
-        return yaml.safe_load((output_dir / "config.yaml").read_text())
+        return yaml.safe_load((output_dir / "config.yaml").read_text()), to_dict(config)
     saved = checkpoint.saved_config(output_dir)
     if saved is None:
         raise ValueError(f"output_dir={str(output_dir)!r} has checkpoints but neither its config.yaml nor any "
                          "checkpoint's config could be read: put config.yaml back, or choose a new output_dir "
                          f"(keep {output_dir / checkpoint.CHECKPOINTS} until you no longer need it)")
-    return saved
+    model = resolve_config(config.model)
+    if model.vocab_size is None:
+        model = dataclasses.replace(model, vocab_size=saved.get("model", {}).get("vocab_size"))
+    return saved, to_dict(dataclasses.replace(config, model=model))
 
 
 def _load_data(config: Config, output_dir: Path):
@@ -191,7 +196,7 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     if speedups:
         cpu.configure_host_allocator(config.host_allocator)  # before the first jitted call allocates
     if resuming:
-        checkpoint.check_compatible(_saved_config(output_dir), to_dict(config))
+        checkpoint.check_compatible(*_saved_config(output_dir, config))
     if jax.process_index() == 0:
         (output_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
     config = dataclasses.replace(config, model=resolve_config(config.model))  # a model.path fills the architecture
