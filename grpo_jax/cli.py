@@ -62,7 +62,7 @@ def export_main(argv: list[str]) -> int:
 
     try:
         step, fmt = export.export(args.checkpoint, args.out, overwrite=args.overwrite)
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, OSError) as e:  # OSError: a full or read-only disk; --out is left as it was
         print(f"grpo-jax export: {e}", file=sys.stderr)
         return 1
     kind = "Hugging Face" if fmt == "hf" else "native (params/ + model_config.json)"

@@ -76,7 +76,7 @@ def worker(process_id: int, port: int, folder: Path) -> None:
         lock.acquire(folder, multihost=True)
         raise AssertionError("a second lock on the folder was granted")
     except ValueError as e:
-        assert ("in use by another grpo_jax run" if jax.process_index() == 0 else "process 0 says which") in str(e)
+        assert ("held by this process already" if jax.process_index() == 0 else "process 0 says which") in str(e)
     held.release()
     jax.distributed.shutdown()
 
