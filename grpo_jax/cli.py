@@ -1,6 +1,7 @@
-"""Command line: `grpo-jax [train] [--config FILE] [section.key=value ...]` and `grpo-jax export`.
+"""Command line: `grpo-jax [train] [--config FILE] [section.key=value ...]`, `grpo-jax export` and `grpo-jax verify`.
 
-Parses a config and calls `train`, or exports a checkpoint's policy; no maths here.
+Parses a config and calls `train`, exports a checkpoint's policy, or checks a run's checkpoints against their
+checksums; no maths here.
 """
 
 from __future__ import annotations
@@ -27,8 +28,32 @@ def _export_parser() -> argparse.ArgumentParser:
         prog="grpo-jax export", description="Write a checkpoint's policy in Hugging Face format.")
     parser.add_argument("--checkpoint", required=True,
                         help="a run's output_dir (its newest valid checkpoint) or one step folder checkpoints/<step>")
-    parser.add_argument("--out", required=True, help="folder to write (config.json, weights, tokenizer)")
+    parser.add_argument("--out", required=True, help="folder to write (config.json, weights, tokenizer): new or empty")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing non-empty --out (only once the new export is complete)")
     return parser
+
+
+def _verify_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="grpo-jax verify", description="Check every checkpoint of a run against the checksums recorded when "
+        "it was written; exits 1 when any file differs.")
+    parser.add_argument("output_dir", help="a run's output_dir, or one checkpoint step folder checkpoints/<step>")
+    return parser
+
+
+def verify_main(argv: list[str]) -> int:
+    """`grpo-jax verify OUTPUT_DIR`."""
+    args = _verify_parser().parse_args(argv)
+    from grpo_jax.checkpoint import verify_run
+
+    try:
+        ok, lines = verify_run(args.output_dir)
+    except ValueError as e:
+        print(f"grpo-jax verify: {e}", file=sys.stderr)
+        return 1
+    print("\n".join(lines))
+    return 0 if ok else 1
 
 
 def export_main(argv: list[str]) -> int:
@@ -37,8 +62,8 @@ def export_main(argv: list[str]) -> int:
     from grpo_jax import export
 
     try:
-        step, fmt = export.export(args.checkpoint, args.out)
-    except (ValueError, RuntimeError) as e:
+        step, fmt = export.export(args.checkpoint, args.out, overwrite=args.overwrite)
+    except (ValueError, RuntimeError, OSError) as e:  # OSError: a full or read-only disk; --out is left as it was
         print(f"grpo-jax export: {e}", file=sys.stderr)
         return 1
     kind = "Hugging Face" if fmt == "hf" else "native (params/ + model_config.json)"
@@ -50,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "export":
         return export_main(argv[1:])
+    if argv and argv[0] == "verify":
+        return verify_main(argv[1:])
     if argv and argv[0] == "train":
         argv = argv[1:]  # `grpo-jax` alone trains, like `grpo-jax train`
     parser = _train_parser()
@@ -64,12 +91,16 @@ def main(argv: list[str] | None = None) -> int:
     from grpo_jax.distributed import initialize
 
     initialize(config.distributed)  # before any computation: every process of a multi-host run joins here
-    from grpo_jax.preemption import Preempted
+    from grpo_jax.preemption import Preempted, RunFailed, quiet_storage_logs
     from grpo_jax.trainer import train
 
+    quiet_storage_logs()
     try:
         train(config, show_progress=not args.no_progress)
     except Preempted as e:
         print(f"grpo-jax: {e}", file=sys.stderr)
         return e.exit_code
+    except (RunFailed, ValueError) as e:  # what failed and what to do, in one message (ValueError: before training)
+        print(f"grpo-jax: {e}", file=sys.stderr)
+        return 1
     return 0

@@ -8,6 +8,7 @@ exists. Sections owned by a maths module (`ModelConfig`, `SamplingConfig`, `Loss
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -90,6 +91,9 @@ class RewardConfig:
             check(len(self.weights) == len(self.functions),
                    f"reward.weights has {len(self.weights)} entries for {len(self.functions)} reward.functions: "
                    "give one weight per function")
+            check(all(math.isfinite(w) for w in self.weights),
+                   f"reward.weights={list(self.weights)}: every weight must be a finite number (a NaN or infinite "
+                   "weight turns every reward into NaN, i.e. no reward)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +162,9 @@ class TrainConfig:
         check(0.0 < self.ref_model_mixup_alpha <= 1.0,
                f"train.ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in (0, 1] (1.0: iterative GRPO)")
         check(self.ref_model_sync_steps >= 1, f"train.ref_model_sync_steps={self.ref_model_sync_steps} must be >= 1")
+        for name in ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon"):
+            check(math.isfinite(getattr(self, name)),
+                   f"train.{name}={getattr(self, name)} must be a finite number (it would make every update NaN)")
         check(self.learning_rate > 0, f"train.learning_rate={self.learning_rate} must be > 0")
         check(self.lr_scheduler_type in ("constant", "linear", "cosine"),
                f"train.lr_scheduler_type={self.lr_scheduler_type!r}: use constant, linear or cosine")

@@ -162,6 +162,35 @@ def print_completions(rows: list[dict], step: int, num: int | None, file=None) -
                                    for k, v in row.items()), file=file)
 
 
+def _replace(path: Path, text: str) -> None:
+    """`path` holds `text`, written beside it and renamed over it: a failed write leaves the old file."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def _whole(row: str) -> bool:
+    try:
+        json.loads(row)
+    except ValueError:  # a line torn by a crash
+        return False
+    return True
+
+
+def _append_whole(path: Path, text: str) -> None:
+    """Appends `text` or nothing: the file only ever ends in a whole line, also when the disk fills up."""
+    data = text.encode()
+    with path.open("ab", buffering=0) as f:
+        end = f.seek(0, os.SEEK_END)
+        try:
+            written = 0
+            while written < len(data):  # a short write happens when the disk fills up
+                written += f.write(data[written:])
+        except OSError:
+            f.truncate(end)
+            raise
+
+
 class MetricsWriter:
     """Sends each line to the `report_to` backends, drives the progress bar (or, without it, a console line every
     `logging_steps` on stderr) and logs completion tables.
@@ -183,12 +212,14 @@ class MetricsWriter:
         self.num_completions_to_print = num_completions_to_print
         self.history: list[dict] = list(history or [])
         resumed = history is not None
-        if write_file and resumed:  # a resumed run: drop lines written after the checkpoint
+        if write_file and resumed:  # a resumed run: drop lines written after the checkpoint (and a line torn by a
+            # crash), replacing each file whole so that a failed rewrite leaves the old one
             if self.jsonl:
-                self.path.write_text("".join(json.dumps(line) + "\n" for line in self.history))
+                _replace(self.path, "".join(json.dumps(line) + "\n" for line in self.history))
             if self.completions_path.is_file():
                 rows = self.completions_path.read_text().splitlines()
-                self.completions_path.write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= initial_step))
+                _replace(self.completions_path, "".join(r + "\n" for r in rows if _whole(r)
+                                                        and json.loads(r)["step"] <= initial_step))
         self.backends = [_backend(name, output_dir, initial_step + 1 if resumed else None, run_config or {})
                          for name in report_to if name != "jsonl"] if write_file else []
         self.bar = tqdm(total=max_steps, initial=initial_step, desc="grpo", unit="step", dynamic_ncols=True,
@@ -199,8 +230,7 @@ class MetricsWriter:
         if not self.write_file:
             return
         if self.jsonl:
-            with self.path.open("a") as f:
-                f.write(json.dumps(line) + "\n")
+            _append_whole(self.path, json.dumps(line) + "\n")
         for backend in self.backends:
             backend.scalars(names, line["step"])
 
@@ -234,8 +264,7 @@ class MetricsWriter:
             tqdm.write(f"held-out eval at step {step}: {shown}")
 
     def _completions(self, step: int, rows: list[dict]) -> None:
-        with self.completions_path.open("a") as f:
-            f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+        _append_whole(self.completions_path, "".join(json.dumps({"step": step, **row}) + "\n" for row in rows))
         with tqdm.external_write_mode():  # the bar steps aside for the table
             print_completions(rows, step, self.num_completions_to_print)
         for backend in self.backends:

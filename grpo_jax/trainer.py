@@ -11,7 +11,6 @@ rewards, mesh, `grpo_jax.programs`), and the maths lives in pure functions behin
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -217,24 +216,32 @@ def prepare_round(run: Run, state: TrainState, round_index: int) -> RoundBatch:
 
 
 def run_steps(run: Run, state: TrainState, round_batch: RoundBatch, *, until: int,
-              stop: Callable[[], bool] | None = None) -> tuple[TrainState, RoundBatch, list[dict]]:
+              stop: Callable[[], bool] | None = None,
+              max_skipped: int | None = None) -> tuple[TrainState, RoundBatch, list[dict]]:
     """The round's next optimizer steps, up to step `until` (counted over the run) or the round's end.
 
     `stop()` is checked before each step (preemption). Steps are dispatched back to back and their metrics
-    fetched once at the end. Returns the state, the round with its new position, and one metrics line per step.
+    fetched once at the end; with `max_skipped` the call also ends right after the step that makes more than
+    that many skipped (non-finite) steps, whose flags it fetches only once that many more steps could exceed it.
+    Returns the state, the round with its new position, and one metrics line per step.
     """
     rb = round_batch
     last = min(len(rb.step_rows), until - rb.first_step)
     timer = time.perf_counter()
     pending, position = [], rb.position
     num_rows = len(rb.rows.completion_ids)
-    while position < last and not (stop is not None and stop()):
+    unchecked = 0  # steps dispatched since the skipped flags were last fetched
+    while position < last and not (stop is not None and stop()) and (max_skipped is None or max_skipped >= 0):
         step_rows = rb.step_rows[position]
         # a step of all the round's rows in order (one step per round) takes them as they are, without a gather
         in_order = len(step_rows) == num_rows and np.array_equal(step_rows, np.arange(num_rows))
         state, metrics = run.programs.step(state, rb.rows if in_order else run.programs.take(rb.rows, step_rows))
         pending.append(metrics)
         position += 1
+        unchecked += 1
+        if max_skipped is not None and unchecked > max_skipped:  # these steps alone could pass the limit
+            max_skipped -= int(sum(jax.device_get([m["skipped"] for m in pending[-unchecked:]])))
+            unchecked = 0
     run.prompts.prefetch()  # the next round's prompts are tokenized while the devices run the steps
     pending = jax.device_get(pending)  # one host sync per call, after every step was dispatched
     t_update = (time.perf_counter() - timer) / max(len(pending), 1)
@@ -297,10 +304,27 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
 
     Continues the run in `output_dir` from its newest checkpoint when there is one (`resume`). Saves every
     `save_steps` steps and at the end, then exports the policy to `output_dir/final/`. On SIGTERM/SIGINT it
-    finishes the step, saves, and raises `preemption.Preempted`. `loss_fn`: a custom loss with
-    `compute_loss`'s signature, used instead of it (see `build`).
+    finishes the step, saves, and raises `preemption.Preempted`; any other exception during training saves the
+    last good state first and raises `preemption.RunFailed` saying what failed (`preemption.failed`).
+    `loss_fn`: a custom loss with `compute_loss`'s signature, used instead of it (see `build`). The run holds
+    `output_dir`'s lock (one writer per run) until it returns.
     """
     run, state = build(config, loss_fn=loss_fn)
+    try:
+        return _train(config, run, state, show_progress)
+    except (preemption.Preempted, preemption.RunFailed):
+        raise
+    except Exception as error:
+        if preemption.storage_error(error) is None:
+            raise
+        # outside the loop (evaluation, summary, final export): a full or read-only disk gets the same one message
+        raise preemption.failed(error, run.output_dir, checkpoint.nbytes(state, run.keep_ref)) from error
+    finally:
+        run.output_lock.release()
+
+
+def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> dict:
+    """`train` once `build` is done: restore, the round loop with its saves, evaluation and the final export."""
     main = jax.process_index() == 0
     print(f"grpo_jax: output_dir={run.output_dir}  devices={len(run.mesh.devices.flat)} "
           f"({jax.devices()[0].platform})  mesh={dict(run.mesh.shape)}")
@@ -323,29 +347,32 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
                         meta=_meta(run, round_index, round_batch, writer.history, before))
 
     skipped, step = 0, int(state.step)
+    unprepared, failure = None, None  # the data position before a round still being prepared; what stopped the loop
     try:
         with preemption.PreemptionGuard() as guard:
             while step < config.max_steps and not guard.requested:
                 if round_batch is None:
+                    unprepared = run.prompts.state()
                     round_batch = prepare_round(run, state, round_index)
+                    unprepared = None
                 until = config.max_steps
                 if config.save_steps:
                     until = min(until, (step // config.save_steps + 1) * config.save_steps)
                 if config.eval.steps:
                     until = min(until, (step // config.eval.steps + 1) * config.eval.steps)
                 state, round_batch, lines = run_steps(run, state, round_batch, until=until,
-                                                      stop=lambda: guard.requested)
+                                                      stop=lambda: guard.requested,
+                                                      max_skipped=config.train.max_nonfinite_steps - skipped)
                 for line in lines:
                     writer.write(line, completions=round_batch.completions)
                 step = round_batch.first_step + round_batch.position
                 if round_batch.position == len(round_batch.step_rows):
                     round_batch, round_index = None, round_index + 1
                 skipped = sum(int(h.get("skipped") or 0) for h in writer.history)
-                if skipped > config.train.max_nonfinite_steps:
-                    raise RuntimeError(
-                        f"{skipped} optimizer steps had a non-finite loss or gradient (train.max_nonfinite_steps="
-                        f"{config.train.max_nonfinite_steps}); their updates were skipped. Lower "
-                        "train.learning_rate, check the reward functions, or raise train.max_nonfinite_steps.")
+                stalled = preemption.stalled([h for h in writer.history if not is_eval(h)],
+                                             config.train.max_nonfinite_steps)
+                if stalled:
+                    raise RuntimeError(stalled)
                 if config.eval.steps and step % config.eval.steps == 0 and step < config.max_steps \
                         and not guard.requested:
                     writer.write_eval(step, evaluate(run, state.params, step))
@@ -359,11 +386,23 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
                 save(wait=True)
             if guard.requested:
                 raise preemption.Preempted(guard.signum, step, mngr.directory / str(step))
+    except preemption.Preempted:
+        raise
+    except Exception as error:
+        failure = error
+        if unprepared is not None:  # the round's prompts are drawn again on resume
+            run.prompts.restore(unprepared)
+        raise preemption.failed(error, run.output_dir, checkpoint.nbytes(state, run.keep_ref, _arrays(round_batch)),
+                                state=state, history=writer.history, saved_step=saved_step, save=save) from error
     finally:
-        mngr.wait_until_finished()
-        mngr.close()
+        try:
+            mngr.wait_until_finished()
+            mngr.close()
+        except Exception:  # a save that failed with the error in flight: that error says it
+            if failure is None:
+                raise
         writer.close()
-        if writer.history and main:
+        if writer.history and main and (failure is None or preemption.storage_error(failure) is None):
             plot_run(writer.history, run.output_dir)
     summary = {"output_dir": str(run.output_dir), "steps": int(state.step), "skipped_steps": skipped,
                "eval_before": short_names(before), "eval_after": short_names(after),
@@ -371,8 +410,8 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
     final = run.output_dir / "final"
     if main:
         (run.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        shutil.rmtree(final, ignore_errors=True)
-    fmt = export.export_policy(run.graphdef, run.config.model, state.params, final, tokenizer=run.tokenizer)
+    fmt = export.export_policy(run.graphdef, run.config.model, state.params, final, tokenizer=run.tokenizer,
+                               overwrite=True)  # the run's own final/ of an earlier end, replaced whole
     if main:
         print(f"reward first 10% of steps={summary['reward_first_10pct']:.3f}  "
               f"last 10%={summary['reward_last_10pct']:.3f}  plot: {run.output_dir / 'reward.png'}  "

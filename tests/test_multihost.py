@@ -70,6 +70,15 @@ def worker(process_id: int, port: int, folder: Path) -> None:
     params = sharding.to_host(state.params)
     if jax.process_index() == 0:
         np.savez(folder / "params.npz", loss=np.asarray(metrics["loss"]), **_flat(params))
+    # one writer per run: process 0 holds the output_dir's lock, and every process learns that it is taken
+    from grpo_jax import lock
+    held = lock.acquire(folder, multihost=True)
+    try:
+        lock.acquire(folder, multihost=True)
+        raise AssertionError("a second lock on the folder was granted")
+    except ValueError as e:
+        assert ("held by this process already" if jax.process_index() == 0 else "process 0 says which") in str(e)
+    held.release()
     jax.distributed.shutdown()
 
 

@@ -224,15 +224,20 @@ def test_no_recompilation_on_second_step(tiny_model_config):
     assert int(state.step) == 3
 
 
-def test_non_finite_loss_skips_the_update(tiny_model_config):
+@pytest.mark.parametrize("cause", ["nan_loss", "overflowing_update"])
+def test_non_finite_loss_skips_the_update(tiny_model_config, cause):
+    """A NaN loss, or a finite loss and gradient whose update would make params non-finite (an infinite learning
+    rate), leaves params and optimizer state as they were."""
     mesh = one_device_mesh()
-    graphdef, optimizer, state = setup(tiny_model_config, mesh)
+    graphdef, optimizer, state = setup(tiny_model_config, mesh, lr=np.inf if cause == "overflowing_update" else 1e-2)
     before = jax.device_get(state)
     batch = make_batch(graphdef, state.params)
-    batch = batch._replace(advantages=np.full(B, np.nan, np.float32))
+    if cause == "nan_loss":
+        batch = batch._replace(advantages=np.full(B, np.nan, np.float32))
     step = jit_train_step(graphdef, optimizer, StepOptions(LossConfig(), 1.0), mesh, sharding.tree_shardings(state))
     state, metrics = jax.device_get(step(state, batch))
-    assert metrics["skipped"] == 1 and not np.isfinite(metrics["loss"])
+    assert metrics["skipped"] == 1
+    assert np.isfinite(metrics["loss"]) == np.isfinite(metrics["grad_norm"]) == (cause == "overflowing_update")
     jax.tree.map(np.testing.assert_array_equal, state.params, before.params)
     jax.tree.map(np.testing.assert_array_equal, state.opt_state, before.opt_state)
     assert state.step == 1

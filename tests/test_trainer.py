@@ -102,8 +102,10 @@ def test_bad_reward_functions_stop_with_their_name(tmp_path, path, match):
 
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
+    """Rounds of two steps, every one non-finite, a limit of 2: the run stops right after the third skipped step,
+    inside its round (not at the round's end), and saves that state first."""
     config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "eval.num_examples=0",
-                                "train.max_nonfinite_steps=2"])
+                                "train.max_nonfinite_steps=2", "train.steps_per_generation=2"])
     real = trainer.rounds.round_advantages
 
     def nan_advantages(*args, **kwargs):
@@ -111,10 +113,12 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
         return advantages * np.nan, r, std
 
     monkeypatch.setattr(trainer.rounds, "round_advantages", nan_advantages)
-    with pytest.raises(RuntimeError, match="3 optimizer steps had a non-finite loss .*train.max_nonfinite_steps=2"):
+    with pytest.raises(RuntimeError, match="3 optimizer steps had a non-finite loss .*train.max_nonfinite_steps=2.*"
+                                           "The state after step 3 was saved first"):
         trainer.train(config, show_progress=False)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line["skipped"] for line in lines] == [1, 1, 1]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["3"]
 
 
 def test_output_dir_must_be_empty(tmp_path):
