@@ -7,6 +7,7 @@ checksums; no maths here.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -14,7 +15,9 @@ def _train_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="grpo-jax train", description="Train a policy with GRPO. With no arguments: the embedded default "
         "task (a tiny model learns to reverse digit strings on CPU in a few minutes). Run the same command with "
-        "the same output_dir again to resume from its newest checkpoint.")
+        "the same output_dir again to resume from its newest checkpoint.",
+        epilog="other commands: `grpo-jax export --help` (a checkpoint's policy to a Hugging Face folder), "
+        "`grpo-jax verify --help` (a run's checkpoints against their checksums)")
     parser.add_argument("--config", help="YAML config file (see configs/); keys not given keep their defaults")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar: one line every logging_steps steps on stderr instead")
@@ -73,6 +76,8 @@ def export_main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # transformers' advice that PyTorch is missing: grpo_jax uses it for tokenizers and configs only
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     if argv and argv[0] == "export":
         return export_main(argv[1:])
     if argv and argv[0] == "verify":
