@@ -181,7 +181,7 @@ def run_grpo_jax(model_dir: str | None, size: str | None, prompts: Path, s: Sett
                             initializer_range=arch.get("initializer_range", 0.02), **model_kwargs)
     config = Config(
         seed=s.seed, output_dir=str(work / "run"), max_steps=warmup + steps + bool(profile_dir), model=model,
-        host_allocator=host_allocator,
+        host_allocator=host_allocator, compilation_cache_dir=None,  # compile_s: a cold compile, every time
         data=DataConfig(path=str(prompts), tokenizer_path=tokenizer_dir, max_prompt_length=s.prompt_length),
         sampling=SamplingConfig(max_completion_length=s.max_completion_length, temperature=s.temperature),
         loss=LossConfig(loss_type=s.loss_type, beta=s.beta),

@@ -1,11 +1,13 @@
-"""Command line: `grpo-jax [train] [--config FILE] [section.key=value ...]` and `grpo-jax export`.
+"""Command line: `grpo-jax [train] [--config FILE] [section.key=value ...]`, `grpo-jax export` and `grpo-jax verify`.
 
-Parses a config and calls `train`, or exports a checkpoint's policy; no maths here.
+Parses a config and calls `train`, exports a checkpoint's policy, or checks a run's checkpoints against their
+checksums; no maths here.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -13,9 +15,12 @@ def _train_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="grpo-jax train", description="Train a policy with GRPO. With no arguments: the embedded default "
         "task (a tiny model learns to reverse digit strings on CPU in a few minutes). Run the same command with "
-        "the same output_dir again to resume from its newest checkpoint.")
+        "the same output_dir again to resume from its newest checkpoint.",
+        epilog="other commands: `grpo-jax export --help` (a checkpoint's policy to a Hugging Face folder), "
+        "`grpo-jax verify --help` (a run's checkpoints against their checksums)")
     parser.add_argument("--config", help="YAML config file (see configs/); keys not given keep their defaults")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar: one line every logging_steps steps on stderr instead")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="override any config key, e.g. train.learning_rate=1e-4 loss.beta=0")
     return parser
@@ -26,10 +31,34 @@ def _export_parser() -> argparse.ArgumentParser:
         prog="grpo-jax export", description="Write a checkpoint's policy in Hugging Face format.")
     parser.add_argument("--checkpoint", required=True,
                         help="a run's output_dir (its newest valid checkpoint) or one step folder checkpoints/<step>")
-    parser.add_argument("--out", required=True, help="folder to write (config.json, weights, tokenizer)")
+    parser.add_argument("--out", required=True, help="folder to write (config.json, weights, tokenizer): new or empty")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing non-empty --out (only once the new export is complete)")
     parser.add_argument("--merge", action="store_true",
                         help="LoRA runs: write the model with the adapters merged, not a PEFT adapter folder")
     return parser
+
+
+def _verify_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="grpo-jax verify", description="Check every checkpoint of a run against the checksums recorded when "
+        "it was written; exits 1 when any file differs.")
+    parser.add_argument("output_dir", help="a run's output_dir, or one checkpoint step folder checkpoints/<step>")
+    return parser
+
+
+def verify_main(argv: list[str]) -> int:
+    """`grpo-jax verify OUTPUT_DIR`."""
+    args = _verify_parser().parse_args(argv)
+    from grpo_jax.checkpoint import verify_run
+
+    try:
+        ok, lines = verify_run(args.output_dir)
+    except ValueError as e:
+        print(f"grpo-jax verify: {e}", file=sys.stderr)
+        return 1
+    print("\n".join(lines))
+    return 0 if ok else 1
 
 
 def export_main(argv: list[str]) -> int:
@@ -38,8 +67,8 @@ def export_main(argv: list[str]) -> int:
     from grpo_jax import export
 
     try:
-        step, fmt = export.export(args.checkpoint, args.out, merge=args.merge)
-    except (ValueError, RuntimeError) as e:
+        step, fmt = export.export(args.checkpoint, args.out, merge=args.merge, overwrite=args.overwrite)
+    except (ValueError, RuntimeError, OSError) as e:  # OSError: a full or read-only disk; --out is left as it was
         print(f"grpo-jax export: {e}", file=sys.stderr)
         return 1
     kind = "native (params/ + model_config.json)" if fmt == "native" else export.FORMAT_NAMES[fmt]
@@ -49,8 +78,12 @@ def export_main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # transformers' advice that PyTorch is missing: grpo_jax uses it for tokenizers and configs only
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     if argv and argv[0] == "export":
         return export_main(argv[1:])
+    if argv and argv[0] == "verify":
+        return verify_main(argv[1:])
     if argv and argv[0] == "train":
         argv = argv[1:]  # `grpo-jax` alone trains, like `grpo-jax train`
     parser = _train_parser()
@@ -65,12 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     from grpo_jax.distributed import initialize
 
     initialize(config.distributed)  # before any computation: every process of a multi-host run joins here
-    from grpo_jax.preemption import Preempted
+    from grpo_jax.preemption import Preempted, RunFailed, quiet_storage_logs
     from grpo_jax.trainer import train
 
+    quiet_storage_logs()
     try:
         train(config, show_progress=not args.no_progress)
     except Preempted as e:
         print(f"grpo-jax: {e}", file=sys.stderr)
         return e.exit_code
+    except (RunFailed, ValueError) as e:  # what failed and what to do, in one message (ValueError: before training)
+        print(f"grpo-jax: {e}", file=sys.stderr)
+        return 1
     return 0

@@ -8,6 +8,7 @@ exists. Sections owned by a maths module (`ModelConfig`, `SamplingConfig`, `Loss
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -22,6 +23,7 @@ from grpo_jax.losses import LossConfig
 from grpo_jax.models import ModelConfig
 from grpo_jax.models.configuration import check
 from grpo_jax.reference import RefSyncConfig
+from grpo_jax.reporting import REPORT_TO
 from grpo_jax.rewards import SOFT_OVERLONG, resolve_reward_fn
 from grpo_jax.sampling import SamplingConfig
 
@@ -89,6 +91,9 @@ class RewardConfig:
             check(len(self.weights) == len(self.functions),
                    f"reward.weights has {len(self.weights)} entries for {len(self.functions)} reward.functions: "
                    "give one weight per function")
+            check(all(math.isfinite(w) for w in self.weights),
+                   f"reward.weights={list(self.weights)}: every weight must be a finite number (a NaN or infinite "
+                   "weight turns every reward into NaN, i.e. no reward)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +162,9 @@ class TrainConfig:
         check(0.0 < self.ref_model_mixup_alpha <= 1.0,
                f"train.ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in (0, 1] (1.0: iterative GRPO)")
         check(self.ref_model_sync_steps >= 1, f"train.ref_model_sync_steps={self.ref_model_sync_steps} must be >= 1")
+        for name in ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon"):
+            check(math.isfinite(getattr(self, name)),
+                   f"train.{name}={getattr(self, name)} must be a finite number (it would make every update NaN)")
         check(self.learning_rate > 0, f"train.learning_rate={self.learning_rate} must be > 0")
         check(self.lr_scheduler_type in ("constant", "linear", "cosine"),
                f"train.lr_scheduler_type={self.lr_scheduler_type!r}: use constant, linear or cosine")
@@ -202,17 +210,38 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-    """Held-out greedy evaluation before and after training."""
+    """Held-out evaluation before, after and every `steps` steps of training: greedy, and `num_generations`
+    sampled completions per prompt for pass@k and maj@n (`grpo_jax.evaluation`)."""
 
     num_examples: int = 200  # embedded task: held-out prompts generated with another seed
     path: str | None = None  # JSONL of held-out prompts (with the columns the reward functions need)
     reward_functions: tuple[str, ...] = ("grpo_jax.task:exact_match", "grpo_jax.task:char_accuracy")
+    steps: int = 0  # also evaluate every N optimizer steps (TRL's eval_steps); 0: before and after training only
+    num_generations: int = 0  # n sampled completions per prompt (pass@k, maj@n); 0: greedy only
+    temperature: float = 1.0  # of the sampled completions
+    pass_at_k: tuple[int, ...] | None = None  # k of the pass@k reported; None: 1 and num_generations
+    answer_extractor: str = "grpo_jax.math_rewards:extract_answer"  # completion text -> answer (or None), for maj@n
 
     def __post_init__(self):
         _check_importable("eval.reward_functions", self.reward_functions)
+        _check_importable("eval.answer_extractor", (self.answer_extractor,))
         check(self.num_examples >= 0, f"eval.num_examples={self.num_examples} must be >= 0")
+        check(self.steps >= 0, f"eval.steps={self.steps} must be >= 0 (0: evaluate before and after training only)")
+        check(self.num_generations >= 0, f"eval.num_generations={self.num_generations} must be >= 0 (0: greedy only)")
+        check(self.temperature > 0, f"eval.temperature={self.temperature} must be > 0")
+        if self.pass_at_k is not None:
+            check(all(1 <= k <= self.num_generations for k in self.pass_at_k),
+                   f"eval.pass_at_k={list(self.pass_at_k)} needs 1 <= k <= eval.num_generations="
+                   f"{self.num_generations} for every k: raise eval.num_generations or drop the larger k")
         if self.path is not None:
             check(Path(self.path).is_file(), f"eval.path={self.path!r} does not exist: point it at a JSONL file")
+
+    @property
+    def ks(self) -> tuple[int, ...]:
+        """The k of the pass@k reported (none without sampled completions)."""
+        if self.pass_at_k is not None:
+            return tuple(sorted(set(self.pass_at_k)))
+        return tuple(sorted({1, self.num_generations})) if self.num_generations else ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,12 +251,16 @@ class Config:
     seed: int = 0
     output_dir: str | None = None  # None: runs/<task>-<timestamp>
     max_steps: int = 5000
-    logging_steps: int = 1  # progress-bar refresh period; metrics.jsonl always gets every step
+    logging_steps: int = 1  # period of the progress bar, console line and completion tables; metrics: every step
+    report_to: tuple[str, ...] = ("jsonl",)  # jsonl, tensorboard, wandb (TRL's name); [] logs to none
+    log_completions: bool = False  # every logging_steps: the round's completions, rewards and advantages (TRL)
+    num_completions_to_print: int | None = None  # of those, rows printed to the console; None: all (TRL)
     save_steps: int = 500  # checkpoint every N optimizer steps (0: only at the end and on SIGTERM/SIGINT)
     save_total_limit: int | None = 2  # checkpoints kept (oldest deleted first); None: keep all
     resume: bool = True  # continue from output_dir's newest checkpoint; false: a non-empty output_dir is an error
     cpu_speedups: bool | None = None  # XLA:CPU speed-ups (grpo_jax.cpu), same numbers; None: on when backend is cpu
     host_allocator: str = "retain"  # with cpu_speedups: retain keeps freed blocks in glibc; system: leave malloc
+    compilation_cache_dir: str | None = "~/.cache/grpo_jax/jax"  # JAX's persistent compilation cache; None: off
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
@@ -241,6 +274,10 @@ class Config:
     def __post_init__(self):
         check(self.max_steps >= 1, f"max_steps={self.max_steps} must be >= 1")
         check(self.logging_steps >= 1, f"logging_steps={self.logging_steps} must be >= 1")
+        check(all(r in REPORT_TO for r in self.report_to) and len(set(self.report_to)) == len(self.report_to),
+               f"report_to={list(self.report_to)}: list each of {', '.join(REPORT_TO)} at most once ([] for none)")
+        check(self.num_completions_to_print is None or self.num_completions_to_print >= 0,
+               f"num_completions_to_print={self.num_completions_to_print} must be >= 0, or null to print them all")
         check(self.data.path is None or self.data.tokenizer_path is not None or self.model.path is not None,
                "data.path is set but neither data.tokenizer_path nor model.path is: point one of them at a Hugging "
                "Face folder holding the tokenizer")

@@ -27,10 +27,15 @@ class PromptBatch(NamedTuple):
 
 def load_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Read one JSON object per line; each needs a string "prompt". Blank lines are skipped."""
+    return read_jsonl(path)[0]
+
+
+def read_jsonl(path: str | os.PathLike) -> tuple[list[dict[str, Any]], list[int]]:
+    """`load_jsonl`'s rows and the line number (from 1) of each in the file."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"data file {path!r} does not exist: check data.path")
-    rows = []
+    rows, lines = [], []
     with open(path, encoding="utf-8") as f:
         for k, line in enumerate(f, start=1):
             if not line.strip():
@@ -55,9 +60,38 @@ def load_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
                 raise ValueError(f"{path}: line {k}: 'prompt' is a {type(prompt).__name__}, "
                                  "each line needs a 'prompt' field (string or list of chat messages)")
             rows.append(row)
+            lines.append(k)
     if not rows:
         raise ValueError(f"data file {path!r} is empty: it needs at least one line with a 'prompt' field")
-    return rows
+    return rows, lines
+
+
+def check_prompts(path, rows: list[dict[str, Any]], lines: list[int], tokenizer, max_prompt_length: int,
+                  truncation: str, chunk: int = 1024) -> None:
+    """Before the first step: every row's prompt renders and tokenizes to at least one token (and, with
+    truncation="error", to at most `max_prompt_length`); a ValueError names the file and line of the first that
+    does not, so no row can stop a run halfway through its data."""
+    for start in range(0, len(rows), chunk):
+        prompts = [row["prompt"] for row in rows[start:start + chunk]]
+        try:
+            token_lists = tokenizer([render_prompt(tokenizer, p) for p in prompts], add_special_tokens=False)
+            token_lists = token_lists["input_ids"]
+        except Exception:  # noqa: BLE001 - one row of the chunk failed: find it below
+            token_lists = [None] * len(prompts)
+        for i, (prompt, tokens) in enumerate(zip(prompts, token_lists)):
+            where = f"{path}: line {lines[start + i]}"
+            if tokens is None:
+                try:
+                    tokens = tokenizer(render_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+                except Exception as e:  # whatever the tokenizer rejects, name the row
+                    raise ValueError(f"{where}: the prompt {_preview(prompt)} cannot be tokenized "
+                                     f"({type(e).__name__}: {e}): fix or remove that line") from e
+            if not tokens:
+                raise ValueError(f"{where}: the prompt {_preview(prompt)} tokenizes to zero tokens: remove that line")
+            if truncation == "error" and len(tokens) > max_prompt_length:
+                raise ValueError(f"{where}: the prompt {_preview(prompt)} has {len(tokens)} tokens > "
+                                 f"data.max_prompt_length={max_prompt_length}: raise data.max_prompt_length, "
+                                 "shorten that line, or set data.truncation=left")
 
 
 def _message_problem(messages: list) -> str | None:

@@ -3,6 +3,8 @@
 `export_policy` writes given params (a run's final policy); `export` reads the params of a checkpoint
 (`grpo_jax.checkpoint`'s layout) without its optimizer state or reference, and writes them the same way. A LoRA
 policy is written as a PEFT adapter folder, or with ``merge`` as the Hugging Face model with the adapters merged.
+Both write into a new folder renamed into place when complete: no file of an existing folder is deleted or
+overwritten unless asked to (`overwrite`), and never by a failed export.
 """
 
 from __future__ import annotations
@@ -14,43 +16,81 @@ import warnings
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
-from grpo_jax.checkpoint import CHECKPOINTS
+from grpo_jax.checkpoint import CHECKPOINTS, check_checksums, nonfinite_leaves
+from grpo_jax.preemption import storage_error
 
 FORMAT_NAMES = {"hf": "Hugging Face", "peft": "PEFT adapter", "native": "native"}  # export_policy's formats
 
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise ValueError(f"{str(out)!r} already exists and is not empty: choose a new folder, or pass --overwrite "
+                         "(overwrite=True) to replace it (it is replaced only once the new export is complete)")
 
-def export_policy(graphdef, model_config, params, out: Path, *, tokenizer=None, merge: bool = False) -> str:
-    """Writes the policy to `out` in Hugging Face format via `grpo_jax.models.save_pretrained`, when it exists.
 
-    Falls back to the native format (`params/` orbax tree + `model_config.json` + tokenizer) otherwise; returns
-    "hf" or "native". Every process calls it (the arrays are gathered collectively); process 0 writes.
-    With LoRA adapters: a PEFT adapter folder (`export_adapters`, "peft"), or with `merge` the merged model.
+def _temporary(out: Path) -> Path:
+    """A new folder beside `out` to write into, the same on every process of a multi-host run."""
+    token = np.int64(np.random.default_rng().integers(1 << 62))
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        token = multihost_utils.broadcast_one_to_all(token)
+    return out.parent / f".{out.name}.partial-{int(token):x}"
+
+
+def export_policy(graphdef, model_config, params, out: Path, *, tokenizer=None, merge: bool = False,
+                  overwrite: bool = False) -> str:
+    """Writes the policy to `out` in Hugging Face format via `grpo_jax.models.save_pretrained`.
+
+    Falls back to the native format (`params/` orbax tree + `model_config.json` + tokenizer) when that fails for
+    another reason than the disk; returns "hf", "peft" or "native". Everything is written to a new folder beside `out`
+    that is renamed to `out` once complete, so a failed export leaves `out` as it was; an `out` that exists and
+    is not empty is a ValueError unless `overwrite`. Params holding NaN or inf are a ValueError. Every process
+    calls it (the arrays are gathered collectively); process 0 writes. With LoRA adapters: a PEFT adapter folder
+    (`export_adapters`, "peft"), or with `merge` the merged model.
     """
-    from grpo_jax.models import lora
+    from grpo_jax.models import Model, lora, save_pretrained
 
     adapters = lora.has_adapters(params) and not merge
     if lora.has_adapters(params) and merge:
         params = lora.base_params(lora.merged_params(model_config, params))
         model_config = lora.base_config(model_config)
         graphdef = _graphdef(model_config)
+
     out = Path(out).absolute()
+    _check_out(out, overwrite)
+    bad = nonfinite_leaves(params)
+    if bad:
+        raise ValueError(f"not exported to {out}: params {', '.join(bad[:5])} hold NaN or inf")
+    main = jax.process_index() == 0
+    tmp = _temporary(out)
     try:
-        from grpo_jax.models import Model, save_pretrained
-    except ImportError:
-        Model = save_pretrained = None
-    if save_pretrained is not None:
         try:
             if adapters:
-                export_adapters(model_config, params, out, tokenizer=tokenizer)
-                return "peft"
-            save_pretrained(Model(graphdef=graphdef, config=model_config), params, out, tokenizer=tokenizer)
-            return "hf"
-        except Exception as e:  # noqa: BLE001 - never lose a trained policy to an export problem
+                export_adapters(model_config, params, tmp, tokenizer=tokenizer, final=out)
+                fmt = "peft"
+            else:
+                save_pretrained(Model(graphdef=graphdef, config=model_config), params, tmp, tokenizer=tokenizer)
+                fmt = "hf"
+        except Exception as e:  # never lose a trained policy to an export problem
+            if storage_error(e) is not None:
+                raise
             warnings.warn(f"{'PEFT' if adapters else 'Hugging Face'} export to {out} failed ({type(e).__name__}: "
                           f"{e}); writing the native format there instead", RuntimeWarning, stacklevel=2)
-            shutil.rmtree(out, ignore_errors=True)
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)  # this call's own partial folder
+            _save_native(model_config, params, tmp, tokenizer)
+            fmt = "native"
+        if main:
+            _publish(tmp, out)
+    finally:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return fmt
+
+
+def _save_native(model_config, params, out: Path, tokenizer) -> None:
     from grpo_jax.config import to_dict
 
     out.mkdir(parents=True, exist_ok=True)
@@ -60,7 +100,22 @@ def export_policy(graphdef, model_config, params, out: Path, *, tokenizer=None, 
     (out / "model_config.json").write_text(json.dumps(to_dict(model_config), indent=2))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
-    return "native"
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Puts the complete folder `tmp` in place of `out` (which `_check_out` allowed to replace)."""
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    old = out.parent / f".{out.name}.replaced-{tmp.name.rsplit('-', 1)[-1]}"
+    os.rename(out, old)
+    os.rename(tmp, out)
+    if old.is_dir():
+        shutil.rmtree(old)
+    else:
+        old.unlink()
 
 
 def _graphdef(model_config):
@@ -68,18 +123,19 @@ def _graphdef(model_config):
     return model_graphdef(model_config)
 
 
-def export_adapters(model_config, params, out: Path, *, tokenizer=None) -> None:
+def export_adapters(model_config, params, out: Path, *, tokenizer=None, final: Path | None = None) -> None:
     """A LoRA policy's adapters as a PEFT folder (`models.peft_io.save_adapters`) that names `model.path` as its
-    base; a random-init base (no `model.path`) is written beside them, to `out/base_model/`, and named instead."""
+    base; a random-init base (no `model.path`) is written beside them, to `out/base_model/`, and named instead
+    (by its path once `out` is renamed to `final`)."""
     from grpo_jax.models import lora, peft_io, save_pretrained
     from grpo_jax.models.pretrained import Model
 
     out = Path(out).absolute()
     base_path = model_config.path and str(Path(model_config.path).absolute())
     if base_path is None:
-        base_path, base_config = str(out / "base_model"), lora.base_config(model_config)
+        base_path, base_config = str(Path(final or out).absolute() / "base_model"), lora.base_config(model_config)
         save_pretrained(Model(graphdef=_graphdef(base_config), config=base_config), lora.base_params(params),
-                        base_path, tokenizer=tokenizer)
+                        out / "base_model", tokenizer=tokenizer)
     peft_io.save_adapters(model_config, params, out, base_model_name_or_path=base_path)
     if tokenizer is not None and jax.process_index() == 0:
         tokenizer.save_pretrained(str(out))
@@ -109,10 +165,14 @@ def _step_folder(path: Path) -> tuple[Path, int | None]:
                      f"nor a checkpoint step folder ({CHECKPOINTS}/<step>)")
 
 
-def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge: bool = False) -> tuple[int, str]:
+def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge: bool = False,
+           overwrite: bool = False) -> tuple[int, str]:
     """`grpo-jax export`: the policy of a checkpoint (newest valid one of an output_dir) to `out`; (step, format).
 
-    `merge`: a LoRA policy as the Hugging Face model with its adapters merged, not a PEFT adapter folder."""
+    A checkpoint whose files differ from its checksums is skipped like an unreadable one; an existing non-empty
+    `out` is an error unless `overwrite` (see `export_policy`). `merge`: a LoRA policy as the Hugging Face model
+    with its adapters merged, not a PEFT adapter folder.
+    """
     from transformers import AutoTokenizer
 
     from grpo_jax.config import TrainConfig, from_dict
@@ -120,6 +180,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge: bool
     from grpo_jax.state import abstract_state, model_graphdef, optimizer_from_config
 
     directory, step = _step_folder(Path(checkpoint))
+    _check_out(Path(out).absolute(), overwrite)
     mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
     steps = [step] if step is not None else sorted(mngr.all_steps(), reverse=True)
     if not steps:
@@ -127,6 +188,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge: bool
     errors = []
     for step in steps:
         try:
+            check_checksums(directory, step)
             meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
             model_config = from_dict(ModelConfig, meta["model_config"], "model.")
             # the optimizer only shapes the tree of the saved state: its values are not read
@@ -150,5 +212,5 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge: bool
         raise RuntimeError(f"no valid checkpoint in {directory}: " + "; ".join(errors))
     tokenizer = AutoTokenizer.from_pretrained(meta["tokenizer_path"]) if meta.get("tokenizer_path") else None
     fmt = export_policy(model_graphdef(model_config), model_config, state.params, Path(out), tokenizer=tokenizer,
-                        merge=merge)
+                        merge=merge, overwrite=overwrite)
     return step, fmt

@@ -1,16 +1,28 @@
-"""Preemption: SIGTERM/SIGINT finish the current optimizer step, save a checkpoint, then stop the run.
+"""How a run stops early without losing its steps: preemption, and failures.
 
-`PreemptionGuard` turns the first signal into a flag the round loop polls between steps (a second one exits at
-once); `Preempted` is what `train` raises after that checkpoint is written, with the exit code of the signal.
+SIGTERM/SIGINT finish the current optimizer step, save a checkpoint, then stop the run: `PreemptionGuard`
+turns the first signal into a flag the round loop polls between steps (a second one exits at once);
+`Preempted` is what `train` raises after that checkpoint is written, with the exit code of the signal. Any
+other exception during training (a reward function, the data, a device) saves the last good state the same way
+and surfaces as `RunFailed`, whose message names what failed, where, and the checkpoint a rerun resumes from;
+`storage_error` tells a full or read-only disk, where no save is attempted, apart.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import shutil
 import signal
+import sys
 import threading
-from collections.abc import Iterable
+import traceback
+from collections.abc import Callable, Iterable
 from pathlib import Path
+
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+STORAGE_TEXTS = ("No space left on device", "Disk quota exceeded", "Read-only file system")
 
 
 class Preempted(Exception):
@@ -57,3 +69,124 @@ class PreemptionGuard:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
+
+
+class RunFailed(RuntimeError):
+    """Raised by `train` when an exception stopped training, after the last good state was saved where it could
+    be; the message says what failed, where, and which checkpoint a rerun of the same command resumes from.
+    The exception that stopped the run is its `__cause__`."""
+
+
+def _chain(error: BaseException):
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def storage_error(error: BaseException) -> BaseException | None:
+    """The exception of `error`'s chain that says the disk is full or read-only (an OSError, or an error from
+    the checkpoint library quoting one), or None."""
+    for e in _chain(error):
+        if (isinstance(e, OSError) and e.errno in STORAGE_ERRNOS) or any(t in str(e) for t in STORAGE_TEXTS):
+            return e
+    return None
+
+
+class _StorageNoise(logging.Filter):
+    """Drops log records about a full or read-only disk (with their tracebacks)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (any(t in record.getMessage() for t in STORAGE_TEXTS)
+                    or (error is not None and storage_error(error) is not None))
+
+
+def quiet_storage_logs() -> None:
+    """Keeps the checkpoint library's and asyncio's logs of a full or read-only disk (dozens of tracebacks from
+    their background threads) off the console: the command prints `RunFailed`'s one message instead. Also drops
+    the "Event loop is closed" errors of writes that finish after the checkpoint library closed its event loop."""
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(_StorageNoise())
+    default = sys.unraisablehook
+
+    def hook(unraisable):
+        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+            default(unraisable)
+
+    sys.unraisablehook = hook
+
+
+def describe(error: BaseException) -> str:
+    """`error` in one line, with the function, file and line where its innermost cause was raised."""
+    root = list(_chain(error))[-1]
+    frames = traceback.extract_tb(root.__traceback__) if root.__traceback__ is not None else []
+    where = f" (raised in {frames[-1].name}, {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    text = f"{type(error).__name__}: {error}"
+    if root is not error and str(root) not in str(error):
+        text += f" <- {type(root).__name__}: {root}"
+    return text + where
+
+
+def storage_message(error: BaseException, output_dir: Path, checkpoint_bytes: int) -> str:
+    """One message for a full or read-only disk: the folder, the free and the needed bytes, and what to do."""
+    filename = getattr(error, "filename", None)
+    folder = Path(filename).parent if isinstance(filename, str) else Path(output_dir)
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
+    if (isinstance(error, OSError) and error.errno == errno.EROFS) or STORAGE_TEXTS[2] in str(error):
+        return (f"{folder} is on a read-only filesystem: make it writable or move output_dir to a writable disk "
+                f"({type(error).__name__}: {str(error)[:200]})")
+    free = shutil.disk_usage(existing).free
+    return (f"no space left on the device of {folder}: {free:,} bytes free, and a checkpoint of this run needs about "
+            f"{checkpoint_bytes:,} bytes: free at least that much or move output_dir to a larger disk")
+
+
+def stalled(history: list[dict], limit: int) -> str | None:
+    """Why the run must stop, or None: more than `limit` (train.max_nonfinite_steps) steps skipped for non-finite
+    values, or a gradient norm of exactly 0 on the last `limit` steps (a model that no longer trains)."""
+    skipped = sum(int(h.get("skipped") or 0) for h in history)
+    if skipped > limit:
+        return (f"{skipped} optimizer steps had a non-finite loss or gradient, or an update that would make a "
+                f"parameter non-finite (train.max_nonfinite_steps={limit}); their updates were skipped. Lower "
+                "train.learning_rate, check the reward functions, or raise train.max_nonfinite_steps")
+    if len(history) >= limit and all(h.get("grad_norm") == 0.0 for h in history[-limit:]):
+        return (f"the gradient norm was exactly 0 on the last {limit} optimizer steps (train.max_nonfinite_steps): "
+                "the model is not training. Either every group's rewards were equal with loss.beta=0 "
+                "(frac_reward_zero_std 1: give the rewards more resolution) or the weights saturated (lower "
+                "train.learning_rate); raise train.max_nonfinite_steps to go on regardless")
+    return None
+
+
+def resume_note(output_dir: Path) -> str:
+    """Where a rerun of the same command resumes: the newest complete checkpoint on disk."""
+    checkpoints = Path(output_dir) / "checkpoints"  # grpo_jax.checkpoint.CHECKPOINTS (not imported: no jax here)
+    steps = [int(p.name) for p in checkpoints.glob("*") if p.name.isdigit()]
+    if not steps:
+        return "No checkpoint was written yet: running the same command again starts from step 0"
+    newest = max(steps)
+    return f"Run the same command again to resume from the newest complete checkpoint, {checkpoints / str(newest)} " \
+           f"(step {newest})"
+
+
+def failed(error: Exception, output_dir: Path, checkpoint_bytes: int, *, state=None, history: list | None = None,
+           saved_step: int = -1, save: Callable[[bool], None] | None = None) -> RunFailed:
+    """The `RunFailed` for `error`, after saving the last good `state` with `save(wait)` when it holds steps that
+    no checkpoint has (as a SIGTERM would): not when the disk is what failed, when the state was lost with a
+    failed device computation, or when `history` (one metrics line per step) does not match it."""
+    storage = storage_error(error)
+    if storage is not None:
+        return RunFailed(f"{storage_message(storage, output_dir, checkpoint_bytes)}. {resume_note(output_dir)}")
+    import jax
+
+    note = ""
+    if state is not None and any(x.is_deleted() for x in jax.tree.leaves(state)):
+        note = "The state after the last steps could not be saved: a step that did not finish holds its buffers. "
+    elif save is not None and history is not None and max(saved_step, 0) < int(state.step) == len(history):
+        try:
+            save(True)
+            note = f"The state after step {int(state.step)} was saved first. "
+        except Exception as e:  # noqa: BLE001 - say so; the previous checkpoint stands
+            note = f"Saving step {int(state.step)} failed too ({describe(e)[:300]}). "
+    steps = "" if history is None else f" after optimizer step {len(history)}"
+    return RunFailed(f"training stopped{steps}: {describe(error)}. {note}{resume_note(output_dir)}")

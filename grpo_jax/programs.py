@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -37,6 +39,8 @@ class Programs(NamedTuple):
     - `advantages(rewards_NxF, weights_F, mask_NxT, step_rewards, step_ends) -> (advantages, r_N, std_N)`
     - `take(batch, rows_B) -> Batch`: one step's rows of a round, gathered on the devices
     - `step(state, batch) -> (state, metrics)`: one optimizer step, the state donated
+    - `eval_sample`: `sample` at `eval.temperature` with `eval.num_generations` rows per prompt; None when
+      evaluation samples nothing (`grpo_jax.evaluation`)
     """
 
     sample: Callable
@@ -46,6 +50,27 @@ class Programs(NamedTuple):
     advantages: Callable
     take: Callable
     step: Callable
+    eval_sample: Callable | None = None
+
+
+def use_compilation_cache(path: str | None) -> None:
+    """JAX's persistent compilation cache in `path` (`compilation_cache_dir`), so that a second start of a run (a
+    resume, the same command again) loads its programs instead of compiling them. A cache chosen already (the
+    environment's JAX_COMPILATION_CACHE_DIR, or jax.config in the caller's code) is left as it is. JAX keys each
+    entry by the program, the compile options, the devices and the jaxlib version: a hit is the same executable."""
+    if path is None or jax.config.jax_compilation_cache_dir:
+        return
+    folder = Path(path).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        warnings.warn(f"compilation_cache_dir={path!r} cannot be created ({e.strerror}): compiling without a "
+                      "persistent cache; point compilation_cache_dir at a writable folder, or null to silence this",
+                      RuntimeWarning, stacklevel=2)
+        return
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    # every program, not only those over JAX's default 1 s: a start runs dozens of sub-second ones
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def _on_device(shardings):
@@ -245,9 +270,10 @@ def _sample_key(key, step, draw_index: int):
 
 
 def build(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, options: StepOptions, mesh: Mesh,
-          state_sharding, *, sample: Callable, round_prompt_group_size: int, advantage_options: dict) -> Programs:
-    """The run's programs over `mesh` for a state laid out as `state_sharding`; `sample` is the jitted sampler
-    (`jit_generate`), `round_prompt_group_size` the G of the round's log-prob passes."""
+          state_sharding, *, sample: Callable, round_prompt_group_size: int, advantage_options: dict,
+          eval_sample: Callable | None = None) -> Programs:
+    """The run's programs over `mesh` for a state laid out as `state_sharding`; `sample` and `eval_sample` are
+    jitted samplers (`jit_generate`), `round_prompt_group_size` the G of the round's log-prob passes."""
     logps = functools.partial(jit_logps, mesh=mesh, temperature=options.temperature,
                               chunk_size=options.logps_chunk_size, prompt_group_size=round_prompt_group_size)
     ref_logps = None
@@ -264,4 +290,5 @@ def build(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, optio
         advantages=jit_advantages(mesh, **advantage_options),
         take=jit_take(mesh),
         step=jit_train_step(graphdef, optimizer, options, mesh, state_sharding),
+        eval_sample=eval_sample,
     )

@@ -5,6 +5,8 @@ Reward functions follow TRL's GRPOTrainer convention:
 where every dataset column other than "prompt" arrives as a keyword argument (one value per completion) and None
 means "no opinion on this completion" (it becomes NaN and is skipped by the advantage computation). As in TRL,
 `completion_ids` (the token ids of each completion, EOS included, padding removed) arrives as a keyword too.
+Each function gets its own copy of every argument, so one that edits them in place cannot change what the next
+one scores.
 
 Built-in: `soft_overlong_punishment` (DAPO's length penalty, in tokens), listed in `reward.functions` as
 `grpo_jax.rewards:soft_overlong_punishment` and configured by `reward.soft_punish_cache`; and
@@ -13,6 +15,7 @@ Built-in: `soft_overlong_punishment` (DAPO's length penalty, in tokens), listed 
 
 from __future__ import annotations
 
+import copy
 import importlib
 import math
 import numbers
@@ -22,6 +25,7 @@ from typing import Any
 import numpy as np
 
 SOFT_OVERLONG = "grpo_jax.rewards:soft_overlong_punishment"
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # rewards and advantages are float32
 
 
 def resolve_reward_fn(path: str) -> Callable:
@@ -83,7 +87,7 @@ def get_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int
 
 
 def _to_float(name: str, i: int, value: Any) -> float:
-    """One reward value -> float (None -> NaN); rejects non-numbers and non-finite floats."""
+    """One reward value -> float (None -> NaN); rejects non-numbers, non-finite floats and floats beyond float32."""
     if value is None:
         return math.nan
     if isinstance(value, np.ndarray) and value.ndim == 0:
@@ -99,6 +103,9 @@ def _to_float(name: str, i: int, value: Any) -> float:
         raise ValueError(
             f"reward function '{name}' returned {out} at index {i}: return None to skip a completion instead"
         )
+    if abs(out) > FLOAT32_MAX:
+        raise ValueError(f"reward function '{name}' returned {out} at index {i}: beyond float32's range (±3.4e38), "
+                         "in which rewards are computed: scale the reward down")
     return out
 
 
@@ -111,8 +118,9 @@ def _call_all(reward_fns, prompts, completions, columns):
         if len(values) != n:
             raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
     for name, fn in reward_fns:
+        arguments = copy.deepcopy({"prompts": prompts, "completions": completions, **columns})
         try:
-            out = fn(prompts=prompts, completions=completions, **columns)
+            out = fn(**arguments)
         except Exception as e:
             raise RuntimeError(f"reward function '{name}' raised {type(e).__name__}: {e}") from e
         if isinstance(out, np.ndarray):

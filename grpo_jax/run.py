@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from grpo_jax import checkpoint, cpu, data, programs, rewards, sharding, task
+from grpo_jax import checkpoint, cpu, data, lock, programs, rewards, sharding, task
 from grpo_jax.config import Config, to_dict
 from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, lora, peft_io, resolve_config
 from grpo_jax.state import TrainState, optimizer_from_config
@@ -49,6 +49,7 @@ class Run:
     programs: programs.Programs
     step_prompt_group_size: int = 1  # > 1: a step takes the round's rows in order (whole groups, shared prompts)
     resuming: bool = False  # output_dir holds this run already: `train` continues from its newest checkpoint
+    output_lock: lock.RunLock = dataclasses.field(default_factory=lock.RunLock)  # held; `train` releases it
 
     @property
     def keep_ref(self) -> bool:
@@ -56,24 +57,47 @@ class Run:
         return self.config.train.sync_ref_model
 
 
-def _output_dir(config: Config) -> tuple[Path, bool]:
-    """The run directory, and whether it already holds this run (config.yaml) to resume."""
+def _output_dir(config: Config) -> tuple[Path, bool, lock.RunLock]:
+    """The run directory, whether it already holds this run (config.yaml or checkpoints) to resume, and its lock
+    (held: one writer per run, `grpo_jax.lock`)."""
     if config.output_dir is not None:
         path = Path(config.output_dir)
-        if path.exists() and any(path.iterdir()):
+        if path.is_dir() and any(p.name != lock.LOCK for p in path.iterdir()):
             if not config.resume:
                 raise ValueError(f"output_dir={str(path)!r} is not empty and resume=false: choose a new output_dir, "
                                  "delete it, or set resume=true to continue the run saved there")
-            if not (path / "config.yaml").is_file():
+            if not (path / "config.yaml").is_file() and not (path / checkpoint.CHECKPOINTS).is_dir():
                 raise ValueError(f"output_dir={str(path)!r} is not empty and holds no grpo_jax run (no config.yaml): "
                                  "choose a new output_dir or delete it")
-            return path, True
     else:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         name = "jsonl" if config.data.path else config.data.task
         path = Path("runs") / f"{name}-{stamp}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path, False
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"output_dir={str(path)!r} cannot be created ({e.strerror}): choose an output_dir on a "
+                         "writable filesystem") from e
+    held = lock.acquire(path, multihost=jax.process_count() > 1)
+    resuming = (path / "config.yaml").is_file() or (path / checkpoint.CHECKPOINTS).is_dir()
+    return path, resuming, held
+
+
+def _saved_config(output_dir: Path, config: Config) -> tuple[dict, dict]:
+    """(saved, given) configs of a resumed run as `checkpoint.check_compatible` compares them: config.yaml and
+    `config`; when config.yaml was deleted, the config of the newest checkpoint (whose model section is resolved)
+    and `config` resolved the same way (`model.path`'s architecture, the vocabulary size the run found)."""
+    if (output_dir / "config.yaml").is_file():
+        return yaml.safe_load((output_dir / "config.yaml").read_text()), to_dict(config)
+    saved = checkpoint.saved_config(output_dir)
+    if saved is None:
+        raise ValueError(f"output_dir={str(output_dir)!r} has checkpoints but neither its config.yaml nor any "
+                         "checkpoint's config could be read: put config.yaml back, or choose a new output_dir "
+                         f"(keep {output_dir / checkpoint.CHECKPOINTS} until you no longer need it)")
+    model = resolve_config(config.model)
+    if model.vocab_size is None:
+        model = dataclasses.replace(model, vocab_size=saved.get("model", {}).get("vocab_size"))
+    return saved, to_dict(dataclasses.replace(config, model=model))
 
 
 def _load_data(config: Config, output_dir: Path):
@@ -107,8 +131,18 @@ def _load_data(config: Config, output_dir: Path):
     if config.model.vocab_size is not None and len(tokenizer) > config.model.vocab_size:
         raise ValueError(f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
                          f"{len(tokenizer)} tokens ({tokenizer_dir}): raise model.vocab_size or leave it unset")
-    train_rows = data.load_jsonl(train_path)
-    eval_rows = data.load_jsonl(eval_path)[: config.eval.num_examples] if eval_path else []
+    # every row is checked before the first step: a bad one fails now, naming its line, not halfway through. The
+    # embedded task's rows (digits written here) always tokenize: only a length limit can refuse them
+    check = config.data.path is not None or config.data.truncation == "error"
+    train_rows, lines = data.read_jsonl(train_path)
+    if check:
+        data.check_prompts(train_path, train_rows, lines, tokenizer, config.data.max_prompt_length,
+                           config.data.truncation)
+    eval_rows = []
+    if eval_path:
+        eval_rows, lines = (part[: config.eval.num_examples] for part in data.read_jsonl(eval_path))
+        if config.data.path is not None:
+            data.check_prompts(eval_path, eval_rows, lines, tokenizer, config.data.max_prompt_length, "left")
     return tokenizer, tokenizer_dir, train_rows, eval_rows
 
 
@@ -148,14 +182,26 @@ def build(config: Config, *, loss_fn: Callable | None = None) -> tuple[Run, Trai
 
     `loss_fn` replaces `grpo_jax.losses.compute_loss` in the train step (same signature; see
     `grpo_jax.train_step`): the hook for a custom loss variant. It is not part of `config.yaml`.
-    An `output_dir` holding a run is checked against its config.yaml (`checkpoint.check_compatible`).
+    An `output_dir` holding a run is checked against its config.yaml (`checkpoint.check_compatible`). The run
+    holds `output_dir`'s lock (`Run.output_lock`; a ValueError names the process holding it already) until
+    `run.output_lock.release()`, which `train` calls at its end.
     """
+    programs.use_compilation_cache(config.compilation_cache_dir)
+    output_dir, resuming, held = _output_dir(config)
+    try:
+        return _build(config, output_dir, resuming, held, loss_fn)
+    except BaseException:
+        held.release()
+        raise
+
+
+def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
+           loss_fn: Callable | None) -> tuple[Run, TrainState]:
     speedups = cpu.enabled(config.cpu_speedups)
     if speedups:
         cpu.configure_host_allocator(config.host_allocator)  # before the first jitted call allocates
-    output_dir, resuming = _output_dir(config)
     if resuming:
-        checkpoint.check_compatible(yaml.safe_load((output_dir / "config.yaml").read_text()), to_dict(config))
+        checkpoint.check_compatible(*_saved_config(output_dir, config))
     if jax.process_index() == 0:
         (output_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
     # a model.path fills the architecture, a model.lora.path the adapters' rank, alpha and targets
@@ -200,13 +246,20 @@ def build(config: Config, *, loss_fn: Callable | None = None) -> tuple[Run, Trai
     sample = programs.jit_generate(graphdef, mesh, config=config.sampling, eos_token_ids=eos_ids,
                                    pad_token_id=tokenizer.pad_token_id, params_sharding=state_sharding.params,
                                    prompt_group_size=tc.num_generations, cpu_speedups=speedups)
+    eval_sample = None
+    if config.eval.num_generations and eval_rows:  # evaluation's sampled completions, at their own temperature
+        eval_sample = programs.jit_generate(
+            graphdef, mesh, config=dataclasses.replace(config.sampling, temperature=config.eval.temperature),
+            eos_token_ids=eos_ids, pad_token_id=tokenizer.pad_token_id, params_sharding=state_sharding.params,
+            prompt_group_size=config.eval.num_generations, cpu_speedups=speedups)
     advantage_options = dict(estimator=tc.advantage_estimator, scale_rewards=tc.scale_rewards,
                              multi_objective_aggregation=tc.multi_objective_aggregation,
                              num_generations=tc.num_generations)
     run_programs = programs.build(graphdef, optimizer, options, mesh, state_sharding, sample=sample,
-                                  round_prompt_group_size=round_group, advantage_options=advantage_options)
+                                  round_prompt_group_size=round_group, advantage_options=advantage_options,
+                                  eval_sample=eval_sample)
     run = Run(config=config, output_dir=output_dir, tokenizer=tokenizer, tokenizer_path=tokenizer_dir,
               prompts=prompts, eval_rows=eval_rows, reward_fns=reward_fns, eval_reward_fns=eval_reward_fns,
               mesh=mesh, graphdef=graphdef, schedule=schedule, programs=run_programs,
-              step_prompt_group_size=step_group, resuming=resuming)
+              step_prompt_group_size=step_group, resuming=resuming, output_lock=held)
     return run, state

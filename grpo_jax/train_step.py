@@ -91,7 +91,8 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
                ref_device_sharding=None) -> tuple[TrainState, dict]:
     """Accumulates the GRPO loss gradient over micro-batches and applies one optimizer update.
 
-    A non-finite loss or gradient norm leaves params and optimizer state untouched (`skipped` = 1). The
+    A non-finite loss or gradient norm, or an update that would make any parameter non-finite, leaves params and
+    optimizer state untouched (`skipped` = 1). The
     optimizer sees float32 gradients and params (float32 moments whatever `model.param_dtype`); the update is
     cast back to the params' dtype. With LoRA adapters only they are differentiated and updated
     (`lora.split_trainable`): the base gets no gradient, no optimizer state and no update.
@@ -138,9 +139,11 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
 
     grads = as_float32(grads)
     grad_norm = optax.tree_utils.tree_norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, new_opt_state = optimizer.update(grads, state.opt_state, as_float32(trainable))
     new_trainable = optax.apply_updates(trainable, updates)  # in each param's own dtype
+    # an update that overflows a parameter (a finite gradient times a huge step) is skipped like a NaN gradient
+    params_finite = jax.tree.reduce(jnp.logical_and, jax.tree.map(lambda p: jnp.isfinite(p).all(), new_trainable))
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & params_finite
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
     params = lora.join(keep(new_trainable, trainable), frozen)
     step = state.step + 1

@@ -11,7 +11,6 @@ rewards, mesh, `grpo_jax.programs`), and the maths lives in pure functions behin
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -21,7 +20,8 @@ import numpy as np
 
 from grpo_jax import checkpoint, data, export, preemption, rewards, rounds, sharding
 from grpo_jax.config import Config, to_dict
-from grpo_jax.reporting import MetricsWriter, plain, plot_rewards
+from grpo_jax.evaluation import evaluate, short_names
+from grpo_jax.reporting import MetricsWriter, completion_rows, is_eval, plain, plot_run
 from grpo_jax.run import Run, build
 from grpo_jax.state import TrainState
 from grpo_jax.train_step import Batch
@@ -41,6 +41,7 @@ class RoundBatch(NamedTuple):
     position: int  # steps of the round done
     metrics: dict  # the round's metrics (rewards, lengths), repeated on each of its steps
     seconds: dict  # sample / score / logps seconds of the round
+    completions: list | None = None  # with log_completions: the round's table (`reporting.completion_rows`)
 
 
 def decode(tokenizer, completion_ids: np.ndarray, completion_mask: np.ndarray) -> list[str]:
@@ -56,28 +57,6 @@ def _columns(columns: dict, completion_ids: np.ndarray, completion_mask: np.ndar
                          "completions' token ids under that name, as in TRL)")
     lengths = completion_mask.sum(axis=1)
     return {**columns, "completion_ids": [ids[:n].tolist() for ids, n in zip(completion_ids, lengths)]}
-
-
-def evaluate(run: Run, params) -> dict[str, float]:
-    """Greedy completions of the held-out prompts, scored by `eval.reward_functions` (mean per function)."""
-    if not run.eval_rows:
-        return {}
-    cfg = run.config
-    shards = sharding.num_row_shards(run.mesh)
-    n = len(run.eval_rows)
-    padded = [run.eval_rows[i % n] for i in range(n + (-n) % shards)]  # rows must split over the devices
-    ids, mask, _ = data.tokenize_prompts(run.tokenizer, [r["prompt"] for r in padded], cfg.data.max_prompt_length,
-                                         truncation="left")
-    ids, mask = sharding.host_rows((ids, mask), run.mesh)
-    out = sharding.to_host(run.programs.sample(params, ids, mask, jax.random.PRNGKey(0), True))
-    completion_ids, completion_mask = out.completion_ids[:n], out.completion_mask[:n]
-    prompts = [r["prompt"] for r in run.eval_rows]
-    columns = _columns({k: [r.get(k) for r in run.eval_rows] for k in run.eval_rows[0] if k != "prompt"},
-                       completion_ids, completion_mask)
-    scores = rewards.score_completions(
-        run.eval_reward_fns, *data.reward_inputs(prompts, decode(run.tokenizer, completion_ids, completion_mask)),
-        columns)
-    return {name.split(":")[-1]: float(np.nanmean(scores[:, i])) for i, (name, _) in enumerate(run.eval_reward_fns)}
 
 
 def _completion_metrics(mask: np.ndarray, truncated: np.ndarray) -> dict:
@@ -225,31 +204,44 @@ def prepare_round(run: Run, state: TrainState, round_index: int) -> RoundBatch:
     metrics = {**_reward_metrics(draw.rewards, r_N, std_N, cfg.reward.functions, tc.num_generations),
                **_completion_metrics(draw.completion_mask, draw.is_truncated),
                "prompts/num_truncated": draw.num_prompts_truncated, **sampling_metrics}
+    completions = None
+    if cfg.log_completions:
+        completions = completion_rows(draw.prompts, decode(run.tokenizer, draw.completion_ids, draw.completion_mask),
+                                      draw.rewards, cfg.reward.functions, r_N, sharding.to_host(advantages), mask)
     return RoundBatch(rows=Batch(*rows, advantages=advantages, old_per_token_logps=old, ref_per_token_logps=ref,
                                  sampler_per_token_logps=masked_sampler if tc.use_sampler_logps else None),
                       step_rows=step_rows, round_index=round_index, first_step=int(state.step),
-                      position=0, metrics={k: plain(v) for k, v in metrics.items()}, seconds=seconds)
+                      position=0, metrics={k: plain(v) for k, v in metrics.items()}, seconds=seconds,
+                      completions=completions)
 
 
 def run_steps(run: Run, state: TrainState, round_batch: RoundBatch, *, until: int,
-              stop: Callable[[], bool] | None = None) -> tuple[TrainState, RoundBatch, list[dict]]:
+              stop: Callable[[], bool] | None = None,
+              max_skipped: int | None = None) -> tuple[TrainState, RoundBatch, list[dict]]:
     """The round's next optimizer steps, up to step `until` (counted over the run) or the round's end.
 
     `stop()` is checked before each step (preemption). Steps are dispatched back to back and their metrics
-    fetched once at the end. Returns the state, the round with its new position, and one metrics line per step.
+    fetched once at the end; with `max_skipped` the call also ends right after the step that makes more than
+    that many skipped (non-finite) steps, whose flags it fetches only once that many more steps could exceed it.
+    Returns the state, the round with its new position, and one metrics line per step.
     """
     rb = round_batch
     last = min(len(rb.step_rows), until - rb.first_step)
     timer = time.perf_counter()
     pending, position = [], rb.position
     num_rows = len(rb.rows.completion_ids)
-    while position < last and not (stop is not None and stop()):
+    unchecked = 0  # steps dispatched since the skipped flags were last fetched
+    while position < last and not (stop is not None and stop()) and (max_skipped is None or max_skipped >= 0):
         step_rows = rb.step_rows[position]
         # a step of all the round's rows in order (one step per round) takes them as they are, without a gather
         in_order = len(step_rows) == num_rows and np.array_equal(step_rows, np.arange(num_rows))
         state, metrics = run.programs.step(state, rb.rows if in_order else run.programs.take(rb.rows, step_rows))
         pending.append(metrics)
         position += 1
+        unchecked += 1
+        if max_skipped is not None and unchecked > max_skipped:  # these steps alone could pass the limit
+            max_skipped -= int(sum(jax.device_get([m["skipped"] for m in pending[-unchecked:]])))
+            unchecked = 0
     run.prompts.prefetch()  # the next round's prompts are tokenized while the devices run the steps
     pending = jax.device_get(pending)  # one host sync per call, after every step was dispatched
     t_update = (time.perf_counter() - timer) / max(len(pending), 1)
@@ -269,7 +261,7 @@ def run_round(run: Run, state: TrainState, round_index: int) -> tuple[TrainState
     return run_steps(run, state, prepare_round(run, state, round_index), until=run.config.max_steps)
 
 
-_SCALARS = ("round_index", "first_step", "position", "metrics", "seconds")  # a RoundBatch's JSON part
+_SCALARS = ("round_index", "first_step", "position", "metrics", "seconds", "completions")  # its JSON part
 
 
 def _meta(run: Run, round_index: int, round_batch: RoundBatch | None, history: list, eval_before: dict) -> dict:
@@ -312,10 +304,27 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
 
     Continues the run in `output_dir` from its newest checkpoint when there is one (`resume`). Saves every
     `save_steps` steps and at the end, then exports the policy to `output_dir/final/`. On SIGTERM/SIGINT it
-    finishes the step, saves, and raises `preemption.Preempted`. `loss_fn`: a custom loss with
-    `compute_loss`'s signature, used instead of it (see `build`).
+    finishes the step, saves, and raises `preemption.Preempted`; any other exception during training saves the
+    last good state first and raises `preemption.RunFailed` saying what failed (`preemption.failed`).
+    `loss_fn`: a custom loss with `compute_loss`'s signature, used instead of it (see `build`). The run holds
+    `output_dir`'s lock (one writer per run) until it returns.
     """
     run, state = build(config, loss_fn=loss_fn)
+    try:
+        return _train(config, run, state, show_progress)
+    except (preemption.Preempted, preemption.RunFailed):
+        raise
+    except Exception as error:
+        if preemption.storage_error(error) is None:
+            raise
+        # outside the loop (evaluation, summary, final export): a full or read-only disk gets the same one message
+        raise preemption.failed(error, run.output_dir, checkpoint.nbytes(state, run.keep_ref)) from error
+    finally:
+        run.output_lock.release()
+
+
+def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> dict:
+    """`train` once `build` is done: restore, the round loop with its saves, evaluation and the final export."""
     main = jax.process_index() == 0
     print(f"grpo_jax: output_dir={run.output_dir}  devices={len(run.mesh.devices.flat)} "
           f"({jax.devices()[0].platform})  mesh={dict(run.mesh.shape)}")
@@ -324,64 +333,85 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
     if run.resuming:
         state, round_batch, round_index, history, before = _restore(run, state, mngr)
     saved_step = int(state.step) if history else -1
-    if before is None:
-        before = evaluate(run, state.params)
-    if before:
-        print("held-out greedy before training: " + "  ".join(f"{k}={v:.3f}" for k, v in before.items()))
     writer = MetricsWriter(run.output_dir, max_steps=config.max_steps, initial_step=int(state.step),
                            logging_steps=config.logging_steps, show_progress=show_progress, history=history,
-                           write_file=main)
+                           write_file=main, report_to=config.report_to,
+                           num_completions_to_print=config.num_completions_to_print, run_config=to_dict(config))
+    if before is None:
+        before = evaluate(run, state.params, int(state.step))
+        writer.write_eval(int(state.step), before)
+    after = {}
 
     def save(wait: bool) -> None:
         checkpoint.save(mngr, state, keep_ref=run.keep_ref, wait=wait, arrays=_arrays(round_batch),
                         meta=_meta(run, round_index, round_batch, writer.history, before))
 
     skipped, step = 0, int(state.step)
+    unprepared, failure = None, None  # the data position before a round still being prepared; what stopped the loop
     try:
         with preemption.PreemptionGuard() as guard:
             while step < config.max_steps and not guard.requested:
                 if round_batch is None:
+                    unprepared = run.prompts.state()
                     round_batch = prepare_round(run, state, round_index)
+                    unprepared = None
                 until = config.max_steps
                 if config.save_steps:
                     until = min(until, (step // config.save_steps + 1) * config.save_steps)
+                if config.eval.steps:
+                    until = min(until, (step // config.eval.steps + 1) * config.eval.steps)
                 state, round_batch, lines = run_steps(run, state, round_batch, until=until,
-                                                      stop=lambda: guard.requested)
+                                                      stop=lambda: guard.requested,
+                                                      max_skipped=config.train.max_nonfinite_steps - skipped)
                 for line in lines:
-                    writer.write(line)
+                    writer.write(line, completions=round_batch.completions)
                 step = round_batch.first_step + round_batch.position
                 if round_batch.position == len(round_batch.step_rows):
                     round_batch, round_index = None, round_index + 1
                 skipped = sum(int(h.get("skipped") or 0) for h in writer.history)
-                if skipped > config.train.max_nonfinite_steps:
-                    raise RuntimeError(
-                        f"{skipped} optimizer steps had a non-finite loss or gradient (train.max_nonfinite_steps="
-                        f"{config.train.max_nonfinite_steps}); their updates were skipped. Lower "
-                        "train.learning_rate, check the reward functions, or raise train.max_nonfinite_steps.")
+                stalled = preemption.stalled([h for h in writer.history if not is_eval(h)],
+                                             config.train.max_nonfinite_steps)
+                if stalled:
+                    raise RuntimeError(stalled)
+                if config.eval.steps and step % config.eval.steps == 0 and step < config.max_steps \
+                        and not guard.requested:
+                    writer.write_eval(step, evaluate(run, state.params, step))
                 if config.save_steps and step % config.save_steps == 0 and step < config.max_steps \
                         and not guard.requested:
                     save(wait=False)
                     saved_step = step
+            if not guard.requested:
+                after = _evaluate_after(run, state, writer, step)
             if step != saved_step:
                 save(wait=True)
             if guard.requested:
                 raise preemption.Preempted(guard.signum, step, mngr.directory / str(step))
+    except preemption.Preempted:
+        raise
+    except Exception as error:
+        failure = error
+        if unprepared is not None:  # the round's prompts are drawn again on resume
+            run.prompts.restore(unprepared)
+        raise preemption.failed(error, run.output_dir, checkpoint.nbytes(state, run.keep_ref, _arrays(round_batch)),
+                                state=state, history=writer.history, saved_step=saved_step, save=save) from error
     finally:
-        mngr.wait_until_finished()
-        mngr.close()
+        try:
+            mngr.wait_until_finished()
+            mngr.close()
+        except Exception:  # a save that failed with the error in flight: that error says it
+            if failure is None:
+                raise
         writer.close()
-        if writer.history and main:
-            plot_rewards(writer.history, run.output_dir / "reward.png")
-    after = evaluate(run, state.params)
-    if after:
-        print("held-out greedy after training:  " + "  ".join(f"{k}={v:.3f}" for k, v in after.items()))
+        if writer.history and main and (failure is None or preemption.storage_error(failure) is None):
+            plot_run(writer.history, run.output_dir)
     summary = {"output_dir": str(run.output_dir), "steps": int(state.step), "skipped_steps": skipped,
-               "eval_before": before, "eval_after": after, **_reward_summary(writer.history)}
+               "eval_before": short_names(before), "eval_after": short_names(after),
+               **_reward_summary(writer.history)}
     final = run.output_dir / "final"
     if main:
         (run.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        shutil.rmtree(final, ignore_errors=True)
-    fmt = export.export_policy(run.graphdef, run.config.model, state.params, final, tokenizer=run.tokenizer)
+    fmt = export.export_policy(run.graphdef, run.config.model, state.params, final, tokenizer=run.tokenizer,
+                               overwrite=True)  # the run's own final/ of an earlier end, replaced whole
     if main:
         print(f"reward first 10% of steps={summary['reward_first_10pct']:.3f}  "
               f"last 10%={summary['reward_last_10pct']:.3f}  plot: {run.output_dir / 'reward.png'}  "
@@ -389,7 +419,19 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
     return summary
 
 
+def _evaluate_after(run: Run, state: TrainState, writer: MetricsWriter, step: int) -> dict:
+    """The evaluation after training, logged; one logged at this step already (a resumed run that had ended)
+    is reused."""
+    last = writer.history[-1] if writer.history else {}
+    if is_eval(last) and last["step"] == step:
+        return {k: v for k, v in last.items() if k != "step"}
+    metrics = evaluate(run, state.params, step)
+    writer.write_eval(step, metrics)
+    return metrics
+
+
 def _reward_summary(history: list[dict]) -> dict:
+    history = [h for h in history if not is_eval(h)]
     rewards_ = np.array([np.nan if h.get("reward") is None else h["reward"] for h in history], dtype=float)
     k = max(1, len(rewards_) // 10)
     return {"reward_first_10pct": float(np.nanmean(rewards_[:k])),

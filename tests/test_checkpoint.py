@@ -1,5 +1,7 @@
 """Checkpoints: resumed == uninterrupted bit for bit, torn and corrupted saves, config checks."""
 
+import errno
+import importlib
 import json
 import shutil
 import subprocess
@@ -14,8 +16,11 @@ import orbax.checkpoint as ocp
 import pytest
 import yaml
 
-from grpo_jax import checkpoint, trainer
+from grpo_jax import checkpoint, task, trainer
+from grpo_jax.cli import main as cli_main
 from grpo_jax.config import load_config, to_dict
+from grpo_jax.preemption import RunFailed
+from grpo_jax.reporting import MetricsWriter
 from grpo_jax.state import TrainState
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,6 +142,43 @@ def test_restore_skips_unreadable_steps_and_says_when_none_is_valid(tmp_path):
         checkpoint.restore_latest(checkpoint.manager(tmp_path), _small_state(0.0, 0), keep_ref=False)
 
 
+def test_a_flipped_bit_is_caught_by_the_checksums(tmp_path, capsys):
+    """One flipped bit in an array file of the newest step: `grpo-jax verify` names the file, and a restore warns,
+    moves the step aside and uses the previous one. A step without checksums.json (written before they existed)
+    restores unverified, without a warning."""
+    mngr = checkpoint.manager(tmp_path, save_total_limit=None)
+    for step in (1, 2):
+        params = {"w": jax.random.normal(jax.random.PRNGKey(step), (64, 64)), "b": jnp.arange(3, dtype=jnp.float32)}
+        checkpoint.save(mngr, _small_state(0.0, step)._replace(params=params), keep_ref=False, meta={"n": step},
+                        wait=True)
+    assert cli_main(["verify", str(tmp_path)]) == 0
+    assert "checkpoints/2: ok" in capsys.readouterr().out
+    files = [p for p in (tmp_path / "checkpoints" / "2" / "state").rglob("*") if p.is_file()]
+    largest = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    data[len(data) // 2] ^= 1 << 3
+    largest.write_bytes(bytes(data))
+    assert cli_main(["verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "checkpoints/1: ok" in out and "checkpoints/2: CORRUPTED: 1 file(s)" in out
+    assert f"{largest.relative_to(tmp_path / 'checkpoints' / '2').as_posix()}: contents differ" in out
+    fresh = _small_state(0.0, 0)._replace(params={"w": jnp.zeros((64, 64)), "b": jnp.zeros(3)})
+    with pytest.warns(RuntimeWarning, match="checkpoints/2 could not be restored .*does not match its checksums"):
+        step, state, _, _ = checkpoint.restore_latest(checkpoint.manager(tmp_path), fresh, keep_ref=False)
+    assert step == 1 and [p.name.split("-")[0] for p in (tmp_path / "unreadable_checkpoints").iterdir()] == ["2"]
+    np.testing.assert_array_equal(state.params["w"], jax.random.normal(jax.random.PRNGKey(1), (64, 64)))
+    (tmp_path / "checkpoints" / "1" / checkpoint.CHECKSUMS).unlink()
+    (tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp").mkdir()  # a save cut short
+    assert cli_main(["verify", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoints/1: not verifiable" in out and "3.orbax-checkpoint-tmp: a save cut short" in out
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert checkpoint.restore_latest(checkpoint.manager(tmp_path), fresh, keep_ref=False)[0] == 1
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["1"]  # the leftover removed at start
+
+
 KILL_SCRIPT = textwrap.dedent("""
     import sys, time
     import jax, jax.numpy as jnp
@@ -185,3 +227,170 @@ def test_resume_false_on_a_non_empty_output_dir_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="is not empty and resume=false: choose a new output_dir, delete it, or set "
                                          "resume=true"):
         trainer.build(load_config(None, [f"output_dir={tmp_path}", "resume=false"]))
+
+
+# --- failures lose nothing -------------------------------------------------------------------------------
+
+FLAKY = {}
+
+
+def flaky_reward(prompts, completions, **kwargs):
+    """The embedded task's reward; on its FLAKY["raise_at"]-th call it raises (a reward function failing late in
+    a run), on its FLAKY["fill_at"]-th call it fills the disk with FLAKY["ballast"] (another writer)."""
+    FLAKY["calls"] += 1
+    if FLAKY["calls"] == FLAKY["raise_at"]:
+        raise ConnectionError("the grading service went away")
+    if FLAKY["calls"] == FLAKY["fill_at"]:
+        try:
+            with open(FLAKY["ballast"], "wb", buffering=0) as f:
+                while True:
+                    f.write(b"\0" * 4096)
+        except OSError:  # full
+            pass
+    return task.char_accuracy(prompts, completions, **kwargs)
+
+
+FLAKY_RUN = ["max_steps=6", "reward.functions=[tests.test_checkpoint:flaky_reward]"]
+
+
+@pytest.fixture
+def flaky():
+    """FLAKY of the module `reward.functions` imports (`tests.test_checkpoint`, not pytest's `test_checkpoint`)."""
+    state = importlib.import_module("tests.test_checkpoint").FLAKY
+    state.update(calls=0, raise_at=None, fill_at=None, ballast=None)
+    yield state
+    state.update(calls=0, raise_at=None, fill_at=None, ballast=None)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """metrics lines and final state of the 6-step run of `flaky_reward` that nothing stops."""
+    out = tmp_path_factory.mktemp("whole")
+    importlib.import_module("tests.test_checkpoint").FLAKY.update(calls=0, raise_at=None, fill_at=None)
+    _train(out, *FLAKY_RUN, "save_steps=0")
+    return _lines(out), _state(out)[0]
+
+
+def _mount(path: Path, options: str) -> Path | None:
+    """`path`, a new tmpfs mounted with `options`; None where this platform does not let the tests mount one
+    (it needs root, CAP_SYS_ADMIN and mount(8))."""
+    path.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                                 capture_output=True, check=False).returncode == 0
+    except OSError:
+        mounted = False
+    return path if mounted else None
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB filesystem of its own."""
+    disk = _mount(tmp_path / "disk", "size=4m")
+    if disk is None:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN) and mount(8)")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_reward_failing_late_saves_first_and_the_rerun_continues_bitwise(tmp_path, flaky, uninterrupted):
+    """The reward raises while the third round is prepared (after step 4, no checkpoint yet): the state after
+    step 4 is saved, the error names the function, file and line, and a rerun of the same command (even with
+    config.yaml deleted) continues as if nothing had happened."""
+    flaky["raise_at"] = 3
+    with pytest.raises(RunFailed, match=r"training stopped after optimizer step 4: RuntimeError: reward function "
+                       r"'tests.test_checkpoint:flaky_reward' raised ConnectionError: the grading service went away "
+                       r"\(raised in flaky_reward, .*test_checkpoint.py:\d+\)\. The state after step 4 was saved "
+                       r"first\. Run the same command again to resume from the newest complete checkpoint, "
+                       r".*checkpoints/4 \(step 4\)"):
+        _train(tmp_path, *FLAKY_RUN, "save_steps=0")
+    (tmp_path / "config.yaml").unlink()  # recovered from the checkpoint, not "delete the run folder"
+    flaky["raise_at"] = None
+    _train(tmp_path, *FLAKY_RUN, "save_steps=0")
+    lines, state = uninterrupted
+    assert _lines(tmp_path) == lines
+    _assert_same_state(_state(tmp_path)[0], state)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's writes after the failure
+def test_a_full_disk_stops_with_one_message_and_the_last_checkpoint_intact(small_disk, flaky, uninterrupted):
+    """Another writer fills the run's filesystem in the middle of the run: one message names the folder and the
+    bytes, no save is attempted, the last complete checkpoint verifies, metrics.jsonl ends in a whole line, and
+    once there is space again the same command finishes the run bit for bit."""
+    out = small_disk / "run"
+    flaky.update(fill_at=3, ballast=small_disk / "ballast")
+    with pytest.raises(RunFailed, match=r"no space left on the device of .*: [\d,]+ bytes free, and a checkpoint of "
+                       r"this run needs about [\d,]+ bytes: free at least that much or move output_dir to a larger "
+                       r"disk\. Run the same command again to resume from the newest complete checkpoint") as failure:
+        _train(out, *FLAKY_RUN, "save_steps=1")
+    newest = int(str(failure.value).rsplit("(step ", 1)[1].rstrip(")"))
+    assert newest >= 3
+    ok, report = checkpoint.verify_run(out)
+    assert ok, report
+    text = (out / "metrics.jsonl").read_text()
+    assert text.endswith("\n") and len([json.loads(line) for line in text.splitlines()]) >= newest
+    (small_disk / "ballast").unlink()
+    flaky["fill_at"] = None
+    _train(out, *FLAKY_RUN, "save_steps=1")
+    assert not list((out / "checkpoints").glob("*" + checkpoint.TMP_SUFFIX))  # removed at start
+    lines, state = uninterrupted
+    assert _lines(out) == lines
+    _assert_same_state(_state(out)[0], state)
+
+
+def test_metrics_log_keeps_whole_lines_when_a_write_fails(tmp_path, monkeypatch):
+    """A write cut short by a full disk (injected: half the line, then ENOSPC) leaves the log at its last whole line."""
+    writer = MetricsWriter(tmp_path, max_steps=2, show_progress=False)
+    writer.write({"step": 1, "reward": 0.5})
+    real_open = Path.open
+
+    class HalfThenFull:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def write(self, data):
+            self.f.write(data[:len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "open", lambda self, *a, **k: HalfThenFull(real_open(self, *a, **k)))
+    with pytest.raises(OSError, match="No space left"):
+        writer.write({"step": 2, "reward": 0.25})
+    monkeypatch.undo()
+    assert (tmp_path / "metrics.jsonl").read_text() == json.dumps({"step": 1, "reward": 0.5}) + "\n"
+
+
+LOCK_SCRIPT = "import sys, time; from grpo_jax import lock; held = lock.acquire(sys.argv[1]); print('locked', " \
+              "flush=True); time.sleep(120)"
+
+
+def test_one_writer_per_output_dir(tmp_path):
+    """A second run on an output_dir a live process holds is refused, naming that process; once it is dead its
+    lock is stale and the next run takes it. A read-only output_dir is one clear error."""
+    proc = subprocess.Popen([sys.executable, "-c", LOCK_SCRIPT, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "locked\n", proc.communicate()
+        with pytest.raises(ValueError, match=rf"output_dir='{tmp_path}' is in use by another grpo_jax run \(pid "
+                                             rf"{proc.pid} on host .*, since .*\): wait for that run to end"):
+            trainer.build(load_config(None, [f"output_dir={tmp_path}", *TINY]))
+    finally:
+        proc.kill()
+        proc.wait()
+    from grpo_jax import lock
+    lock.acquire(tmp_path).release()
+    readonly = _mount(tmp_path / "ro", "size=64k,ro")
+    if readonly is not None:
+        try:
+            with pytest.raises(ValueError, match=r"output_dir='.*ro' is not writable \(Read-only file system"):
+                trainer.build(load_config(None, [f"output_dir={readonly}", *TINY]))
+        finally:
+            subprocess.run(["umount", "-l", str(readonly)], check=False)

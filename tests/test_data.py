@@ -57,6 +57,22 @@ def test_load_jsonl_round_trips_write_jsonl(tmp_path):
     assert data.load_jsonl(tmp_path / "a.jsonl") == rows
 
 
+def test_every_prompt_is_checked_before_training_and_named_by_its_line(tmp_path, tok):
+    """A row the tokenizer rejects (a lone surrogate), or one too long with truncation=error, fails before the
+    first step, named by its file and line (blank lines counted), not by its index in some later batch."""
+    rows = [{"prompt": "12>"}, {"prompt": "a\ud800b>"}, {"prompt": "123456789>"}]
+    path = _write(tmp_path, "\n".join([json.dumps(rows[0]), "", json.dumps(rows[1]), json.dumps(rows[2])]) + "\n")
+    loaded, lines = data.read_jsonl(path)
+    assert loaded == rows and lines == [1, 3, 4]
+    with pytest.raises(ValueError, match=r"d.jsonl: line 3: the prompt .* cannot be tokenized \(TypeError: .*\): "
+                                         r"fix or remove that line"):
+        data.check_prompts(path, loaded, lines, tok, 8, "left")
+    data.check_prompts(path, [rows[0], rows[2]], [1, 4], tok, 8, "left")  # truncated later, counted
+    with pytest.raises(ValueError, match=r"d.jsonl: line 4: the prompt '123456789>' has 10 tokens > "
+                                         r"data.max_prompt_length=8: raise data.max_prompt_length"):
+        data.check_prompts(path, [rows[0], rows[2]], [1, 4], tok, 8, "error")
+
+
 # --- tokenize_prompts ------------------------------------------------------------------------------------
 
 

@@ -155,6 +155,7 @@ def test_module_help_is_fast_and_does_not_import_jax(argv):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "section.key=value" in result.stdout
+    assert "grpo-jax export --help" in " ".join(result.stdout.split())  # the other commands are listed
     imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "|" in line]
     heavy = [name for name in imported if name.split(".")[0] in ("jax", "jaxlib", "flax", "optax", "transformers")]
     assert not heavy, f"`python -m grpo_jax {' '.join(argv)}` imported {heavy[:5]}: keep cli.py imports lazy"
@@ -168,6 +169,7 @@ def test_console_script_help():
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert "section.key=value" in result.stdout
+    assert "grpo-jax export --help" in " ".join(result.stdout.split())  # the other commands are listed
 
 
 def test_default_config_file_is_the_default_run():

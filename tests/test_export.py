@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
 from grpo_jax import export
 from grpo_jax.cli import main as cli_main
@@ -32,3 +33,41 @@ def test_export_round_trip(tmp_path, capsys):
         assert (out / "tokenizer.json").is_file()
     assert cli_main(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "x")]) == 1
     assert "neither a run's output_dir" in capsys.readouterr().err
+    # an existing folder is never deleted or overwritten unless asked, and then only by a complete export
+    (out / "notes.txt").write_text("mine")
+    assert cli_main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(out)]) == 1
+    assert "already exists and is not empty: choose a new folder, or pass --overwrite" in capsys.readouterr().err
+    assert cli_main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(out), "--overwrite"]) == 0
+    assert not (out / "notes.txt").exists() and (out / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export1", "export2", "run"]  # no temporary folder left
+    assert cli_main(["verify", str(tmp_path / "run")]) == 0
+    assert "checkpoints/2: ok" in capsys.readouterr().out
+
+
+def test_a_failed_export_leaves_the_folder_as_it_was(tmp_path, tiny_model, monkeypatch):
+    """The Hugging Face write fails on a full disk (injected) after writing part of the files: the user's folder
+    keeps its files, nothing half-written is left, and the error is the disk's (no fallback, no exit 0)."""
+    import errno
+
+    from grpo_jax import models
+
+    config, graphdef, params = tiny_model
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_text("the user's own")
+
+    def disk_full(model, params, path, **kwargs):
+        (path / "model.safetensors").parent.mkdir(parents=True)
+        (path / "model.safetensors").write_text("half")
+        raise OSError(errno.ENOSPC, "No space left on device", str(path / "model.safetensors"))
+
+    monkeypatch.setattr(models, "save_pretrained", disk_full)
+    with pytest.raises(OSError, match="No space left on device"):
+        export.export_policy(graphdef, config, params, out, overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert [(p.name, p.read_text()) for p in out.iterdir()] == [("model.safetensors", "the user's own")]
+    with pytest.raises(ValueError, match="already exists and is not empty"):
+        export.export_policy(graphdef, config, params, out)
+    bad = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(np.nan) if x.ndim else x, params)
+    with pytest.raises(ValueError, match="hold NaN or inf"):
+        export.export_policy(graphdef, config, bad, tmp_path / "new")

@@ -7,6 +7,7 @@ one device is tests/test_sharding.py's.)
 """
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -69,6 +70,15 @@ def worker(process_id: int, port: int, folder: Path) -> None:
     params = sharding.to_host(state.params)
     if jax.process_index() == 0:
         np.savez(folder / "params.npz", loss=np.asarray(metrics["loss"]), **_flat(params))
+    # one writer per run: process 0 holds the output_dir's lock, and every process learns that it is taken
+    from grpo_jax import lock
+    held = lock.acquire(folder, multihost=True)
+    try:
+        lock.acquire(folder, multihost=True)
+        raise AssertionError("a second lock on the folder was granted")
+    except ValueError as e:
+        assert ("held by this process already" if jax.process_index() == 0 else "process 0 says which") in str(e)
+    held.release()
     jax.distributed.shutdown()
 
 
@@ -98,7 +108,9 @@ def test_two_processes_equal_one(tmp_path):
     expected = _flat(jax.device_get(state.params))
 
     port = _free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+    # the workers compile as this process does (conftest's XLA_FLAGS), with 2 devices each
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {flags}", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, __file__, str(i), str(port), str(tmp_path)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]

@@ -6,6 +6,7 @@ import sys
 import textwrap
 import time
 
+from grpo_jax import preemption
 from tests.test_checkpoint import ROOT, TINY, _assert_same_state, _lines, _state, _train
 
 
@@ -50,3 +51,14 @@ def test_a_second_signal_exits_at_once():
     assert result.returncode == 128 + signal.SIGTERM, result.stderr
     assert "requested True True" in result.stdout and "still running" not in result.stdout
     assert "second SIGTERM: exiting now without saving" in result.stdout
+
+
+def test_a_run_stops_right_past_the_non_finite_limit_or_when_its_gradient_stays_zero():
+    """Over `limit` skipped steps stop the run at once; so do `limit` steps in a row with a gradient norm of exactly 0
+    (a saturated model, or rewards that never differ with beta 0), while a zero norm now and then does not."""
+    ok, skipped, dead = {"skipped": 0, "grad_norm": 0.5}, {"skipped": 1, "grad_norm": None}, {"skipped": 0,
+                                                                                             "grad_norm": 0.0}
+    assert preemption.stalled([ok, skipped, dead, skipped, ok], 2) is None
+    assert preemption.stalled([skipped, ok, skipped, skipped], 2).startswith("3 optimizer steps had a non-finite loss")
+    assert preemption.stalled([dead, ok, dead], 2) is None
+    assert "gradient norm was exactly 0 on the last 2 optimizer steps" in preemption.stalled([ok, dead, dead], 2)

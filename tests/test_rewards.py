@@ -71,6 +71,7 @@ def _raises(prompts, completions, **kw):
     ([1.0, float("inf")], ValueError, r"'bad' returned inf at index 1: return None to skip a completion instead"),
     ([float("nan"), 1.0], ValueError, r"'bad' returned nan at index 0: return None to skip"),
     ([1.0, "1"], ValueError, r"'bad' returned str '1' at index 1: rewards must be numbers"),
+    ([1.0, 1e39], ValueError, r"'bad' returned 1e\+39 at index 1: beyond float32's range"),
 ])
 def test_score_completions_bad_returns(ret, exc, match):
     with pytest.raises(exc, match=match):
@@ -82,6 +83,25 @@ def test_score_completions_function_raises():
     with pytest.raises(RuntimeError, match=r"'boom' raised KeyError") as info:
         rewards.score_completions([("boom", _raises)], ["p"], ["c"], {})
     assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_each_reward_function_gets_its_own_copy_of_its_arguments():
+    def editing(prompts, completions, completion_ids, answer):
+        prompts[0], completions[0], answer[1] = "edited", "edited", "edited"
+        completion_ids[0].append(99)
+        return [0.0, 0.0]
+
+    seen = []
+
+    def spy(**kwargs):
+        seen.append(kwargs)
+        return [1.0, 1.0]
+
+    columns = {"answer": ["a", "b"], "completion_ids": [[1], [2, 1]]}
+    scores = rewards.score_completions([("editing", editing), ("spy", spy)], ["p", "q"], ["c", "d"], columns)
+    assert seen == [{"prompts": ["p", "q"], "completions": ["c", "d"], **columns}]
+    assert columns == {"answer": ["a", "b"], "completion_ids": [[1], [2, 1]]}
+    np.testing.assert_array_equal(scores, [[0.0, 1.0], [0.0, 1.0]])
 
 
 def test_score_completions_column_length_mismatch():

@@ -1,7 +1,13 @@
 """The orchestrating loop end to end on the embedded task: learning, run directory, and bad input."""
 
 import dataclasses
+import importlib.util
 import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -9,6 +15,9 @@ import pytest
 
 from grpo_jax import trainer
 from grpo_jax.config import load_config
+from grpo_jax.reporting import plain
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # a short run of the embedded task: few steps, small rounds (the default run is the README's command)
 QUICK = ["max_steps=4", "train.train_batch_size=16", "train.num_generations=4", "eval.num_examples=8",
@@ -29,18 +38,22 @@ def raising_reward(prompts, completions, **kwargs):
 
 
 def test_reward_rises_on_the_embedded_task(tmp_path):
-    """A short GRPO run (well under 60 s) lifts the reward well above its start on the default task."""
+    """The README's command, as a user runs it (one CPU device, XLA's default flags, not the suite's), lifts the
+    reward well above its start on the default task in a short run."""
     # a higher learning rate than the default's 5e-4 climbs faster early (and plateaus lower later). Seed 1: seed 0
     # climbs late at this rate, and where it stands at step 500 swings with float rounding (2.8x-5.1x between two
     # matmul formulations; seeds 1 and 2 reach 8.6x-14x with either)
-    config = load_config(None, [f"output_dir={tmp_path}", "seed=1", "max_steps=500", "train.learning_rate=2e-3",
-                                "eval.num_examples=0"])
-    summary = trainer.train(config, show_progress=False)
+    cmd = [sys.executable, "-m", "grpo_jax", "--no-progress", f"output_dir={tmp_path}", "seed=1", "max_steps=500",
+           "train.learning_rate=2e-3", "eval.num_examples=0"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "devices=1 (cpu)" in result.stdout
     history = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rewards = np.array([h["reward"] for h in history])
     first, last = rewards[:50].mean(), rewards[-50:].mean()
     assert last > 3 * first and last - first > 0.1, (first, last)
-    assert summary["reward_last_10pct"] == pytest.approx(last)
+    assert f"last 10%={last:.3f}" in result.stdout
 
 
 def test_run_directory_contents(tmp_path):
@@ -49,7 +62,11 @@ def test_run_directory_contents(tmp_path):
     summary = trainer.train(config, show_progress=False)
     assert load_config(str(tmp_path / "config.yaml")) == config
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in lines] == [1, 2, 3, 4]
+    assert [line["step"] for line in lines] == [0, 1, 2, 3, 4, 4]  # held-out evaluation before and after
+    evals, lines = [lines[0], lines[-1]], lines[1:-1]
+    assert set(evals[0]) == {"step", "eval/greedy/exact_match", "eval/greedy/char_accuracy"}
+    assert summary["eval_after"] == {"exact_match": evals[1]["eval/greedy/exact_match"],
+                                     "char_accuracy": evals[1]["eval/greedy/char_accuracy"]}
     required = {"step", "reward", "reward_std", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean",
                 "clip_ratio/region_mean", "completions/mean_length", "entropy", "grad_norm", "learning_rate",
                 "step_time", "step_time/sample", "step_time/score", "step_time/logps", "step_time/update",
@@ -60,13 +77,12 @@ def test_run_directory_contents(tmp_path):
     assert lines[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the first update starts at the reference
     assert (tmp_path / "reward.png").stat().st_size > 1000
     assert (tmp_path / "tokenizer" / "tokenizer.json").is_file()
-    assert set(summary["eval_after"]) == {"exact_match", "char_accuracy"}
 
 
 def test_on_policy_round_skips_old_logps(tmp_path, monkeypatch):
     """With one update per round the old-policy forward is never run (old = sg(logp))."""
-    config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "max_steps=2", "eval.num_examples=0",
-                                "loss.beta=0"])
+    # the programs of test_a_step_gets_its_rows[16-1] and _one_round (compiled once per session)
+    config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "max_steps=1", "eval.num_examples=0"])
     run, state = trainer.build(config)
     calls = []
     run = spy(run, logps=lambda *a: calls.append(1) or run.programs.logps(*a))
@@ -86,8 +102,10 @@ def test_bad_reward_functions_stop_with_their_name(tmp_path, path, match):
 
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
+    """Rounds of two steps, every one non-finite, a limit of 2: the run stops right after the third skipped step,
+    inside its round (not at the round's end), and saves that state first."""
     config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "eval.num_examples=0",
-                                "train.max_nonfinite_steps=2"])
+                                "train.max_nonfinite_steps=2", "train.steps_per_generation=2"])
     real = trainer.rounds.round_advantages
 
     def nan_advantages(*args, **kwargs):
@@ -95,10 +113,12 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
         return advantages * np.nan, r, std
 
     monkeypatch.setattr(trainer.rounds, "round_advantages", nan_advantages)
-    with pytest.raises(RuntimeError, match="3 optimizer steps had a non-finite loss .*train.max_nonfinite_steps=2"):
+    with pytest.raises(RuntimeError, match="3 optimizer steps had a non-finite loss .*train.max_nonfinite_steps=2.*"
+                                           "The state after step 3 was saved first"):
         trainer.train(config, show_progress=False)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line["skipped"] for line in lines] == [1, 1, 1]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["3"]
 
 
 def test_output_dir_must_be_empty(tmp_path):
@@ -226,6 +246,10 @@ def half_constant_reward(prompts, completions, **kwargs):
     return [1.0 if int(p[0]) % 2 == 0 else float(i % 2) for i, p in enumerate(prompts)]
 
 
+def alternating_reward(prompts, completions, **kwargs):
+    return [float(i % 2) for i in range(len(completions))]
+
+
 def constant_reward(prompts, completions, **kwargs):
     return [1.0] * len(completions)
 
@@ -326,7 +350,9 @@ def test_training_from_a_hugging_face_folder(tmp_path):
     folder = hf_fixtures.save_model(hf_fixtures.build_model("qwen2", tied=True), tmp_path / "hf")
     task.build_tokenizer(tmp_path / "hf")  # the embedded task's characters; the model's vocab is larger
     config = load_config(None, [f"output_dir={tmp_path}/run", *QUICK, "max_steps=2", "eval.num_examples=0",
-                                f"model.path={folder}", "loss.beta=0.04", "train.learning_rate=1e-3"])
+                                f"model.path={folder}", "loss.beta=0.04", "train.learning_rate=1e-3",
+                                # rewards that differ inside every group: the update cannot be zero
+                                "reward.functions=[tests.test_trainer:alternating_reward]"])
     run, state = trainer.build(config)
     assert run.config.model.hidden_size == 64 and run.config.model.vocab_size == hf_fixtures.VOCAB
     ids = np.array([[3, 4, 5, 6], [0, 7, 8, 9]], np.int32)
@@ -366,3 +392,113 @@ def test_offloaded_reference_trains_like_one_on_the_devices(tmp_path, sync):
     jax.tree.map(np.testing.assert_array_equal, trees, trees_on_device)
     moved = any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(trees[1]), jax.tree.leaves(initial_ref)))
     assert moved == sync  # with TR-DPO the comparison covers the mixing path
+
+
+def odd_start(prompts, completions, **kwargs):
+    """1 for completions that start with an odd digit: a few of a random policy's, so pass@k and maj@n move."""
+    return [float(c[:1] in tuple("13579")) for c in completions]
+
+
+def _wandb_history(output_dir) -> list[dict]:
+    """The history rows of the offline W&B run in output_dir, read from its .wandb file (LevelDB log records of
+    W&B's protobuf Records)."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = (output_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    data, block, position, records, part = path.read_bytes(), 32768, 7, [], b""  # 7: W&B's file header
+    while position + 7 <= len(data):
+        if block - position % block < 7:  # a block's tail too short for a record header is padding
+            position += block - position % block
+            continue
+        length, kind = struct.unpack("<HB", data[position + 4:position + 7])
+        part += data[position + 7:position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            records.append(part)
+            part = b""
+    rows = []
+    for raw in records:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item})
+    return rows
+
+
+def test_reporting_and_evaluation_during_training(tmp_path, monkeypatch, capsys):
+    """One short run with every output on: metrics in metrics.jsonl, TensorBoard (read back with its own reader)
+    and W&B (offline), completion tables every logging_steps, evaluation every 2 steps with pass@k and maj@n, the
+    plots; and it trains exactly as the same rounds run without evaluation or reporting."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    pytest.importorskip("tensorboardX")
+    has_wandb = importlib.util.find_spec("wandb") is not None
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    # 4 held-out prompts x 4 samples at the training temperature: the same sampler programs as training's
+    config = load_config(None, [
+        f"output_dir={tmp_path / 'run'}", *QUICK, "eval.num_examples=4", "eval.steps=2", "eval.num_generations=4",
+        "eval.pass_at_k=[1,2,4]", "eval.reward_functions=[tests.test_trainer:odd_start,grpo_jax.task:exact_match]",
+        f"report_to=[jsonl,tensorboard{',wandb' if has_wandb else ''}]", "log_completions=true",
+        "num_completions_to_print=2", "logging_steps=2"])
+    summary = trainer.train(config, show_progress=False)
+    out = tmp_path / "run"
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps, evals = [h for h in lines if "reward" in h], {h["step"]: h for h in lines if "eval/pass@1" in h}
+    assert [h["step"] for h in steps] == [1, 2, 3, 4] and sorted(evals) == [0, 2, 4] and len(lines) == 7
+
+    # evaluation: pass@1 is the fraction correct, pass@k grows with k, maj@4 is a fraction of the 4 prompts
+    for h in evals.values():
+        assert h["eval/pass@1"] == pytest.approx(h["eval/rewards/odd_start/mean"])
+        assert h["eval/pass@1"] <= h["eval/pass@2"] <= h["eval/pass@4"] and h["eval/maj@4"] in (0, 0.25, 0.5, 0.75, 1)
+        assert {"eval/greedy/odd_start", "eval/greedy/exact_match", "eval/reward"} <= set(h)
+    assert 0 < evals[0]["eval/pass@1"] < evals[0]["eval/pass@4"]
+    assert summary["eval_after"]["pass@4"] == evals[4]["eval/pass@4"]
+    assert summary["eval_before"]["odd_start"] == evals[0]["eval/greedy/odd_start"]
+
+    # TensorBoard: every metric under TRL's name there, the completion tables as text
+    events = accumulator.EventAccumulator(str(out / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    for tag, expected in (("train/reward", {h["step"]: h["reward"] for h in steps}),
+                          ("eval/pass@2", {s: h["eval/pass@2"] for s, h in evals.items()})):
+        logged = {e.step: e.value for e in events.Scalars(tag)}
+        assert sorted(logged) == sorted(expected)
+        np.testing.assert_allclose([logged[s] for s in expected], list(expected.values()), rtol=1e-6)  # float32
+    assert [e.step for e in events.Tensors("completions/text_summary")] == [2, 4]
+
+    # completions.jsonl: the whole round of each logging step, its rows giving the round's reward metrics
+    rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2] * 16 + [4] * 16
+    for h in steps[1::2]:
+        table = [r for r in rows if r["step"] == h["step"]]
+        assert np.mean([r["reward"] for r in table]) == pytest.approx(h["reward"], rel=1e-5)
+        assert np.mean([r["char_accuracy"] for r in table]) == pytest.approx(h["rewards/char_accuracy/mean"], rel=1e-5)
+        for group in np.array([[r["reward"], r["advantage"]] for r in table]).reshape(4, 4, 2):
+            np.testing.assert_allclose(group[:, 1].sum(), 0.0, atol=1e-4)  # group-centred
+            assert (np.sign(group[:, 1]) == np.sign(group[:, 0] - group[:, 0].mean())).all()
+    console = capsys.readouterr()
+    assert [line.split("  ")[0] for line in console.err.splitlines() if line.startswith("grpo step")] \
+        == ["grpo step 2/4", "grpo step 4/4"]
+    assert "Step 2" in console.out and "Step 4" in console.out and "held-out eval at step 2:" in console.out
+
+    if has_wandb:  # an offline W&B run with the same metrics
+        history = _wandb_history(out)
+        logged = {(r["_step"], k): v for r in history for k, v in r.items() if not k.startswith("_")}
+        assert all(logged[(h["step"], "train/reward")] == pytest.approx(h["reward"]) for h in steps)
+        assert all(logged[(s, "eval/maj@4")] == evals[s]["eval/maj@4"] for s in (0, 2, 4))
+        assert logged[(2, "completions/nrows")] == logged[(4, "completions/nrows")] == 16  # the tables
+    assert (out / "reward.png").stat().st_size > 1000 and (out / "training.png").stat().st_size > 1000
+
+    # the same config without evaluation or outputs, its rounds run one by one: the same training, line for line
+    quiet = dataclasses.replace(config, output_dir=str(tmp_path / "quiet"), report_to=(), log_completions=False,
+                                eval=dataclasses.replace(config.eval, num_examples=0))
+    run, state = trainer.build(quiet)
+    expected = []
+    for round_index in range(4):
+        state, _, round_lines = trainer.run_round(run, state, round_index)
+        expected += round_lines
+
+    def untimed(line):
+        return {k: v for k, v in json.loads(json.dumps({k: plain(v) for k, v in line.items()})).items()
+                if not k.startswith("step_time")}
+    assert [untimed(h) for h in steps] == [untimed(h) for h in expected]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 # The loss types whose per-token surrogate is the PPO clipped one (and whose clip ratios TRL logs).
@@ -57,6 +58,10 @@ class LossConfig:
         choose("vllm_importance_sampling_mode", IS_CORRECTION_MODES)
         if self.beta < 0:
             raise ValueError(f"loss.beta={self.beta} is negative: use beta >= 0 (0 disables the KL term)")
+        for name in ("beta", "epsilon", "entropy_coef"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"loss.{name}={getattr(self, name)} must be a finite number (it would make every "
+                                 "loss NaN or infinite)")
         if self.epsilon < 0:
             raise ValueError(f"loss.epsilon={self.epsilon} is negative: use epsilon >= 0 (0.2 is typical)")
         if self.epsilon_high is not None and self.epsilon_high < 0:

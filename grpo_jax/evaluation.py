@@ -1,0 +1,123 @@
+"""Held-out evaluation on the mesh with the jitted samplers: greedy, and n sampled completions per prompt.
+
+`evaluate(run, params, step)` returns metrics under `eval/` (see docs/configuration.md, "What a run writes"):
+
+- `eval/greedy/<fn>`: one arg-max completion per prompt, mean of each `eval.reward_functions`.
+- with `eval.num_generations` = n > 0, n completions per prompt at `eval.temperature`: TRL's names
+  (`eval/reward`, the unweighted sum of the functions; `eval/rewards/<fn>/mean|std`, `eval/completions/...`),
+  `eval/pass@k` for k in `eval.pass_at_k` (the unbiased estimator of Chen et al. 2021, arXiv 2107.03374) and
+  `eval/maj@n` (the most common answer `eval.answer_extractor` pulls out of the n completions is correct).
+
+A completion is correct when the first of `eval.reward_functions` gives it 1 or more (exact match, math
+accuracy). The sampled pass draws its key from a stream of its own (`eval_key`): evaluating never moves the
+training key, the data order or any host RNG, so a run trains the same with and without it.
+Dimension letters: P prompts, n completions per prompt, N = P x n rows, F reward functions.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import jax
+import numpy as np
+
+from grpo_jax import data, rewards, sharding
+
+EVAL_STREAM = 0x6576616C  # "eval", folded into the seed's key: a stream the training key never meets
+
+
+def pass_at_k(num_correct_P, n: int, k: int) -> np.ndarray:
+    """Unbiased pass@k of each prompt from n samples, c of them correct: 1 - C(n-c, k) / C(n, k).
+
+    Computed as 1 - prod_{i=n-c+1}^{n} (1 - k/i) (Chen et al. 2021, Fig. 3), which never forms the large
+    binomials; 1 when n - c < k. [P] float64.
+    """
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@{k} needs 1 <= k <= n = {n} samples per prompt")
+    c_P = np.asarray(num_correct_P, np.int64)
+    return np.array([1.0 if n - c < k else 1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)) for c in c_P])
+
+
+def majority_vote(answers_PxN: list[list], correct_PxN: np.ndarray) -> np.ndarray:
+    """[P] bool: the most common answer (None: no answer, no vote) of each prompt's n samples is correct.
+
+    Ties go to the answer seen first; the answer is judged by the first sample that gave it. A prompt
+    none of whose samples gave an answer counts as wrong.
+    """
+    out_P = np.zeros(len(answers_PxN), bool)
+    for p, answers in enumerate(answers_PxN):
+        votes = Counter(a for a in answers if a is not None)
+        if votes:
+            top = votes.most_common(1)[0][0]  # Counter keeps first-seen order among equal counts
+            out_P[p] = bool(correct_PxN[p][answers.index(top)])
+    return out_P
+
+
+def sampled_metrics(rewards_NxF: np.ndarray, names, answers_N: list, lengths_N: np.ndarray, *,
+                    num_generations: int, ks) -> dict[str, float]:
+    """The `eval/` metrics of N = P x n sampled completions (rows group-major: row p*n + j is prompt p)."""
+    n = num_generations
+    short = [name.split(":")[-1] for name in names]
+    correct_PxN = (np.nan_to_num(rewards_NxF[:, 0], nan=0.0) >= 1.0).reshape(-1, n)
+    total_N = np.where(np.isnan(rewards_NxF).all(axis=1), np.nan, np.nansum(rewards_NxF, axis=1))  # as TRL's
+    out = {"eval/reward": np.nanmean(total_N)}
+    for i, name in enumerate(short):
+        out[f"eval/rewards/{name}/mean"] = np.nanmean(rewards_NxF[:, i])
+        out[f"eval/rewards/{name}/std"] = np.nanstd(rewards_NxF[:, i])
+    out["eval/completions/mean_length"] = np.mean(lengths_N)
+    for k in ks:
+        out[f"eval/pass@{k}"] = np.mean(pass_at_k(correct_PxN.sum(axis=1), n, k))
+    answers_PxN = [answers_N[p * n:(p + 1) * n] for p in range(len(correct_PxN))]
+    out[f"eval/maj@{n}"] = np.mean(majority_vote(answers_PxN, correct_PxN))
+    return {k: float(v) for k, v in out.items()}
+
+
+def eval_key(seed: int):
+    """The root key of evaluation's sampling, apart from the training key `PRNGKey(seed)`."""
+    return jax.random.fold_in(jax.random.PRNGKey(seed), EVAL_STREAM)
+
+
+def _generate(run, sample, params, n: int, key, greedy: bool):
+    """n completions of every held-out prompt: (texts, rewards_NxF, completion_mask), N = P x n group-major."""
+    cfg, rows = run.config, run.eval_rows
+    num_prompts, shards = len(rows), sharding.num_row_shards(run.mesh)
+    padded = num_prompts
+    while (padded * n) % shards:  # whole prompts, repeated until the rows split over the devices
+        padded += 1
+    ids, mask, _ = data.tokenize_prompts(run.tokenizer, [rows[i % num_prompts]["prompt"] for i in range(padded)],
+                                         cfg.data.max_prompt_length, truncation="left")
+    ids, mask = sharding.host_rows((np.repeat(ids, n, axis=0), np.repeat(mask, n, axis=0)), run.mesh)
+    out = sharding.to_host(sample(params, ids, mask, key, greedy))
+    completion_ids, completion_mask = out.completion_ids[:num_prompts * n], out.completion_mask[:num_prompts * n]
+    # as the training rounds hand them to reward functions: EOS kept in the ids, padding removed
+    token_ids = [row[:length] for row, length in zip(completion_ids.tolist(), completion_mask.sum(axis=1))]
+    texts = run.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
+    columns = {k: [r.get(k) for r in rows for _ in range(n)] for k in dict.fromkeys(k for r in rows for k in r)
+               if k != "prompt"}
+    columns["completion_ids"] = token_ids
+    prompts = [r["prompt"] for r in rows for _ in range(n)]
+    scores = rewards.score_completions(run.eval_reward_fns, *data.reward_inputs(prompts, texts), columns)
+    return texts, scores, completion_mask
+
+
+def evaluate(run, params, step: int) -> dict[str, float]:
+    """The held-out metrics of `params` after `step` optimizer steps (see the module docstring); {} without
+    held-out rows. Runs `run.programs.sample` (greedy) and `run.programs.eval_sample` (sampled)."""
+    if not run.eval_rows:
+        return {}
+    cfg = run.config.eval
+    names = [name.split(":")[-1] for name, _ in run.eval_reward_fns]
+    _, scores, _ = _generate(run, run.programs.sample, params, 1, jax.random.PRNGKey(0), True)
+    metrics = {f"eval/greedy/{name}": float(np.nanmean(scores[:, i])) for i, name in enumerate(names)}
+    if cfg.num_generations:
+        key = run.programs.sample_key(eval_key(run.config.seed), step, 0)
+        texts, scores, mask = _generate(run, run.programs.eval_sample, params, cfg.num_generations, key, False)
+        extract = rewards.resolve_reward_fn(cfg.answer_extractor)
+        metrics.update(sampled_metrics(scores, names, [extract(t) for t in texts], mask.sum(axis=1),
+                                       num_generations=cfg.num_generations, ks=cfg.ks))
+    return metrics
+
+
+def short_names(metrics: dict) -> dict:
+    """Metrics as summary.json and the console name them: `eval/` dropped, greedy rewards by function name."""
+    return {k.removeprefix("eval/").removeprefix("greedy/"): v for k, v in metrics.items()}
