@@ -102,7 +102,7 @@ def test_gradients_reach_only_the_adapters(tiny_model, tmp_path):
     assert all(a.dtype == np.float32 and not np.array_equal(a, _adapters(before)[k])
                for k, a in _adapters(after).items())
     assert float(metrics["my/kl"]) > 0
-    mngr = checkpoint.manager(tmp_path, async_saving=False)
+    mngr = checkpoint.manager(tmp_path)
     checkpoint.save(mngr, new_state, keep_ref=False, meta={}, wait=True)
     restored, _, _ = checkpoint.restore_step(mngr, 1, new_state, keep_ref=False)
     mngr.close()

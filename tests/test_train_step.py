@@ -259,7 +259,8 @@ def test_learning_rate_schedule_against_formula(kind):
             expected = lr * step / warmup
         else:
             frac = (step - warmup) / (total - warmup)
-            expected = {"constant": lr, "linear": lr * (1 - frac), "cosine": lr * 0.5 * (1 + np.cos(np.pi * frac))}[kind]
+            expected = {"constant": lr, "linear": lr * (1 - frac),
+                        "cosine": lr * 0.5 * (1 + np.cos(np.pi * frac))}[kind]
         # atol: optax evaluates 1 + cos(pi * frac) in float32, which cancels near the end of the decay
         np.testing.assert_allclose(float(schedule(step)), expected, rtol=1e-5, atol=lr * 1e-6)
 
