@@ -249,8 +249,10 @@ class _PhaseTimer:
         return result
 
 
-def run_trl(model_dir: str, prompts: Path, s: Setting, *, steps: int, warmup: int, threads: int = 2) -> dict:
+def run_trl(model_dir: str, prompts: Path, s: Setting, *, steps: int, warmup: int, threads: int = 2,
+            lora_rank: int = 0) -> dict:
     """TRL 1.16 GRPOTrainer with timers around generation, rewards, no-grad log-probs and the whole step.
+    ``lora_rank`` > 0: TRL's `peft_config` with PEFT adapters of that rank on all linear layers (alpha 2r).
 
     sample = `_generate`; score = the rest of `_generate_and_score_completions` (rewards, advantages, decoding)
     minus logps; logps = `_get_per_token_logps_and_entropies` under no_grad (reference; old when needed);
@@ -273,7 +275,12 @@ def run_trl(model_dir: str, prompts: Path, s: Setting, *, steps: int, warmup: in
         use_cpu=True, bf16=False, fp16=False, save_strategy="no", seed=s.seed, disable_tqdm=True,
         dataloader_num_workers=0)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=char_accuracy, args=args,
+    peft_config = None
+    if lora_rank:
+        import peft
+        peft_config = peft.LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
+                                      target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=char_accuracy, args=args, peft_config=peft_config,
                               train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer)
     totals: dict = {}
     tokens: list[int] = []
@@ -341,6 +348,8 @@ def main(argv=None) -> dict:
                         help="grpo_jax config override, e.g. model.remat=dots (repeatable)")
     parser.add_argument("--profile", metavar="DIR",
                         help="trace one more grpo_jax round into DIR and add its per-op summary")
+    parser.add_argument("--lora", type=int, default=0, metavar="R",
+                        help="LoRA adapters of rank R (alpha 2R) on all linear layers, for both libraries (TRL: peft)")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args(argv)
     if args.size is not None and args.impl != "grpo_jax":
@@ -362,14 +371,18 @@ def main(argv=None) -> dict:
               "warmup": args.warmup, "flops": step_flops(architecture(args.model, args.size), s),
               "host_allocator": args.host_allocator,
               "host_allocator_applied": configure_host_allocator(args.host_allocator)}
+    lora = (f"model.lora.rank={args.lora}", f"model.lora.alpha={2 * args.lora}") if args.lora else ()
+    if args.lora:
+        result["lora_rank"] = args.lora
     if args.impl in ("both", "grpo_jax"):
         result["grpo_jax"] = run_grpo_jax(args.model, args.size, prompts, s, steps=args.steps, warmup=args.warmup,
                                           dtype=args.dtype, param_dtype=args.param_dtype,
                                           logps_chunk_size=args.logps_chunk_size,
                                           host_allocator=args.host_allocator,
-                                          overrides=tuple(args.overrides), profile_dir=args.profile)
+                                          overrides=lora + tuple(args.overrides), profile_dir=args.profile)
     if args.impl in ("both", "trl"):
-        result["trl"] = run_trl(args.model, prompts, s, steps=args.steps, warmup=args.warmup, threads=args.threads)
+        result["trl"] = run_trl(args.model, prompts, s, steps=args.steps, warmup=args.warmup, threads=args.threads,
+                                lora_rank=args.lora)
     if args.impl == "both":
         result["ratio_grpo_jax_over_trl"] = ratios(result["grpo_jax"], result["trl"])
         # the device's peak: the faster library's measured matmul; both fractions against it

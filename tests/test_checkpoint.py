@@ -69,7 +69,9 @@ def _train(output_dir: Path, *overrides: str) -> dict:
     ["train.num_iterations=2", "train.sync_ref_model=true", "train.ref_model_sync_steps=3"],
     ["train.dynamic_sampling=true", "train.max_num_gen_batches=3",
      "reward.functions=[tests.test_trainer:half_constant_reward]"],
-], ids=["mu1", "mu2_sync_ref", "dynamic_sampling"])
+    # LoRA on a bfloat16 base: the checkpoint holds the adapters' optimizer state only, the reference is the base
+    ["model.lora.rank=4", "model.lora.alpha=8", "model.param_dtype=bfloat16"],
+], ids=["mu1", "mu2_sync_ref", "dynamic_sampling", "lora_bf16"])
 def test_resumed_run_equals_uninterrupted_run_bitwise(tmp_path, capsys, options):
     """Stopped inside a round (max_steps=3 of a 2- or 4-step round), then resumed to 6 steps: same bits."""
     _train(tmp_path / "whole", "max_steps=6", "save_steps=0", *options)
@@ -85,6 +87,10 @@ def test_resumed_run_equals_uninterrupted_run_bitwise(tmp_path, capsys, options)
     (whole_state, whole_step), (split_state, split_step) = _state(tmp_path / "whole"), _state(tmp_path / "split")
     assert whole_step == split_step == 6
     _assert_same_state(whole_state, split_state)
+    if "model.lora.rank=4" in options:  # adapters trained, and only they carry Adam moments
+        flat = _flat(split_state)
+        assert any("lora_b" in k and np.abs(v).max() > 0 for k, v in flat.items() if k.startswith("params"))
+        assert all("lora" in k for k in flat if k.startswith("opt_state") and flat[k].ndim > 1), sorted(flat)
     assert (tmp_path / "split" / "final").is_dir()
 
 
