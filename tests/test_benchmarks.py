@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import grpo_step  # noqa: E402
+import lora_decode  # noqa: E402
 import make_models  # noqa: E402
 
 from grpo_jax.models import ModelConfig, init_model  # noqa: E402
@@ -116,3 +117,10 @@ def test_trace_summary_self_times_and_kinds(tmp_path):
     path.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
     s = trace_summary.summarize(path)
     assert s["where"] == "device streams" and s["per_kind_ms"] == pytest.approx({"matmul": 0.007})
+
+
+def test_lora_decode_merged_and_on_the_fly_sample_the_same_tokens():
+    result = lora_decode.main(["--size", "tiny", "--rank", "4", "--rows", "2", "--prompt-length", "4",
+                               "--new-tokens", "4", "--repeats", "1"])
+    assert result["same_tokens_fraction"] == 1.0
+    assert result["merged_per_call_tokens_per_s"] > 0 and result["on_the_fly_tokens_per_s"] > 0
