@@ -2,7 +2,8 @@
 
 The test process writes the batches and runs the data=2 x fsdp=2 mesh over 4 of its own devices; two worker
 processes (this file run as a script, 2 CPU devices each, the same mesh over the 4 global devices) each feed their
-half of every batch with `sharding.shard_rows` and write the final params, gathered, for comparison. (Sharded ==
+half of every batch with `sharding.shard_rows` and write the final params, gathered, for comparison; they then
+write a checkpoint together, check it against its checksums, and both learn of a bit flipped in it. (Sharded ==
 one device is tests/test_sharding.py's.)
 """
 
@@ -70,6 +71,30 @@ def worker(process_id: int, port: int, folder: Path) -> None:
     params = sharding.to_host(state.params)
     if jax.process_index() == 0:
         np.savez(folder / "params.npz", loss=np.asarray(metrics["loss"]), **_flat(params))
+    # a checkpoint written collectively carries process 0's checksums, and every process learns of a flipped bit
+    from jax.experimental import multihost_utils
+
+    from grpo_jax import checkpoint
+    mngr = checkpoint.manager(folder / "run")
+    checkpoint.save(mngr, state, keep_ref=True, meta={}, wait=True)
+    restored, _, _ = checkpoint.restore_step(mngr, STEPS, state, keep_ref=True)
+    assert _flat(sharding.to_host(restored.params)).keys() == _flat(params).keys()
+    for name, value in _flat(sharding.to_host(restored.params)).items():
+        np.testing.assert_array_equal(value, _flat(params)[name], err_msg=name)
+    step_dir = folder / "run" / checkpoint.CHECKPOINTS / str(STEPS)
+    if jax.process_index() == 0:
+        assert checkpoint.verify_step(step_dir) == []
+        largest = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+        data = bytearray(largest.read_bytes())
+        data[len(data) // 2] ^= 1
+        largest.write_bytes(bytes(data))
+    multihost_utils.sync_global_devices("bit flipped")
+    try:
+        checkpoint.check_checksums(mngr.directory, STEPS)
+        raise AssertionError("a flipped bit passed the checksums")
+    except ValueError as e:
+        assert ("contents differ" if jax.process_index() == 0 else "named in process 0's warning") in str(e), e
+    mngr.close()
     # one writer per run: process 0 holds the output_dir's lock, and every process learns that it is taken
     from grpo_jax import lock
     held = lock.acquire(folder, multihost=True)
