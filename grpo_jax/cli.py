@@ -18,7 +18,8 @@ def _train_parser() -> argparse.ArgumentParser:
         "the same output_dir again to resume from its newest checkpoint.",
         epilog="other commands: `grpo-jax export --help` (a checkpoint's policy to a Hugging Face folder), "
         "`grpo-jax verify --help` (a run's checkpoints against their checksums)")
-    parser.add_argument("--config", help="YAML config file (see configs/); keys not given keep their defaults")
+    parser.add_argument("--config", help="YAML config file, or the name of a packaged recipe (see configs/: "
+                        "cispo, dapo, dr_grpo, grpo_deepseekmath, gspo, ...); keys not given keep their defaults")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar: one line every logging_steps steps on stderr instead")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",

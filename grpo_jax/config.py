@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from grpo_jax import trl_keys
 from grpo_jax.advantages import MULTI_OBJECTIVE_AGGREGATIONS
 from grpo_jax.cpu import HOST_ALLOCATORS
 from grpo_jax.distributed import DistributedConfig
@@ -370,7 +371,8 @@ def from_dict(cls: type, values: dict, prefix: str = "") -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(values) - set(names))
     if unknown:
-        raise ValueError(f"unknown config key {prefix}{unknown[0]}: valid keys here are {', '.join(names)}")
+        hint = trl_keys.suggestions(prefix + unknown[0], names, trl_keys.every_key(to_dict(Config())))
+        raise ValueError(f"unknown config key {prefix}{unknown[0]}{hint}: valid keys here are {', '.join(names)}")
     kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in values.items()}
     return cls(**kwargs)
 
@@ -384,18 +386,38 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     tree[keys[-1]] = value
 
 
+RECIPES = Path(__file__).parent / "recipes"  # the packaged copy of configs/ (a link in a source checkout)
+
+
+def recipes() -> list[str]:
+    """The names of the packaged recipes (`configs/*.yaml`), for `--config NAME`."""
+    return sorted(p.stem for p in RECIPES.glob("*.yaml"))
+
+
+def _config_file(path: str) -> Path:
+    """`--config`'s file: a YAML path, or the name of a packaged recipe ('dapo' is configs/dapo.yaml)."""
+    file = Path(path)
+    if file.is_file():
+        return file
+    recipe = RECIPES / (path if path.endswith((".yaml", ".yml")) else f"{path}.yaml")
+    if "/" not in path and recipe.is_file():
+        return recipe
+    raise ValueError(f"config file {path!r} does not exist: pass an existing YAML file to --config, or the name of "
+                     f"a packaged recipe: {', '.join(recipes())}")
+
+
 def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Builds a `Config` from an optional YAML file and `dotted.key=value` overrides (values parsed as YAML)."""
+    """Builds a `Config` from an optional YAML file (or packaged recipe name, `recipes()`) and `dotted.key=value`
+    overrides (values parsed as YAML; TRL's flat names allowed, `grpo_jax.trl_keys`)."""
     values: dict = {}
     if path is not None:
-        file = Path(path)
-        check(file.is_file(), f"config file {path!r} does not exist: pass an existing YAML file to --config")
+        file = _config_file(path)
         try:
             values = yaml.safe_load(file.read_text()) or {}
         except yaml.YAMLError as e:
             raise ValueError(f"config file {path!r} is not valid YAML: {e}") from e
         check(isinstance(values, dict), f"config file {path!r} must hold a mapping of keys")
-    return from_dict(Config, _with_overrides(values, overrides))
+    return from_dict(Config, _with_overrides(trl_keys.translate(values), overrides))
 
 
 def apply_overrides(config: Config, overrides: typing.Sequence[str]) -> Config:
@@ -407,5 +429,5 @@ def _with_overrides(values: dict, overrides: typing.Sequence[str]) -> dict:
     for item in overrides:
         check("=" in item, f"override {item!r} must look like section.key=value, e.g. train.learning_rate=1e-4")
         key, raw = item.split("=", 1)
-        _set_dotted(values, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        _set_dotted(values, trl_keys.dotted(key.strip()), yaml.safe_load(raw) if raw.strip() else None)
     return values

@@ -237,6 +237,11 @@ class PromptIterator:
         """Position of the next prompt: epoch and index into that epoch's permutation."""
         return {"epoch": self._epoch, "index": self._index}
 
+    @property
+    def epoch(self) -> float:
+        """Epochs read so far, fractional (TrainerState's `epoch`)."""
+        return self._epoch + self._index / len(self._rows)
+
     def restore(self, state: dict[str, int]) -> None:
         """Continue from a position returned by `state()`."""
         epoch, index = int(state["epoch"]), int(state["index"])

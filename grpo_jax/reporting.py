@@ -43,8 +43,10 @@ def is_eval(line: dict) -> bool:
 
 
 def completion_rows(prompts: list, completions: list[str], rewards_NxF: np.ndarray, names, reward_N: np.ndarray,
-                    advantages: np.ndarray, mask_NxT: np.ndarray) -> list[dict]:
-    """A round's completions as TRL logs them: prompt, completion, each reward function, total reward, advantage.
+                    advantages: np.ndarray, mask_NxT: np.ndarray, extra: dict | None = None) -> list[dict]:
+    """A round's completions as TRL logs them: prompt, completion, each reward function, total reward, advantage,
+    and the columns reward functions logged with `log_extra` (one value per completion; a column with another
+    count, e.g. from DAPO's discarded passes, is left out).
 
     Per-token advantages (process supervision, [N, T]) are shown as their mean over the completion's tokens.
     """
@@ -52,9 +54,11 @@ def completion_rows(prompts: list, completions: list[str], rewards_NxF: np.ndarr
     if advantages.ndim == 2:
         advantages = (advantages * mask_NxT).sum(axis=1) / np.maximum(mask_NxT.sum(axis=1), 1)
     short = [name.split(":")[-1] for name in names]
+    columns = {k: v for k, v in (extra or {}).items() if len(v) == len(completions)}
     return [{"prompt": prompts[i], "completion": completions[i],
              **{name: plain(rewards_NxF[i, f]) for f, name in enumerate(short)},
-             "reward": plain(reward_N[i]), "advantage": plain(advantages[i])} for i in range(len(completions))]
+             "reward": plain(reward_N[i]), "advantage": plain(advantages[i]),
+             **{column: plain(values[i]) for column, values in columns.items()}} for i in range(len(completions))]
 
 
 def _text(value) -> str:
@@ -63,7 +67,11 @@ def _text(value) -> str:
 
 
 def _cell(value) -> str:
-    return "" if value is None else f"{value:.2f}" if isinstance(value, float) else _text(value)
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return _text(value) if isinstance(value, str | list) else str(value)  # log_extra columns hold anything
 
 
 class _TensorBoard:

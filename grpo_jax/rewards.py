@@ -4,9 +4,13 @@ Reward functions follow TRL's GRPOTrainer convention:
     fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]
 where every dataset column other than "prompt" arrives as a keyword argument (one value per completion) and None
 means "no opinion on this completion" (it becomes NaN and is skipped by the advantage computation). As in TRL,
-`completion_ids` (the token ids of each completion, EOS included, padding removed) arrives as a keyword too.
+`completion_ids` (the token ids of each completion, EOS included, padding removed) arrives as a keyword too, and,
+as TRL 1.16 passes them, to a function that accepts them (by name or `**kwargs`): `trainer_state` (a
+`transformers.TrainerState`: `global_step`, `max_steps`, `epoch`), `log_metric(name, value)` (a scalar averaged over
+the round and logged with its steps' metrics) and `log_extra(column, values)` (a column of the completions table).
 Each function gets its own copy of every argument, so one that edits them in place cannot change what the next
-one scores.
+one scores. `async def` functions are awaited concurrently, on one event loop that lives as long as the process
+(as TRL's `async_loop`).
 
 Built-in: `soft_overlong_punishment` (DAPO's length penalty, in tokens), listed in `reward.functions` as
 `grpo_jax.rewards:soft_overlong_punishment` and configured by `reward.soft_punish_cache`; and
@@ -15,10 +19,15 @@ Built-in: `soft_overlong_punishment` (DAPO's length penalty, in tokens), listed 
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import functools
 import importlib
+import inspect
 import math
 import numbers
+import threading
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -109,20 +118,111 @@ def _to_float(name: str, i: int, value: Any) -> float:
     return out
 
 
-def _call_all(reward_fns, prompts, completions, columns):
-    """Calls every function once; yields (name, its list of N values) after checking the list's shape."""
+class RewardLog:
+    """What reward functions log through TRL's `log_metric` and `log_extra` during one round."""
+
+    def __init__(self):
+        self.metrics: dict[str, list[float]] = defaultdict(list)
+        self.extra: dict[str, list] = defaultdict(list)
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics[str(name)].append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        self.extra[str(column)].extend(values)
+
+    def metric_means(self) -> dict[str, float]:
+        """Each logged metric's mean over the round (TRL averages them over a logging step)."""
+        return {name: float(np.mean(values)) for name, values in self.metrics.items() if values}
+
+
+def trainer_state(global_step: int, max_steps: int, epoch: float):
+    """The `trainer_state` TRL passes to reward functions: a `transformers.TrainerState` of the run so far."""
+    from transformers import TrainerState
+
+    return TrainerState(global_step=int(global_step), max_steps=int(max_steps), epoch=float(epoch))
+
+
+def is_async_callable(fn: Callable) -> bool:
+    """Whether calling `fn` returns a coroutine: async functions, partials of them, callables with an async
+    `__call__` (TRL's `is_async_callable`)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def _accepts(fn: Callable, keyword: str) -> bool:
+    """Whether `fn` takes `keyword` as a keyword argument (by that name, or through **kwargs)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (some builtins): pass only what every function gets
+        return False
+    return any(p.kind is p.VAR_KEYWORD or (p.name == keyword and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+               for p in parameters)
+
+
+class _Loop:
+    """One event loop on a daemon thread for the process: async reward functions keep their clients bound to it
+    from one round to the next."""
+
+    _loop: asyncio.AbstractEventLoop | None = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def run(cls, coroutine):
+        with cls._lock:
+            if cls._loop is None:
+                cls._loop = asyncio.new_event_loop()
+                threading.Thread(target=cls._loop.run_forever, name="grpo_jax-rewards", daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(coroutine, cls._loop).result()
+
+
+def _outputs(reward_fns, arguments: list[dict]) -> list:
+    """Every function's return value (or the exception it raised): the synchronous ones in order, then the
+    async ones awaited together."""
+    outputs: list = [None] * len(reward_fns)
+    pending = []
+    for f, ((name, fn), args) in enumerate(zip(reward_fns, arguments)):
+        if is_async_callable(fn):
+            pending.append(f)
+            continue
+        try:
+            outputs[f] = fn(**args)
+        except Exception as e:
+            raise RuntimeError(f"reward function '{name}' raised {type(e).__name__}: {e}") from e
+    if pending:
+        async def gather():
+            return await asyncio.gather(*(reward_fns[f][1](**arguments[f]) for f in pending), return_exceptions=True)
+
+        for f, out in zip(pending, _Loop.run(gather())):
+            if isinstance(out, Exception):
+                raise RuntimeError(f"reward function '{reward_fns[f][0]}' raised {type(out).__name__}: {out}") \
+                    from out
+            outputs[f] = out
+    return outputs
+
+
+def _call_all(reward_fns, prompts, completions, columns, context: dict | None = None):
+    """Calls every function once; yields (name, its list of N values) after checking the list's shape.
+
+    `context`: TRL's extra keywords (`trainer_state`, `log_metric`, `log_extra`), passed to the functions that
+    accept them."""
     n = len(completions)
     if len(prompts) != n:
         raise ValueError(f"got {len(prompts)} prompts for {n} completions")
     for key, values in columns.items():
         if len(values) != n:
             raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
+    arguments = []
     for name, fn in reward_fns:
-        arguments = copy.deepcopy({"prompts": prompts, "completions": completions, **columns})
-        try:
-            out = fn(**arguments)
-        except Exception as e:
-            raise RuntimeError(f"reward function '{name}' raised {type(e).__name__}: {e}") from e
+        extra = {k: v for k, v in (context or {}).items() if _accepts(fn, k)}
+        arguments.append({**copy.deepcopy({"prompts": prompts, "completions": completions, **columns}), **extra})
+    for (name, fn), out in zip(reward_fns, _outputs(reward_fns, arguments)):
+        if inspect.isawaitable(out):
+            if inspect.iscoroutine(out):
+                out.close()  # never awaited: no "coroutine was never awaited" warning on top of this error
+            raise ValueError(f"reward function '{name}' returned a coroutine from a synchronous call: declare it "
+                             "`async def` (async functions are awaited) or return the list itself")
         if isinstance(out, np.ndarray):
             out = out.tolist() if out.ndim == 1 else out
         if isinstance(out, (str, bytes)) or not isinstance(out, Sequence):
@@ -140,17 +240,19 @@ def score_completions(
     prompts: list[str],
     completions: list[str],
     columns: dict[str, list],
+    context: dict | None = None,
 ) -> np.ndarray:
-    """Call every reward function on the N completions; returns rewards_NxF float32 (NaN where None)."""
+    """Call every reward function on the N completions; returns rewards_NxF float32 (NaN where None).
+    `context`: TRL's `trainer_state`, `log_metric` and `log_extra`, for the functions that take them."""
     rewards_NxF = np.full((len(completions), len(reward_fns)), np.nan, dtype=np.float32)
-    for f, (name, out) in enumerate(_call_all(reward_fns, prompts, completions, columns)):
+    for f, (name, out) in enumerate(_call_all(reward_fns, prompts, completions, columns, context)):
         rewards_NxF[:, f] = [_to_float(name, i, v) for i, v in enumerate(out)]
     return rewards_NxF
 
 
 def score_steps(reward_fns: Sequence[tuple[str, Callable]], weights_F: Sequence[float], prompts: list[str],
-                completions: list[str], columns: dict[str, list], lengths_N: Sequence[int]
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                completions: list[str], columns: dict[str, list], lengths_N: Sequence[int],
+                context: dict | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Process supervision: every function returns, per completion, a list of (end_token_index, reward) steps.
 
     The index is the 0-based completion-token position of the step's last token, in [0, len(completion_ids)).
@@ -163,7 +265,7 @@ def score_steps(reward_fns: Sequence[tuple[str, Callable]], weights_F: Sequence[
     n = len(completions)
     rewards_NxF = np.full((n, len(reward_fns)), np.nan, dtype=np.float32)
     steps: list[list[tuple[int, float]]] = [[] for _ in range(n)]
-    for f, (name, out) in enumerate(_call_all(reward_fns, prompts, completions, columns)):
+    for f, (name, out) in enumerate(_call_all(reward_fns, prompts, completions, columns, context)):
         for i, row in enumerate(out):
             if row is None:
                 continue
@@ -192,3 +294,28 @@ def score_steps(reward_fns: Sequence[tuple[str, Callable]], weights_F: Sequence[
         for j, (index, value) in enumerate(row_steps):
             step_end_indices_NxS[i, j], step_rewards_NxS[i, j] = index, value
     return rewards_NxF, step_rewards_NxS, step_end_indices_NxS
+
+
+def check_reward_fns(reward_fns: Sequence[tuple[str, Callable]], rows: list[dict], eos_token_id: int, *,
+                     where: str, process: bool = False) -> None:
+    """Calls every reward function once on `rows` (dataset rows) with empty completions (EOS first: a model can
+    produce them), as the trainer will call it, so a function that fails or returns the wrong thing stops the
+    run before anything compiles. Raises a ValueError naming the function, what it did, and `where` the rows
+    come from. What the functions log here is dropped."""
+    from grpo_jax import data
+
+    if not reward_fns or not rows:
+        return
+    prompts, completions = data.reward_inputs([row["prompt"] for row in rows], [""] * len(rows))
+    columns = {k: [row.get(k) for row in rows] for k in rows[0] if k != "prompt"}
+    columns["completion_ids"] = [[eos_token_id] for _ in rows]
+    log = RewardLog()
+    context = {"trainer_state": trainer_state(0, 0, 0.0), "log_metric": log.log_metric, "log_extra": log.log_extra}
+    try:
+        if process:
+            score_steps(reward_fns, [1.0] * len(reward_fns), prompts, completions, columns, [1] * len(rows), context)
+        else:
+            score_completions(reward_fns, prompts, completions, columns, context)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"{e} (checked before compiling, on the first {len(rows)} rows of {where} with empty "
+                         "completions)") from e

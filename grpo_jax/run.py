@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -123,7 +124,7 @@ def _load_data(config: Config, output_dir: Path):
         train_path = Path(config.data.path)
         eval_path = Path(config.eval.path) if config.eval.path else None
     tokenizer_dir = Path(tokenizer_dir).absolute()
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer = _load_tokenizer(config, tokenizer_dir)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer in {str(tokenizer_dir)!r} has no eos_token: set one in its tokenizer_config.json")
     if tokenizer.pad_token_id is None:  # Llama 3 has none: pad with EOS, as TRL does
@@ -144,6 +145,19 @@ def _load_data(config: Config, output_dir: Path):
         if config.data.path is not None:
             data.check_prompts(eval_path, eval_rows, lines, tokenizer, config.data.max_prompt_length, "left")
     return tokenizer, tokenizer_dir, train_rows, eval_rows
+
+
+def _load_tokenizer(config: Config, folder: Path) -> PreTrainedTokenizerBase:
+    key = "data.tokenizer_path" if config.data.tokenizer_path else "model.path"
+    if not folder.is_dir():
+        raise ValueError(f"{key}={str(folder)!r} is not a folder: point it at a Hugging Face folder holding a "
+                         "tokenizer (tokenizer.json + tokenizer_config.json)")
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError, TypeError) as e:  # transformers' many ways of saying "no tokenizer here"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{key}={str(folder)!r}: no tokenizer could be loaded from it ({first}): point it at a "
+                         "Hugging Face folder holding tokenizer.json and tokenizer_config.json") from e
 
 
 def _resolve_rewards(config: Config, paths) -> list:
@@ -191,8 +205,22 @@ def build(config: Config, *, loss_fn: Callable | None = None) -> tuple[Run, Trai
     try:
         return _build(config, output_dir, resuming, held, loss_fn)
     except BaseException:
+        if not resuming and jax.process_index() == 0:
+            _remove_setup_files(output_dir)
         held.release()
         raise
+
+
+SETUP_FILES = ("data", "tokenizer")  # what `_build` writes into a new output_dir before config.yaml
+
+
+def _remove_setup_files(output_dir: Path) -> None:
+    """A build that failed on a new output_dir leaves it as it found it (config.yaml is written last, so none
+    is there): the same command, corrected, starts cleanly instead of meeting a half-made run."""
+    for name in SETUP_FILES:
+        path = output_dir / name
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
@@ -202,8 +230,7 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
         cpu.configure_host_allocator(config.host_allocator)  # before the first jitted call allocates
     if resuming:
         checkpoint.check_compatible(*_saved_config(output_dir, config))
-    if jax.process_index() == 0:
-        (output_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    given = to_dict(config)  # config.yaml: as given, written once the run has built
     # a model.path fills the architecture, a model.lora.path the adapters' rank, alpha and targets
     model_config = resolve_config(config.model)
     model_config = dataclasses.replace(model_config, lora=peft_io.resolve_lora(model_config.lora))
@@ -213,6 +240,12 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=len(tokenizer)))
     reward_fns = _resolve_rewards(config, config.reward.functions)
     eval_reward_fns = _resolve_rewards(config, config.eval.reward_functions)
+    # a reward function that fails on its first call does so now, not after the sampler compiled
+    where = config.data.path or f"the embedded task {config.data.task!r}"
+    rewards.check_reward_fns(reward_fns, train_rows[:2], tokenizer.eos_token_id, where=where,
+                             process=config.train.advantage_estimator == "process")
+    rewards.check_reward_fns(eval_reward_fns, eval_rows[:2], tokenizer.eos_token_id,
+                             where=config.eval.path or where)
     tc = config.train
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     sharding.check_rows(tc.train_batch_size // tc.gradient_accumulation_steps, mesh,
@@ -258,6 +291,8 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     run_programs = programs.build(graphdef, optimizer, options, mesh, state_sharding, sample=sample,
                                   round_prompt_group_size=round_group, advantage_options=advantage_options,
                                   eval_sample=eval_sample)
+    if jax.process_index() == 0:
+        (output_dir / "config.yaml").write_text(yaml.safe_dump(given, sort_keys=False))
     run = Run(config=config, output_dir=output_dir, tokenizer=tokenizer, tokenizer_path=tokenizer_dir,
               prompts=prompts, eval_rows=eval_rows, reward_fns=reward_fns, eval_reward_fns=eval_reward_fns,
               mesh=mesh, graphdef=graphdef, schedule=schedule, programs=run_programs,

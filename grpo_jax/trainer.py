@@ -89,8 +89,9 @@ def _sample(run: Run, state: TrainState, batch: data.PromptBatch, draw_index: in
     return prompts, run.programs.sample(state.params, *prompts, key, False)
 
 
-def _score(run: Run, batch: data.PromptBatch, out) -> rounds.Draw:
-    """The reward functions on the host over one pass's completions (`out`: SampleOutput on the host)."""
+def _score(run: Run, batch: data.PromptBatch, out, context: dict) -> rounds.Draw:
+    """The reward functions on the host over one pass's completions (`out`: SampleOutput on the host); `context`:
+    TRL's `trainer_state`, `log_metric`, `log_extra` (`_reward_context`)."""
     cfg = run.config
     completions = decode(run.tokenizer, out.completion_ids, out.completion_mask)
     columns = _columns(batch.columns, out.completion_ids, out.completion_mask)
@@ -99,9 +100,9 @@ def _score(run: Run, batch: data.PromptBatch, out) -> rounds.Draw:
     if cfg.train.advantage_estimator == "process":
         lengths = out.completion_mask.sum(axis=1)
         rewards_NxF, steps["step_rewards"], steps["step_end_indices"] = rewards.score_steps(
-            run.reward_fns, _weights(cfg), *inputs, columns, lengths)
+            run.reward_fns, _weights(cfg), *inputs, columns, lengths, context)
     else:
-        rewards_NxF = rewards.score_completions(run.reward_fns, *inputs, columns)
+        rewards_NxF = rewards.score_completions(run.reward_fns, *inputs, columns, context)
     return rounds.Draw(batch.prompt_ids, batch.prompt_mask, out.completion_ids, out.completion_mask,
                        np.asarray(out.is_truncated), out.sampler_per_token_logps, rewards_NxF, batch.prompts,
                        batch.columns, batch.num_truncated, **steps)
@@ -118,7 +119,13 @@ def _dispatch_logps(run: Run, state: TrainState, rows: tuple):
     return ref, old
 
 
-def _one_pass(run: Run, state: TrainState, seconds: dict):
+def _reward_context(run: Run, state: TrainState, log: rewards.RewardLog) -> dict:
+    """The keywords TRL 1.16 passes every reward function beside the dataset's columns."""
+    return {"trainer_state": rewards.trainer_state(int(state.step), run.config.max_steps, run.prompts.epoch),
+            "log_metric": log.log_metric, "log_extra": log.log_extra}
+
+
+def _one_pass(run: Run, state: TrainState, seconds: dict, context: dict):
     """A round of one sampling pass: its log-probs are dispatched on the sampled rows (which never leave the
     devices for them) before the host scores, so the two overlap. Returns (draw, device rows, ref, old)."""
     timer = time.perf_counter()
@@ -131,12 +138,13 @@ def _one_pass(run: Run, state: TrainState, seconds: dict):
     out = sharding.to_host(sample)
     seconds["sample"] = time.perf_counter() - timer
     timer = time.perf_counter()
-    draw = _score(run, batch, out)
+    draw = _score(run, batch, out, context)
     seconds["score"] = time.perf_counter() - timer
     return draw, rows, ref, old
 
 
-def _dynamic_sampling_passes(run: Run, state: TrainState, seconds: dict) -> tuple[rounds.Draw, dict]:
+def _dynamic_sampling_passes(run: Run, state: TrainState, seconds: dict, context: dict
+                             ) -> tuple[rounds.Draw, dict]:
     """DAPO dynamic sampling: passes until informative groups fill the round (`rounds.init/update/finalize`)."""
     tc = run.config.train
     passes = rounds.init()
@@ -147,7 +155,7 @@ def _dynamic_sampling_passes(run: Run, state: TrainState, seconds: dict) -> tupl
         out = sharding.to_host(_sample(run, state, batch, len(passes.draws))[1])
         seconds["sample"] += time.perf_counter() - timer
         timer = time.perf_counter()
-        draw = _score(run, batch, out)
+        draw = _score(run, batch, out, context)
         passes = rounds.update(passes, draw, rounds.zero_std_groups(draw, _weights(run.config), tc.num_generations))
         seconds["score"] += time.perf_counter() - timer
     return rounds.finalize(passes, tc.prompts_per_round, tc.num_generations)
@@ -169,11 +177,13 @@ def prepare_round(run: Run, state: TrainState, round_index: int) -> RoundBatch:
     -> advantages -> RoundBatch. With DAPO dynamic sampling the passes are merged on the host first."""
     cfg, tc = run.config, run.config.train
     seconds: dict = {}
+    log = rewards.RewardLog()
+    context = _reward_context(run, state, log)
     if tc.dynamic_sampling:
-        draw, sampling_metrics = _dynamic_sampling_passes(run, state, seconds)
+        draw, sampling_metrics = _dynamic_sampling_passes(run, state, seconds, context)
         ref = old = rows = None
     else:
-        (draw, rows, ref, old), sampling_metrics = _one_pass(run, state, seconds), {}
+        (draw, rows, ref, old), sampling_metrics = _one_pass(run, state, seconds, context), {}
 
     timer = time.perf_counter()
     mask = rounds.mask_truncated(draw.completion_mask, draw.is_truncated) if tc.mask_truncated_completions \
@@ -203,11 +213,12 @@ def prepare_round(run: Run, state: TrainState, round_index: int) -> RoundBatch:
 
     metrics = {**_reward_metrics(draw.rewards, r_N, std_N, cfg.reward.functions, tc.num_generations),
                **_completion_metrics(draw.completion_mask, draw.is_truncated),
-               "prompts/num_truncated": draw.num_prompts_truncated, **sampling_metrics}
+               "prompts/num_truncated": draw.num_prompts_truncated, **sampling_metrics, **log.metric_means()}
     completions = None
     if cfg.log_completions:
         completions = completion_rows(draw.prompts, decode(run.tokenizer, draw.completion_ids, draw.completion_mask),
-                                      draw.rewards, cfg.reward.functions, r_N, sharding.to_host(advantages), mask)
+                                      draw.rewards, cfg.reward.functions, r_N, sharding.to_host(advantages), mask,
+                                      extra=log.extra)
     return RoundBatch(rows=Batch(*rows, advantages=advantages, old_per_token_logps=old, ref_per_token_logps=ref,
                                  sampler_per_token_logps=masked_sampler if tc.use_sampler_logps else None),
                       step_rows=step_rows, round_index=round_index, first_step=int(state.step),

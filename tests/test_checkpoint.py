@@ -303,7 +303,7 @@ def test_a_reward_failing_late_saves_first_and_the_rerun_continues_bitwise(tmp_p
     """The reward raises while the third round is prepared (after step 4, no checkpoint yet): the state after
     step 4 is saved, the error names the function, file and line, and a rerun of the same command (even with
     config.yaml deleted) continues as if nothing had happened."""
-    flaky["raise_at"] = 3
+    flaky["raise_at"] = 4  # call 1 is the check before compiling (`rewards.check_reward_fns`), then one a round
     with pytest.raises(RunFailed, match=r"training stopped after optimizer step 4: RuntimeError: reward function "
                        r"'tests.test_checkpoint:flaky_reward' raised ConnectionError: the grading service went away "
                        r"\(raised in flaky_reward, .*test_checkpoint.py:\d+\)\. The state after step 4 was saved "
@@ -324,7 +324,7 @@ def test_a_full_disk_stops_with_one_message_and_the_last_checkpoint_intact(small
     bytes, no save is attempted, the last complete checkpoint verifies, metrics.jsonl ends in a whole line, and
     once there is space again the same command finishes the run bit for bit."""
     out = small_disk / "run"
-    flaky.update(fill_at=3, ballast=small_disk / "ballast")
+    flaky.update(fill_at=4, ballast=small_disk / "ballast")  # in the third round (call 1: the check)
     with pytest.raises(RunFailed, match=r"no space left on the device of .*: [\d,]+ bytes free, and a checkpoint of "
                        r"this run needs about [\d,]+ bytes: free at least that much or move output_dir to a larger "
                        r"disk\. Run the same command again to resume from the newest complete checkpoint") as failure:

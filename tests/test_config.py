@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import pytest
 import yaml
@@ -71,8 +72,9 @@ def test_every_shipped_config_loads():
     (["reward.weights=[.nan]"], r"reward.weights=\[nan\]: every weight must be a finite number"),
     (["loss.beta=.inf"], "loss.beta=inf must be a finite number"),
     (["train.num_iterations=1.5"], "train.num_iterations=1.5 must be an integer"),
-    (["trian.learning_rate=1"], "unknown config key trian: valid keys here are seed, output_dir"),
-    (["train.learning_rat=1"], "unknown config key train.learning_rat: valid keys here are num_generations"),
+    (["trian.learning_rate=1"], r"unknown config key trian \(did you mean train\?\): valid keys here are seed, "),
+    (["train.learning_rat=1"], r"unknown config key train.learning_rat \(did you mean train.learning_rate\?\): "
+                               "valid keys here are num_generations"),
     (["train.learning_rate"], "override 'train.learning_rate' must look like section.key=value"),
     (["train.sync_ref_model=true", "loss.beta=0"], "train.sync_ref_model=true with loss.beta=0: there is no reference"),
     (["train.ref_model_mixup_alpha=0"], r"train.ref_model_mixup_alpha=0.0 must be in \(0, 1\]"),
@@ -135,3 +137,45 @@ def test_data_path_requires_a_tokenizer(tmp_path):
     data.write_text(json.dumps({"prompt": "12>"}) + "\n")
     with pytest.raises(ValueError, match="neither data.tokenizer_path nor model.path"):
         load_config(None, [f"data.path={data}"])
+
+
+def test_trl_flat_names_are_our_dotted_keys(tmp_path):
+    """A TRL user's GRPOConfig names work in a YAML file and on the command line, mean the same option, and are
+    refused with the key to use where TRL's meaning differs."""
+    path = tmp_path / "trl.yaml"
+    path.write_text("beta: 0.1\nlearning_rate: 3.0e-6\nnum_generations: 4\nmax_completion_length: 64\n"
+                    "loss_type: dr_grpo\nreward_weights: [2.0]\ntrain:\n  train_batch_size: 16\n")
+    config = load_config(str(path), ["temperature=0.7", "epsilon_high=0.28"])
+    ours = load_config(None, ["loss.beta=0.1", "train.learning_rate=3e-6", "train.num_generations=4",
+                              "sampling.max_completion_length=64", "loss.loss_type=dr_grpo", "reward.weights=[2.0]",
+                              "train.train_batch_size=16", "sampling.temperature=0.7", "loss.epsilon_high=0.28"])
+    assert config == ours
+    assert load_config(str(path), ["loss.beta=0.2"]).loss.beta == 0.2  # the command line wins, named either way
+    path.write_text("beta: 0.1\nloss:\n  beta: 0.2\n")
+    with pytest.raises(ValueError, match="beta and loss.beta are the same option"):
+        load_config(str(path))
+    with pytest.raises(ValueError, match="per_device_train_batch_size is TRL's: .* set train.train_batch_size = "):
+        load_config(None, ["per_device_train_batch_size=8"])
+    with pytest.raises(ValueError, match="bf16 is TRL's: set model.dtype=bfloat16"):
+        load_config(None, ["bf16=true"])
+
+
+@pytest.mark.parametrize("override, hint", [
+    ("train.beta=0.1", "did you mean loss.beta?"),
+    ("train.learnig_rate=1", "did you mean train.learning_rate?"),
+    ("lerning_rate=1", "did you mean learning_rate?"),
+    ("model.pth=x", "did you mean model.path?"),
+])
+def test_unknown_keys_suggest_the_nearest(override, hint):
+    with pytest.raises(ValueError, match=re.escape(f"unknown config key {override.split('=')[0]} ({hint})")):
+        load_config(None, [override])
+
+
+def test_packaged_recipes_load_by_name():
+    from grpo_jax.config import recipes
+    names = recipes()
+    assert {"dapo", "dr_grpo", "gspo", "cispo", "grpo_deepseekmath", "default"} <= set(names)
+    # by name, from any working directory: the package's copy of configs/
+    assert load_config("default") == load_config("configs/default.yaml") == Config()
+    with pytest.raises(ValueError, match="'nope' does not exist: .* or the name of a packaged recipe: cispo, dapo"):
+        load_config("nope")

@@ -142,3 +142,77 @@ def test_score_steps_merges_weighted_steps_into_padded_arrays():
 def test_score_steps_rejects_malformed_steps(ret, match):
     with pytest.raises(ValueError, match=match):
         rewards.score_steps([("bad", lambda **kw: ret)], [1.0], ["p"], ["c"], {}, [3])
+
+
+def test_trl_keywords_reach_the_functions_that_take_them():
+    """TRL 1.16 passes trainer_state, log_metric and log_extra to every reward function; here a function gets them
+    when it names them or takes **kwargs, and one with neither keeps working."""
+    log = rewards.RewardLog()
+    state = rewards.trainer_state(7, 100, 0.25)
+    seen = {}
+
+    def named(prompts, completions, trainer_state, log_metric, log_extra, answer):
+        seen["named"] = trainer_state.global_step, trainer_state.max_steps, trainer_state.epoch
+        log_metric("named/score", 2.0)
+        log_metric("named/score", 4.0)
+        log_extra("judge", ["a", "b"])
+        return [1.0, 2.0]
+
+    def catch_all(prompts, completions, **kwargs):
+        seen["catch_all"] = sorted(k for k in kwargs if k != "answer")
+        return [0.0, 0.0]
+
+    def plain_fn(prompts, completions, answer):
+        return [float(a == c) for a, c in zip(answer, completions)]
+
+    context = {"trainer_state": state, "log_metric": log.log_metric, "log_extra": log.log_extra}
+    out = rewards.score_completions([("n", named), ("c", catch_all), ("p", plain_fn)], ["x", "y"], ["1", "2"],
+                                    {"answer": ["1", "0"]}, context)
+    np.testing.assert_array_equal(out, [[1.0, 0.0, 1.0], [2.0, 0.0, 0.0]])
+    assert seen == {"named": (7, 100, 0.25), "catch_all": ["log_extra", "log_metric", "trainer_state"]}
+    assert log.metric_means() == {"named/score": 3.0} and dict(log.extra) == {"judge": ["a", "b"]}
+
+
+def test_async_reward_functions_are_awaited_concurrently():
+    """Each of two async functions waits for the other to have started: awaited one after the other they would
+    never finish (the timeout fails the test), awaited together both return."""
+    import asyncio
+
+    events: dict = {}
+
+    def make(me, other):
+        async def judge(prompts, completions, **kwargs):
+            events.setdefault(me, asyncio.Event()).set()
+            await asyncio.wait_for(events.setdefault(other, asyncio.Event()).wait(), timeout=10)
+            return [len(c) for c in completions]
+        return judge
+
+    out = rewards.score_completions([("a", make("a", "b")), ("b", make("b", "a")), ("len", lambda prompts,
+                                     completions, **kw: [0.5] * len(completions))], ["p", "q"], ["xy", "z"], {})
+    np.testing.assert_array_equal(out, [[2.0, 2.0, 0.5], [1.0, 1.0, 0.5]])
+
+
+def test_a_coroutine_from_a_synchronous_call_is_an_error_naming_the_function():
+    async def scores(completions):
+        return [1.0] * len(completions)
+
+    def wrapper(prompts, completions, **kwargs):  # forgot to await
+        return scores(completions)
+
+    with pytest.raises(ValueError, match="reward function 'wrapper' returned a coroutine"):
+        rewards.score_completions([("wrapper", wrapper)], ["p"], ["c"], {})
+
+
+@pytest.mark.parametrize("fn, match", [
+    (lambda prompts, completions, **kw: "1.0", "reward function 'f' returned str"),
+    (lambda prompts, completions, answer: [1.0] * len(completions), "unexpected keyword argument 'level'"),
+    (lambda prompts, completions, **kw: [completions[0][0]["content"][0]] * len(completions),
+     "raised IndexError"),
+])
+def test_reward_functions_are_checked_on_the_first_rows_with_empty_completions(fn, match):
+    rows = [{"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4", "level": 1}] * 2
+    with pytest.raises(ValueError, match=match) as info:
+        rewards.check_reward_fns([("f", fn)], rows, eos_token_id=0, where="train.jsonl")
+    assert "checked before compiling, on the first 2 rows of train.jsonl with empty completions" in str(info.value)
+    rewards.check_reward_fns([("f", lambda prompts, completions, **kw: [None] * len(prompts))], rows, 0,
+                             where="train.jsonl")

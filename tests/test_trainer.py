@@ -37,6 +37,52 @@ def raising_reward(prompts, completions, **kwargs):
     raise KeyError("answer column missing")
 
 
+TRL_STYLE = {"steps": []}
+
+
+def trl_style_reward(prompts, completions, trainer_state, log_metric, log_extra, **kwargs):
+    """A reward function written for TRL 1.16: it reads the trainer state and logs a metric and a column."""
+    TRL_STYLE["steps"].append(trainer_state.global_step)
+    lengths = [len(c) for c in completions]
+    log_metric("judge/mean_chars", float(np.mean(lengths)))
+    log_extra("chars", lengths)
+    return [float(n % 2) for n in lengths]
+
+
+async def async_reward(prompts, completions, **kwargs):
+    import asyncio
+    await asyncio.sleep(0)
+    return [float(i % 2) for i in range(len(completions))]
+
+
+def test_trl_style_and_async_reward_functions_in_a_run(tmp_path):
+    TRL_STYLE["steps"].clear()
+    config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "eval.num_examples=0", "log_completions=true",
+                                "reward.functions=[tests.test_trainer:trl_style_reward,tests.test_trainer:async_reward]"])
+    trainer.train(config, show_progress=False)
+    # the module reward.functions imported (tests.test_trainer), not pytest's copy of this file
+    steps = importlib.import_module("tests.test_trainer").TRL_STYLE["steps"]
+    assert steps == [0, 0, 1, 2, 3]  # the check before compiling, then one round per step
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    for line in lines:
+        chars = [r["chars"] for r in rows if r["step"] == line["step"]]
+        assert len(chars) == 16 and line["judge/mean_chars"] == pytest.approx(np.mean(chars))
+        assert line["rewards/async_reward/mean"] == 0.5
+    assert [len(r["completion"]) for r in rows] == [r["chars"] for r in rows]
+
+
+def test_a_bad_reward_function_fails_before_anything_compiles(tmp_path, monkeypatch):
+    def compiled(*args, **kwargs):
+        raise AssertionError("the reward functions were not checked before compiling")
+
+    monkeypatch.setattr(trainer.build.__globals__["programs"], "init_state", compiled)
+    config = load_config(None, [f"output_dir={tmp_path}", *QUICK,
+                                "reward.functions=[tests.test_trainer:raising_reward]"])
+    with pytest.raises(ValueError, match="reward function 'tests.test_trainer:raising_reward' raised KeyError"):
+        trainer.train(config, show_progress=False)
+
+
 def test_reward_rises_on_the_embedded_task(tmp_path):
     """The README's command, as a user runs it (one CPU device, XLA's default flags, not the suite's), lifts the
     reward well above its start on the default task in a short run."""
@@ -91,7 +137,7 @@ def test_on_policy_round_skips_old_logps(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("path, match", [
-    ("tests.test_trainer:bad_count_reward", "returned 15 rewards for 16 completions"),
+    ("tests.test_trainer:bad_count_reward", "returned 1 rewards for 2 completions .checked before compiling"),
     ("tests.test_trainer:raising_reward", "raising_reward"),
 ])
 def test_bad_reward_functions_stop_with_their_name(tmp_path, path, match):
@@ -502,3 +548,25 @@ def test_reporting_and_evaluation_during_training(tmp_path, monkeypatch, capsys)
         return {k: v for k, v in json.loads(json.dumps({k: plain(v) for k, v in line.items()})).items()
                 if not k.startswith("step_time")}
     assert [untimed(h) for h in steps] == [untimed(h) for h in expected]
+
+
+def test_a_failed_setup_leaves_the_folder_as_it_was_and_the_corrected_command_runs(tmp_path, capsys):
+    """Setup errors from the command line are one line without a traceback; config.yaml is written only once the
+    run has built, so the corrected command is not refused as a different run."""
+    from grpo_jax.cli import main as cli_main
+
+    out = tmp_path / "run"
+    args = [f"output_dir={out}", *QUICK, "max_steps=1", "eval.num_examples=0", "--no-progress"]
+    assert cli_main([*args, "reward.functions=[tests.test_trainer:raising_reward]"]) == 1
+    err = capsys.readouterr().err
+    assert "raising_reward' raised KeyError" in err and "Traceback" not in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in out.iterdir()) == ["run.lock"]  # no config.yaml, data/ or tokenizer/ left
+    assert cli_main(args) == 0
+    assert (out / "config.yaml").is_file() and (out / "final").is_dir()
+    capsys.readouterr()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli_main([f"output_dir={tmp_path / 'other'}", f"data.tokenizer_path={empty}", *args[1:]]) == 1
+    err = capsys.readouterr().err
+    assert f"data.tokenizer_path='{empty}': no tokenizer could be loaded from it" in err, err
+    assert "Traceback" not in err and err.count("\n") == 1, err
