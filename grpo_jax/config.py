@@ -33,26 +33,42 @@ ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "process")
 
 
 def _check_importable(field: str, paths: tuple[str, ...]) -> None:
-    """Imports every reward path now, so a typo fails before any compilation."""
+    """Imports every reward path now, so a typo fails before any compilation (a reward model folder is loaded
+    at build, `grpo_jax.reward_model`)."""
+    from grpo_jax.reward_model import is_reward_model
+
     for path in paths:
+        if is_reward_model(path):
+            continue
         try:
             resolve_reward_fn(path)
         except ValueError as e:
             raise ValueError(f"{field}: {e}") from e
 
 
+def _check_data_file(key: str, path: str | None) -> None:
+    """A path that names a data file (not a glob, folder or dataset id) must exist: known before anything loads."""
+    if path is not None and Path(path).suffix.lower() in (".jsonl", ".json", ".parquet", ".csv") \
+            and not any(c in path for c in "*?[") and not Path(path).exists():
+        raise ValueError(f"{key}={path!r} does not exist: point it at a JSONL, JSON, Parquet or CSV file (or a glob, a "
+                         "save_to_disk folder, a cached dataset id)")
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Where prompts come from: a JSONL file, or the embedded synthetic task when `path` is None."""
+    """Where prompts come from: a file, folder or cached dataset (`grpo_jax.sources`), or the embedded synthetic
+    task when `path` is None."""
 
-    path: str | None = None  # JSONL with a "prompt" column plus any extra columns for rewards
+    path: str | None = None  # JSONL/JSON/Parquet/CSV file or glob, save_to_disk folder, or cached dataset id
+    split: str = "train"  # the split of a save_to_disk DatasetDict or a cached dataset id
+    config_name: str | None = None  # a cached dataset's configuration (datasets' `name`)
     tokenizer_path: str | None = None  # Hugging Face tokenizer folder; None: model.path's, else the built-in one
     task: str = "reverse"  # embedded task when path is None: reverse, sort, add
     task_min_len: int = 3
     task_max_len: int = 4
     task_num_train: int = 2000
-    max_prompt_length: int = 16  # prompts are left-padded (static shapes) or left-truncated to this
-    truncation: str = "left"  # left: keep the last tokens and count it; error: refuse long prompts
+    max_prompt_length: int | None = None  # left-padded (static shapes) to this; None: the data's longest prompt
+    truncation: str = "left"  # left: keep the last tokens (warned once); error: refuse long prompts
 
     def __post_init__(self):
         check(self.task in ("reverse", "sort", "add"),
@@ -61,11 +77,11 @@ class DataConfig:
                f"data.task_min_len={self.task_min_len}, data.task_max_len={self.task_max_len}: "
                "need 1 <= task_min_len <= task_max_len")
         check(self.task_num_train >= 1, f"data.task_num_train={self.task_num_train} must be >= 1")
-        check(self.max_prompt_length >= 1, f"data.max_prompt_length={self.max_prompt_length} must be >= 1")
+        check(self.max_prompt_length is None or self.max_prompt_length >= 1,
+              f"data.max_prompt_length={self.max_prompt_length} must be >= 1, or null (fit the data)")
         check(self.truncation in ("left", "error"),
                f"data.truncation={self.truncation!r}: use 'left' (truncate and count) or 'error'")
-        if self.path is not None:
-            check(Path(self.path).is_file(), f"data.path={self.path!r} does not exist: point it at a JSONL file")
+        _check_data_file("data.path", self.path)
         if self.tokenizer_path is not None:
             check(Path(self.tokenizer_path).is_dir(),
                    f"data.tokenizer_path={self.tokenizer_path!r} is not a folder: point it at a saved tokenizer")
@@ -215,7 +231,8 @@ class EvalConfig:
     sampled completions per prompt for pass@k and maj@n (`grpo_jax.evaluation`)."""
 
     num_examples: int = 200  # embedded task: held-out prompts generated with another seed
-    path: str | None = None  # JSONL of held-out prompts (with the columns the reward functions need)
+    path: str | None = None  # held-out prompts, any form data.path takes (with the columns the rewards need)
+    split: str = "test"  # the split of a save_to_disk DatasetDict or a cached dataset id
     reward_functions: tuple[str, ...] = ("grpo_jax.task:exact_match", "grpo_jax.task:char_accuracy")
     steps: int = 0  # also evaluate every N optimizer steps (TRL's eval_steps); 0: before and after training only
     num_generations: int = 0  # n sampled completions per prompt (pass@k, maj@n); 0: greedy only
@@ -224,6 +241,7 @@ class EvalConfig:
     answer_extractor: str = "grpo_jax.math_rewards:extract_answer"  # completion text -> answer (or None), for maj@n
 
     def __post_init__(self):
+        _check_data_file("eval.path", self.path)
         _check_importable("eval.reward_functions", self.reward_functions)
         _check_importable("eval.answer_extractor", (self.answer_extractor,))
         check(self.num_examples >= 0, f"eval.num_examples={self.num_examples} must be >= 0")
@@ -234,8 +252,6 @@ class EvalConfig:
             check(all(1 <= k <= self.num_generations for k in self.pass_at_k),
                    f"eval.pass_at_k={list(self.pass_at_k)} needs 1 <= k <= eval.num_generations="
                    f"{self.num_generations} for every k: raise eval.num_generations or drop the larger k")
-        if self.path is not None:
-            check(Path(self.path).is_file(), f"eval.path={self.path!r} does not exist: point it at a JSONL file")
 
     @property
     def ks(self) -> tuple[int, ...]:

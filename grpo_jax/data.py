@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -52,7 +53,7 @@ def read_jsonl(path: str | os.PathLike) -> tuple[list[dict[str, Any]], list[int]
                                  "each line needs a 'prompt' field (string)")
             prompt = row["prompt"]
             if isinstance(prompt, list):
-                problem = _message_problem(prompt)
+                problem = message_problem(prompt)
                 if problem:
                     raise ValueError(f"{path}: line {k}: 'prompt' is a list but not chat messages ({problem}): "
                                      "use a string or a list of {\"role\": ..., \"content\": ...} objects")
@@ -66,35 +67,45 @@ def read_jsonl(path: str | os.PathLike) -> tuple[list[dict[str, Any]], list[int]
     return rows, lines
 
 
-def check_prompts(path, rows: list[dict[str, Any]], lines: list[int], tokenizer, max_prompt_length: int,
-                  truncation: str, chunk: int = 1024) -> None:
-    """Before the first step: every row's prompt renders and tokenizes to at least one token (and, with
-    truncation="error", to at most `max_prompt_length`); a ValueError names the file and line of the first that
-    does not, so no row can stop a run halfway through its data."""
-    for start in range(0, len(rows), chunk):
-        prompts = [row["prompt"] for row in rows[start:start + chunk]]
+def check_prompts(where, prompts: Sequence, lines: list[int] | None, tokenizer, max_prompt_length: int | None,
+                  truncation: str, chunk: int = 1024) -> np.ndarray:
+    """Before the first step: every prompt renders and tokenizes to at least one token (and, with
+    truncation="error", to at most `max_prompt_length`); a ValueError names the file (`where`) and line (`lines`,
+    else the row's index) of the first that does not, so no row can stop a run halfway through its data.
+    Returns each prompt's length in tokens."""
+    lengths = np.zeros(len(prompts), np.int64)
+    for start in range(0, len(prompts), chunk):
+        part = list(prompts[start:start + chunk])
         try:
-            token_lists = tokenizer([render_prompt(tokenizer, p) for p in prompts], add_special_tokens=False)
+            token_lists = tokenizer([render_prompt(tokenizer, p) for p in part], add_special_tokens=False)
             token_lists = token_lists["input_ids"]
         except Exception:  # noqa: BLE001 - one row of the chunk failed: find it below
-            token_lists = [None] * len(prompts)
-        for i, (prompt, tokens) in enumerate(zip(prompts, token_lists)):
-            where = f"{path}: line {lines[start + i]}"
+            token_lists = [None] * len(part)
+        for i, (prompt, tokens) in enumerate(zip(part, token_lists)):
+            row = f"line {lines[start + i]}" if lines is not None else f"row {start + i}"
             if tokens is None:
                 try:
                     tokens = tokenizer(render_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
                 except Exception as e:  # whatever the tokenizer rejects, name the row
-                    raise ValueError(f"{where}: the prompt {_preview(prompt)} cannot be tokenized "
-                                     f"({type(e).__name__}: {e}): fix or remove that line") from e
+                    raise ValueError(f"{where}: {row}: the prompt {_preview(prompt)} cannot be tokenized "
+                                     f"({type(e).__name__}: {e}): fix or remove that row") from e
             if not tokens:
-                raise ValueError(f"{where}: the prompt {_preview(prompt)} tokenizes to zero tokens: remove that line")
-            if truncation == "error" and len(tokens) > max_prompt_length:
-                raise ValueError(f"{where}: the prompt {_preview(prompt)} has {len(tokens)} tokens > "
-                                 f"data.max_prompt_length={max_prompt_length}: raise data.max_prompt_length, "
-                                 "shorten that line, or set data.truncation=left")
+                raise ValueError(f"{where}: {row}: the prompt {_preview(prompt)} tokenizes to zero tokens: remove "
+                                 "that row")
+            if truncation == "error" and max_prompt_length is not None and len(tokens) > max_prompt_length:
+                raise ValueError(f"{where}: {row}: the prompt {_preview(prompt)} has {len(tokens)} tokens > "
+                                 f"data.max_prompt_length={max_prompt_length}: raise data.max_prompt_length (or "
+                                 "null: fit the data), shorten that row, or set data.truncation=left")
+            lengths[start + i] = len(tokens)
+    return lengths
 
 
-def _message_problem(messages: list) -> str | None:
+def prompt_column(rows) -> Sequence:
+    """The 'prompt' of every row: a list of dicts' values, or a `datasets.Dataset`'s column."""
+    return rows["prompt"] if hasattr(rows, "column_names") else [row["prompt"] for row in rows]
+
+
+def message_problem(messages: list) -> str | None:
     """Why a list is not a TRL conversation (None when it is one)."""
     if not messages:
         return "it is empty"

@@ -264,6 +264,21 @@ def init_adapters(model_config: ModelConfig, seed: int, shardings) -> nnx.State:
     return jax.jit(init, out_shardings=nnx.filter_state(shardings, nnx.LoRAParam))()
 
 
+def jit_reward_scores(graphdef: nnx.GraphDef):
+    """A sequence classifier's first logit at each row's last non-pad token (transformers' pooling), for
+    `grpo_jax.reward_model`: (params, score_weight [labels, D], ids [B, T], mask [B, T], pad_id) -> [B]."""
+    from grpo_jax.models import forward
+
+    def scores(params, score_weight, ids_BxT, mask_BxT, pad_id):
+        positions_BxT = jnp.broadcast_to(jnp.arange(ids_BxT.shape[1]), ids_BxT.shape)  # right-padded rows
+        hidden_BxTxD, _ = forward(graphdef, params, ids_BxT, positions_BxT, mask_BxT)
+        logits_BxT = jnp.einsum("btd,d->bt", hidden_BxTxD.astype(jnp.float32), score_weight[0])
+        last_B = jnp.argmax(jnp.arange(ids_BxT.shape[1]) * (ids_BxT != pad_id), axis=-1)
+        return jnp.take_along_axis(logits_BxT, last_B[:, None], axis=1)[:, 0]
+
+    return jax.jit(scores)
+
+
 def _sample_key(key, step, draw_index: int):
     key = jax.random.fold_in(key, step)
     return jax.random.fold_in(key, draw_index) if draw_index else key  # dynamic sampling's extra passes

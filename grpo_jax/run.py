@@ -11,17 +11,19 @@ import dataclasses
 import datetime
 import functools
 import shutil
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
+import numpy as np
 import optax
 import yaml
 from flax import nnx
 from jax.sharding import Mesh
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from grpo_jax import checkpoint, cpu, data, lock, programs, rewards, sharding, task
+from grpo_jax import checkpoint, cpu, data, lock, programs, reward_model, rewards, sharding, sources, task
 from grpo_jax.config import Config, to_dict
 from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, lora, peft_io, resolve_config
 from grpo_jax.state import TrainState, optimizer_from_config
@@ -98,13 +100,19 @@ def _saved_config(output_dir: Path, config: Config) -> tuple[dict, dict]:
     model = resolve_config(config.model)
     if model.vocab_size is None:
         model = dataclasses.replace(model, vocab_size=saved.get("model", {}).get("vocab_size"))
-    return saved, to_dict(dataclasses.replace(config, model=model))
+    data_config = config.data
+    if data_config.max_prompt_length is None:  # fitted to the data: the saved run's value
+        data_config = dataclasses.replace(data_config,
+                                          max_prompt_length=saved.get("data", {}).get("max_prompt_length"))
+    return saved, to_dict(dataclasses.replace(config, model=model, data=data_config))
 
 
-def _load_data(config: Config, output_dir: Path):
-    """The tokenizer, training rows and held-out rows: from files, or the embedded task written to files."""
+def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_dataset=None):
+    """The tokenizer, training rows and held-out rows (`grpo_jax.sources`), and the prompt length L: from files or
+    datasets (or those given from Python), or the embedded task written to files."""
     tokenizer_dir = config.data.tokenizer_path or config.model.path  # a model folder holds its tokenizer
-    if config.data.path is None:
+    given_data = config.data.path is not None or train_dataset is not None
+    if not given_data:
         if tokenizer_dir is None:
             tokenizer_dir = output_dir / "tokenizer"
             task.build_tokenizer(tokenizer_dir)
@@ -116,13 +124,30 @@ def _load_data(config: Config, output_dir: Path):
         eval_rows = [r for r in eval_rows if r["prompt"] not in seen] or eval_rows  # held out where possible
         (output_dir / "data").mkdir(exist_ok=True)
         task.write_jsonl(output_dir / "data" / "train.jsonl", train_rows)
-        train_path, eval_path = output_dir / "data" / "train.jsonl", None
         if eval_rows:
-            eval_path = output_dir / "data" / "eval.jsonl"
-            task.write_jsonl(eval_path, eval_rows)
+            task.write_jsonl(output_dir / "data" / "eval.jsonl", eval_rows)
+        train_where, train_lines, eval_where, eval_lines = "the embedded task", None, "its held-out rows", None
     else:
-        train_path = Path(config.data.path)
-        eval_path = Path(config.eval.path) if config.eval.path else None
+        if tokenizer_dir is None:
+            raise ValueError("the prompts come from a dataset but neither data.tokenizer_path nor model.path is set: "
+                             "point one of them at a Hugging Face folder holding the tokenizer")
+        if train_dataset is not None:
+            train_where, train_lines = "train_dataset", None
+            train_rows = sources.from_python(train_dataset, train_where)
+        else:
+            train_where = config.data.path
+            train_rows, train_lines = sources.load_rows(config.data.path, split=config.data.split,
+                                                        config_name=config.data.config_name)
+        eval_rows, eval_lines, eval_where = [], None, None
+        if eval_dataset is not None:
+            eval_where, eval_rows = "eval_dataset", sources.from_python(eval_dataset, "eval_dataset")
+        elif config.eval.path:
+            eval_where = config.eval.path
+            eval_rows, eval_lines = sources.load_rows(config.eval.path, split=config.eval.split,
+                                                      config_name=config.data.config_name, key="eval.path")
+        if len(eval_rows) > config.eval.num_examples:
+            eval_rows = eval_rows[: config.eval.num_examples] if isinstance(eval_rows, list) else \
+                eval_rows.select(range(config.eval.num_examples))
     tokenizer_dir = Path(tokenizer_dir).absolute()
     tokenizer = _load_tokenizer(config, tokenizer_dir)
     if tokenizer.eos_token_id is None:
@@ -132,19 +157,32 @@ def _load_data(config: Config, output_dir: Path):
     if config.model.vocab_size is not None and len(tokenizer) > config.model.vocab_size:
         raise ValueError(f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
                          f"{len(tokenizer)} tokens ({tokenizer_dir}): raise model.vocab_size or leave it unset")
-    # every row is checked before the first step: a bad one fails now, naming its line, not halfway through. The
-    # embedded task's rows (digits written here) always tokenize: only a length limit can refuse them
-    check = config.data.path is not None or config.data.truncation == "error"
-    train_rows, lines = data.read_jsonl(train_path)
-    if check:
-        data.check_prompts(train_path, train_rows, lines, tokenizer, config.data.max_prompt_length,
-                           config.data.truncation)
-    eval_rows = []
-    if eval_path:
-        eval_rows, lines = (part[: config.eval.num_examples] for part in data.read_jsonl(eval_path))
-        if config.data.path is not None:
-            data.check_prompts(eval_path, eval_rows, lines, tokenizer, config.data.max_prompt_length, "left")
-    return tokenizer, tokenizer_dir, train_rows, eval_rows
+    # every row is checked before the first step: a bad one fails now, naming its line, not halfway through
+    limit, truncation = config.data.max_prompt_length, config.data.truncation
+    lengths = data.check_prompts(train_where, data.prompt_column(train_rows), train_lines, tokenizer, limit,
+                                 truncation)
+    if len(eval_rows):
+        lengths = np.concatenate([lengths, data.check_prompts(eval_where, data.prompt_column(eval_rows), eval_lines,
+                                                              tokenizer, limit, "left")])
+    return tokenizer, tokenizer_dir, train_rows, list(eval_rows), _prompt_length(limit, lengths)
+
+
+PROMPT_LENGTH_MULTIPLE = 16  # data.max_prompt_length: null rounds the longest prompt up to this
+
+
+def _prompt_length(limit: int | None, lengths: np.ndarray) -> int:
+    """The prompt length L of the run: `data.max_prompt_length`, or the longest prompt rounded up; prompts longer
+    than an explicit L are warned about once, with their count (they lose their first tokens every round)."""
+    longest = int(lengths.max())
+    if limit is None:
+        return -(-longest // PROMPT_LENGTH_MULTIPLE) * PROMPT_LENGTH_MULTIPLE
+    over = int((lengths > limit).sum())
+    if over:
+        warnings.warn(f"{over} of {len(lengths)} prompts are longer than data.max_prompt_length={limit} tokens (the "
+                      f"longest: {longest}): they lose their first tokens (a system message, the question's start) "
+                      "every time they are sampled; raise data.max_prompt_length, set it to null (the longest "
+                      "prompt), or data.truncation=error to refuse them", RuntimeWarning, stacklevel=3)
+    return limit
 
 
 def _load_tokenizer(config: Config, folder: Path) -> PreTrainedTokenizerBase:
@@ -160,10 +198,18 @@ def _load_tokenizer(config: Config, folder: Path) -> PreTrainedTokenizerBase:
                          "Hugging Face folder holding tokenizer.json and tokenizer_config.json") from e
 
 
-def _resolve_rewards(config: Config, paths) -> list:
-    """(path, callable) per reward function; the built-in soft overlong punishment gets its lengths bound."""
+def _resolve_rewards(config: Config, paths, mesh) -> list:
+    """(name, callable) per reward function ('module:function' paths, reward model folders placed over `mesh`,
+    or callables named as TRL names them); the built-in soft overlong punishment gets its lengths bound."""
     out = []
     for path in paths:
+        if callable(path):
+            out.append((getattr(path, "__name__", type(path).__name__), path))
+            continue
+        if reward_model.is_reward_model(path):
+            model = reward_model.RewardModel(path, mesh)
+            out.append((model.__name__, model))
+            continue
         fn = rewards.resolve_reward_fn(path)
         if path == rewards.SOFT_OVERLONG:
             fn = functools.partial(fn, max_completion_len=config.sampling.max_completion_length,
@@ -191,11 +237,15 @@ def prompt_group_sizes(config: Config, mesh) -> tuple[int, int]:
     return round_g, step_g
 
 
-def build(config: Config, *, loss_fn: Callable | None = None) -> tuple[Run, TrainState]:
+def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None, eval_dataset=None,
+          reward_funcs: Sequence[Callable | str] | None = None) -> tuple[Run, TrainState]:
     """Resolves data, rewards, mesh, optimizer and the initial train state; builds the device programs.
 
     `loss_fn` replaces `grpo_jax.losses.compute_loss` in the train step (same signature; see
-    `grpo_jax.train_step`): the hook for a custom loss variant. It is not part of `config.yaml`.
+    `grpo_jax.train_step`): the hook for a custom loss variant. As TRL's GRPOTrainer takes them,
+    `train_dataset` / `eval_dataset` (a `datasets.Dataset` or a list of dicts) replace `data.path` / `eval.path`,
+    and `reward_funcs` (callables, or 'module:function' paths) replaces `reward.functions`. None of these is part
+    of `config.yaml`: a resumed run must be given them again.
     An `output_dir` holding a run is checked against its config.yaml (`checkpoint.check_compatible`). The run
     holds `output_dir`'s lock (`Run.output_lock`; a ValueError names the process holding it already) until
     `run.output_lock.release()`, which `train` calls at its end.
@@ -203,7 +253,7 @@ def build(config: Config, *, loss_fn: Callable | None = None) -> tuple[Run, Trai
     programs.use_compilation_cache(config.compilation_cache_dir)
     output_dir, resuming, held = _output_dir(config)
     try:
-        return _build(config, output_dir, resuming, held, loss_fn)
+        return _build(config, output_dir, resuming, held, loss_fn, train_dataset, eval_dataset, reward_funcs)
     except BaseException:
         if not resuming and jax.process_index() == 0:
             _remove_setup_files(output_dir)
@@ -223,8 +273,8 @@ def _remove_setup_files(output_dir: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
-           loss_fn: Callable | None) -> tuple[Run, TrainState]:
+def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock, loss_fn: Callable | None,
+           train_dataset, eval_dataset, reward_funcs) -> tuple[Run, TrainState]:
     speedups = cpu.enabled(config.cpu_speedups)
     if speedups:
         cpu.configure_host_allocator(config.host_allocator)  # before the first jitted call allocates
@@ -235,19 +285,24 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     model_config = resolve_config(config.model)
     model_config = dataclasses.replace(model_config, lora=peft_io.resolve_lora(model_config.lora))
     config = dataclasses.replace(config, model=model_config)
-    tokenizer, tokenizer_dir, train_rows, eval_rows = _load_data(config, output_dir)
+    tokenizer, tokenizer_dir, train_rows, eval_rows, prompt_length = _load_data(config, output_dir, train_dataset,
+                                                                                eval_dataset)
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, max_prompt_length=prompt_length))
     if config.model.vocab_size is None:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=len(tokenizer)))
-    reward_fns = _resolve_rewards(config, config.reward.functions)
-    eval_reward_fns = _resolve_rewards(config, config.eval.reward_functions)
-    # a reward function that fails on its first call does so now, not after the sampler compiled
-    where = config.data.path or f"the embedded task {config.data.task!r}"
-    rewards.check_reward_fns(reward_fns, train_rows[:2], tokenizer.eos_token_id, where=where,
-                             process=config.train.advantage_estimator == "process")
-    rewards.check_reward_fns(eval_reward_fns, eval_rows[:2], tokenizer.eos_token_id,
-                             where=config.eval.path or where)
     tc = config.train
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    reward_fns = _resolve_rewards(config, config.reward.functions if reward_funcs is None else reward_funcs, mesh)
+    if config.reward.weights is not None and len(config.reward.weights) != len(reward_fns):
+        raise ValueError(f"reward.weights has {len(config.reward.weights)} entries for the {len(reward_fns)} "
+                         "reward_funcs: give one weight per function")
+    eval_reward_fns = _resolve_rewards(config, config.eval.reward_functions, mesh)
+    # a reward function that fails on its first call does so now, not after the sampler compiled
+    where = "train_dataset" if train_dataset is not None else config.data.path or "the embedded task"
+    rewards.check_reward_fns(reward_fns, [train_rows[i] for i in range(min(2, len(train_rows)))],
+                             tokenizer.eos_token_id, where=where, process=config.train.advantage_estimator == "process")
+    rewards.check_reward_fns(eval_reward_fns, eval_rows[:2], tokenizer.eos_token_id,
+                             where="eval_dataset" if eval_dataset is not None else config.eval.path or where)
     sharding.check_rows(tc.train_batch_size // tc.gradient_accumulation_steps, mesh,
                         "train.train_batch_size / train.gradient_accumulation_steps")
     prompts = data.PromptIterator(train_rows, tokenizer, prompts_per_round=tc.prompts_per_round,

@@ -77,8 +77,8 @@ def _reward_metrics(rewards_NxF, r_N, std_N, names, num_generations: int) -> dic
     return out
 
 
-def _weights(config: Config) -> np.ndarray:
-    return np.asarray(config.reward.weights or [1.0] * len(config.reward.functions), np.float32)
+def _weights(run: Run) -> np.ndarray:
+    return np.asarray(run.config.reward.weights or [1.0] * len(run.reward_fns), np.float32)
 
 
 def _sample(run: Run, state: TrainState, batch: data.PromptBatch, draw_index: int):
@@ -100,7 +100,7 @@ def _score(run: Run, batch: data.PromptBatch, out, context: dict) -> rounds.Draw
     if cfg.train.advantage_estimator == "process":
         lengths = out.completion_mask.sum(axis=1)
         rewards_NxF, steps["step_rewards"], steps["step_end_indices"] = rewards.score_steps(
-            run.reward_fns, _weights(cfg), *inputs, columns, lengths, context)
+            run.reward_fns, _weights(run), *inputs, columns, lengths, context)
     else:
         rewards_NxF = rewards.score_completions(run.reward_fns, *inputs, columns, context)
     return rounds.Draw(batch.prompt_ids, batch.prompt_mask, out.completion_ids, out.completion_mask,
@@ -156,7 +156,7 @@ def _dynamic_sampling_passes(run: Run, state: TrainState, seconds: dict, context
         seconds["sample"] += time.perf_counter() - timer
         timer = time.perf_counter()
         draw = _score(run, batch, out, context)
-        passes = rounds.update(passes, draw, rounds.zero_std_groups(draw, _weights(run.config), tc.num_generations))
+        passes = rounds.update(passes, draw, rounds.zero_std_groups(draw, _weights(run), tc.num_generations))
         seconds["score"] += time.perf_counter() - timer
     return rounds.finalize(passes, tc.prompts_per_round, tc.num_generations)
 
@@ -196,7 +196,7 @@ def prepare_round(run: Run, state: TrainState, round_index: int) -> RoundBatch:
         ref, old = _dispatch_logps(run, state, rows)
     elif tc.mask_truncated_completions:
         rows = (*rows[:3], upload(mask, run.mesh))
-    advantages, r_N, std_N = run.programs.advantages(draw.rewards, _weights(cfg), mask,
+    advantages, r_N, std_N = run.programs.advantages(draw.rewards, _weights(run), mask,
                                                      *rounds.pad_steps(draw, mask.shape[1]))
     r_N, std_N = jax.device_get((r_N, std_N))
     masked_sampler = None  # the sampler's log-probs under the training mask: one upload for both uses
@@ -211,13 +211,14 @@ def prepare_round(run: Run, state: TrainState, round_index: int) -> RoundBatch:
     # the time the round waits for its log-probs: what scoring on the host did not hide
     seconds["logps"] = time.perf_counter() - timer
 
-    metrics = {**_reward_metrics(draw.rewards, r_N, std_N, cfg.reward.functions, tc.num_generations),
+    names = [name for name, _ in run.reward_fns]
+    metrics = {**_reward_metrics(draw.rewards, r_N, std_N, names, tc.num_generations),
                **_completion_metrics(draw.completion_mask, draw.is_truncated),
                "prompts/num_truncated": draw.num_prompts_truncated, **sampling_metrics, **log.metric_means()}
     completions = None
     if cfg.log_completions:
         completions = completion_rows(draw.prompts, decode(run.tokenizer, draw.completion_ids, draw.completion_mask),
-                                      draw.rewards, cfg.reward.functions, r_N, sharding.to_host(advantages), mask,
+                                      draw.rewards, names, r_N, sharding.to_host(advantages), mask,
                                       extra=log.extra)
     return RoundBatch(rows=Batch(*rows, advantages=advantages, old_per_token_logps=old, ref_per_token_logps=ref,
                                  sampler_per_token_logps=masked_sampler if tc.use_sampler_logps else None),
@@ -310,17 +311,20 @@ def _restore(run: Run, state: TrainState, mngr):
     return state, round_batch, meta["round_index"], meta["history"], meta["eval_before"]
 
 
-def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | None = None) -> dict:
+def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | None = None, train_dataset=None,
+          eval_dataset=None, reward_funcs: list | None = None) -> dict:
     """Runs GRPO as configured and returns a summary (eval before/after, skipped steps, output_dir).
 
     Continues the run in `output_dir` from its newest checkpoint when there is one (`resume`). Saves every
     `save_steps` steps and at the end, then exports the policy to `output_dir/final/`. On SIGTERM/SIGINT it
     finishes the step, saves, and raises `preemption.Preempted`; any other exception during training saves the
     last good state first and raises `preemption.RunFailed` saying what failed (`preemption.failed`).
-    `loss_fn`: a custom loss with `compute_loss`'s signature, used instead of it (see `build`). The run holds
+    `loss_fn`: a custom loss with `compute_loss`'s signature, used instead of it; `train_dataset`, `eval_dataset`
+    and `reward_funcs` as TRL's GRPOTrainer takes them (see `build`). The run holds
     `output_dir`'s lock (one writer per run) until it returns.
     """
-    run, state = build(config, loss_fn=loss_fn)
+    run, state = build(config, loss_fn=loss_fn, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                       reward_funcs=reward_funcs)
     try:
         return _train(config, run, state, show_progress)
     except (preemption.Preempted, preemption.RunFailed):

@@ -65,12 +65,13 @@ def test_every_prompt_is_checked_before_training_and_named_by_its_line(tmp_path,
     loaded, lines = data.read_jsonl(path)
     assert loaded == rows and lines == [1, 3, 4]
     with pytest.raises(ValueError, match=r"d.jsonl: line 3: the prompt .* cannot be tokenized \(TypeError: .*\): "
-                                         r"fix or remove that line"):
-        data.check_prompts(path, loaded, lines, tok, 8, "left")
-    data.check_prompts(path, [rows[0], rows[2]], [1, 4], tok, 8, "left")  # truncated later, counted
+                                         r"fix or remove that row"):
+        data.check_prompts(path, data.prompt_column(loaded), lines, tok, 8, "left")
+    lengths = data.check_prompts(path, [rows[0]["prompt"], rows[2]["prompt"]], [1, 4], tok, 8, "left")
+    assert lengths.tolist() == [3, 10]  # the second is truncated later, warned about at build
     with pytest.raises(ValueError, match=r"d.jsonl: line 4: the prompt '123456789>' has 10 tokens > "
                                          r"data.max_prompt_length=8: raise data.max_prompt_length"):
-        data.check_prompts(path, [rows[0], rows[2]], [1, 4], tok, 8, "error")
+        data.check_prompts(path, [rows[0]["prompt"], rows[2]["prompt"]], [1, 4], tok, 8, "error")
 
 
 # --- tokenize_prompts ------------------------------------------------------------------------------------

@@ -95,7 +95,8 @@ def _check_folder(path: str) -> None:
                          f"{st.SINGLE_FILE} (or {st.INDEX_FILE} + shards)")
 
 
-def _plan(abstract_flat, refs, config: ModelConfig, folder: str) -> dict[str, tuple[list[st.TensorRef], bool, bool]]:
+def _plan(abstract_flat, refs, config: ModelConfig, folder: str,
+          extra_tensors: tuple[str, ...] = ()) -> dict[str, tuple[list[st.TensorRef], bool, bool]]:
     """Our path -> (tensor refs, stacked, transposed), after checking every name and shape; nothing is read."""
     index = os.path.join(folder, st.INDEX_FILE)
     source = index if os.path.isfile(index) else os.path.join(folder, st.SINGLE_FILE)
@@ -113,7 +114,7 @@ def _plan(abstract_flat, refs, config: ModelConfig, folder: str) -> dict[str, tu
                                  f"{list(want)} from config.json")
         used.update(names)
         plan[path] = ([refs[n] for n in names], stacked, transposed)
-    extra = sorted(n for n in refs if n not in used and not n.endswith(_IGNORED_SUFFIXES)
+    extra = sorted(n for n in refs if n not in used and not n.endswith(_IGNORED_SUFFIXES) and n not in extra_tensors
                    and not (n == "lm_head.weight" and config.tie_word_embeddings))
     if extra:
         raise ValueError(f"{source}: unexpected tensors {extra[:5]}{' ...' if len(extra) > 5 else ''} (in "
@@ -143,14 +144,17 @@ def _read(refs, stacked: bool, transposed: bool, dtype, maps) -> Callable:
     return callback
 
 
-def from_pretrained(path, dtype: str | None = None, *, shardings=None,
-                    config: ModelConfig | None = None) -> tuple[Model, nnx.State]:
+def from_pretrained(path, dtype: str | None = None, *, shardings=None, config: ModelConfig | None = None,
+                    extra_tensors: tuple[str, ...] = (), trunk_only: bool = False) -> tuple[Model, nnx.State]:
     """Load a Hugging Face folder (llama, mistral, qwen2, qwen3): (Model, params) with params in ``dtype``.
 
     ``dtype`` (e.g. "bfloat16") sets both the storage and the compute dtype; None keeps ``config``'s
     (default float32). ``config`` carries non-architecture settings (remat, dtypes); its architecture must
     agree with config.json. ``shardings``: None (default device), a pytree of Shardings matching the params,
     or ``fn(path_str, shape) -> Sharding``. Errors name the file and tensor; nothing is half-loaded.
+    ``extra_tensors``: tensors of the folder that are not the decoder's (a reward model's ``score.weight``), left
+    for the caller to read. ``trunk_only``: the folder has no LM head (``*ForSequenceClassification``): the
+    unembedding is tied to the embedding, never to be used for tokens.
     """
     path = os.fspath(path)
     _check_folder(path)
@@ -158,9 +162,11 @@ def from_pretrained(path, dtype: str | None = None, *, shardings=None,
     if dtype is not None:
         base = dataclasses.replace(base, dtype=dtype, param_dtype=dtype)
     model_cfg = resolve_config(dataclasses.replace(base, path=path))
+    if trunk_only:
+        model_cfg = dataclasses.replace(model_cfg, tie_word_embeddings=True)
     model, abstract = abstract_model(model_cfg)
     abstract_flat = _flat(abstract)
-    plan = _plan(abstract_flat, st.open_folder(path), model_cfg, path)
+    plan = _plan(abstract_flat, st.open_folder(path), model_cfg, path, extra_tensors)
     sharding_of = _sharding_fn(shardings)
     maps: dict = {}
     arrays = {}

@@ -1,0 +1,79 @@
+"""Reward models: a Hugging Face `*ForSequenceClassification` folder (Qwen2, Qwen3, Llama, Mistral) as an entry of
+`reward.functions`, scored in JAX as TRL 1.16 scores one.
+
+TRL's `_calculate_rewards` for a model: each prompt + completion as text (conversations through the reward model's
+own chat template, `messages = prompt + completion`), tokenized without special tokens and right-padded, and the
+reward is `logits[:, 0]` of the head `score` (a bias-free Linear, hidden -> num_labels) at the last token that is
+not the pad token (transformers' pooling; TRL sets the model's pad id to its tokenizer's, EOS when it has none).
+The decoder is ours (`grpo_jax.models`), its weights placed over the run's mesh; rows are padded to a multiple of
+`LENGTH_BUCKET` tokens so only a few lengths compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+LENGTH_BUCKET = 64
+
+
+def is_reward_model(path) -> bool:
+    """Whether `path` is a folder whose config.json names a `*ForSequenceClassification` architecture."""
+    config = Path(os.fspath(path)) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        architectures = json.loads(config.read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return False
+    return any(a.endswith("ForSequenceClassification") for a in architectures)
+
+
+class RewardModel:
+    """A reward function `fn(prompts, completions, **kwargs) -> list[float]` backed by a sequence classifier."""
+
+    def __init__(self, path, mesh=None):
+        from transformers import AutoTokenizer
+
+        from grpo_jax import programs, sharding
+        from grpo_jax.models import abstract_model, from_pretrained, resolve_config, safetensors_io
+        from grpo_jax.models.configuration import ModelConfig
+
+        self.path = os.fspath(path)
+        self.__name__ = Path(self.path).name  # TRL names a model reward after the model
+        shardings = None
+        if mesh is not None:
+            trunk = dataclasses.replace(resolve_config(ModelConfig(path=self.path)), tie_word_embeddings=True)
+            shardings = sharding.param_shardings(mesh, abstract_model(trunk)[1])
+        self.model, self.params = from_pretrained(self.path, shardings=shardings, extra_tensors=("score.weight",),
+                                                  trunk_only=True)
+        refs = safetensors_io.open_folder(self.path)
+        if "score.weight" not in refs:
+            raise ValueError(f"reward model {self.path!r} has no score.weight tensor: save it with transformers' "
+                             "AutoModelForSequenceClassification")
+        self.score_weight = np.array(safetensors_io.view(refs["score.weight"], {}), np.float32)  # [labels, D]
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        if self.tokenizer.pad_token is None:  # TRL: pad with EOS, and the model pools by that id
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.pad_token_id = int(self.tokenizer.pad_token_id)
+        self._scores = programs.jit_reward_scores(self.model.graphdef)
+
+    def texts(self, prompts: list, completions: list) -> list[str]:
+        """What TRL feeds the reward model: prompt + completion, conversations through the chat template."""
+        if prompts and isinstance(prompts[0], list):
+            return [self.tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+        return [p + c for p, c in zip(prompts, completions)]
+
+    def __call__(self, prompts, completions, **kwargs) -> list[float]:
+        encoded = self.tokenizer(self.texts(prompts, completions), padding=True, padding_side="right",
+                                 add_special_tokens=False, return_tensors="np")
+        ids, mask = encoded["input_ids"].astype(np.int32), encoded["attention_mask"].astype(np.int32)
+        width = -(-ids.shape[1] // LENGTH_BUCKET) * LENGTH_BUCKET
+        ids = np.pad(ids, ((0, 0), (0, width - ids.shape[1])), constant_values=self.pad_token_id)
+        mask = np.pad(mask, ((0, 0), (0, width - mask.shape[1])))
+        scores = self._scores(self.params, self.score_weight, ids, mask, self.pad_token_id)
+        return np.asarray(scores, np.float64).tolist()

@@ -1,0 +1,78 @@
+"""Reward models: a transformers `*ForSequenceClassification` folder scores in JAX what its PyTorch model scores
+the way TRL 1.16 calls it (within 1e-4), string and conversational rows, and trains as a reward function."""
+
+import json
+
+import numpy as np
+import pytest
+
+from grpo_jax import task, trainer
+from grpo_jax.config import load_config
+from grpo_jax.reward_model import RewardModel, is_reward_model
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '^' if m['role'] == 'user' else '=' }}{{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}>{% endif %}")
+
+
+def _reward_folder(tmp_path, family: str) -> str:
+    """A random transformers sequence classifier (one label) with the task's character tokenizer, saved."""
+    import hf_fixtures as hf
+
+    torch.manual_seed(1)
+    config = hf.hf_config(family, tied=False, num_labels=1, pad_token_id=0)
+    model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    folder = tmp_path / f"{family}-rm"
+    model.eval().save_pretrained(folder)
+    tokenizer = task.build_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def _trl_scores(folder, prompts, completions) -> np.ndarray:
+    """TRL 1.16 `_calculate_rewards` for an nn.Module reward function, on the PyTorch model."""
+    from trl.data_utils import apply_chat_template, is_conversational
+
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    if is_conversational({"prompt": prompts[0]}):
+        texts = [apply_chat_template({"messages": p + c}, tokenizer)["text"] for p, c in zip(prompts, completions)]
+    else:
+        texts = [p + c for p, c in zip(prompts, completions)]
+    inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+    with torch.inference_mode():
+        return model(**inputs).logits[:, 0].numpy()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "mistral"])
+def test_reward_model_scores_equal_transformers(tmp_path, family):
+    folder = _reward_folder(tmp_path, family)
+    assert is_reward_model(folder) and not is_reward_model(tmp_path)
+    model = RewardModel(folder)
+    prompts = ["12>", "3>", "456>", "7>"]
+    completions = ["21", "3", "6541", ""]  # rows of different lengths, one empty completion
+    np.testing.assert_allclose(model(prompts, completions), _trl_scores(folder, prompts, completions),
+                               rtol=1e-4, atol=1e-4)
+    chats = [[{"role": "user", "content": p[:-1]}] for p in prompts]
+    answers = [[{"role": "assistant", "content": c}] for c in completions]
+    np.testing.assert_allclose(model(chats, answers), _trl_scores(folder, chats, answers), rtol=1e-4, atol=1e-4)
+
+
+def test_a_reward_model_folder_is_a_reward_function_of_a_run(tmp_path):
+    folder = _reward_folder(tmp_path, "qwen2")
+    config = load_config(None, [f"output_dir={tmp_path / 'run'}", "max_steps=2", "train.train_batch_size=16",
+                                "train.num_generations=4", "eval.num_examples=0", "sampling.max_completion_length=6",
+                                f"reward.functions=[{folder},grpo_jax.task:char_accuracy]", "reward.weights=[1.0,0.5]"])
+    trainer.train(config, show_progress=False)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and all(np.isfinite(line["rewards/qwen2-rm/mean"]) for line in lines)
+    assert all(line["rewards/qwen2-rm/std"] > 0 for line in lines)  # completions scored one by one

@@ -1,0 +1,126 @@
+"""Prompt rows from where users keep them (grpo_jax/sources.py): every format gives the rows a JSONL file gives,
+`train(train_dataset=..., reward_funcs=...)` trains as the same data from a file does, and the prompt length fits
+the data or warns."""
+
+import json
+
+import datasets
+import numpy as np
+import pandas as pd
+import pytest
+
+from grpo_jax import sources, task, trainer
+from grpo_jax.config import load_config
+from grpo_jax.run import _prompt_length, build
+
+ROWS = [{"prompt": f"{i % 10}{(3 * i) % 10}{(7 * i) % 10}>", "answer": f"x{i}"} for i in range(24)]
+QUICK = ["max_steps=2", "train.train_batch_size=16", "train.num_generations=4", "eval.num_examples=0",
+         "sampling.max_completion_length=6"]
+
+
+def _write_all(folder):
+    """ROWS as each kind of source `data.path` takes: {name: path}."""
+    folder.mkdir(exist_ok=True)
+    frame = pd.DataFrame(ROWS)
+    (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    (folder / "rows.json").write_text(json.dumps(ROWS))
+    frame.to_parquet(folder / "rows.parquet")
+    frame.to_csv(folder / "rows.csv", index=False)
+    (folder / "parts").mkdir(exist_ok=True)
+    frame[:10].to_parquet(folder / "parts" / "a.parquet")
+    frame[10:].to_parquet(folder / "parts" / "b.parquet")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS),
+                          "test": datasets.Dataset.from_list(ROWS[:3])}).save_to_disk(str(folder / "saved"))
+    return {"jsonl": folder / "rows.jsonl", "json": folder / "rows.json", "parquet": folder / "rows.parquet",
+            "csv": folder / "rows.csv", "glob": folder / "parts" / "*.parquet", "save_to_disk": folder / "saved"}
+
+
+def _hub_cache(root, monkeypatch, name="me/digits"):
+    """A dataset repo as `hf download --repo-type dataset` leaves it in the hub cache (no network involved)."""
+    import huggingface_hub
+
+    repo = root / "hub" / f"datasets--{name.replace('/', '--')}"
+    (repo / "snapshots" / "0123abcd" / "data").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    pd.DataFrame(ROWS).to_parquet(repo / "snapshots" / "0123abcd" / "data" / "train-00000-of-00001.parquet")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(root / "hub"))
+    return name
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return _write_all(tmp_path_factory.mktemp("sources"))
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "parquet", "csv", "glob", "save_to_disk", "hub_cache"])
+def test_every_source_gives_the_rows_of_the_jsonl_file(files, kind, tmp_path, monkeypatch):
+    path = _hub_cache(tmp_path, monkeypatch) if kind == "hub_cache" else str(files[kind])
+    rows, lines = sources.load_rows(path)
+    assert [dict(rows[i]) for i in range(len(rows))] == ROWS
+    assert lines == (list(range(1, 25)) if kind == "jsonl" else None)
+    assert kind == "jsonl" or isinstance(rows, datasets.Dataset)  # memory-mapped, never a Python list
+
+
+def test_source_errors_name_the_key_and_the_fix(files, tmp_path, monkeypatch):
+    pd.DataFrame({"question": ["a"]}).to_parquet(tmp_path / "q.parquet")
+    with pytest.raises(ValueError, match=r"q.parquet has no 'prompt' column \(has \['question'\]\): rename"):
+        sources.load_rows(str(tmp_path / "q.parquet"))
+    with pytest.raises(ValueError, match=r"has splits \['test', 'train'\], not data.split='validation'"):
+        sources.load_rows(str(files["save_to_disk"]), split="validation")
+    pd.DataFrame({"prompt": ["a", 3]}, dtype=object).to_json(tmp_path / "mixed.json", orient="records")
+    with pytest.raises(ValueError, match=r"mixed.json.*: row 1: 'prompt' is a int"):
+        sources.load_rows(str(tmp_path / "mixed.json"))
+    with pytest.raises(ValueError, match=r"data.path='.*none\*.parquet' matches no file"):
+        sources.load_rows(str(tmp_path / "none*.parquet"))
+    _hub_cache(tmp_path, monkeypatch)
+    with pytest.raises(ValueError, match=r"data.path='me/other' is not a file or folder, and the dataset id could "
+                                         r"not be loaded from the local Hugging Face cache .*hf download "
+                                         r"--repo-type dataset me/other"):
+        sources.load_rows("me/other")
+    with pytest.raises(ValueError, match="train_dataset is a DatasetDict of splits"):
+        sources.from_python(datasets.load_from_disk(str(files["save_to_disk"])), "train_dataset")
+
+
+def digit_reward(prompts, completions, answer, **kwargs):
+    return [float(len(c)) / 6 + (0.5 if a.endswith("1") else 0.0) for c, a in zip(completions, answer)]
+
+
+def test_train_dataset_and_callable_rewards_train_as_the_same_file_does(files, tmp_path):
+    """TRL's constructor arguments from Python (a Dataset, a callable reward) give the metrics that data.path and
+    reward.functions give for the same rows: same order, same rewards, same updates."""
+    tokenizer = tmp_path / "tokenizer"
+    task.build_tokenizer(tokenizer)
+    common = [*QUICK, f"data.tokenizer_path={tokenizer}"]
+    trainer.train(load_config(None, [f"output_dir={tmp_path / 'file'}", *common, f"data.path={files['parquet']}",
+                                     "reward.functions=[tests.test_sources:digit_reward]"]), show_progress=False)
+    trainer.train(load_config(None, [f"output_dir={tmp_path / 'python'}", *common]), show_progress=False,
+                  train_dataset=datasets.Dataset.from_list(ROWS), reward_funcs=[digit_reward])
+
+    def lines(name):
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith("step_time")}
+                for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    from_file, from_python = lines("file"), lines("python")
+    assert len(from_file) == 2 and from_file[0]["rewards/digit_reward/mean"] > 0
+    assert from_python == from_file
+
+
+def test_prompt_length_fits_the_data_or_warns_how_many_are_cut(files, tmp_path):
+    assert _prompt_length(None, np.array([3, 17, 5])) == 32 and _prompt_length(None, np.array([16])) == 16
+    with pytest.warns(RuntimeWarning, match=r"2 of 3 prompts are longer than data.max_prompt_length=4 tokens \(the "
+                                            r"longest: 17\): they lose their first tokens .*set it to null"):
+        assert _prompt_length(4, np.array([3, 17, 5])) == 4
+    tokenizer = tmp_path / "tokenizer"
+    task.build_tokenizer(tokenizer)
+    config = load_config(None, [f"output_dir={tmp_path / 'run'}", *QUICK, f"data.tokenizer_path={tokenizer}",
+                                f"data.path={files['parquet']}", "data.max_prompt_length=3",
+                                "reward.functions=[tests.test_sources:digit_reward]"])
+    with pytest.warns(RuntimeWarning, match="24 of 24 prompts are longer than data.max_prompt_length=3 tokens"):
+        run, _ = build(config)
+    run.output_lock.release()
+    run, _ = build(load_config(None, [f"output_dir={tmp_path / 'fit'}", *QUICK, f"data.tokenizer_path={tokenizer}",
+                                      f"data.path={files['jsonl']}",
+                                      "reward.functions=[tests.test_sources:digit_reward]"]))
+    run.output_lock.release()
+    assert run.config.data.max_prompt_length == 16  # 4-token prompts, rounded up to 16
