@@ -1,4 +1,5 @@
-"""Where prompt rows come from: a JSONL file (read here, errors by line), or anything Hugging Face `datasets` reads.
+"""Where prompt rows come from: a JSONL file (read here, errors by line, up to `LARGE_JSONL_BYTES`), or anything
+Hugging Face `datasets` reads.
 
 `data.path` may be a `.jsonl` file; a `.json`, `.parquet` or `.csv` file, or a glob of them; a folder written by
 `Dataset.save_to_disk` (a `DatasetDict`: `data.split`); or a dataset id already in the local Hugging Face cache
@@ -19,6 +20,7 @@ from typing import Any
 from grpo_jax.data import message_problem, read_jsonl
 
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+LARGE_JSONL_BYTES = 256 << 20  # larger JSONL files go through datasets too: memory-mapped, not a Python list
 
 
 def load_rows(path: str, *, split: str = "train", config_name: str | None = None,
@@ -26,7 +28,7 @@ def load_rows(path: str, *, split: str = "train", config_name: str | None = None
     """(rows, their line numbers in a JSONL file or None) from `path` as `key` names it; a ValueError says what is
     wrong with it and how to fix it."""
     path = os.fspath(path)
-    if path.endswith(".jsonl") and os.path.isfile(path):
+    if path.endswith(".jsonl") and os.path.isfile(path) and os.path.getsize(path) <= LARGE_JSONL_BYTES:
         return read_jsonl(path)
     if os.path.isdir(path):
         return _checked(_from_disk(path, split, key), path), None

@@ -62,6 +62,12 @@ def test_every_source_gives_the_rows_of_the_jsonl_file(files, kind, tmp_path, mo
     assert kind == "jsonl" or isinstance(rows, datasets.Dataset)  # memory-mapped, never a Python list
 
 
+def test_a_large_jsonl_file_is_memory_mapped(files, monkeypatch):
+    monkeypatch.setattr(sources, "LARGE_JSONL_BYTES", 16)
+    rows, lines = sources.load_rows(str(files["jsonl"]))
+    assert isinstance(rows, datasets.Dataset) and lines is None and [dict(r) for r in rows] == ROWS
+
+
 def test_source_errors_name_the_key_and_the_fix(files, tmp_path, monkeypatch):
     pd.DataFrame({"question": ["a"]}).to_parquet(tmp_path / "q.parquet")
     with pytest.raises(ValueError, match=r"q.parquet has no 'prompt' column \(has \['question'\]\): rename"):

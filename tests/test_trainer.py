@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from grpo_jax import trainer
+from grpo_jax import rounds, trainer
 from grpo_jax.config import load_config
 from grpo_jax.reporting import plain
 
@@ -152,13 +152,13 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
     inside its round (not at the round's end), and saves that state first."""
     config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "eval.num_examples=0",
                                 "train.max_nonfinite_steps=2", "train.steps_per_generation=2"])
-    real = trainer.rounds.round_advantages
+    real = rounds.round_advantages
 
     def nan_advantages(*args, **kwargs):
         advantages, r, std = real(*args, **kwargs)
         return advantages * np.nan, r, std
 
-    monkeypatch.setattr(trainer.rounds, "round_advantages", nan_advantages)
+    monkeypatch.setattr(rounds, "round_advantages", nan_advantages)
     with pytest.raises(RuntimeError, match="3 optimizer steps had a non-finite loss .*train.max_nonfinite_steps=2.*"
                                            "The state after step 3 was saved first"):
         trainer.train(config, show_progress=False)

@@ -1,0 +1,271 @@
+"""One round of GRPO, in the order it runs:
+
+    PromptIterator -> sample (jit) -> dispatch ref/old log-probs -> rows to host -> score (host) -> RoundBatch
+    -> optimizer steps -> metrics
+
+`prepare_round(run, state, i) -> RoundBatch` and `run_steps(run, state, round_batch) -> (state, round_batch,
+metrics)` take the train state explicitly and return it; `grpo_jax.run.build` makes the immutable `Run` (data,
+rewards, mesh, `grpo_jax.programs`), the maths lives in pure functions behind those programs, and
+`grpo_jax.trainer` repeats rounds with checkpoints, evaluation and outputs around them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from grpo_jax import data, rewards, rounds, sharding
+from grpo_jax.reporting import completion_rows, plain
+from grpo_jax.run import Run
+from grpo_jax.state import TrainState
+from grpo_jax.train_step import Batch
+
+
+class RoundBatch(NamedTuple):
+    """One round, built once by `prepare_round`: its rows (TRL's names, on the devices), which rows each of its
+    steps takes, and how far its steps got. A checkpoint taken inside a round saves it as it is.
+
+    N rows of the round, B rows per step, K = steps_per_generation x num_iterations steps.
+    """
+
+    rows: Batch  # the round's N rows: prompts, completions, training mask, advantages, old/ref/sampler log-probs
+    step_rows: np.ndarray  # [K, B] row indices of each step of the round
+    round_index: int
+    first_step: int  # optimizer steps taken before the round
+    position: int  # steps of the round done
+    metrics: dict  # the round's metrics (rewards, lengths), repeated on each of its steps
+    seconds: dict  # sample / score / logps seconds of the round
+    completions: list | None = None  # with log_completions: the round's table (`reporting.completion_rows`)
+
+
+def decode(tokenizer, completion_ids: np.ndarray, completion_mask: np.ndarray) -> list[str]:
+    """Completion texts without EOS and padding, as reward functions expect them."""
+    rows = [ids[: int(m.sum())].tolist() for ids, m in zip(completion_ids, completion_mask)]
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+
+def _columns(columns: dict, completion_ids: np.ndarray, completion_mask: np.ndarray) -> dict:
+    """Dataset columns plus `completion_ids` (EOS included, padding removed), as TRL passes them."""
+    if "completion_ids" in columns:
+        raise ValueError("the dataset has a 'completion_ids' column: rename it (reward functions receive the "
+                         "completions' token ids under that name, as in TRL)")
+    lengths = completion_mask.sum(axis=1)
+    return {**columns, "completion_ids": [ids[:n].tolist() for ids, n in zip(completion_ids, lengths)]}
+
+
+def _completion_metrics(mask: np.ndarray, truncated: np.ndarray) -> dict:
+    lengths = mask.sum(axis=1)
+    terminated = lengths[~truncated]
+    return {"completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
+            "completions/max_length": lengths.max(), "completions/clipped_ratio": truncated.mean(),
+            "completions/mean_terminated_length": terminated.mean() if terminated.size else 0.0}
+
+
+def _reward_metrics(rewards_NxF, r_N, std_N, names, num_generations: int) -> dict:
+    group_std = std_N.reshape(-1, num_generations)[:, 0]
+    out = {"reward": np.nanmean(r_N), "reward_std": np.nanmean(group_std),
+           "frac_reward_zero_std": np.mean(np.isclose(np.nan_to_num(group_std), 0.0))}
+    for i, name in enumerate(names):
+        out[f"rewards/{name.split(':')[-1]}/mean"] = np.nanmean(rewards_NxF[:, i])
+        out[f"rewards/{name.split(':')[-1]}/std"] = np.nanstd(rewards_NxF[:, i])
+    return out
+
+
+def _weights(run: Run) -> np.ndarray:
+    return np.asarray(run.config.reward.weights or [1.0] * len(run.reward_fns), np.float32)
+
+
+def _sample(run: Run, state: TrainState, batch: data.PromptBatch, draw_index: int):
+    """One sampling pass of the batch's rows with the current policy: (prompt rows as the programs take them,
+    SampleOutput on the devices). Returns once dispatched."""
+    key = run.programs.sample_key(state.key, state.step, draw_index)
+    prompts = sharding.host_rows((batch.prompt_ids, batch.prompt_mask), run.mesh)
+    return prompts, run.programs.sample(state.params, *prompts, key, False)
+
+
+def _score(run: Run, batch: data.PromptBatch, out, context: dict) -> rounds.Draw:
+    """The reward functions on the host over one pass's completions (`out`: SampleOutput on the host); `context`:
+    TRL's `trainer_state`, `log_metric`, `log_extra` (`_reward_context`)."""
+    cfg = run.config
+    completions = decode(run.tokenizer, out.completion_ids, out.completion_mask)
+    columns = _columns(batch.columns, out.completion_ids, out.completion_mask)
+    inputs = data.reward_inputs(batch.prompts, completions)
+    steps = {}
+    if cfg.train.advantage_estimator == "process":
+        lengths = out.completion_mask.sum(axis=1)
+        rewards_NxF, steps["step_rewards"], steps["step_end_indices"] = rewards.score_steps(
+            run.reward_fns, _weights(run), *inputs, columns, lengths, context)
+    else:
+        rewards_NxF = rewards.score_completions(run.reward_fns, *inputs, columns, context)
+    return rounds.Draw(batch.prompt_ids, batch.prompt_mask, out.completion_ids, out.completion_mask,
+                       np.asarray(out.is_truncated), out.sampler_per_token_logps, rewards_NxF, batch.prompts,
+                       batch.columns, batch.num_truncated, **steps)
+
+
+def _dispatch_logps(run: Run, state: TrainState, rows: tuple):
+    """(reference, old-policy) log-probs of the rows (prompt_ids, prompt_mask, completion_ids, completion_mask),
+    queued on the devices without waiting; None where the round needs none."""
+    cfg, tc = run.config, run.config.train
+    ref = None if run.programs.ref_logps is None else run.programs.ref_logps(state.reference_params, *rows)
+    # in float32 the sampler's log-probs are the old policy's (same params, full-vocabulary log-softmax at the
+    # temperature) up to rounding: no forward pass for them (`prepare_round`)
+    old = run.programs.logps(state.params, *rows) if tc.needs_old_logps and cfg.model.dtype != "float32" else None
+    return ref, old
+
+
+def _reward_context(run: Run, state: TrainState, log: rewards.RewardLog) -> dict:
+    """The keywords TRL 1.16 passes every reward function beside the dataset's columns."""
+    return {"trainer_state": rewards.trainer_state(int(state.step), run.config.max_steps, run.prompts.epoch),
+            "log_metric": log.log_metric, "log_extra": log.log_extra}
+
+
+def _one_pass(run: Run, state: TrainState, seconds: dict, context: dict):
+    """A round of one sampling pass: its log-probs are dispatched on the sampled rows (which never leave the
+    devices for them) before the host scores, so the two overlap. Returns (draw, device rows, ref, old)."""
+    timer = time.perf_counter()
+    batch = data.repeat_groups(run.prompts.next_batch(), run.config.train.num_generations)
+    prompts, sample = _sample(run, state, batch, 0)
+    # they attend with the sampled mask: mask_truncated_completions zeroes whole rows, whose values are then
+    # masked out of every loss term and metric anyway
+    rows = (*prompts, sample.completion_ids, sample.completion_mask)
+    ref, old = _dispatch_logps(run, state, rows)
+    out = sharding.to_host(sample)
+    seconds["sample"] = time.perf_counter() - timer
+    timer = time.perf_counter()
+    draw = _score(run, batch, out, context)
+    seconds["score"] = time.perf_counter() - timer
+    return draw, rows, ref, old
+
+
+def _dynamic_sampling_passes(run: Run, state: TrainState, seconds: dict, context: dict
+                             ) -> tuple[rounds.Draw, dict]:
+    """DAPO dynamic sampling: passes until informative groups fill the round (`rounds.init/update/finalize`)."""
+    tc = run.config.train
+    passes = rounds.init()
+    seconds.update(sample=0.0, score=0.0)
+    while not (rounds.is_full(passes, tc.prompts_per_round) or len(passes.draws) >= tc.max_num_gen_batches):
+        timer = time.perf_counter()
+        batch = data.repeat_groups(run.prompts.next_batch(), tc.num_generations)
+        out = sharding.to_host(_sample(run, state, batch, len(passes.draws))[1])
+        seconds["sample"] += time.perf_counter() - timer
+        timer = time.perf_counter()
+        draw = _score(run, batch, out, context)
+        passes = rounds.update(passes, draw, rounds.zero_std_groups(draw, _weights(run), tc.num_generations))
+        seconds["score"] += time.perf_counter() - timer
+    return rounds.finalize(passes, tc.prompts_per_round, tc.num_generations)
+
+
+def _step_rows(run: Run, round_index: int) -> np.ndarray:
+    """[K, B] rows of each step: `steps_per_generation` disjoint shuffled slices, repeated `num_iterations` times."""
+    cfg, tc = run.config, run.config.train
+    if run.step_prompt_group_size > 1:  # one step takes the whole round: its row order changes nothing
+        order = np.arange(tc.generation_batch_size)
+    else:
+        order = np.random.default_rng([cfg.seed, round_index]).permutation(tc.generation_batch_size)
+    slices = [order[k * tc.train_batch_size:(k + 1) * tc.train_batch_size] for k in range(tc.steps_per_generation)]
+    return np.stack([s for _ in range(tc.num_iterations) for s in slices])
+
+
+def prepare_round(run: Run, state: TrainState, round_index: int) -> RoundBatch:
+    """A round before its updates: sample (jit) -> dispatch ref/old log-probs -> rows to host -> score (host)
+    -> advantages -> RoundBatch. With DAPO dynamic sampling the passes are merged on the host first."""
+    cfg, tc = run.config, run.config.train
+    seconds: dict = {}
+    log = rewards.RewardLog()
+    context = _reward_context(run, state, log)
+    if tc.dynamic_sampling:
+        draw, sampling_metrics = _dynamic_sampling_passes(run, state, seconds, context)
+        ref = old = rows = None
+    else:
+        (draw, rows, ref, old), sampling_metrics = _one_pass(run, state, seconds, context), {}
+
+    timer = time.perf_counter()
+    mask = rounds.mask_truncated(draw.completion_mask, draw.is_truncated) if tc.mask_truncated_completions \
+        else draw.completion_mask
+    step_rows = _step_rows(run, round_index)
+    # host arrays go up once for a round of several steps, else as they are into the step's call
+    upload = sharding.host_rows if len(step_rows) == 1 else sharding.shard_global_rows
+    if rows is None:  # merged passes: the rows go up once, then their log-probs
+        rows = sharding.shard_global_rows((draw.prompt_ids, draw.prompt_mask, draw.completion_ids, mask), run.mesh)
+        ref, old = _dispatch_logps(run, state, rows)
+    elif tc.mask_truncated_completions:
+        rows = (*rows[:3], upload(mask, run.mesh))
+    advantages, r_N, std_N = run.programs.advantages(draw.rewards, _weights(run), mask,
+                                                     *rounds.pad_steps(draw, mask.shape[1]))
+    r_N, std_N = jax.device_get((r_N, std_N))
+    masked_sampler = None  # the sampler's log-probs under the training mask: one upload for both uses
+    if tc.use_sampler_logps or (tc.needs_old_logps and old is None):
+        masked_sampler = upload(draw.sampler_per_token_logps * mask, run.mesh)
+    if tc.needs_old_logps and old is None:
+        old = masked_sampler  # see `_dispatch_logps`
+    seconds["score"] += time.perf_counter() - timer
+
+    timer = time.perf_counter()
+    jax.block_until_ready((ref, old))  # the phase's time, not the next one's
+    # the time the round waits for its log-probs: what scoring on the host did not hide
+    seconds["logps"] = time.perf_counter() - timer
+
+    names = [name for name, _ in run.reward_fns]
+    metrics = {**_reward_metrics(draw.rewards, r_N, std_N, names, tc.num_generations),
+               **_completion_metrics(draw.completion_mask, draw.is_truncated),
+               "prompts/num_truncated": draw.num_prompts_truncated, **sampling_metrics, **log.metric_means()}
+    completions = None
+    if cfg.log_completions:
+        completions = completion_rows(draw.prompts, decode(run.tokenizer, draw.completion_ids, draw.completion_mask),
+                                      draw.rewards, names, r_N, sharding.to_host(advantages), mask,
+                                      extra=log.extra)
+    return RoundBatch(rows=Batch(*rows, advantages=advantages, old_per_token_logps=old, ref_per_token_logps=ref,
+                                 sampler_per_token_logps=masked_sampler if tc.use_sampler_logps else None),
+                      step_rows=step_rows, round_index=round_index, first_step=int(state.step),
+                      position=0, metrics={k: plain(v) for k, v in metrics.items()}, seconds=seconds,
+                      completions=completions)
+
+
+def run_steps(run: Run, state: TrainState, round_batch: RoundBatch, *, until: int,
+              stop: Callable[[], bool] | None = None,
+              max_skipped: int | None = None) -> tuple[TrainState, RoundBatch, list[dict]]:
+    """The round's next optimizer steps, up to step `until` (counted over the run) or the round's end.
+
+    `stop()` is checked before each step (preemption). Steps are dispatched back to back and their metrics
+    fetched once at the end; with `max_skipped` the call also ends right after the step that makes more than
+    that many skipped (non-finite) steps, whose flags it fetches only once that many more steps could exceed it.
+    Returns the state, the round with its new position, and one metrics line per step.
+    """
+    rb = round_batch
+    last = min(len(rb.step_rows), until - rb.first_step)
+    timer = time.perf_counter()
+    pending, position = [], rb.position
+    num_rows = len(rb.rows.completion_ids)
+    unchecked = 0  # steps dispatched since the skipped flags were last fetched
+    while position < last and not (stop is not None and stop()) and (max_skipped is None or max_skipped >= 0):
+        step_rows = rb.step_rows[position]
+        # a step of all the round's rows in order (one step per round) takes them as they are, without a gather
+        in_order = len(step_rows) == num_rows and np.array_equal(step_rows, np.arange(num_rows))
+        state, metrics = run.programs.step(state, rb.rows if in_order else run.programs.take(rb.rows, step_rows))
+        pending.append(metrics)
+        position += 1
+        unchecked += 1
+        if max_skipped is not None and unchecked > max_skipped:  # these steps alone could pass the limit
+            max_skipped -= int(sum(jax.device_get([m["skipped"] for m in pending[-unchecked:]])))
+            unchecked = 0
+    run.prompts.prefetch()  # the next round's prompts are tokenized while the devices run the steps
+    pending = jax.device_get(pending)  # one host sync per call, after every step was dispatched
+    t_update = (time.perf_counter() - timer) / max(len(pending), 1)
+
+    num_steps = len(rb.step_rows)  # the round's sampling, scoring and log-prob time is shared by its steps
+    times = {f"step_time/{k}": rb.seconds[k] / num_steps for k in ("sample", "score", "logps")}
+    lines = []
+    for i, metrics in enumerate(pending):
+        step = rb.first_step + rb.position + i
+        lines.append({"step": step + 1, **rb.metrics, **metrics, "learning_rate": float(run.schedule(step)),
+                      "step_time": sum(times.values()) + t_update, **times, "step_time/update": t_update})
+    return state, rb._replace(position=position), lines
+
+
+def run_round(run: Run, state: TrainState, round_index: int) -> tuple[TrainState, RoundBatch, list[dict]]:
+    """One generation round: `prepare_round`, then all its optimizer steps (`run_steps`)."""
+    return run_steps(run, state, prepare_round(run, state, round_index), until=run.config.max_steps)
