@@ -50,6 +50,7 @@ class Setting:
     num_generations: int = 8
     max_completion_length: int = 32
     prompt_length: int = 16
+    prompt_length_max: int | None = None  # prompts of uniformly random length in [prompt_length, this] tokens
     temperature: float = 1.0
     beta: float = 0.04
     learning_rate: float = 1e-5
@@ -70,6 +71,14 @@ def architecture(model_dir: str | None, size: str | None) -> dict:
 
 def _rope_theta(arch: dict) -> float:
     return float(arch.get("rope_theta") or (arch.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+
+
+def _mean_prompt(s: Setting) -> Setting:
+    """`s` with its mean prompt length, for FLOP counts of a length spread."""
+    if s.prompt_length_max is None:
+        return s
+    mean = round((s.prompt_length + s.prompt_length_max) / 2)
+    return dataclasses.replace(s, prompt_length=mean, prompt_length_max=None)
 
 
 def step_flops(arch: dict, s: Setting, prompt_group_size: int = 1) -> dict:
@@ -182,7 +191,8 @@ def run_grpo_jax(model_dir: str | None, size: str | None, prompts: Path, s: Sett
     config = Config(
         seed=s.seed, output_dir=str(work / "run"), max_steps=warmup + steps + bool(profile_dir), model=model,
         host_allocator=host_allocator, compilation_cache_dir=None,  # compile_s: a cold compile, every time
-        data=DataConfig(path=str(prompts), tokenizer_path=tokenizer_dir, max_prompt_length=s.prompt_length),
+        data=DataConfig(path=str(prompts), tokenizer_path=tokenizer_dir,
+                        max_prompt_length=s.prompt_length_max or s.prompt_length),
         sampling=SamplingConfig(max_completion_length=s.max_completion_length, temperature=s.temperature),
         loss=LossConfig(loss_type=s.loss_type, beta=s.beta),
         train=TrainConfig(num_generations=s.num_generations, train_batch_size=s.rows, learning_rate=s.learning_rate,
@@ -208,14 +218,21 @@ def run_grpo_jax(model_dir: str | None, size: str | None, prompts: Path, s: Sett
     timed = history[warmup:warmup + steps]
     records = [{"step": h["step_time"], **{p: h[f"step_time/{p}"] for p in PHASES}} for h in timed]
     tokens = [int(round(h["completions/mean_length"] * s.rows)) for h in timed]
+    # the static sampler decodes every row until the longest ends; the update pads every row to P + T
+    longest = [h["completions/max_length"] for h in timed]
+    prompt_mean = (s.prompt_length + (s.prompt_length_max or s.prompt_length)) / 2
     device = jax.devices()[0]
     peak = matmul_peak("jax", "bfloat16" if dtype == "bfloat16" else "float32",
                        n=8192 if device.platform == "gpu" else 2048)
     from grpo_jax.run import prompt_group_sizes
     # the FLOPs grpo_jax executes (each group's prompt once in log-prob/update passes): its hardware use
-    flops = step_flops(arch, s, prompt_group_size=prompt_group_sizes(config, run.mesh)[1])
+    flops = step_flops(arch, _mean_prompt(s), prompt_group_size=prompt_group_sizes(config, run.mesh)[1])
     out = _summary(records, first_rounds_s, flops, peak, tokens)
     out["executed_flops_per_step"] = flops["total"]
+    out["sample_padding_fraction"] = 1 - float(np.mean([t / (s.rows * m) for t, m in zip(tokens, longest)]))
+    out["update_padding_fraction"] = 1 - float(np.mean(
+        [(prompt_mean * s.rows + t) / (s.rows * ((s.prompt_length_max or s.prompt_length) + s.max_completion_length))
+         for t in tokens]))
     out["compile_s"] = max(first_rounds_s - warmup * out["step_s"], 0.0)
     out.update(build_s=build_s, matmul_peak_flops_per_s=peak, device=str(device), dtype=dtype,
                param_dtype=param_dtype or dtype, jax_version=jax.__version__,
@@ -312,7 +329,8 @@ def run_trl(model_dir: str, prompts: Path, s: Setting, *, steps: int, warmup: in
     timed = records[warmup:]
     arch = architecture(model_dir, None)
     peak = matmul_peak("torch", "float32")
-    out = _summary(timed, sum(r["step"] for r in records[:warmup]), step_flops(arch, s), peak, tokens[warmup:])
+    out = _summary(timed, sum(r["step"] for r in records[:warmup]), step_flops(arch, _mean_prompt(s)), peak,
+                   tokens[warmup:])
     out["compile_s"] = 0.0  # eager PyTorch: nothing is compiled
     out.update(train_total_s=total_s, matmul_peak_flops_per_s=peak, torch_threads=threads,
                torch_version=torch.__version__, trl_version=trl.__version__, peak_rss_mib=_peak_rss_mib())
@@ -341,6 +359,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--max-completion-length", type=int, default=32)
     parser.add_argument("--prompt-length", type=int, default=16)
+    parser.add_argument("--prompt-length-max", type=int, default=None,
+                        help="prompts of random length in [--prompt-length, this] tokens (a realistic spread)")
     parser.add_argument("--logps-chunk-size", type=int, default=0, help="grpo_jax train.logps_chunk_size")
     parser.add_argument("--host-allocator", choices=("retain", "system"), default="retain",
                         help="the process's malloc policy (grpo_jax.cpu), set once for both libraries")
@@ -355,20 +375,21 @@ def main(argv=None) -> dict:
     if args.size is not None and args.impl != "grpo_jax":
         parser.error("--size runs grpo_jax alone: add --impl grpo_jax (TRL needs a --model folder)")
     s = Setting(prompts_per_step=args.prompts_per_step, num_generations=args.num_generations,
-                max_completion_length=args.max_completion_length, prompt_length=args.prompt_length)
+                max_completion_length=args.max_completion_length, prompt_length=args.prompt_length,
+                prompt_length_max=args.prompt_length_max)
     prompts = Path(args.prompts) if args.prompts else None
     if prompts is None and args.model and (Path(args.model).parent / "prompts.jsonl").is_file() \
-            and s.prompt_length == 16:
+            and s.prompt_length == 16 and s.prompt_length_max is None:
         prompts = Path(args.model).parent / "prompts.jsonl"
     if prompts is None:
         prompts = Path(tempfile.mkdtemp(prefix="bench_prompts_")) / "prompts.jsonl"
         prompts.write_text("".join(json.dumps(r) + "\n" for r in make_models.make_prompts(
-            512, length=s.prompt_length - 1)))
+            512, length=s.prompt_length - 1, max_length=s.prompt_length_max and s.prompt_length_max - 1)))
     from grpo_jax.cpu import configure_host_allocator
 
     # one process, one malloc: set before either library allocates, so both run under the same policy
     result = {"setting": dataclasses.asdict(s), "model": args.model or args.size, "steps": args.steps,
-              "warmup": args.warmup, "flops": step_flops(architecture(args.model, args.size), s),
+              "warmup": args.warmup, "flops": step_flops(architecture(args.model, args.size), _mean_prompt(s)),
               "host_allocator": args.host_allocator,
               "host_allocator_applied": configure_host_allocator(args.host_allocator)}
     lora = (f"model.lora.rank={args.lora}", f"model.lora.alpha={2 * args.lora}") if args.lora else ()

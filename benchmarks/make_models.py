@@ -77,12 +77,14 @@ def build_model(size: str, path: str | os.PathLike, seed: int = 0) -> Path:
     return path
 
 
-def make_prompts(n: int, seed: int = 0, length: int = 15) -> list[dict]:
-    """`n` rows {"prompt": s + ">", "answer": reversed s} with s of `length` random characters."""
+def make_prompts(n: int, seed: int = 0, length: int = 15, max_length: int | None = None) -> list[dict]:
+    """`n` rows {"prompt": s + ">", "answer": reversed s} with s of `length` random characters (with `max_length`:
+    of a length drawn uniformly from [length, max_length] per row)."""
     rng = np.random.default_rng(seed)
     rows = []
     for _ in range(n):
-        s = "".join(PROMPT_CHARS[i] for i in rng.integers(0, len(PROMPT_CHARS), size=length))
+        size = length if max_length is None else int(rng.integers(length, max_length + 1))
+        s = "".join(PROMPT_CHARS[i] for i in rng.integers(0, len(PROMPT_CHARS), size=size))
         rows.append({"prompt": s + ">", "answer": s[::-1]})
     return rows
 
