@@ -38,10 +38,9 @@ def _check_importable(field: str, paths: tuple[str, ...]) -> None:
     from grpo_jax.reward_model import is_reward_model
 
     for path in paths:
-        if is_reward_model(path):
-            continue
         try:
-            resolve_reward_fn(path)
+            if not is_reward_model(path):
+                resolve_reward_fn(path)
         except ValueError as e:
             raise ValueError(f"{field}: {e}") from e
 

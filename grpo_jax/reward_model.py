@@ -22,7 +22,8 @@ LENGTH_BUCKET = 64
 
 
 def is_reward_model(path) -> bool:
-    """Whether `path` is a folder whose config.json names a `*ForSequenceClassification` architecture."""
+    """Whether `path` is a folder whose config.json names a `*ForSequenceClassification` architecture; a model
+    folder with another head is a ValueError saying what it is."""
     config = Path(os.fspath(path)) / "config.json"
     if not config.is_file():
         return False
@@ -30,7 +31,11 @@ def is_reward_model(path) -> bool:
         architectures = json.loads(config.read_text()).get("architectures") or []
     except (OSError, ValueError):
         return False
-    return any(a.endswith("ForSequenceClassification") for a in architectures)
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise ValueError(f"{os.fspath(path)!r} is a model folder but not a reward model (architectures "
+                         f"{architectures}): list a *ForSequenceClassification folder, saved with transformers' "
+                         "AutoModelForSequenceClassification, or a 'module:function'")
+    return True
 
 
 class RewardModel:

@@ -63,9 +63,10 @@ def _from_disk(path: str, split: str, key: str):
 
     try:
         dataset = datasets.load_from_disk(path)
-    except FileNotFoundError as e:
-        raise ValueError(f"{key}={path!r} is a folder but not one written by Dataset.save_to_disk "
-                         f"({_first_line(e)}): point it at such a folder or at a data file") from e
+    except Exception as e:  # noqa: BLE001 - not a saved dataset, or one datasets cannot read (an empty one)
+        raise ValueError(f"{key}={path!r} is a folder but not a dataset written by Dataset.save_to_disk that can be "
+                         f"read ({type(e).__name__}: {_first_line(e)}): point it at such a folder or at a data "
+                         "file") from e
     if isinstance(dataset, datasets.DatasetDict):
         if split not in dataset:
             raise ValueError(f"{key}={path!r} has splits {sorted(dataset)}, not data.split={split!r}: set data.split")

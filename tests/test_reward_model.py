@@ -76,3 +76,12 @@ def test_a_reward_model_folder_is_a_reward_function_of_a_run(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and all(np.isfinite(line["rewards/qwen2-rm/mean"]) for line in lines)
     assert all(line["rewards/qwen2-rm/std"] > 0 for line in lines)  # completions scored one by one
+
+
+def test_a_model_folder_without_a_classification_head_is_refused_by_name(tmp_path):
+    import hf_fixtures as hf
+
+    folder = hf.save_model(hf.build_model("qwen2", tied=True), tmp_path / "lm")
+    with pytest.raises(ValueError, match=r"reward.functions: '.*lm' is a model folder but not a reward model "
+                                         r"\(architectures \['Qwen2ForCausalLM'\]\): list a \*ForSequenceClassification"):
+        load_config(None, [f"reward.functions=[{folder}]"])

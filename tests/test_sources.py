@@ -74,6 +74,11 @@ def test_source_errors_name_the_key_and_the_fix(files, tmp_path, monkeypatch):
         sources.load_rows(str(tmp_path / "q.parquet"))
     with pytest.raises(ValueError, match=r"has splits \['test', 'train'\], not data.split='validation'"):
         sources.load_rows(str(files["save_to_disk"]), split="validation")
+    with pytest.raises(ValueError, match=r"train_dataset holds no rows: it needs at least one row with a 'prompt'"):
+        sources.from_python(datasets.Dataset.from_dict({"prompt": []}), "train_dataset")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match=r"empty.jsonl' is empty: it needs at least one line with a 'prompt'"):
+        sources.load_rows(str(tmp_path / "empty.jsonl"))
     pd.DataFrame({"prompt": ["a", 3]}, dtype=object).to_json(tmp_path / "mixed.json", orient="records")
     with pytest.raises(ValueError, match=r"mixed.json.*: row 1: 'prompt' is a int"):
         sources.load_rows(str(tmp_path / "mixed.json"))
