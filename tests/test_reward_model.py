@@ -83,5 +83,6 @@ def test_a_model_folder_without_a_classification_head_is_refused_by_name(tmp_pat
 
     folder = hf.save_model(hf.build_model("qwen2", tied=True), tmp_path / "lm")
     with pytest.raises(ValueError, match=r"reward.functions: '.*lm' is a model folder but not a reward model "
-                                         r"\(architectures \['Qwen2ForCausalLM'\]\): list a \*ForSequenceClassification"):
+                                         r"\(architectures \['Qwen2ForCausalLM'\]\): list a "
+                                         r"\*ForSequenceClassification"):
         load_config(None, [f"reward.functions=[{folder}]"])
