@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         print(f"grpo-jax: {e}", file=sys.stderr)
         return e.exit_code
-    except (RunFailed, ValueError, OSError) as e:  # what failed and what to do, in one message (before training:
-        print(f"grpo-jax: {e}", file=sys.stderr)    # ValueError naming the key or file, OSError naming the file)
+    except (RunFailed, ValueError, OSError) as e:  # what failed and what to do, in one line (no traceback)
+        print(f"grpo-jax: {e}", file=sys.stderr)
         return 1
     return 0

@@ -1,4 +1,5 @@
-"""Prompts from JSONL: load, tokenize to static left-padded shapes, iterate in seeded epochs, repeat per group.
+"""Prompts: read a JSONL file (other sources: `grpo_jax.sources`), check every row, tokenize to static left-padded
+shapes, iterate in seeded epochs, repeat per group.
 
 Rows follow TRL's dataset convention: a "prompt" column plus any other columns (e.g. "answer"), which are handed
 to reward functions as keyword arguments. A prompt is a plain string (used as it is) or, in TRL's conversational
