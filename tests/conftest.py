@@ -38,6 +38,18 @@ import pytest  # noqa: E402
 from grpo_jax.models import ModelConfig, init_model  # noqa: E402
 
 
+# the longest tests (20-70 s each at -n 2), started first: xdist hands tests out in collection order, and one of them
+# started last keeps a worker busy while the other idles
+LONG_FIRST = ("test_cpu_default_flags.py::", "test_reward_rises_on_the_embedded_task",
+              "test_full_rank_adapters_learn_the_embedded_task", "test_notebook_executes",
+              "test_resumed_run_equals_uninterrupted_run_bitwise", "test_sigterm_saves_exits_and_resumes",
+              "test_two_processes_equal_one", "test_grpo_jax_and_trl_one_step_profiled")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not any(name in item.nodeid for name in LONG_FIRST))  # stable: the rest in order
+
+
 def pytest_unconfigure(config):
     if _CACHE_OWNER:
         shutil.rmtree(os.environ["GRPO_JAX_TEST_COMPILATION_CACHE"], ignore_errors=True)
