@@ -4,12 +4,14 @@ import shutil
 import sys
 import tempfile
 
-# 8 fake CPU devices for the sharding tests. LLVM at -O0: compiling dominates the suite, and XLA:CPU's LLVM passes
-# take half of it (2-core EPYC: 193 s -> 92 s of CPU for test_micro_batched_step_equals_full_batch). They change how
-# float32 ops round (FMA contraction, vector widths), never what a program computes. The README's command
+# 8 fake CPU devices for the sharding tests. Compiling dominates the suite, so it compiles cheaply: LLVM at -O0 (2-core
+# EPYC: 193 s -> 92 s of CPU for test_micro_batched_step_equals_full_batch) and XLA:CPU's older loop emitters instead of
+# its fusion emitters (the micro-batched and shared-prompt step tests: 74 s -> 36 s of CPU). Both change how float32
+# ops round (FMA contraction, vector widths, loop order), never what a program computes. The README's command
 # (test_trainer) and the CPU speed code's bit-for-bit promises (test_cpu, run by test_cpu_default_flags) are tested at
-# XLA's default flags. Set XLA_FLAGS yourself (keeping the device count) to run everything at the default level.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+# XLA's default flags. Set XLA_FLAGS yourself (keeping the device count) to run everything at the defaults.
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+os.environ.setdefault("XLA_FLAGS", " ".join(("--xla_force_host_platform_device_count=8", *FAST_COMPILE_FLAGS)))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # Compilation dominates the suite on CPU (a tiny model's train step takes ~4 s to compile, and many tests build the

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import jax
@@ -205,6 +206,9 @@ def test_a_save_killed_midway_is_never_loaded(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "saving\n", proc.communicate()
+    deadline = time.monotonic() + 60  # the background write has started once its temporary folder exists
+    while not list((tmp_path / "checkpoints").glob("2.orbax-checkpoint-tmp*")) and time.monotonic() < deadline:
+        time.sleep(0.01)
     proc.kill()
     proc.wait()
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import FAST_COMPILE_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,7 +19,8 @@ def test_cpu_speed_code_at_xla_default_flags(select):
     flags = os.environ.get("XLA_FLAGS", "")
     if "--xla_backend_optimization_level=0" not in flags:
         pytest.skip("this session compiles at XLA's default flags: tests/test_cpu.py runs in it")
-    env = {**os.environ, "XLA_FLAGS": flags.replace("--xla_backend_optimization_level=0", "").strip()}
+    default = " ".join(f for f in flags.split() if f not in FAST_COMPILE_FLAGS)
+    env = {**os.environ, "XLA_FLAGS": default}
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-n", "0",
                              "-k", select, "tests/test_cpu.py"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
