@@ -2,7 +2,7 @@
 
 - Sampling rows in chunks, each run from its own host thread (`ChunkedSampler`): XLA:CPU runs a small model's
   decode steps on one core, so chunks keep the other cores busy.
-- A chunk draws only its own rows' Gumbel noise (`gumbel_rows`): threefry is a rolled loop on CPU, so drawing
+- A chunk draws only its own rows' Gumbel noise (`sampling.gumbel_rows`): threefry is a rolled loop on CPU, so drawing
   the whole call's noise in every chunk costs each chunk the other chunks' bits too.
 - Every decode step's noise drawn before the decode loop when it is small (`PRECOMPUTED_NOISE_BYTES`): one
   threefry call outside the loop instead of a small loop of its own in every step.
@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.extend.random import threefry_2x32
 
 from grpo_jax.models.configuration import REMAT_POLICIES
+from grpo_jax.sampling import gumbel_rows
 
 
 def enabled(setting: bool | None) -> bool:
@@ -125,39 +125,6 @@ def linear_layers(graphdef: nnx.GraphDef, params: nnx.State, on: bool) -> nnx.Gr
 
 # below this many bytes of [T, B, V] float32 noise, the draws of every decode step are made before the loop
 PRECOMPUTED_NOISE_BYTES = 32 << 20
-
-
-def _threefry_words(key):
-    """The key's two uint32 words when it is a threefry key, else None (other PRNGs draw other bits)."""
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return jax.random.key_data(key) if str(jax.random.key_impl(key)) == "threefry2x32" else None
-    return key if jax.config.jax_default_prng_impl == "threefry2x32" else None
-
-
-def gumbel_rows(key, step, total: int, row_offset, rows: int, vocab: int):
-    """Rows ``row_offset .. row_offset + rows`` of ``jax.random.gumbel(fold_in(key, step), (total, vocab))``.
-
-    With a threefry key and partitionable bits (jax's defaults) element i of that draw hashes the counter
-    (0, i) alone, so only these rows' bits are drawn (`jax.extend.random.threefry_2x32`), then
-    `jax.random.gumbel`'s own float transform; otherwise the whole draw is sliced.
-    """
-    key = jax.random.fold_in(key, step)
-    words = _threefry_words(key)
-    # the counters are (0, i) with i < 2**32: larger draws take the sliced whole draw too
-    if (words is None or not jax.config.jax_threefry_partitionable or total * vocab >= 2 ** 32
-            or jax.config.jax_high_dynamic_range_gumbel):
-        noise = jax.random.gumbel(key, (total, vocab), jnp.float32)
-        return noise if rows == total else jax.lax.dynamic_slice_in_dim(noise, row_offset, rows, axis=0)
-    n = rows * vocab
-    counts = jnp.asarray(row_offset, jnp.uint32) * vocab + jnp.arange(n, dtype=jnp.uint32)
-    # threefry_2x32 hashes the pairs (first half[i], second half[i]) of its counts into the two output halves
-    bits = threefry_2x32((words[0], words[1]), jnp.concatenate([jnp.zeros_like(counts), counts]))
-    # jax.random.uniform's mantissa trick over [tiny, 1), then gumbel's -log(-log(u))
-    ones = jax.lax.bitcast_convert_type(((bits[:n] ^ bits[n:]) >> np.uint32(9)) | np.uint32(0x3F800000),
-                                        jnp.float32)
-    tiny = jnp.finfo(jnp.float32).tiny
-    uniform = jnp.maximum(tiny, (ones - 1.0) * (1.0 - tiny) + tiny)
-    return -jnp.log(-jnp.log(uniform)).reshape(rows, vocab)
 
 
 def argmax_last_axis(x_BxV):

@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from grpo_jax import cpu, rounds, sharding
+from grpo_jax import continuous, cpu, rounds, sharding
 from grpo_jax.logprobs import completion_logps
 from grpo_jax.models import ModelConfig, init_model, lora, model_config
 from grpo_jax.sampling import SampleOutput, SamplingConfig, generate
@@ -171,6 +171,16 @@ def jit_take(mesh: Mesh):
                    out_shardings=sharding.row_sharded(mesh))
 
 
+def continuous_slots(max_batch_rows: int, rows: int, total_rows: int, row_shards: int) -> int:
+    """Decode slots for ``rows`` of a sampling call over ``total_rows`` (a host-thread chunk takes its share of
+    ``sampling.max_batch_rows``), a multiple of the mesh's ``row_shards``; ``rows`` (a static batch) when that is
+    not fewer."""
+    if not max_batch_rows:
+        return rows
+    share = -(-max_batch_rows * rows // total_rows)
+    return min(rows, -(-share // row_shards) * row_shards)
+
+
 def jit_generate(graphdef, mesh, *, config: SamplingConfig, eos_token_ids: tuple[int, ...], pad_token_id: int,
                  params_sharding=None, prompt_group_size: int = 1, cpu_speedups: bool = False):
     """`generate` jitted over `mesh`: `fn(params, prompt_ids, prompt_mask, key, greedy) -> SampleOutput`.
@@ -181,18 +191,30 @@ def jit_generate(graphdef, mesh, *, config: SamplingConfig, eos_token_ids: tuple
     LoRA adapters are merged into the kernels once per call (`lora.merged`), not run in every decode step.
     ``cpu_speedups`` (`cpu.enabled`) draws the same tokens with `cpu.token_chooser`, and on a one-device mesh
     ``config.host_threads`` may split a call into row chunks run concurrently (`cpu.ChunkedSampler`).
+    ``config.max_batch_rows`` fewer than a call's rows decodes them continuously batched (`grpo_jax.continuous`).
     """
     rows, replicated = sharding.row_sharded(mesh), sharding.replicated(mesh)
     out_shardings = SampleOutput(rows, rows, rows, rows, num_decode_steps=replicated)
 
-    def sample(params, prompt_ids_BxP, prompt_mask_BxP, key, greedy, choose_tokens=None):
+    row_shards = sharding.num_row_shards(mesh)
+
+    def sample(params, prompt_ids_BxP, prompt_mask_BxP, key, greedy, choose_tokens=None, row_offset=0,
+               total_rows=None):
         cache = sharding.cache_sharding(mesh, model_config(graphdef, params).num_key_value_heads)
         # LoRA adapters merged into the kernels once per call (`lora.merged`): decode steps run the base's products
         model, params = lora.merged(graphdef, params) if lora.has_adapters(params) else (graphdef, params)
+        B = prompt_ids_BxP.shape[0]
+        group = 1 if greedy else prompt_group_size
+        slots = continuous_slots(config.max_batch_rows, B, B if total_rows is None else total_rows, row_shards)
+        if slots < B:
+            return continuous.generate(model, params, prompt_ids_BxP, prompt_mask_BxP, key, config=config,
+                                       num_slots=slots, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                                       greedy=greedy, prompt_group_size=group, row_offset=row_offset,
+                                       total_rows=total_rows, cache_sharding=cache,
+                                       argmax=cpu.argmax_last_axis if cpu_speedups else None)
         return generate(model, params, prompt_ids_BxP, prompt_mask_BxP, key, config=config,
                         eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, greedy=greedy,
-                        prompt_group_size=1 if greedy else prompt_group_size, cache_sharding=cache,
-                        choose_tokens=choose_tokens)
+                        prompt_group_size=group, cache_sharding=cache, choose_tokens=choose_tokens)
 
     if not cpu_speedups:
         return jax.jit(sample, static_argnums=4, in_shardings=(params_sharding, rows, rows, replicated),
@@ -204,7 +226,7 @@ def jit_generate(graphdef, mesh, *, config: SamplingConfig, eos_token_ids: tuple
 
     def sample_rows(params, prompt_ids_BxP, prompt_mask_BxP, key, row_offset, greedy, total_rows):
         return sample(params, prompt_ids_BxP, prompt_mask_BxP, key, greedy,
-                      cpu.token_chooser(row_offset, total_rows))
+                      cpu.token_chooser(row_offset, total_rows), row_offset, total_rows)
 
     jitted = jax.jit(sample_rows, static_argnums=(5, 6),
                      in_shardings=(params_sharding, rows, rows, replicated, replicated), out_shardings=out_shardings)

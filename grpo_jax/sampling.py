@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.extend.random import threefry_2x32
 
 from grpo_jax.models import (compute_dtype_params, forward, init_cache, layer_params, model_config,
                              positions_from_mask, rotary_tables, unembed)
@@ -22,7 +24,11 @@ class SamplingConfig:
 
     ``host_threads`` (grpo_jax only; used when ``cpu_speedups`` is on) splits a one-device sampling call's rows into
     that many chunks, each run from its own host thread (`cpu.ChunkedSampler`). The tokens do not depend on it.
-    0: one per CPU core on a one-device CPU mesh, else 1 (`cpu.host_chunks`)."""
+    0: one per CPU core on a one-device CPU mesh, else 1 (`cpu.host_chunks`).
+
+    ``max_batch_rows`` (grpo_jax only) N > 0 fewer than a call's rows: continuous batching (`grpo_jax.continuous`),
+    N rows decode at once and a row that ends hands its slot to the next waiting row. The tokens do not depend on
+    it. 0: every row of the call decodes at once until the longest ends."""
 
     max_completion_length: int = 8
     temperature: float = 1.0
@@ -30,6 +36,7 @@ class SamplingConfig:
     top_p: float = 1.0
     min_p: float = 0.0
     host_threads: int = 0
+    max_batch_rows: int = 0
 
     def __post_init__(self):
         if not isinstance(self.max_completion_length, int) or self.max_completion_length < 1:
@@ -43,6 +50,9 @@ class SamplingConfig:
             raise ValueError(f"sampling.top_p={self.top_p} must be in (0, 1] (1.0 disables it)")
         if not 0 <= self.min_p < 1:
             raise ValueError(f"sampling.min_p={self.min_p} must be in [0, 1) (0.0 disables it)")
+        if not isinstance(self.max_batch_rows, int) or self.max_batch_rows < 0:
+            raise ValueError(f"sampling.max_batch_rows={self.max_batch_rows!r} must be an integer >= 0 (0: all of a "
+                             "call's rows decode at once)")
         if not isinstance(self.host_threads, int) or self.host_threads < 0:
             raise ValueError(f"sampling.host_threads={self.host_threads!r} must be an integer >= 0 (0: one per CPU "
                              "core on CPU, 1 elsewhere)")
@@ -99,6 +109,62 @@ def filter_logits(scaled_logits_BxV, config: SamplingConfig):
     return scores
 
 
+def prefill(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, group_size: int, cache_length: int):
+    """Each distinct prompt (R = B / ``group_size`` rows, `data.repeat_groups` order) run once into a KV cache of
+    ``cache_length`` slots: (params in the compute dtype, their per-layer slices, RoPE tables of every slot,
+    cache [R, ...], the logits of each prompt's next token [R, V]). The casts and slices are made once here, not
+    in every decode step."""
+    B, P = prompt_ids_BxP.shape
+    G = group_size
+    if not isinstance(G, int) or G < 1 or B % G:
+        raise ValueError(f"prompt_group_size={G!r} must be a positive integer dividing the {B} rows")
+    model_cfg = model_config(graphdef, params)
+    params = compute_dtype_params(graphdef, params)
+    layers = layer_params(graphdef, params)
+    rope = rotary_tables(model_cfg, cache_length)  # RoPE of every slot: decode steps gather theirs
+    mask_RxS = jnp.zeros((B // G, cache_length), jnp.int32).at[:, :P].set(prompt_mask_BxP[::G].astype(jnp.int32))
+    hidden_RxPxD, cache_R = forward(graphdef, params, prompt_ids_BxP[::G], positions_from_mask(prompt_mask_BxP[::G]),
+                                    mask_RxS, init_cache(model_cfg, B // G, cache_length), 0, layers=layers,
+                                    rope=rope)
+    # left padding puts every row's last real token at slot P - 1
+    return params, layers, rope, cache_R, unembed(graphdef, params, hidden_RxPxD[:, -1:])[:, 0]
+
+
+def _threefry_words(key):
+    """The key's two uint32 words when it is a threefry key, else None (other PRNGs draw other bits)."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(key) if str(jax.random.key_impl(key)) == "threefry2x32" else None
+    return key if jax.config.jax_default_prng_impl == "threefry2x32" else None
+
+
+def gumbel_rows(key, step, total: int, row_offset, rows: int, vocab: int):
+    """Rows ``row_offset .. row_offset + rows`` of ``jax.random.gumbel(fold_in(key, step), (total, vocab))``:
+    the noise `generate`'s ``jax.random.categorical`` adds to those rows' scores at ``step``.
+
+    With a threefry key and partitionable bits (jax's defaults) element i of that draw hashes the counter
+    (0, i) alone, so only these rows' bits are drawn (`jax.extend.random.threefry_2x32`), then
+    `jax.random.gumbel`'s own float transform; otherwise the whole draw is sliced. A row's noise is then a
+    function of (key, step, row) alone, whatever rows share its call (`grpo_jax.continuous` relies on it).
+    """
+    key = jax.random.fold_in(key, step)
+    words = _threefry_words(key)
+    # the counters are (0, i) with i < 2**32: larger draws take the sliced whole draw too
+    if (words is None or not jax.config.jax_threefry_partitionable or total * vocab >= 2 ** 32
+            or jax.config.jax_high_dynamic_range_gumbel):
+        noise = jax.random.gumbel(key, (total, vocab), jnp.float32)
+        return noise if rows == total else jax.lax.dynamic_slice_in_dim(noise, row_offset, rows, axis=0)
+    n = rows * vocab
+    counts = jnp.asarray(row_offset, jnp.uint32) * vocab + jnp.arange(n, dtype=jnp.uint32)
+    # threefry_2x32 hashes the pairs (first half[i], second half[i]) of its counts into the two output halves
+    bits = threefry_2x32((words[0], words[1]), jnp.concatenate([jnp.zeros_like(counts), counts]))
+    # jax.random.uniform's mantissa trick over [tiny, 1), then gumbel's -log(-log(u))
+    ones = jax.lax.bitcast_convert_type(((bits[:n] ^ bits[n:]) >> np.uint32(9)) | np.uint32(0x3F800000),
+                                        jnp.float32)
+    tiny = jnp.finfo(jnp.float32).tiny
+    uniform = jnp.maximum(tiny, (ones - 1.0) * (1.0 - tiny) + tiny)
+    return -jnp.log(-jnp.log(uniform)).reshape(rows, vocab)
+
+
 class _DecodeState(NamedTuple):
     step: jax.Array           # tokens sampled so far (also the slot of the pending token, minus P)
     pending_B: jax.Array      # the last sampled token, not yet fed through the model
@@ -128,25 +194,11 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
     B, P = prompt_ids_BxP.shape
     T = config.max_completion_length
     G = prompt_group_size
-    if not isinstance(G, int) or G < 1 or B % G:
-        raise ValueError(f"prompt_group_size={G!r} must be a positive integer dividing the {B} rows")
     eos_E = jnp.asarray(eos_token_ids, jnp.int32).reshape(-1)
     prompt_mask_BxP = prompt_mask_BxP.astype(jnp.int32)
     prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1)
-
     mask_BxS = jnp.concatenate([prompt_mask_BxP, jnp.zeros((B, T), jnp.int32)], axis=1)
-    # one prefill per distinct prompt (R = B / G rows), then every group member starts from its cache
-    model_cfg = model_config(graphdef, params)
-    cache_R = init_cache(model_cfg, B // G, P + T)
-    # weights cast to the compute dtype and sliced per layer once here, not in every decode step
-    params = compute_dtype_params(graphdef, params)
-    layers = layer_params(graphdef, params)
-    rope = rotary_tables(model_cfg, P + T)  # RoPE of every slot: decode steps gather theirs
-    hidden_RxPxD, cache_R = forward(graphdef, params, prompt_ids_BxP[::G],
-                                    positions_from_mask(prompt_mask_BxP[::G]), mask_BxS[::G], cache_R, 0,
-                                    layers=layers, rope=rope)
-    # left padding puts every row's last real token at slot P - 1
-    logits_RxV = unembed(graphdef, params, hidden_RxPxD[:, -1:])[:, 0]
+    params, layers, rope, cache_R, logits_RxV = prefill(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, G, P + T)
     cache = jax.tree.map(lambda x_RxKxSxDh: jnp.repeat(x_RxKxSxDh, G, axis=0), cache_R) if G > 1 else cache_R
     constrain = (lambda c: c) if cache_sharding is None else (  # noqa: E731
         lambda c: jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, cache_sharding), c))

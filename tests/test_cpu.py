@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax import cpu, programs, sharding
+from grpo_jax import cpu, programs, sampling, sharding
 from grpo_jax.config import load_config
 from grpo_jax.cpu import _glibc, configure_host_allocator
 from grpo_jax.models import forward, init_model, positions_from_mask, unembed
@@ -170,13 +170,13 @@ def test_gumbel_rows_are_the_rows_of_the_whole_draw(partitionable, make_key):
     with jax.threefry_partitionable(partitionable):
         key = make_key(11)
         whole = np.asarray(jax.random.gumbel(jax.random.fold_in(key, 5), (12, 37), jnp.float32))
-        rows = jax.jit(cpu.gumbel_rows, static_argnums=(2, 4, 5))
+        rows = jax.jit(sampling.gumbel_rows, static_argnums=(2, 4, 5))
         for offset, n in ((0, 12), (0, 4), (4, 4), (8, 4), (3, 7)):
             np.testing.assert_array_equal(rows(key, 5, 12, np.int32(offset), n, 37), whole[offset:offset + n])
     # an rbg key (not threefry) takes the sliced draw
     key = jax.random.key(11, impl="rbg")
     whole = np.asarray(jax.random.gumbel(jax.random.fold_in(key, 2), (8, 37), jnp.float32))
-    np.testing.assert_array_equal(cpu.gumbel_rows(key, 2, 8, 4, 4, 37), whole[4:])
+    np.testing.assert_array_equal(sampling.gumbel_rows(key, 2, 8, 4, 4, 37), whole[4:])
 
 
 def test_argmax_last_axis_equals_jnp_argmax_with_ties_infs_and_nans():

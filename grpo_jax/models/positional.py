@@ -57,13 +57,15 @@ def apply_rope(x_BxTxHxDh, cos_BxTxDh, sin_BxTxDh):
 
 def attention_mask(attention_mask_BxS, query_slot_T, sliding_window: int | None):
     """Boolean [B, T, S]: key slot s is visible from query slot q when s <= q, its mask is 1 and, with a
-    sliding window W, q - s < W (transformers' ``sliding_window_overlay``)."""
+    sliding window W, q - s < W (transformers' ``sliding_window_overlay``). ``query_slot_T`` is [T], or [B, T]
+    when rows sit at slots of their own (continuous batching)."""
     key_slot_S = jnp.arange(attention_mask_BxS.shape[1])
-    delta_TxS = query_slot_T[:, None] - key_slot_S[None, :]
-    visible_TxS = delta_TxS >= 0
+    query_slot_BxT = query_slot_T if query_slot_T.ndim == 2 else query_slot_T[None]
+    delta_BxTxS = query_slot_BxT[:, :, None] - key_slot_S[None, None, :]
+    visible_BxTxS = delta_BxTxS >= 0
     if sliding_window is not None:
-        visible_TxS &= delta_TxS < sliding_window
-    return visible_TxS[None] & (attention_mask_BxS[:, None, :] > 0)
+        visible_BxTxS &= delta_BxTxS < sliding_window
+    return visible_BxTxS & (attention_mask_BxS[:, None, :] > 0)
 
 
 def positions_from_mask(mask_BxT):

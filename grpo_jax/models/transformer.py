@@ -111,6 +111,12 @@ class Attention(nnx.Module):
                 k_BxKxSxDh, v_BxKxSxDh = (
                     jnp.concatenate([jnp.repeat(p.astype(new.dtype), prefix_group_size, axis=0), new], axis=2)
                     for p, new in zip(prefix_kv, (k_BxKxTxDh, v_BxKxTxDh)))
+        elif cache_index.ndim == 1:  # a slot of its own per row (continuous batching): a scatter
+            write = jax.vmap(lambda c_KxSxDh, new_KxTxDh, i: jax.lax.dynamic_update_slice(c_KxSxDh, new_KxTxDh,
+                                                                                         (0, i, 0)))
+            cache_kv = tuple(write(c, new.astype(c.dtype), cache_index)
+                             for c, new in zip(cache_kv, (k_BxKxTxDh, v_BxKxTxDh)))
+            k_BxKxSxDh, v_BxKxSxDh = cache_kv
         else:
             start = (0, 0, cache_index, 0)
             cache_kv = tuple(jax.lax.dynamic_update_slice(c, new.astype(c.dtype), start)
@@ -198,8 +204,8 @@ class Transformer(nnx.Module):
             check(S == prefix_len + T, f"without a cache attention_mask must cover the {prefix_len} prefix and "
                    f"T={T} input slots, got S={S}")
             query_slot_T = prefix_len + jnp.arange(T)
-        else:
-            query_slot_T = cache_index + jnp.arange(T)
+        else:  # cache_index [B]: each row writes at its own slot
+            query_slot_T = (cache_index[:, None] if cache_index.ndim == 1 else cache_index) + jnp.arange(T)
         mask_BxTxS = attention_mask(attention_mask_BxS, query_slot_T, config.sliding_window)
         cos, sin = rope_cos_sin(positions_BxT, rotary_tables(config, S) if rope is None else rope)
         layer_graphdef, stacked = nnx.split(self.layers)
@@ -314,7 +320,7 @@ def forward(graphdef, params, input_ids_BxT, positions_BxT, attention_mask_BxS, 
 
     Without a cache S == T and a token attends to earlier tokens whose ``attention_mask`` is 1 (and, with
     ``sliding_window`` W, to the last W slots only). With a cache the T new keys/values go to slots
-    [cache_index, cache_index + T) for every row and a token at slot s attends to slots <= s masked by
+    [cache_index, cache_index + T) for every row (a [B] ``cache_index``: each row's own slots) and a token at slot s attends to slots <= s masked by
     ``attention_mask_BxS`` over all S slots. ``positions_BxT`` drive RoPE (left padding: ``cumsum(mask) - 1``
     clipped at 0); they must be below S (every left-padded or cached layout's are), the length of the RoPE
     tables built for the call (``rope``: `rotary_tables` covering them, made once by a decode loop's caller).
