@@ -91,7 +91,8 @@ def test_sharded_continuous_batching_equals_single_device(tiny_model, shape):
 
     def run(mesh, slots, p):
         fn = programs.jit_generate(graphdef, mesh, config=dataclasses.replace(config, max_batch_rows=slots),
-                                   eos_token_ids=EOS, pad_token_id=0, params_sharding=None if p is params else shardings)
+                                   eos_token_ids=EOS, pad_token_id=0,
+                                   params_sharding=None if p is params else shardings)
         return jax.device_get(fn(p, ids, mask, jax.random.key(3), False))
 
     want = run(_one_device(), 0, params)
