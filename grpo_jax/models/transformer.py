@@ -322,8 +322,9 @@ def forward(graphdef, params, input_ids_BxT, positions_BxT, attention_mask_BxS, 
     ``sliding_window`` W, to the last W slots only). With a cache the T new keys/values go to slots
     [cache_index, cache_index + T) for every row (a [B] ``cache_index``: each row's own slots) and a token at
     slot s attends to slots <= s masked by ``attention_mask_BxS`` over all S slots. ``positions_BxT`` drive RoPE
-    (left padding: ``cumsum(mask) - 1`` clipped at 0); they must be below S (every left-padded or cached layout's are), the length of the RoPE
-    tables built for the call (``rope``: `rotary_tables` covering them, made once by a decode loop's caller).
+    (left padding: ``cumsum(mask) - 1`` clipped at 0); they must be below S (every left-padded or cached layout's
+    are), the length of the RoPE tables built for the call (``rope``: `rotary_tables` covering them, made once by
+    a decode loop's caller).
 
     With a cache the layers run one after another (``layers``: their `layer_params`, sliced once by a decode
     loop's caller); without one a Python loop runs them, or with ``model.scan_layers`` a single ``lax.scan``
