@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from grpo_jax.models import forward, positions_from_mask, unembed
+from grpo_jax.models import forward, model_config, positions_from_mask, unembed
 
 
 def token_logps_from_logits(logits_BxTxV, token_ids_BxT, *, temperature: float, with_entropy: bool = False):
@@ -23,19 +24,79 @@ def token_logps_from_logits(logits_BxTxV, token_ids_BxT, *, temperature: float, 
     return logps_BxT, entropy_BxT
 
 
+def packed_length(prompt_mask_BxP, completion_mask_BxT, group_size: int) -> int:
+    """The buffer length of `completion_hidden`'s packed layout for these rows (host arrays): each group's real
+    prompt tokens plus its completions' masked tokens, the longest group's count rounded up to 8 steps an octave
+    (at most 1/8 padding; few lengths, so few compilations). 0 for no rows."""
+    B = len(prompt_mask_BxP)
+    if B == 0:
+        return 0
+    counts_R = (np.asarray(prompt_mask_BxP)[::group_size].sum(1)
+                + np.asarray(completion_mask_BxT).sum(1).reshape(-1, group_size).sum(1))
+    need = max(int(counts_R.max()), 16)
+    step = 1 << max(need.bit_length() - 4, 0)  # 8 lengths between each power of two and the next
+    return -(-need // step) * step
+
+
+def _packed_hidden(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT,
+                   G: int, L: int):
+    """`completion_hidden` over a packed layout: each group is one buffer of L tokens, [its real prompt tokens |
+    completion 1's masked tokens | ... | completion G's | padding]. Tokens carry their own positions (prompt:
+    0 .. p-1, completion tokens: p + t) and a branch id (0: prompt, g + 1: completion g); a token sees the earlier
+    tokens of the prompt and of its own branch. Padding (left of prompts, right of completions) is never run."""
+    B, P = prompt_ids_BxP.shape
+    T = completion_ids_BxT.shape[1]
+    R = B // G
+    p_R = jnp.sum(prompt_mask_BxP[::G], axis=1).astype(jnp.int32)
+    n_RxG = jnp.sum(completion_mask_BxT, axis=1).astype(jnp.int32).reshape(R, G)
+    start_RxG = p_R[:, None] + jnp.cumsum(n_RxG, axis=1) - n_RxG  # where each completion starts in its buffer
+    i_L = jnp.arange(L)
+    # the last branch starting at or before a slot (an empty completion starts where the next one does)
+    branch_RxL = jnp.where(i_L[None] < p_R[:, None], 0,
+                           jnp.sum(start_RxG[:, None, :] <= i_L[None, :, None], axis=2))
+    valid_RxL = i_L[None] < (p_R + jnp.sum(n_RxG, axis=1))[:, None]
+    start_RxL = jnp.take_along_axis(start_RxG, jnp.maximum(branch_RxL - 1, 0), axis=1)
+    t_RxL = jnp.clip(i_L[None] - start_RxL, 0, T - 1)
+    # gathers inside each group's rows ([R, G, ...]): a mesh that splits rows keeps whole groups on one device
+    ids_RxGxT = jnp.asarray(completion_ids_BxT, jnp.int32).reshape(R, G, T)
+    completion_tok_RxL = ids_RxGxT[jnp.arange(R)[:, None], jnp.maximum(branch_RxL - 1, 0), t_RxL]
+    prompt_tok_RxL = jnp.take_along_axis(prompt_ids_BxP[::G].astype(jnp.int32),
+                                         jnp.clip(P - p_R[:, None] + i_L[None], 0, P - 1), axis=1)
+    ids_RxL = jnp.where(~valid_RxL, 0, jnp.where(branch_RxL == 0, prompt_tok_RxL, completion_tok_RxL))
+    positions_RxL = jnp.where(~valid_RxL, 0, jnp.where(branch_RxL == 0, i_L[None], p_R[:, None] + t_RxL))
+    visible_RxLxL = ((i_L[None, None, :] <= i_L[None, :, None]) & valid_RxL[:, None, :]
+                     & ((branch_RxL[:, None, :] == 0) | (branch_RxL[:, None, :] == branch_RxL[:, :, None])))
+    window = model_config(graphdef, params).sliding_window
+    if window is not None:
+        visible_RxLxL &= positions_RxL[:, :, None] - positions_RxL[:, None, :] < window
+    hidden_RxLxD, _ = forward(graphdef, params, ids_RxL, positions_RxL, visible_RxLxL)
+    # completion token t is predicted at the prompt's last slot (t = 0) or at its own token t - 1
+    t_T = jnp.arange(T)
+    source_RxGxT = jnp.where(t_T[None, None] == 0, p_R[:, None, None] - 1, start_RxG[:, :, None] + t_T - 1)
+    source_RxGT = jnp.clip(source_RxGxT, 0, L - 1).reshape(R, G * T)
+    hidden_RxGTxD = jnp.take_along_axis(hidden_RxLxD, source_RxGT[:, :, None], axis=1)
+    return hidden_RxGTxD.reshape(B, T, -1)
+
+
 def completion_hidden(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT,
-                      *, prompt_group_size: int = 1):
+                      *, prompt_group_size: int = 1, packed_length: int = 0):
     """Hidden states [B, T, D] that predict the T completion tokens (prompt ++ completion positions P-1 .. P+T-2).
 
     ``prompt_group_size`` G > 1 promises rows g*G .. g*G + G - 1 share their prompt (ids and mask, the
     `data.repeat_groups` order): each prompt then runs once and its keys/values are shared by the group's
     completions (`models.forward`'s ``prefix``), instead of G times. Same result, fewer FLOPs.
+    ``packed_length`` L > 0 (`packed_length` of these rows, or more) runs each group as one buffer of L tokens
+    holding its real prompt and masked completion tokens only (`_packed_hidden`); the hidden states of masked
+    completion tokens are then junk (callers mask them). Same result where the mask is 1.
     """
     B, P = prompt_ids_BxP.shape
     T = completion_ids_BxT.shape[1]
     G = prompt_group_size
     if not isinstance(G, int) or G < 1 or B % G:
         raise ValueError(f"prompt_group_size={G!r} must be a positive integer dividing the {B} rows")
+    if packed_length:
+        return _packed_hidden(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT,
+                              completion_mask_BxT, G, packed_length)
     mask_BxL = jnp.concatenate([prompt_mask_BxP, completion_mask_BxT], axis=1).astype(jnp.int32)
     if G == 1:
         ids_BxL = jnp.concatenate([prompt_ids_BxP, completion_ids_BxT], axis=1).astype(jnp.int32)
@@ -52,17 +113,19 @@ def completion_hidden(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, complet
 
 def completion_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT,
                      *, temperature: float, with_entropy: bool = False, chunk_size: int = 0,
-                     prompt_group_size: int = 1):
+                     prompt_group_size: int = 1, packed_length: int = 0):
     """Log-probs [B, T] (float32) of the completion tokens, and entropies [B, T] or None.
 
     logps[b, t] = log softmax(logits[b, P - 1 + t] / temperature)[completion_ids[b, t]] over the full
     vocabulary, on input prompt ++ completion with mask prompt_mask ++ completion_mask and positions
     cumsum(mask) - 1. ``chunk_size > 0`` unembeds ``chunk_size`` rows at a time with ``lax.map`` so the
     float32 [B, T, V] logits never exist at once, in the forward or (chunks rematerialised) the backward pass.
-    ``prompt_group_size``: see `completion_hidden`. Masked positions hold finite junk; callers mask.
+    ``prompt_group_size``, ``packed_length``: see `completion_hidden`. Masked positions hold finite junk; callers
+    mask.
     """
     hidden_BxTxD = completion_hidden(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT,
-                                     completion_mask_BxT, prompt_group_size=prompt_group_size)
+                                     completion_mask_BxT, prompt_group_size=prompt_group_size,
+                                     packed_length=packed_length)
     completion_ids_BxT = completion_ids_BxT.astype(jnp.int32)
 
     def rows(hidden_CxTxD, ids_CxT):

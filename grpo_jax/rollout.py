@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from grpo_jax import data, rewards, rounds, sharding
+from grpo_jax import data, logprobs, rewards, rounds, sharding
 from grpo_jax.reporting import completion_rows, plain
 from grpo_jax.run import Run
 from grpo_jax.state import TrainState
@@ -106,14 +106,26 @@ def _score(run: Run, batch: data.PromptBatch, out, context: dict) -> rounds.Draw
                        batch.columns, batch.num_truncated, **steps)
 
 
-def _dispatch_logps(run: Run, state: TrainState, rows: tuple):
+def _packed_length(run: Run, prompt_mask: np.ndarray, completion_mask: np.ndarray, group_size: int) -> int:
+    """With `train.packing`, the packed buffer length of these rows' forwards (`logprobs.packed_length`; host
+    masks of every row), else 0: the padded layout."""
+    if not run.config.train.packing:
+        return 0
+    return logprobs.packed_length(prompt_mask, completion_mask, group_size)
+
+
+def _dispatch_logps(run: Run, state: TrainState, rows: tuple, packed_length: int):
     """(reference, old-policy) log-probs of the rows (prompt_ids, prompt_mask, completion_ids, completion_mask),
     queued on the devices without waiting; None where the round needs none."""
     cfg, tc = run.config, run.config.train
-    ref = None if run.programs.ref_logps is None else run.programs.ref_logps(state.reference_params, *rows)
+    ref = None
+    if run.programs.ref_logps is not None:
+        ref = run.programs.ref_logps(state.reference_params, *rows, packed_length)
     # in float32 the sampler's log-probs are the old policy's (same params, full-vocabulary log-softmax at the
     # temperature) up to rounding: no forward pass for them (`prepare_round`)
-    old = run.programs.logps(state.params, *rows) if tc.needs_old_logps and cfg.model.dtype != "float32" else None
+    old = None
+    if tc.needs_old_logps and cfg.model.dtype != "float32":
+        old = run.programs.logps(state.params, *rows, packed_length)
     return ref, old
 
 
@@ -132,7 +144,10 @@ def _one_pass(run: Run, state: TrainState, seconds: dict, context: dict):
     # they attend with the sampled mask: mask_truncated_completions zeroes whole rows, whose values are then
     # masked out of every loss term and metric anyway
     rows = (*prompts, sample.completion_ids, sample.completion_mask)
-    ref, old = _dispatch_logps(run, state, rows)
+    # packing needs the lengths first: the mask comes over, the rest of the rows after the dispatch
+    completion_mask = sharding.to_host(sample.completion_mask) if run.config.train.packing else None
+    ref, old = _dispatch_logps(run, state, rows, _packed_length(run, batch.prompt_mask, completion_mask,
+                                                                run.round_prompt_group_size))
     out = sharding.to_host(sample)
     seconds["sample"] = time.perf_counter() - timer
     timer = time.perf_counter()
@@ -191,7 +206,8 @@ def prepare_round(run: Run, state: TrainState, round_index: int) -> RoundBatch:
     upload = sharding.host_rows if len(step_rows) == 1 else sharding.shard_global_rows
     if rows is None:  # merged passes: the rows go up once, then their log-probs
         rows = sharding.shard_global_rows((draw.prompt_ids, draw.prompt_mask, draw.completion_ids, mask), run.mesh)
-        ref, old = _dispatch_logps(run, state, rows)
+        ref, old = _dispatch_logps(run, state, rows,
+                                   _packed_length(run, draw.prompt_mask, mask, run.round_prompt_group_size))
     elif tc.mask_truncated_completions:
         rows = (*rows[:3], upload(mask, run.mesh))
     advantages, r_N, std_N = run.programs.advantages(draw.rewards, _weights(run), mask,
@@ -241,11 +257,15 @@ def run_steps(run: Run, state: TrainState, round_batch: RoundBatch, *, until: in
     pending, position = [], rb.position
     num_rows = len(rb.rows.completion_ids)
     unchecked = 0  # steps dispatched since the skipped flags were last fetched
+    masks = sharding.to_host((rb.rows.prompt_mask, rb.rows.completion_mask)) if run.config.train.packing else None
     while position < last and not (stop is not None and stop()) and (max_skipped is None or max_skipped >= 0):
         step_rows = rb.step_rows[position]
         # a step of all the round's rows in order (one step per round) takes them as they are, without a gather
         in_order = len(step_rows) == num_rows and np.array_equal(step_rows, np.arange(num_rows))
-        state, metrics = run.programs.step(state, rb.rows if in_order else run.programs.take(rb.rows, step_rows))
+        packed = 0 if masks is None else _packed_length(run, masks[0][step_rows], masks[1][step_rows],
+                                                         run.step_prompt_group_size)
+        state, metrics = run.programs.step(state, rb.rows if in_order else run.programs.take(rb.rows, step_rows),
+                                           packed)
         pending.append(metrics)
         position += 1
         unchecked += 1

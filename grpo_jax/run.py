@@ -51,6 +51,7 @@ class Run:
     schedule: optax.Schedule
     programs: programs.Programs
     step_prompt_group_size: int = 1  # > 1: a step takes the round's rows in order (whole groups, shared prompts)
+    round_prompt_group_size: int = 1  # > 1: the round's log-prob passes share each group's prompt
     resuming: bool = False  # output_dir holds this run already: `train` continues from its newest checkpoint
     output_lock: lock.RunLock = dataclasses.field(default_factory=lock.RunLock)  # held; `train` releases it
 
@@ -351,5 +352,6 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     run = Run(config=config, output_dir=output_dir, tokenizer=tokenizer, tokenizer_path=tokenizer_dir,
               prompts=prompts, eval_rows=eval_rows, reward_fns=reward_fns, eval_reward_fns=eval_reward_fns,
               mesh=mesh, graphdef=graphdef, schedule=schedule, programs=run_programs,
-              step_prompt_group_size=step_group, resuming=resuming, output_lock=held)
+              step_prompt_group_size=step_group, round_prompt_group_size=round_group, resuming=resuming,
+              output_lock=held)
     return run, state

@@ -87,7 +87,7 @@ def _micro_batches(batch: Batch, num_micro: int, mesh: Mesh | None) -> Batch:
 
 
 def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, options: StepOptions,
-               state: TrainState, batch: Batch, mesh: Mesh | None = None,
+               state: TrainState, batch: Batch, packed_length: int = 0, mesh: Mesh | None = None,
                ref_device_sharding=None) -> tuple[TrainState, dict]:
     """Accumulates the GRPO loss gradient over micro-batches and applies one optimizer update.
 
@@ -96,6 +96,8 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     optimizer sees float32 gradients and params (float32 moments whatever `model.param_dtype`); the update is
     cast back to the params' dtype. With LoRA adapters only they are differentiated and updated
     (`lora.split_trainable`): the base gets no gradient, no optimizer state and no update.
+    `packed_length` > 0 runs each micro-batch's groups (rows one by one when `prompt_group_size` is 1) as packed
+    buffers of that many tokens (`logprobs.completion_hidden`; the rows' `logprobs.packed_length` or more).
     `ref_device_sharding`: device-memory shardings of a reference kept in host memory, used to bring it over
     when TR-DPO mixing needs it.
     """
@@ -109,7 +111,7 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
         logps_BxT, entropy_BxT = completion_logps(
             graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.completion_ids, micro.completion_mask,
             temperature=options.temperature, with_entropy=True, chunk_size=options.logps_chunk_size,
-            prompt_group_size=options.prompt_group_size)
+            prompt_group_size=options.prompt_group_size, packed_length=packed_length)
         # the entropy carries gradient only for the entropy bonus (compute_loss differentiates through what it gets)
         entropies_BxT = entropy_BxT if options.loss.entropy_coef != 0.0 else jax.lax.stop_gradient(entropy_BxT)
         loss, aux = loss_fn_(logps_BxT, micro.old_per_token_logps, micro.ref_per_token_logps,

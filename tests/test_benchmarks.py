@@ -124,3 +124,15 @@ def test_lora_decode_merged_and_on_the_fly_sample_the_same_tokens():
                                "--new-tokens", "4", "--repeats", "1"])
     assert result["same_tokens_fraction"] == 1.0
     assert result["merged_per_call_tokens_per_s"] > 0 and result["on_the_fly_tokens_per_s"] > 0
+
+
+def test_rollout_lengths_static_and_continuous_sample_the_same_lengths():
+    import rollout_lengths
+
+    result = rollout_lengths.main(["--size", "tiny", "--prompts", "2", "--generations", "4", "--prompt-length", "4",
+                                   "--prompt-length-max", "8", "--max-completion-length", "24", "--vocab", "16",
+                                   "--slots", "0,2"])
+    static, continuous = result["settings"]
+    assert static["useful_tokens"] == continuous["useful_tokens"] > 0  # the same rows (the script checks the masks)
+    assert continuous["padding_fraction"] < static["padding_fraction"]
+    assert continuous["decode_steps"] > static["decode_steps"]

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax.logprobs import completion_logps
+from grpo_jax.logprobs import completion_logps, packed_length
 from grpo_jax.models import forward, unembed
 
 PROMPT_IDS = np.array([[0, 0, 0, 5, 7, 9], [0, 3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8], [0, 0, 0, 0, 0, 6]], np.int32)
@@ -171,3 +171,49 @@ def test_chunked_backward_never_holds_the_whole_batch_logits():
     assert temp_bytes(0) > logits_bytes
     # the rest: one row's logits and its softmax, plus the decoder's activations (~40 KB a row vs 256 KB of logits)
     assert temp_bytes(1) < logits_bytes / 2
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_packed_forward_matches_naive_reference(tiny_model, group):
+    # a completion masked away entirely (row 2 keeps 1 token; zero it) sits in its buffer as an empty branch
+    _, graphdef, params = tiny_model
+    mask = COMPLETION_MASK.copy()
+    mask[2] = 0
+    rows = (*GROUPED[:3], mask)
+    length = packed_length(rows[1], mask, group)
+    assert length < rows[0].shape[1] * (4 // group) + mask.size  # shorter than the padded rows
+    logps, entropy = completion_logps(graphdef, params, *rows, temperature=0.8, with_entropy=True,
+                                      prompt_group_size=group, packed_length=length)
+    ref_logps, ref_entropy = naive(graphdef, params, 0.8, *rows)
+    real = mask == 1
+    np.testing.assert_allclose(np.asarray(logps)[real], ref_logps[real], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(entropy)[real], ref_entropy[real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("group, chunk_size", [(1, 0), (2, 0), (2, 3)])
+def test_packed_forward_gradients_equal_the_padded_ones(tiny_model, group, chunk_size):
+    _, graphdef, params = tiny_model
+    weights = jnp.asarray(np.random.default_rng(2).normal(size=COMPLETION_IDS.shape), jnp.float32)
+
+    def objective(p, length):
+        logps, entropy = completion_logps(graphdef, p, *GROUPED, temperature=0.7, with_entropy=True,
+                                          chunk_size=chunk_size, prompt_group_size=group, packed_length=length)
+        return jnp.sum((logps + 0.1 * entropy) * weights * COMPLETION_MASK)
+
+    grad_fn = jax.jit(jax.value_and_grad(objective), static_argnums=1)
+    (padded, g_padded), (packed, g_packed) = grad_fn(params, 0), grad_fn(params, packed_length(
+        GROUPED[1], COMPLETION_MASK, group))
+    np.testing.assert_allclose(packed, padded, atol=1e-5, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_packed), jax.tree.leaves(g_padded)):
+        np.testing.assert_allclose(a, b, atol=1e-6 * max(1.0, float(np.abs(b).max())), rtol=1e-5)
+
+
+def test_packed_length_is_the_longest_group_rounded_to_eight_steps_an_octave():
+    prompt_mask = np.repeat(PROMPT_MASK[[1, 3]], 2, axis=0)  # 5 and 1 real prompt tokens
+    # groups: 5 + 3 + 5 = 13 and 1 + 1 + 4 = 6 tokens -> 13, at least 16
+    assert packed_length(prompt_mask, COMPLETION_MASK, 2) == 16
+    assert packed_length(prompt_mask, COMPLETION_MASK, 1) == 16  # rows alone: 10 at most
+    wide = np.ones((2, 300), np.int32)
+    assert packed_length(wide[:, :1], wide, 2) == 640  # 601 tokens: steps of 64 between 512 and 1024
+    assert packed_length(wide[:, :1], wide[:, :255], 1) == 256
+    assert packed_length(np.zeros((0, 3)), np.zeros((0, 3)), 1) == 0

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from grpo_jax import sharding
-from grpo_jax.logprobs import completion_logps
+from grpo_jax.logprobs import completion_logps, packed_length
 from grpo_jax.losses import LossConfig, compute_loss
 from grpo_jax.state import learning_rate_schedule, make_optimizer
 from grpo_jax.programs import init_state
@@ -72,13 +72,15 @@ def one_device_mesh():
     return sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
 
 
-def run_step(tiny_model_config, mesh, loss_config, grad_accum=1, batch_seed=0, group_size=1, prompt_group_size=1):
+def run_step(tiny_model_config, mesh, loss_config, grad_accum=1, batch_seed=0, group_size=1, prompt_group_size=1,
+             packing=False):
     graphdef, optimizer, state = setup(tiny_model_config, mesh, beta=loss_config.beta, adam=False)
     batch = make_batch(graphdef, state.params, seed=batch_seed, beta=loss_config.beta, group_size=group_size)
     options = StepOptions(loss=loss_config, temperature=1.0, gradient_accumulation_steps=grad_accum,
                           prompt_group_size=prompt_group_size)
     step = jit_train_step(graphdef, optimizer, options, mesh, sharding.tree_shardings(state))
-    new_state, metrics = step(state, batch)
+    length = packed_length(batch.prompt_mask, batch.completion_mask, prompt_group_size) if packing else 0
+    new_state, metrics = step(state, batch, length)
     return jax.device_get((new_state, metrics))
 
 
@@ -199,15 +201,19 @@ def test_sharded_step_equals_single_device(tiny_model_config, shape):
                  state.params, single_state.params)
 
 
-@pytest.mark.parametrize("shape", [None, (8, 1, 1), (2, 2, 2)])
-def test_shared_prompt_step_equals_per_row_step(tiny_model_config, shape):
-    # rows in groups of 2 sharing a prompt: one prompt forward per group gives the per-row step's loss and update
+@pytest.mark.parametrize("shape, packing, grad_accum", [(None, False, 1), ((8, 1, 1), False, 1),
+                                                        ((2, 2, 2), False, 1), (None, True, 1), ((2, 2, 2), True, 1),
+                                                        (None, "rows", 2)])
+def test_shared_prompt_step_equals_per_row_step(tiny_model_config, shape, packing, grad_accum):
+    # rows in groups of 2 sharing a prompt: one prompt forward per group, or one packed buffer per group (or per
+    # row, micro-batched), gives the per-row step's loss and update
     if shape is not None and len(jax.devices()) < 8:
         pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
     mesh = one_device_mesh() if shape is None else sharding.make_mesh(*shape)
     loss_config = LossConfig(loss_type="dapo", entropy_coef=0.01)
-    per_row, per_row_metrics = run_step(tiny_model_config, mesh, loss_config, group_size=2)
-    shared, shared_metrics = run_step(tiny_model_config, mesh, loss_config, group_size=2, prompt_group_size=2)
+    per_row, per_row_metrics = run_step(tiny_model_config, mesh, loss_config, group_size=2, grad_accum=grad_accum)
+    shared, shared_metrics = run_step(tiny_model_config, mesh, loss_config, group_size=2, grad_accum=grad_accum,
+                                      prompt_group_size=1 if packing == "rows" else 2, packing=bool(packing))
     for k in ("loss", "grad_norm", "entropy", "kl"):
         np.testing.assert_allclose(shared_metrics[k], per_row_metrics[k], rtol=1e-5, atol=1e-7, err_msg=k)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), shared.params,

@@ -276,6 +276,33 @@ def test_shared_prompt_round_equals_per_row_round(tmp_path):
         np.testing.assert_allclose(metrics[key], metrics_1[key], rtol=1e-5, atol=1e-7, err_msg=key)
 
 
+@pytest.mark.parametrize("overrides", [[], ["train.steps_per_generation=2", "model.dtype=bfloat16"]])
+def test_packed_round_equals_padded_round(tmp_path, overrides):
+    """train.packing: the round's reference log-probs and its updates (groups packed, or rows one by one when
+    steps take shuffled slices) equal the padded layout's; bfloat16 adds the old-policy pass."""
+    out = {}
+    for packing in (True, False):
+        config = load_config(None, [f"output_dir={tmp_path / str(packing)}", *QUICK, "max_steps=2",
+                                    "eval.num_examples=0", f"train.packing={str(packing).lower()}", *overrides])
+        run, state = trainer.build(config)
+        _, round_batch, lines = trainer.run_round(run, state, 0)
+        rows = round_batch.rows
+        out[packing] = (*jax.device_get((rows.completion_mask, rows.ref_per_token_logps, rows.old_per_token_logps)),
+                        lines)
+        if packing:  # a few buffer lengths compile, not one per round
+            assert 1 <= run.programs.step._cache_size() <= len(lines)
+    (mask, ref, old, lines), (_, ref_1, old_1, lines_1) = out[True], out[False]
+    real = np.asarray(mask, bool)
+    assert real.sum() < real.size  # rows end at different lengths: the layouts differ
+    np.testing.assert_allclose(ref[real], ref_1[real], rtol=1e-5, atol=1e-5)
+    if old is not None:
+        np.testing.assert_allclose(old[real], old_1[real], rtol=2e-2, atol=2e-2)  # bfloat16 forwards
+    for line, line_1 in zip(lines, lines_1, strict=True):
+        for key in ("loss", "grad_norm", "kl", "entropy"):
+            tol = 1e-5 if not overrides else 2e-2
+            np.testing.assert_allclose(line[key], line_1[key], rtol=tol, atol=tol * 1e-2, err_msg=key)
+
+
 def test_seeded_runs_are_reproducible(tmp_path):
     params = []
     for name in ("a", "b"):

@@ -195,18 +195,23 @@ class Transformer(nnx.Module):
         ``return_kv`` (see module ``forward``)."""
         config = self.config
         T = input_ids_BxT.shape[1]
-        S = attention_mask_BxS.shape[1]
+        S = attention_mask_BxS.shape[-1]
         cache_index = jnp.asarray(cache_index, jnp.int32)
         check(cache is None or (prefix is None and not return_kv),
                "a KV cache excludes prefix= and return_kv=: they are for cache-free (training) forwards")
         prefix_len = 0 if prefix is None else prefix.k[0].shape[2]
-        if cache is None:
+        if attention_mask_BxS.ndim == 3:  # who sees whom, given whole (packed layouts)
+            check(cache is None and prefix is None and attention_mask_BxS.shape[1:] == (T, T),
+                   "a [B, T, T] attention mask is for cache- and prefix-free forwards over the T inputs")
+            mask_BxTxS = attention_mask_BxS
+        elif cache is None:
             check(S == prefix_len + T, f"without a cache attention_mask must cover the {prefix_len} prefix and "
                    f"T={T} input slots, got S={S}")
             query_slot_T = prefix_len + jnp.arange(T)
         else:  # cache_index [B]: each row writes at its own slot
             query_slot_T = (cache_index[:, None] if cache_index.ndim == 1 else cache_index) + jnp.arange(T)
-        mask_BxTxS = attention_mask(attention_mask_BxS, query_slot_T, config.sliding_window)
+        if attention_mask_BxS.ndim == 2:
+            mask_BxTxS = attention_mask(attention_mask_BxS, query_slot_T, config.sliding_window)
         cos, sin = rope_cos_sin(positions_BxT, rotary_tables(config, S) if rope is None else rope)
         layer_graphdef, stacked = nnx.split(self.layers)
         x = self.embed_tokens(input_ids_BxT)
@@ -318,7 +323,8 @@ def forward(graphdef, params, input_ids_BxT, positions_BxT, attention_mask_BxS, 
             return_kv: bool = False, layers: list | None = None, rope=None):
     """Pure forward pass: (hidden [B, T, D], updated cache or None).
 
-    Without a cache S == T and a token attends to earlier tokens whose ``attention_mask`` is 1 (and, with
+    A boolean [B, T, T] ``attention_mask`` (no cache, no prefix) says outright which inputs each input sees
+    (packed layouts, `logprobs.completion_hidden`). Without a cache S == T and a token attends to earlier tokens whose ``attention_mask`` is 1 (and, with
     ``sliding_window`` W, to the last W slots only). With a cache the T new keys/values go to slots
     [cache_index, cache_index + T) for every row (a [B] ``cache_index``: each row's own slots) and a token at
     slot s attends to slots <= s masked by ``attention_mask_BxS`` over all S slots. ``positions_BxT`` drive RoPE

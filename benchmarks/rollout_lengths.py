@@ -1,0 +1,113 @@
+"""Useful completion tokens/s of the static sampler and of continuous batching at a real length spread, JSON out.
+
+    python benchmarks/rollout_lengths.py --size small --prompts 8 --slots 0,16          # CPU, ~5 minutes
+
+The sampler is the one a training run builds (`programs.jit_generate`: CPU speed-ups and host-thread chunks as
+configured by default), over `--prompts` prompts x `--generations` rows of random length `--prompt-length` ..
+`--prompt-length-max` (left-padded) and completions of at most `--max-completion-length` tokens.
+
+Length spread: a random-init model's next-token distribution is close to uniform, so with EOS one id of a
+`--vocab`-token vocabulary a completion's length is about geometric with mean `--vocab` (256 by default: a quarter
+of 1,024, the spread of real runs). Every setting samples the same rows with the same keys, so they draw the same
+tokens (checked) and differ only in how long that takes. Per setting: the first call (compile + run) and the
+median of `--repeats` runs; useful tokens = completion tokens up to EOS; decoded slots = decode steps x rows in
+flight (a static batch: every row until the longest ends); padding = 1 - useful / decoded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode  # noqa: E402
+
+
+def measure(args) -> dict:
+    import dataclasses
+
+    from grpo_jax import cpu, programs, sharding
+    from grpo_jax.models import init_model
+    from grpo_jax.sampling import SamplingConfig
+
+    config = dataclasses.replace(decode.model_config_for(args.size, "float32", None), vocab_size=args.vocab)
+    graphdef, params = init_model(config, seed=0)
+    graphdef = cpu.linear_layers(graphdef, params, cpu.enabled(None))
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    G, B, P = args.generations, args.prompts * args.generations, args.prompt_length_max
+    rng = np.random.default_rng(0)
+    lengths = np.repeat(rng.integers(args.prompt_length, P + 1, args.prompts), G)
+    ids = rng.integers(2, args.vocab, (B, P)).astype(np.int32)
+    mask = (np.arange(P)[None] >= (P - lengths)[:, None]).astype(np.int32)
+    rows, first_mask = [], None
+    for slots in args.slots:
+        sampling = SamplingConfig(max_completion_length=args.max_completion_length, max_batch_rows=slots)
+        fn = programs.jit_generate(graphdef, mesh, config=sampling, eos_token_ids=(0,), pad_token_id=1,
+                                   prompt_group_size=G, cpu_speedups=cpu.enabled(None))
+        start = time.perf_counter()
+        jax.device_get(fn(params, ids, mask, jax.random.key(0), False))
+        first_s = time.perf_counter() - start
+        times, outs = [], []
+        for r in range(args.repeats):
+            start = time.perf_counter()
+            outs.append(jax.device_get(fn(params, ids, mask, jax.random.key(1 + r), False)))
+            times.append(time.perf_counter() - start)
+        if first_mask is None:
+            first_mask = [o.completion_mask for o in outs]
+        elif not all(np.array_equal(a, o.completion_mask) for a, o in zip(first_mask, outs)):
+            raise AssertionError(f"slots={slots} sampled other lengths than slots={args.slots[0]}")
+        # host-thread chunks (`cpu.ChunkedSampler`) each take their share of the slots; steps: the longest chunk's
+        chunks = cpu.host_chunks(0, mesh, B, G) if cpu.enabled(None) else 1
+        in_flight = chunks * programs.continuous_slots(slots, B // chunks, B, 1)
+        useful = float(np.mean([o.completion_mask.sum() for o in outs]))
+        decoded = float(np.mean([int(o.num_decode_steps) * in_flight for o in outs]))
+        run_s = statistics.median(times)
+        rows.append({"max_batch_rows": slots, "rows_in_flight": in_flight, "first_call_s": first_s,
+                     "compile_s": max(first_s - run_s, 0.0), "sample_s": run_s, "useful_tokens": useful,
+                     "decode_steps": float(np.mean([int(o.num_decode_steps) for o in outs])),
+                     "padding_fraction": 1 - useful / decoded, "useful_tokens_per_s": useful / run_s})
+        print(json.dumps(rows[-1]), flush=True)
+    base = rows[0]["useful_tokens_per_s"]
+    for row in rows:
+        row["vs_first_setting"] = row["useful_tokens_per_s"] / base
+    lengths = np.concatenate([m.sum(1) for m in first_mask])
+    return {"size": args.size, "vocab": args.vocab, "rows": B, "generations": G,
+            "prompt_lengths": [args.prompt_length, P], "max_completion_length": args.max_completion_length,
+            "mean_completion_length": float(lengths.mean()), "max_completion_length_seen": int(lengths.max()),
+            "device": str(jax.devices()[0]), "jax_version": jax.__version__, "settings": rows}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="small", choices=sorted(decode.make_models.SIZES))
+    parser.add_argument("--vocab", type=int, default=256, help="vocabulary size; EOS is id 0 (mean length ~ vocab)")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--prompt-length", type=int, default=64)
+    parser.add_argument("--prompt-length-max", type=int, default=512)
+    parser.add_argument("--max-completion-length", type=int, default=1024)
+    parser.add_argument("--slots", default="0,16", help="sampling.max_batch_rows settings, the first the baseline")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    args.slots = [int(s) for s in args.slots.split(",")]
+    from grpo_jax.cpu import configure_host_allocator
+
+    configure_host_allocator("retain")
+    result = measure(args)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
