@@ -324,8 +324,8 @@ def forward(graphdef, params, input_ids_BxT, positions_BxT, attention_mask_BxS, 
     """Pure forward pass: (hidden [B, T, D], updated cache or None).
 
     A boolean [B, T, T] ``attention_mask`` (no cache, no prefix) says outright which inputs each input sees
-    (packed layouts, `logprobs.completion_hidden`). Without a cache S == T and a token attends to earlier tokens whose ``attention_mask`` is 1 (and, with
-    ``sliding_window`` W, to the last W slots only). With a cache the T new keys/values go to slots
+    (packed layouts, `logprobs.completion_hidden`). Without a cache S == T and a token attends to earlier
+    tokens whose ``attention_mask`` is 1 (and, with ``sliding_window`` W, to the last W slots only). With a cache the T new keys/values go to slots
     [cache_index, cache_index + T) for every row (a [B] ``cache_index``: each row's own slots) and a token at
     slot s attends to slots <= s masked by ``attention_mask_BxS`` over all S slots. ``positions_BxT`` drive RoPE
     (left padding: ``cumsum(mask) - 1`` clipped at 0); they must be below S (every left-padded or cached layout's
