@@ -210,7 +210,8 @@ def test_a_step_gets_its_rows(tmp_path, batch_size, gathers):
     taken, batches = [], []
     take, step = run.programs.take, run.programs.step
     run = spy(run, take=lambda batch, rows: taken.append(rows) or take(batch, rows),
-              step=lambda state, batch: batches.append(jax.device_get(batch)) or step(state, batch))
+              step=lambda state, batch, *packed: batches.append(jax.device_get(batch))
+              or step(state, batch, *packed))
     _, round_batch, _ = trainer.run_round(run, state, 0)
     assert len(taken) == gathers and len(batches) == 1
     in_order = np.array_equal(round_batch.step_rows[0], np.arange(batch_size))
@@ -338,7 +339,8 @@ def _one_round(tmp_path, overrides, loss_fn=None):
     run, state = trainer.build(config, loss_fn=loss_fn)
     calls, batches = [], []
     step = run.programs.step
-    run = dataclasses.replace(spy(run, step=lambda state, batch: batches.append(batch) or step(state, batch)),
+    run = dataclasses.replace(spy(run, step=lambda state, batch, *packed: batches.append(batch)
+                                  or step(state, batch, *packed)),
                               reward_fns=[(name, lambda fn=fn, **kw: calls.append(kw["completion_ids"]) or fn(**kw))
                                           for name, fn in run.reward_fns])
     state, _, lines = trainer.run_round(run, state, 0)

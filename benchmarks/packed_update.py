@@ -1,0 +1,106 @@
+"""One train step over the same rows, padded and packed (`train.packing`): time and XLA's temporaries, JSON out.
+
+    python benchmarks/packed_update.py --size small                      # CPU, ~4 minutes
+
+`--prompts` groups of `--generations` rows: prompts of `--prompt-length` .. `--prompt-length-max` real tokens
+(left-padded to the maximum), completions of geometric length with mean `--mean-completion` (at most
+`--max-completion-length`), the spread of real runs. Each group's prompt runs once in both layouts
+(`train.share_prompt_prefix`). Per layout: the first call (compile + run), the median of `--repeats` runs, and
+XLA's buffer assignment (`memory_analysis().temp_size_in_bytes`); `--remat` / `--scan-layers` as in the config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode  # noqa: E402
+
+
+def measure(args) -> dict:
+    from grpo_jax import programs, sharding
+    from grpo_jax.logprobs import packed_length
+    from grpo_jax.losses import LossConfig
+    from grpo_jax.train_step import Batch, StepOptions
+
+    config = dataclasses.replace(decode.model_config_for(args.size, "float32", None), remat=args.remat,
+                                 scan_layers=args.scan_layers)
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    optimizer = optax.adamw(1e-6)
+    graphdef, state = programs.init_state(config, optimizer, seed=0, with_reference=True, mesh=mesh)
+    G, P, T = args.generations, args.prompt_length_max, args.max_completion_length
+    B = args.prompts * G
+    rng = np.random.default_rng(0)
+    prompt_lengths = np.repeat(rng.integers(args.prompt_length, P + 1, args.prompts), G)
+    prompt_mask = (np.arange(P)[None] >= (P - prompt_lengths)[:, None]).astype(np.int32)
+    lengths = np.minimum(rng.geometric(1 / args.mean_completion, B), T)
+    completion_mask = (np.arange(T)[None] < lengths[:, None]).astype(np.int32)
+    ids = lambda n: rng.integers(2, config.vocab_size, (B, n)).astype(np.int32)  # noqa: E731
+    zeros = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
+    batch = Batch(ids(P), prompt_mask, ids(T), completion_mask, rng.normal(size=B).astype(np.float32), None,
+                  zeros(B, T), None)
+    options = StepOptions(LossConfig(beta=0.04), 1.0, prompt_group_size=G)
+    step = programs.jit_train_step(graphdef, optimizer, options, mesh, sharding.tree_shardings(state))
+    rows, initial = {}, state
+    for name, length in (("padded", 0), ("packed", packed_length(prompt_mask, completion_mask, G))):
+        state = jax.tree.map(lambda x: x.copy(), initial)  # each layout's first step from the same state (donated)
+        temp = step.lower(state, batch, length).compile().memory_analysis().temp_size_in_bytes
+        start = time.perf_counter()
+        state, metrics = step(state, batch, length)
+        loss = float(metrics["loss"])
+        first_s = time.perf_counter() - start
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            state, metrics = step(state, batch, length)
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - start)
+        rows[name] = {"packed_length": length, "first_call_s": first_s, "step_s": statistics.median(times),
+                      "temp_gib": temp / 2 ** 30, "first_loss": loss}
+        print(json.dumps({name: rows[name]}), flush=True)
+    real = int(prompt_lengths[::G].sum() + lengths.sum())
+    return {"size": args.size, "rows": B, "generations": G, "prompt_lengths": [args.prompt_length, P],
+            "max_completion_length": T, "mean_completion_length": float(lengths.mean()), "remat": args.remat,
+            "scan_layers": args.scan_layers, "real_tokens": real,
+            "padded_tokens": int(args.prompts * P + B * T), **rows,
+            "packed_over_padded_step": rows["packed"]["step_s"] / rows["padded"]["step_s"],
+            "device": str(jax.devices()[0]), "jax_version": jax.__version__}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="small", choices=sorted(decode.make_models.SIZES))
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--prompt-length", type=int, default=64)
+    parser.add_argument("--prompt-length-max", type=int, default=512)
+    parser.add_argument("--max-completion-length", type=int, default=512)
+    parser.add_argument("--mean-completion", type=float, default=125.0)
+    parser.add_argument("--remat", default="none")
+    parser.add_argument("--scan-layers", action="store_true")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    from grpo_jax.cpu import configure_host_allocator
+
+    configure_host_allocator("retain")
+    result = measure(args)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
