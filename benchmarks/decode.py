@@ -105,6 +105,15 @@ def measure(size: str, rows: int, prompt_length: int, new_tokens: int, dtype: st
             "bandwidth_bound_tokens_per_s": bound, "fraction_of_bandwidth_bound": tokens_per_s / bound}
 
 
+def write_result(result: dict, out: str | None) -> dict:
+    """Prints a benchmark's result as JSON and, with ``out``, writes it there too; returns it."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+    return result
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="tiny", choices=sorted(make_models.SIZES))
@@ -125,11 +134,7 @@ def main(argv=None) -> dict:
     configure_host_allocator(args.host_allocator)
     result = measure(args.size, args.rows, args.prompt_length, args.new_tokens, args.dtype, args.param_dtype,
                      args.repeats)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return result
+    return write_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,19 @@ class Setting:
 # jax.monitoring's durations of tracing, lowering and compiling one program
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                   "/jax/core/compile/backend_compile_duration")
+_COMPILED: list[float] | None = None  # their durations since the listener was registered (once a process)
+
+
+def _compile_seconds() -> list[float]:
+    """The durations of `COMPILE_EVENTS` so far, a list the one listener keeps appending to (clear it to start)."""
+    global _COMPILED
+    if _COMPILED is None:
+        import jax
+
+        _COMPILED = []
+        jax.monitoring.register_event_duration_secs_listener(
+            lambda event, secs, **kw: _COMPILED.append(secs) if event in COMPILE_EVENTS else None)
+    return _COMPILED
 
 def architecture(model_dir: str | None, size: str | None) -> dict:
     """config.json of the folder, or the Qwen2Config of a `make_models.SIZES` entry, as a dict."""
@@ -214,14 +227,12 @@ def run_grpo_jax(model_dir: str | None, size: str | None, prompts: Path, s: Sett
         history += lines
     first_rounds_s = time.perf_counter() - start
     # compilations inside timed steps (a new packed length, `train.packing`): timed, reported, not subtracted
-    compiled = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, secs, **kw: compiled.append(secs) if event in COMPILE_EVENTS else None)
+    compiled = _compile_seconds()
+    compiled.clear()
     for i in range(warmup, warmup + steps):
         state, _, lines = trainer.run_round(run, state, i)
         history += lines
     timed_compile_s = sum(compiled)
-    compiled.clear()
     if profile_dir:
         with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
             trainer.run_round(run, state, warmup + steps)

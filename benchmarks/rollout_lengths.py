@@ -101,12 +101,7 @@ def main(argv=None) -> dict:
     from grpo_jax.cpu import configure_host_allocator
 
     configure_host_allocator("retain")
-    result = measure(args)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return result
+    return decode.write_result(measure(args), args.out)
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ def _score(run: Run, batch: data.PromptBatch, out, context: dict) -> rounds.Draw
                        batch.columns, batch.num_truncated, **steps)
 
 
-def _packed_length(run: Run, prompt_mask: np.ndarray, completion_mask: np.ndarray, group_size: int) -> int:
+def _packed_length(run: Run, prompt_mask: np.ndarray, completion_mask: np.ndarray | None, group_size: int) -> int:
     """With `train.packing`, the packed buffer length of these rows' forwards (`logprobs.packed_length`; host
     masks of every row), else 0: the padded layout."""
     if not run.config.train.packing:
@@ -144,11 +144,11 @@ def _one_pass(run: Run, state: TrainState, seconds: dict, context: dict):
     # they attend with the sampled mask: mask_truncated_completions zeroes whole rows, whose values are then
     # masked out of every loss term and metric anyway
     rows = (*prompts, sample.completion_ids, sample.completion_mask)
-    # packing needs the lengths first: the mask comes over, the rest of the rows after the dispatch
-    completion_mask = sharding.to_host(sample.completion_mask) if run.config.train.packing else None
-    ref, old = _dispatch_logps(run, state, rows, _packed_length(run, batch.prompt_mask, completion_mask,
-                                                                run.round_prompt_group_size))
-    out = sharding.to_host(sample)
+    # packing needs the lengths first: the rows come over before the dispatch, else while it runs
+    out = sharding.to_host(sample) if run.config.train.packing else None
+    ref, old = _dispatch_logps(run, state, rows, _packed_length(
+        run, batch.prompt_mask, None if out is None else out.completion_mask, run.round_prompt_group_size))
+    out = sharding.to_host(sample) if out is None else out
     seconds["sample"] = time.perf_counter() - timer
     timer = time.perf_counter()
     draw = _score(run, batch, out, context)
