@@ -247,4 +247,6 @@ def test_linear_layers_give_the_same_logits_and_gradients(tiny_model):
                                   jax.jit(_logits, static_argnums=0)(graphdef, params))
     (value, grads), (cpu_value, cpu_grads) = value_and_grad(graphdef, params), value_and_grad(cpu_graphdef, params)
     np.testing.assert_array_equal(cpu_value, value)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), cpu_grads, grads)
+    # the backward's sums run in another order: rounding at the leaf's scale (AVX-512 and AVX2 round differently)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * max(1.0, float(np.abs(b).max()))),
+                 cpu_grads, grads)

@@ -87,7 +87,7 @@ def test_chunked_equals_unchunked_values_and_gradients(tiny_model, chunk_size):
     for a, b in zip(jax.tree.leaves(g_chunked), jax.tree.leaves(g_full)):
         # the chunked scan sums row contributions in another order: float32 rounding scales with the
         # largest entry of the leaf (tied embedding gradients reach ~10), not with each element
-        np.testing.assert_allclose(a, b, atol=1e-6 * max(1.0, float(np.abs(b).max())), rtol=1e-5)
+        np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, float(np.abs(b).max())), rtol=1e-5)
     assert any(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(g_full))
 
 
@@ -120,7 +120,7 @@ def test_shared_prompt_forward_gradients_equal_per_row(tiny_model, chunk_size):
     np.testing.assert_allclose(shared, per_row, atol=1e-5, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g_shared), jax.tree.leaves(g_per_row)):
         # the group's prompt gradient is one sum of two rows' terms instead of two: rounding scales with the leaf
-        np.testing.assert_allclose(a, b, atol=1e-6 * max(1.0, float(np.abs(b).max())), rtol=1e-5)
+        np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, float(np.abs(b).max())), rtol=1e-5)
     assert any(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(g_per_row))
 
 
@@ -204,8 +204,9 @@ def test_packed_forward_gradients_equal_the_padded_ones(tiny_model, group, chunk
     (padded, g_padded), (packed, g_packed) = grad_fn(params, 0), grad_fn(params, packed_length(
         GROUPED[1], COMPLETION_MASK, group))
     np.testing.assert_allclose(packed, padded, atol=1e-5, rtol=1e-6)
+    # float32 rounding at each leaf's scale: the packed sums run in another order (AVX-512 rounds them apart more)
     for a, b in zip(jax.tree.leaves(g_packed), jax.tree.leaves(g_padded)):
-        np.testing.assert_allclose(a, b, atol=1e-6 * max(1.0, float(np.abs(b).max())), rtol=1e-5)
+        np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, float(np.abs(b).max())), rtol=1e-5)
 
 
 def test_packed_length_is_the_longest_group_rounded_to_eight_steps_an_octave():

@@ -149,7 +149,9 @@ def test_two_processes_equal_one(tmp_path):
     got = np.load(tmp_path / "params.npz")
     # same mesh, same programs: only gloo's all-reduce adds the two processes' partial sums in another order,
     # a float32 ulp or two of the largest gradient entries (~0.5: ulp 6e-8), seen here as 1.5e-7 on one element
-    np.testing.assert_allclose(got["loss"], np.asarray(metrics["loss"]), rtol=1e-6, atol=1e-7)
+    # the loss (0.03) sums per-token terms of order 1 (advantages about +-1): its rounding is theirs, 2.2e-7 on
+    # an AVX-512 CPU
+    np.testing.assert_allclose(got["loss"], np.asarray(metrics["loss"]), rtol=1e-6, atol=1e-6)
     assert sorted(k for k in got.files if k != "loss") == sorted(expected)
     for name, value in expected.items():
         np.testing.assert_allclose(got[name], value, rtol=1e-6, atol=5e-7, err_msg=name)
