@@ -12,6 +12,12 @@ of 1,024, the spread of real runs). Every setting samples the same rows with the
 tokens (checked) and differ only in how long that takes. Per setting: the first call (compile + run) and the
 median of `--repeats` runs; useful tokens = completion tokens up to EOS; decoded slots = decode steps x rows in
 flight (a static batch: every row until the longest ends); padding = 1 - useful / decoded.
+
+``--score-ms`` adds a reward function costing that many milliseconds per completion (a sleep: a judge behind HTTP,
+a code sandbox; ``--score-cpu``: a Python busy loop, as math-verify) and times sampling + scoring twice per
+setting, median of ``--repeats``: sequential (sample every row, then score) and streamed (`stream.Sampler.stream`:
+each group scored as soon as it has finished, while the others decode); ``score_hidden_fraction`` is the part of
+the scoring time the stream hid behind decoding.
 """
 
 from __future__ import annotations
@@ -73,6 +79,8 @@ def measure(args) -> dict:
                      "compile_s": max(first_s - run_s, 0.0), "sample_s": run_s, "useful_tokens": useful,
                      "decode_steps": float(np.mean([int(o.num_decode_steps) for o in outs])),
                      "padding_fraction": 1 - useful / decoded, "useful_tokens_per_s": useful / run_s})
+        if args.score_ms:
+            rows[-1].update(_score_times(args, fn, params, ids, mask))
         print(json.dumps(rows[-1]), flush=True)
     base = rows[0]["useful_tokens_per_s"]
     for row in rows:
@@ -82,6 +90,33 @@ def measure(args) -> dict:
             "prompt_lengths": [args.prompt_length, P], "max_completion_length": args.max_completion_length,
             "mean_completion_length": float(lengths.mean()), "max_completion_length_seen": int(lengths.max()),
             "device": str(jax.devices()[0]), "jax_version": jax.__version__, "settings": rows}
+
+
+def _score_times(args, fn, params, ids, mask) -> dict:
+    """Sampling + scoring, sequential and streamed (see the module's docstring)."""
+    def score(num_rows: int) -> None:
+        if not args.score_cpu:
+            time.sleep(num_rows * args.score_ms / 1000)
+            return
+        end = time.perf_counter() + num_rows * args.score_ms / 1000
+        while time.perf_counter() < end:
+            sum(i * i for i in range(1000))
+
+    for _ in fn.stream(params, ids, mask, jax.random.key(0)):  # compiles the segments' programs
+        pass
+    sequential, streamed = [], []
+    for r in range(args.repeats):
+        start = time.perf_counter()
+        score(len(jax.device_get(fn(params, ids, mask, jax.random.key(1 + r), False).completion_mask)))
+        sequential.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for piece in fn.stream(params, ids, mask, jax.random.key(1 + r)):
+            score(len(piece.rows))
+        streamed.append(time.perf_counter() - start)
+    score_s = len(ids) * args.score_ms / 1000
+    seq, stream = statistics.median(sequential), statistics.median(streamed)
+    return {"score_s": score_s, "sample_then_score_s": seq, "streamed_sample_and_score_s": stream,
+            "score_hidden_fraction": (seq - stream) / score_s}
 
 
 def main(argv=None) -> dict:
@@ -95,6 +130,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-completion-length", type=int, default=1024)
     parser.add_argument("--slots", default="0,16", help="sampling.max_batch_rows settings, the first the baseline")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--score-ms", type=float, default=0.0, help="reward cost per completion (0: no scoring)")
+    parser.add_argument("--score-cpu", action="store_true", help="the reward cost is a busy loop, not a sleep")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     args.slots = [int(s) for s in args.slots.split(",")]

@@ -12,6 +12,9 @@ prompt's logits, inside the same device loop. Shapes are static throughout; the 
 Row b's token t is drawn with row b's Gumbel noise at step t (`sampling.gumbel_rows`), the noise `sampling.generate`
 adds to that row: the tokens are a function of (params, prompt, key, b) alone, the same whatever N, and the same as
 `sampling.generate`'s up to the float rounding of a batch of another size.
+
+`start` and `advance` run the same loop in segments, each ending once more of the call's groups have finished,
+so that the host can score finished groups while the devices decode the others (`grpo_jax.stream`).
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.models import forward, model_config, rotary_tables, unembed
+from grpo_jax.models import compute_dtype_params, forward, layer_params, model_config, rotary_tables, unembed
 from grpo_jax.sampling import SampleOutput, SamplingConfig, filter_logits, gumbel_rows, prefill
+
+SEGMENTS = 16  # `advance` returns after about 1 / SEGMENTS of the call's groups finished (at least one group)
 
 
 class _SlotState(NamedTuple):
@@ -38,6 +43,15 @@ class _SlotState(NamedTuple):
     completion_mask_BxT: jax.Array
     logps_BxT: jax.Array
     ended_by_eos_B: jax.Array
+    ended_B: jax.Array        # the row ended (EOS or T tokens)
+
+
+class Decoding(NamedTuple):
+    """A continuously batched call between two segments of its loop (`start`, `advance`)."""
+
+    state: _SlotState
+    prompts_R: object  # each prompt's keys/values (refills copy them in)
+    logits_RxV: jax.Array  # each prompt's next-token logits (a refilled slot's first token)
 
 
 def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: SamplingConfig, num_slots: int,
@@ -50,7 +64,58 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
     `cpu.argmax_last_axis`); ``cache_sharding`` pins the slots' KV cache over a mesh. ``num_decode_steps`` counts
     the loop's decode steps (forward passes of the N slots).
     """
+    options = dict(config=config, num_slots=num_slots, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                   greedy=greedy, prompt_group_size=prompt_group_size, row_offset=row_offset, total_rows=total_rows,
+                   cache_sharding=cache_sharding, argmax=argmax)
+    decoding = start(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, **options)
+    return output(advance(graphdef, params, decoding, prompt_mask_BxP, key, until_done=True, **options))
+
+
+def start(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, **options) -> Decoding:
+    """Prefill every prompt and fill the slots with the first rows (their first tokens drawn): no decode step yet.
+    ``options``: `generate`'s keywords."""
     B, P = prompt_ids_BxP.shape
+    params, layers, _, prompts_R, logits_RxV = prefill(graphdef, params, prompt_ids_BxP, prompt_mask_BxP,
+                                                       options["prompt_group_size"], P)
+    first, _, _ = _loop(graphdef, params, layers, prompts_R, logits_RxV, prompt_mask_BxP, key, **options)
+    return Decoding(first(), prompts_R, logits_RxV)
+
+
+def advance(graphdef, params, decoding: Decoding, prompt_mask_BxP, key, *, until_done: bool = False,
+            **options) -> Decoding:
+    """Decode steps until about 1 / `SEGMENTS` of the call's groups (at least one) more have finished, or every
+    row (``until_done``: every row). Tokens do not depend on where segments end. ``options``: `generate`'s."""
+    params = compute_dtype_params(graphdef, params)
+    _, cond, body = _loop(graphdef, params, layer_params(graphdef, params), decoding.prompts_R, decoding.logits_RxV,
+                          prompt_mask_BxP, key, **options)
+    if until_done:
+        return decoding._replace(state=jax.lax.while_loop(cond, body, decoding.state))
+    G = options["prompt_group_size"]
+    groups = decoding.state.ended_B.shape[0] // G
+    target = finished_groups(decoding.state.ended_B, G) + max(1, groups // SEGMENTS)
+    state = jax.lax.while_loop(lambda st: cond(st) & (finished_groups(st.ended_B, G) < target), body, decoding.state)
+    return decoding._replace(state=state)
+
+
+def finished_groups(ended_B, group_size: int):
+    """How many groups of ``group_size`` rows have every row ended."""
+    return jnp.sum(jnp.all(ended_B.reshape(-1, group_size), axis=1))
+
+
+def output(decoding: Decoding) -> SampleOutput:
+    """The call's rows as `sampling.generate` returns them (rows not ended yet: what they have so far)."""
+    state = decoding.state
+    return SampleOutput(completion_ids=state.ids_BxT, completion_mask=state.completion_mask_BxT,
+                        is_truncated=~state.ended_by_eos_B, sampler_per_token_logps=state.logps_BxT,
+                        num_decode_steps=state.iterations)
+
+
+def _loop(graphdef, params, layers, prompts_R, logits_RxV, prompt_mask_BxP, key, *, config: SamplingConfig,
+          num_slots: int, eos_token_ids: tuple[int, ...], pad_token_id: int, greedy: bool = False,
+          prompt_group_size: int = 1, row_offset=0, total_rows: int | None = None, cache_sharding=None, argmax=None):
+    """(first() -> state with the first rows in their slots, cond, body) of the decode loop; ``params`` in the
+    compute dtype and ``layers`` their per-layer slices (`sampling.prefill`)."""
+    B, P = prompt_mask_BxP.shape
     N, T, G = num_slots, config.max_completion_length, prompt_group_size
     if not isinstance(N, int) or not 0 < N <= B:
         raise ValueError(f"sampling.max_batch_rows gives {N!r} slots for {B} rows: it must be between 1 and the rows")
@@ -59,14 +124,11 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
     eos_E = jnp.asarray(eos_token_ids, jnp.int32).reshape(-1)
     prompt_mask_BxP = prompt_mask_BxP.astype(jnp.int32)
     prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1)
-    # the prompts' caches hold their P slots only: a slot's completion part is written by its own decode steps
-    params, layers, _, prompts_R, logits_RxV = prefill(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, G, P)
     rope = rotary_tables(model_config(graphdef, params), P + T)  # the decode steps' positions reach P + T - 1
     constrain = (lambda c: c) if cache_sharding is None else (  # noqa: E731
         lambda c: jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, cache_sharding), c))
-    cache = constrain(jax.tree.map(lambda x_RxKxPxDh: jnp.zeros((N, *x_RxKxPxDh.shape[1:2], P + T,
-                                                                 x_RxKxPxDh.shape[3]), x_RxKxPxDh.dtype), prompts_R))
     slots_N = jnp.arange(N)
+    V = logits_RxV.shape[-1]
 
     def refill(state: _SlotState, logits_NxV):
         """Ended slots take the next waiting rows, in slot order: their prompts' keys/values and mask go in."""
@@ -110,7 +172,8 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
             ids_BxT=write(state.ids_BxT, tokens_N),
             completion_mask_BxT=write(state.completion_mask_BxT, jnp.ones_like(tokens_N)),
             logps_BxT=write(state.logps_BxT, logp_N),
-            ended_by_eos_B=state.ended_by_eos_B.at[row_N].set(eos_N, mode="drop"))
+            ended_by_eos_B=state.ended_by_eos_B.at[row_N].set(eos_N, mode="drop"),
+            ended_B=state.ended_B.at[row_N].set(eos_N | (t_N + 1 >= T), mode="drop"))
 
     def cond(state: _SlotState):
         return jnp.any(state.live_N) | (state.next_row < B)
@@ -125,14 +188,17 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: 
         state = state._replace(cache=constrain(cache), mask_NxS=mask_NxS, iterations=state.iterations + 1)
         return record(*refill(state, logits_NxV))
 
-    V = logits_RxV.shape[-1]
-    state = _SlotState(
-        row_N=jnp.full((N,), B, jnp.int32), t_N=jnp.zeros((N,), jnp.int32), pending_N=jnp.zeros((N,), jnp.int32),
-        live_N=jnp.zeros((N,), bool), next_row=jnp.zeros((), jnp.int32), iterations=jnp.zeros((), jnp.int32),
-        cache=cache, mask_NxS=jnp.zeros((N, P + T), jnp.int32),
-        ids_BxT=jnp.full((B, T), pad_token_id, jnp.int32), completion_mask_BxT=jnp.zeros((B, T), jnp.int32),
-        logps_BxT=jnp.zeros((B, T), jnp.float32), ended_by_eos_B=jnp.zeros((B,), bool))
-    state = jax.lax.while_loop(cond, body, record(*refill(state, jnp.zeros((N, V), logits_RxV.dtype))))
-    return SampleOutput(completion_ids=state.ids_BxT, completion_mask=state.completion_mask_BxT,
-                        is_truncated=~state.ended_by_eos_B, sampler_per_token_logps=state.logps_BxT,
-                        num_decode_steps=state.iterations)
+    def first():
+        # the prompts' caches hold their P slots only: a slot's completion part is written by its own decode steps
+        cache = constrain(jax.tree.map(lambda x_RxKxPxDh: jnp.zeros(
+            (N, *x_RxKxPxDh.shape[1:2], P + T, x_RxKxPxDh.shape[3]), x_RxKxPxDh.dtype), prompts_R))
+        state = _SlotState(
+            row_N=jnp.full((N,), B, jnp.int32), t_N=jnp.zeros((N,), jnp.int32), pending_N=jnp.zeros((N,), jnp.int32),
+            live_N=jnp.zeros((N,), bool), next_row=jnp.zeros((), jnp.int32), iterations=jnp.zeros((), jnp.int32),
+            cache=cache, mask_NxS=jnp.zeros((N, P + T), jnp.int32),
+            ids_BxT=jnp.full((B, T), pad_token_id, jnp.int32), completion_mask_BxT=jnp.zeros((B, T), jnp.int32),
+            logps_BxT=jnp.zeros((B, T), jnp.float32), ended_by_eos_B=jnp.zeros((B,), bool),
+            ended_B=jnp.zeros((B,), bool))
+        return record(*refill(state, jnp.zeros((N, V), logits_RxV.dtype)))
+
+    return first, cond, body

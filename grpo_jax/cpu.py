@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from grpo_jax import stream
 from grpo_jax.models.configuration import REMAT_POLICIES
 from grpo_jax.sampling import gumbel_rows
 
@@ -185,8 +186,9 @@ class ChunkedSampler:
     """
 
     def __init__(self, jitted, split, concat, *, host_threads: int, mesh, prompt_group_size: int,
-                 offset_sharding):
+                 offset_sharding, segments):
         self._jitted, self._split, self._concat = jitted, split, concat
+        self._start, self._advance, self._slots = segments  # `stream.Sampler`'s, for `stream`
         self._threads, self._mesh, self._group = host_threads, mesh, prompt_group_size
         self._offset_sharding = offset_sharding
         self._offsets = {}  # row offset -> device scalar, made once: a host scalar is a transfer in every call
@@ -214,3 +216,24 @@ class ChunkedSampler:
         chunks = self._split(prompt_ids_BxP, prompt_mask_BxP, k)
         futures = [self._pool.submit(run, i, ids, mask) for i, (ids, mask) in enumerate(chunks)]
         return self._concat([f.result() for f in futures])
+
+    def stream(self, params, prompt_ids_BxP, prompt_mask_BxP, key) -> stream.Stream:
+        """`stream.Sampler.stream`: each chunk's rows stream from its own host thread."""
+        B = prompt_ids_BxP.shape[0]
+        k = host_chunks(self._threads, self._mesh, B, self._group)
+
+        def chunk(i, ids, mask):
+            row = i * (B // k)
+            if self._slots(B // k, B) >= B // k:
+                return stream.whole(self._jitted(params, ids, mask, key, self._offset(row), False, B), row)
+            return stream.segments(lambda: self._start(params, ids, mask, key, self._offset(row), B),
+                                   lambda d: self._advance(params, d, mask, key, self._offset(row), B),
+                                   self._group, row)
+        if k == 1:
+            return stream.Stream(chunk(0, prompt_ids_BxP, prompt_mask_BxP))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(host_threads(self._threads, self._mesh),
+                                            thread_name_prefix="grpo_jax-sample")
+        calls = [lambda i=i, ids=ids, mask=mask: chunk(i, ids, mask)
+                 for i, (ids, mask) in enumerate(self._split(prompt_ids_BxP, prompt_mask_BxP, k))]
+        return stream.Stream(stream.merged(calls, self._concat, self._pool))

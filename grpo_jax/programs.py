@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from grpo_jax import continuous, cpu, rounds, sharding
+from grpo_jax import continuous, cpu, rounds, sharding, stream
 from grpo_jax.logprobs import completion_logps
 from grpo_jax.models import ModelConfig, init_model, lora, model_config
 from grpo_jax.sampling import SampleOutput, SamplingConfig, generate
@@ -196,33 +196,54 @@ def jit_generate(graphdef, mesh, *, config: SamplingConfig, eos_token_ids: tuple
     ``cpu_speedups`` (`cpu.enabled`) draws the same tokens with `cpu.token_chooser`, and on a one-device mesh
     ``config.host_threads`` may split a call into row chunks run concurrently (`cpu.ChunkedSampler`).
     ``config.max_batch_rows`` fewer than a call's rows decodes them continuously batched (`grpo_jax.continuous`).
+    ``fn.stream(params, prompt_ids, prompt_mask, key)`` samples as a `stream.Stream`: groups reach the host as
+    they finish.
     """
     rows, replicated = sharding.row_sharded(mesh), sharding.replicated(mesh)
     out_shardings = SampleOutput(rows, rows, rows, rows, num_decode_steps=replicated)
-
     row_shards = sharding.num_row_shards(mesh)
+
+    def slots(num_rows: int, total_rows: int) -> int:
+        return continuous_slots(config.max_batch_rows, num_rows, total_rows, row_shards)
+
+    def merged(params):
+        # LoRA adapters merged into the kernels once per call (`lora.merged`): decode steps run the base's products
+        return lora.merged(graphdef, params) if lora.has_adapters(params) else (graphdef, params)
+
+    def continuous_options(params, B, greedy, row_offset, total_rows):
+        return dict(config=config, num_slots=slots(B, B if total_rows is None else total_rows),
+                    eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, greedy=greedy,
+                    prompt_group_size=1 if greedy else prompt_group_size, row_offset=row_offset,
+                    total_rows=total_rows, argmax=cpu.argmax_last_axis if cpu_speedups else None,
+                    cache_sharding=sharding.cache_sharding(mesh, model_config(graphdef, params).num_key_value_heads))
 
     def sample(params, prompt_ids_BxP, prompt_mask_BxP, key, greedy, choose_tokens=None, row_offset=0,
                total_rows=None):
-        cache = sharding.cache_sharding(mesh, model_config(graphdef, params).num_key_value_heads)
-        # LoRA adapters merged into the kernels once per call (`lora.merged`): decode steps run the base's products
-        model, params = lora.merged(graphdef, params) if lora.has_adapters(params) else (graphdef, params)
-        B = prompt_ids_BxP.shape[0]
-        group = 1 if greedy else prompt_group_size
-        slots = continuous_slots(config.max_batch_rows, B, B if total_rows is None else total_rows, row_shards)
-        if slots < B:
-            return continuous.generate(model, params, prompt_ids_BxP, prompt_mask_BxP, key, config=config,
-                                       num_slots=slots, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
-                                       greedy=greedy, prompt_group_size=group, row_offset=row_offset,
-                                       total_rows=total_rows, cache_sharding=cache,
-                                       argmax=cpu.argmax_last_axis if cpu_speedups else None)
+        options = continuous_options(params, prompt_ids_BxP.shape[0], greedy, row_offset, total_rows)
+        model, params = merged(params)
+        if options["num_slots"] < prompt_ids_BxP.shape[0]:
+            return continuous.generate(model, params, prompt_ids_BxP, prompt_mask_BxP, key, **options)
         return generate(model, params, prompt_ids_BxP, prompt_mask_BxP, key, config=config,
                         eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, greedy=greedy,
-                        prompt_group_size=group, cache_sharding=cache, choose_tokens=choose_tokens)
+                        prompt_group_size=options["prompt_group_size"], cache_sharding=options["cache_sharding"],
+                        choose_tokens=choose_tokens)
 
+    # the continuously batched loop in segments (`grpo_jax.stream`): the decoding carried between them is donated
+    def start(params, prompt_ids_BxP, prompt_mask_BxP, key, row_offset, total_rows):
+        options = continuous_options(params, prompt_ids_BxP.shape[0], False, row_offset, total_rows)
+        return continuous.start(*merged(params), prompt_ids_BxP, prompt_mask_BxP, key, **options)
+
+    def advance(params, decoding, prompt_mask_BxP, key, row_offset, total_rows):
+        options = continuous_options(params, prompt_mask_BxP.shape[0], False, row_offset, total_rows)
+        decoding = continuous.advance(*merged(params), decoding, prompt_mask_BxP, key, **options)
+        return decoding, continuous.output(decoding), decoding.state.ended_B
+
+    jit_start = jax.jit(start, static_argnums=5, in_shardings=(params_sharding, rows, rows, replicated, replicated))
+    jit_advance = jax.jit(advance, static_argnums=5, donate_argnums=1, out_shardings=(None, out_shardings, rows),
+                          in_shardings=(params_sharding, None, rows, replicated, replicated))
     if not cpu_speedups:
-        return jax.jit(sample, static_argnums=4, in_shardings=(params_sharding, rows, rows, replicated),
-                       out_shardings=out_shardings)
+        return stream.Sampler(jax.jit(sample, static_argnums=4, in_shardings=(params_sharding, rows, rows, replicated),
+                                      out_shardings=out_shardings), jit_start, jit_advance, slots, prompt_group_size)
     if config.host_threads > 1 and mesh.devices.size > 1:
         raise ValueError(f"sampling.host_threads={config.host_threads} splits one device's rows over host "
                          f"threads, but the mesh has {mesh.devices.size} devices (which already sample in "
@@ -239,7 +260,8 @@ def jit_generate(graphdef, mesh, *, config: SamplingConfig, eos_token_ids: tuple
         *(jnp.concatenate(parts) for parts in zip(*(o[:4] for o in outs))),
         num_decode_steps=jnp.max(jnp.stack([o.num_decode_steps for o in outs]))))
     return cpu.ChunkedSampler(jitted, split, concat, host_threads=config.host_threads, mesh=mesh,
-                              prompt_group_size=prompt_group_size, offset_sharding=replicated)
+                              prompt_group_size=prompt_group_size, offset_sharding=replicated,
+                              segments=(jit_start, jit_advance, slots))
 
 
 def init_state(model_config: ModelConfig, optimizer: optax.GradientTransformation, *, seed: int,

@@ -131,6 +131,19 @@ class RewardLog:
     def log_extra(self, column: str, values: list) -> None:
         self.extra[str(column)].extend(values)
 
+    def add(self, piece: RewardLog, rows, num_rows: int) -> None:
+        """What functions called on ``rows`` of a round's ``num_rows`` logged: metrics appended, extra columns
+        placed at their rows (a column of another length than ``rows`` ends up too long for the table)."""
+        for name, values in piece.metrics.items():
+            self.metrics[name].extend(values)
+        for column, values in piece.extra.items():
+            placed = self.extra.setdefault(column, [None] * num_rows)
+            if len(values) != len(rows):
+                placed.extend(values)
+                continue
+            for row, value in zip(rows, values):
+                placed[row] = value
+
     def metric_means(self) -> dict[str, float]:
         """Each logged metric's mean over the round (TRL averages them over a logging step)."""
         return {name: float(np.mean(values)) for name, values in self.metrics.items() if values}

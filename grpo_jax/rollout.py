@@ -1,7 +1,7 @@
 """One round of GRPO, in the order it runs:
 
-    PromptIterator -> sample (jit) -> dispatch ref/old log-probs -> rows to host -> score (host) -> RoundBatch
-    -> optimizer steps -> metrics
+    PromptIterator -> sample (jit; finished groups scored on the host while the others decode) -> dispatch
+    ref/old log-probs -> score the last groups (host) -> RoundBatch -> optimizer steps -> metrics
 
 `prepare_round(run, state, i) -> RoundBatch` and `run_steps(run, state, round_batch) -> (state, round_batch,
 metrics)` take the train state explicitly and return it; `grpo_jax.run.build` makes the immutable `Run` (data,
@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from grpo_jax import data, logprobs, rewards, rounds, sharding
+from grpo_jax import data, logprobs, rewards, rounds, sharding, stream
 from grpo_jax.reporting import completion_rows, plain
 from grpo_jax.run import Run
 from grpo_jax.state import TrainState
@@ -81,29 +81,77 @@ def _weights(run: Run) -> np.ndarray:
 
 def _sample(run: Run, state: TrainState, batch: data.PromptBatch, draw_index: int):
     """One sampling pass of the batch's rows with the current policy: (prompt rows as the programs take them,
-    SampleOutput on the devices). Returns once dispatched."""
+    `stream.Stream` of its finished groups). Returns once dispatched."""
     key = run.programs.sample_key(state.key, state.step, draw_index)
     prompts = sharding.host_rows((batch.prompt_ids, batch.prompt_mask), run.mesh)
-    return prompts, run.programs.sample(state.params, *prompts, key, False)
+    return prompts, run.programs.sample.stream(state.params, *prompts, key)
 
 
-def _score(run: Run, batch: data.PromptBatch, out, context: dict) -> rounds.Draw:
-    """The reward functions on the host over one pass's completions (`out`: SampleOutput on the host); `context`:
-    TRL's `trainer_state`, `log_metric`, `log_extra` (`_reward_context`)."""
+def _score(run: Run, batch: data.PromptBatch, piece: stream.Piece, context: dict, log: rewards.RewardLog) -> tuple:
+    """The reward functions on the host over one piece's rows: (rewards_NxF, process supervision's (step rewards,
+    step end indices) or None). ``context``: TRL's `trainer_state` (`_reward_context`); what the functions log
+    goes to ``log`` at the piece's rows."""
     cfg = run.config
-    completions = decode(run.tokenizer, out.completion_ids, out.completion_mask)
-    columns = _columns(batch.columns, out.completion_ids, out.completion_mask)
-    inputs = data.reward_inputs(batch.prompts, completions)
-    steps = {}
+    rows = piece.rows
+    columns = {k: [v[i] for i in rows] for k, v in batch.columns.items()}
+    piece_log = rewards.RewardLog()
+    context = {**context, "log_metric": piece_log.log_metric, "log_extra": piece_log.log_extra}
+    completions = decode(run.tokenizer, piece.completion_ids, piece.completion_mask)
+    columns = _columns(columns, piece.completion_ids, piece.completion_mask)
+    inputs = data.reward_inputs([batch.prompts[i] for i in rows], completions)
+    steps = None
     if cfg.train.advantage_estimator == "process":
-        lengths = out.completion_mask.sum(axis=1)
-        rewards_NxF, steps["step_rewards"], steps["step_end_indices"] = rewards.score_steps(
-            run.reward_fns, _weights(run), *inputs, columns, lengths, context)
+        lengths = piece.completion_mask.sum(axis=1)
+        rewards_NxF, *steps = rewards.score_steps(run.reward_fns, _weights(run), *inputs, columns, lengths, context)
     else:
         rewards_NxF = rewards.score_completions(run.reward_fns, *inputs, columns, context)
+    log.add(piece_log, rows, len(batch.prompts))
+    return rewards_NxF, steps
+
+
+def _draw(batch: data.PromptBatch, out, scored: list) -> rounds.Draw:
+    """A pass's `rounds.Draw` from its rows (`out`: SampleOutput on the host) and its pieces' scores
+    (rows, rewards_NxF, steps), placed at their rows."""
+    rewards_NxF = np.full((len(out.completion_ids), scored[0][1].shape[1]), np.nan, np.float32)
+    for rows, r_NxF, _ in scored:
+        rewards_NxF[rows] = r_NxF
+    steps = {}
+    if scored[0][2] is not None:  # process supervision: each piece's steps padded to the most of any row
+        S = max(step_rewards.shape[1] for _, _, (step_rewards, _) in scored)
+        steps = {"step_rewards": np.full((len(rewards_NxF), S), np.nan, np.float32),
+                 "step_end_indices": np.full((len(rewards_NxF), S), -1, np.int32)}
+        for rows, _, (step_rewards, ends) in scored:
+            steps["step_rewards"][rows, :step_rewards.shape[1]] = step_rewards
+            steps["step_end_indices"][rows, :ends.shape[1]] = ends
     return rounds.Draw(batch.prompt_ids, batch.prompt_mask, out.completion_ids, out.completion_mask,
                        np.asarray(out.is_truncated), out.sampler_per_token_logps, rewards_NxF, batch.prompts,
                        batch.columns, batch.num_truncated, **steps)
+
+
+def _sample_and_score(run: Run, state: TrainState, batch: data.PromptBatch, draw_index: int, seconds: dict,
+                      context: dict, log: rewards.RewardLog, decoded: Callable | None = None):
+    """One sampling pass, its groups scored on the host as they finish while the devices decode the others
+    (`stream`). ``decoded(rows, host_out)`` runs once the last row is decoded, before the last groups are
+    scored (``host_out``: the pass's SampleOutput on the host with `train.packing`, else None); ``rows`` are
+    (prompt_ids, prompt_mask, completion_ids, completion_mask) on the devices. Adds the pass's `sample` time
+    (until its last rows reach the host) and `score` time (host scoring after that) to ``seconds``.
+    Returns (draw, rows, what ``decoded`` returned)."""
+    timer = time.perf_counter()
+    prompts, sample = _sample(run, state, batch, draw_index)
+    scored, received, out, result = [], 0, None, None
+    for piece in sample:
+        received += len(piece.rows)
+        if received == len(batch.prompts):  # the last piece: decoding is over
+            # packing needs the lengths first: the rows come over before the dispatch, else while it runs
+            out = sharding.to_host(sample.output) if run.config.train.packing else None
+            rows = (*prompts, sample.output.completion_ids, sample.output.completion_mask)
+            result = None if decoded is None else decoded(rows, out)
+            seconds["sample"] = seconds.get("sample", 0.0) + time.perf_counter() - timer
+            timer = time.perf_counter()
+        scored.append((piece.rows, *_score(run, batch, piece, context, log)))
+    draw = _draw(batch, sharding.to_host(sample.output) if out is None else out, scored)
+    seconds["score"] = seconds.get("score", 0.0) + time.perf_counter() - timer
+    return draw, rows, result
 
 
 def _packed_length(run: Run, prompt_mask: np.ndarray, completion_mask: np.ndarray | None, group_size: int) -> int:
@@ -129,46 +177,36 @@ def _dispatch_logps(run: Run, state: TrainState, rows: tuple, packed_length: int
     return ref, old
 
 
-def _reward_context(run: Run, state: TrainState, log: rewards.RewardLog) -> dict:
-    """The keywords TRL 1.16 passes every reward function beside the dataset's columns."""
-    return {"trainer_state": rewards.trainer_state(int(state.step), run.config.max_steps, run.prompts.epoch),
-            "log_metric": log.log_metric, "log_extra": log.log_extra}
+def _reward_context(run: Run, state: TrainState) -> dict:
+    """The keywords TRL 1.16 passes every reward function beside the dataset's columns (`_score` adds
+    `log_metric` and `log_extra`)."""
+    return {"trainer_state": rewards.trainer_state(int(state.step), run.config.max_steps, run.prompts.epoch)}
 
 
-def _one_pass(run: Run, state: TrainState, seconds: dict, context: dict):
+def _one_pass(run: Run, state: TrainState, seconds: dict, context: dict, log: rewards.RewardLog):
     """A round of one sampling pass: its log-probs are dispatched on the sampled rows (which never leave the
-    devices for them) before the host scores, so the two overlap. Returns (draw, device rows, ref, old)."""
-    timer = time.perf_counter()
+    devices for them) before the host scores the last groups, so the two overlap. Returns (draw, device rows,
+    ref, old)."""
     batch = data.repeat_groups(run.prompts.next_batch(), run.config.train.num_generations)
-    prompts, sample = _sample(run, state, batch, 0)
-    # they attend with the sampled mask: mask_truncated_completions zeroes whole rows, whose values are then
-    # masked out of every loss term and metric anyway
-    rows = (*prompts, sample.completion_ids, sample.completion_mask)
-    # packing needs the lengths first: the rows come over before the dispatch, else while it runs
-    out = sharding.to_host(sample) if run.config.train.packing else None
-    ref, old = _dispatch_logps(run, state, rows, _packed_length(
-        run, batch.prompt_mask, None if out is None else out.completion_mask, run.round_prompt_group_size))
-    out = sharding.to_host(sample) if out is None else out
-    seconds["sample"] = time.perf_counter() - timer
-    timer = time.perf_counter()
-    draw = _score(run, batch, out, context)
-    seconds["score"] = time.perf_counter() - timer
+
+    def dispatch(rows, out):
+        return _dispatch_logps(run, state, rows, _packed_length(
+            run, batch.prompt_mask, None if out is None else out.completion_mask, run.round_prompt_group_size))
+
+    draw, rows, (ref, old) = _sample_and_score(run, state, batch, 0, seconds, context, log, dispatch)
     return draw, rows, ref, old
 
 
-def _dynamic_sampling_passes(run: Run, state: TrainState, seconds: dict, context: dict
+def _dynamic_sampling_passes(run: Run, state: TrainState, seconds: dict, context: dict, log: rewards.RewardLog
                              ) -> tuple[rounds.Draw, dict]:
     """DAPO dynamic sampling: passes until informative groups fill the round (`rounds.init/update/finalize`)."""
     tc = run.config.train
     passes = rounds.init()
     seconds.update(sample=0.0, score=0.0)
     while not (rounds.is_full(passes, tc.prompts_per_round) or len(passes.draws) >= tc.max_num_gen_batches):
-        timer = time.perf_counter()
         batch = data.repeat_groups(run.prompts.next_batch(), tc.num_generations)
-        out = sharding.to_host(_sample(run, state, batch, len(passes.draws))[1])
-        seconds["sample"] += time.perf_counter() - timer
+        draw, _, _ = _sample_and_score(run, state, batch, len(passes.draws), seconds, context, log)
         timer = time.perf_counter()
-        draw = _score(run, batch, out, context)
         passes = rounds.update(passes, draw, rounds.zero_std_groups(draw, _weights(run), tc.num_generations))
         seconds["score"] += time.perf_counter() - timer
     return rounds.finalize(passes, tc.prompts_per_round, tc.num_generations)
@@ -191,12 +229,12 @@ def prepare_round(run: Run, state: TrainState, round_index: int) -> RoundBatch:
     cfg, tc = run.config, run.config.train
     seconds: dict = {}
     log = rewards.RewardLog()
-    context = _reward_context(run, state, log)
+    context = _reward_context(run, state)
     if tc.dynamic_sampling:
-        draw, sampling_metrics = _dynamic_sampling_passes(run, state, seconds, context)
+        draw, sampling_metrics = _dynamic_sampling_passes(run, state, seconds, context, log)
         ref = old = rows = None
     else:
-        (draw, rows, ref, old), sampling_metrics = _one_pass(run, state, seconds, context), {}
+        (draw, rows, ref, old), sampling_metrics = _one_pass(run, state, seconds, context, log), {}
 
     timer = time.perf_counter()
     mask = rounds.mask_truncated(draw.completion_mask, draw.is_truncated) if tc.mask_truncated_completions \

@@ -131,8 +131,10 @@ def test_rollout_lengths_static_and_continuous_sample_the_same_lengths():
 
     result = rollout_lengths.main(["--size", "tiny", "--prompts", "2", "--generations", "4", "--prompt-length", "4",
                                    "--prompt-length-max", "8", "--max-completion-length", "24", "--vocab", "16",
-                                   "--slots", "0,2"])
+                                   "--slots", "0,2", "--score-ms", "5"])
     static, continuous = result["settings"]
+    # streamed scoring: a static batch hands over every row at once (nothing hidden), slots group by group
+    assert continuous["streamed_sample_and_score_s"] > 0 and continuous["score_s"] == static["score_s"] == 0.04
     assert static["useful_tokens"] == continuous["useful_tokens"] > 0  # the same rows (the script checks the masks)
     assert continuous["padding_fraction"] < static["padding_fraction"]
     assert continuous["decode_steps"] > static["decode_steps"]

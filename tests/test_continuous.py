@@ -98,6 +98,15 @@ def test_sharded_continuous_batching_equals_single_device(tiny_model, shape):
     want = run(_one_device(), 0, params)
     for slots in (3, 8):  # 3 rounds up to a multiple of the row shards
         _assert_same_rows(run(mesh, slots, jax.device_put(params, shardings)), want)
+    # streamed over the mesh: the same rows, group by group
+    fn = programs.jit_generate(graphdef, mesh, config=dataclasses.replace(config, max_batch_rows=8),
+                               eos_token_ids=EOS, pad_token_id=0, params_sharding=shardings)
+    stream = fn.stream(jax.device_put(params, shardings), ids, mask, jax.random.key(3))
+    pieces = list(stream)
+    assert len(pieces) > 1
+    _assert_same_rows(jax.device_get(stream.output), want)
+    for piece in pieces:
+        np.testing.assert_array_equal(piece.completion_ids, want.completion_ids[piece.rows])
 
 
 def test_slot_counts_round_to_the_row_shards_and_a_chunks_share():
@@ -108,3 +117,36 @@ def test_slot_counts_round_to_the_row_shards_and_a_chunks_share():
     assert programs.continuous_slots(64, 16, 16, 1) == 16
     with pytest.raises(ValueError, match="sampling.max_batch_rows=-1"):
         SamplingConfig(max_batch_rows=-1)
+
+
+def _stream(graphdef, params, mesh, *, speedups=False, host_threads=1, **config):
+    config = SamplingConfig(**{"max_completion_length": 9, "temperature": 0.9, "top_k": 12,
+                               "host_threads": host_threads, **config})
+    fn = programs.jit_generate(graphdef, mesh, config=config, eos_token_ids=EOS, pad_token_id=0,
+                               prompt_group_size=G, cpu_speedups=speedups)
+    stream = fn.stream(params, IDS, MASK, jax.random.key(3))
+    pieces, outputs_before = [], []
+    for piece in stream:
+        outputs_before.append(stream.output is not None)
+        pieces.append(piece)
+    return pieces, outputs_before, jax.device_get(stream.output)
+
+
+@pytest.mark.parametrize("speedups, host_threads, slots", [(False, 1, 4), (True, 1, 2), (True, 5, 5), (False, 1, 0)])
+def test_streamed_groups_reach_the_host_as_they_finish_with_the_calls_rows(tiny_model, speedups, host_threads, slots):
+    _, graphdef, params = tiny_model
+    want = _sample(graphdef, params, _one_device())
+    pieces, outputs_before, out = _stream(graphdef, params, _one_device(), speedups=speedups,
+                                          host_threads=host_threads, max_batch_rows=slots)
+    _assert_same_rows(out, want)
+    rows = np.concatenate([p.rows for p in pieces])
+    np.testing.assert_array_equal(np.sort(rows), np.arange(len(IDS)))  # every row once
+    for piece in pieces:
+        assert len(piece.rows) % G == 0 and np.all(piece.rows.reshape(-1, G) % G == np.arange(G))  # whole groups
+        np.testing.assert_array_equal(piece.completion_ids, want.completion_ids[piece.rows])
+        np.testing.assert_array_equal(piece.completion_mask, want.completion_mask[piece.rows])
+    if slots:  # groups came while others still decoded: the call's output was not there yet
+        assert len(pieces) > 1 and not outputs_before[0]
+    else:  # a static batch: every row at once
+        assert len(pieces) == 1
+    assert outputs_before[-1]  # the output is there before the last piece (its log-probs can start)

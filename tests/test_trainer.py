@@ -72,6 +72,39 @@ def test_trl_style_and_async_reward_functions_in_a_run(tmp_path):
     assert [len(r["completion"]) for r in rows] == [r["chars"] for r in rows]
 
 
+@pytest.mark.parametrize("overrides", [
+    ["reward.functions=[tests.test_trainer:trl_style_reward]"],
+    ["train.advantage_estimator=process", "reward.functions=[tests.test_trainer:step_reward]"],
+    ["train.dynamic_sampling=true", "reward.functions=[tests.test_trainer:half_constant_reward]"]],
+    ids=["outcome", "process", "dynamic_sampling"])
+def test_streamed_round_scores_groups_as_they_finish_and_equals_the_static_round(tmp_path, overrides):
+    """sampling.max_batch_rows: the reward functions get whole groups as the sampler finishes them (several calls
+    a round), and the round (rewards, logged columns at their rows, advantages, the step) is the static round's."""
+    out = {}
+    for slots in (0, 2):
+        config = load_config(None, [f"output_dir={tmp_path / str(slots)}", *QUICK, "max_steps=1",
+                                    "log_completions=true", "eval.num_examples=0", "sampling.max_completion_length=12",
+                                    f"sampling.max_batch_rows={slots}", *overrides])
+        run, state = trainer.build(config)
+        calls = []
+        run = dataclasses.replace(run, reward_fns=[(name, lambda fn=fn, **kw: calls.append(len(kw["completions"]))
+                                                    or fn(**kw)) for name, fn in run.reward_fns])
+        _, round_batch, lines = trainer.run_round(run, state, 0)
+        out[slots] = calls, round_batch, lines
+    (static_calls, static, static_lines), (calls, streamed, lines) = out[0], out[2]
+    passes = lines[0].get("dynamic_sampling/num_gen_batches", 1)
+    assert static_calls == [16] * passes and len(calls) > passes and sum(calls) == 16 * passes
+    assert all(n % 4 == 0 for n in calls)
+    assert len({len(r["completion"]) for r in streamed.completions}) > 2  # groups end at different steps
+    if "chars" in streamed.completions[0]:
+        assert [r["chars"] for r in streamed.completions] == [len(r["completion"]) for r in streamed.completions]
+    assert streamed.completions == static.completions  # same rows, rewards, advantages, logged columns, in order
+    np.testing.assert_array_equal(*jax.device_get((streamed.rows.advantages, static.rows.advantages)))
+    # (log_metric's values are each call's: a mean over pieces, as TRL's over its processes)
+    for key in ("loss", "grad_norm", "reward"):  # the sampler's log-probs: a batch's rounding
+        np.testing.assert_allclose(lines[0][key], static_lines[0][key], rtol=1e-5, atol=1e-7, err_msg=key)
+
+
 def test_a_bad_reward_function_fails_before_anything_compiles(tmp_path, monkeypatch):
     def compiled(*args, **kwargs):
         raise AssertionError("the reward functions were not checked before compiling")
