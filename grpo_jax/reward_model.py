@@ -6,7 +6,8 @@ own chat template, `messages = prompt + completion`), tokenized without special 
 reward is `logits[:, 0]` of the head `score` (a bias-free Linear, hidden -> num_labels) at the last token that is
 not the pad token (transformers' pooling; TRL sets the model's pad id to its tokenizer's, EOS when it has none).
 The decoder is ours (`grpo_jax.models`), its weights placed over the run's mesh; rows are padded to a multiple of
-`LENGTH_BUCKET` tokens so only a few lengths compile.
+`LENGTH_BUCKET` tokens and to a power-of-two number of rows (a streamed round scores groups in batches of any
+size), so only a few shapes compile.
 """
 
 from __future__ import annotations
@@ -80,5 +81,8 @@ class RewardModel:
         width = -(-ids.shape[1] // LENGTH_BUCKET) * LENGTH_BUCKET
         ids = np.pad(ids, ((0, 0), (0, width - ids.shape[1])), constant_values=self.pad_token_id)
         mask = np.pad(mask, ((0, 0), (0, width - mask.shape[1])))
+        n = len(ids)
+        rows = 1 << max(n - 1, 0).bit_length()  # filled with copies of the first row, whose scores are dropped
+        ids, mask = (np.concatenate([x, np.repeat(x[:1], rows - n, axis=0)]) for x in (ids, mask))
         scores = self._scores(self.params, self.score_weight, ids, mask, self.pad_token_id)
-        return np.asarray(scores, np.float64).tolist()
+        return np.asarray(scores, np.float64)[:n].tolist()
