@@ -229,11 +229,9 @@ class ChunkedSampler:
             return stream.segments(lambda: self._start(params, ids, mask, key, self._offset(row), B),
                                    lambda d: self._advance(params, d, mask, key, self._offset(row), B),
                                    self._group, row)
-        if k == 1:
-            return stream.Stream(chunk(0, prompt_ids_BxP, prompt_mask_BxP))
-        if self._pool is None:
+        if self._pool is None:  # chunks (one: `stream.Sampler.stream`'s thread) dispatch from worker threads
             self._pool = ThreadPoolExecutor(host_threads(self._threads, self._mesh),
                                             thread_name_prefix="grpo_jax-sample")
-        calls = [lambda i=i, ids=ids, mask=mask: chunk(i, ids, mask)
-                 for i, (ids, mask) in enumerate(self._split(prompt_ids_BxP, prompt_mask_BxP, k))]
-        return stream.Stream(stream.merged(calls, self._concat, self._pool))
+        parts = self._split(prompt_ids_BxP, prompt_mask_BxP, k) if k > 1 else [(prompt_ids_BxP, prompt_mask_BxP)]
+        calls = [lambda i=i, ids=ids, mask=mask: chunk(i, ids, mask) for i, (ids, mask) in enumerate(parts)]
+        return stream.Stream(stream.merged(calls, self._concat if k > 1 else (lambda outs: outs[0]), self._pool))

@@ -2,14 +2,15 @@
 
 `Sampler` is a jitted sampling program (`programs.jit_generate`): call it for a `SampleOutput`, or `stream` it
 for a `Stream`, which yields each `Piece` (whole groups of finished rows, on the host) as soon as a segment of the
-continuously batched loop (`continuous.advance`) has finished them. The next segment is queued before a segment's
-rows are read, so the devices keep decoding while the host scores (`grpo_jax.rollout`). A static batch (slots for
-every row) finishes all its rows at once: one piece.
+continuously batched loop (`continuous.advance`) has finished them. Segments are dispatched from a thread of their
+own, each queued before the previous one's rows are read, so the devices keep decoding while the host scores
+(`grpo_jax.rollout`). A static batch (slots for every row) finishes all its rows at once: one piece.
 """
 
 from __future__ import annotations
 
 import queue
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -116,6 +117,7 @@ class Sampler:
                  group_size: int):
         self._call, self._start, self._advance, self._slots = call, start, advance, slots
         self._group = group_size
+        self._pool = None  # the thread that dispatches the segments, made on the first streamed call
 
     def __call__(self, params, prompt_ids_BxP, prompt_mask_BxP, key, greedy):
         return self._call(params, prompt_ids_BxP, prompt_mask_BxP, key, greedy)
@@ -128,5 +130,11 @@ class Sampler:
         if self._slots(B, B) >= B:
             return Stream(whole(self(params, prompt_ids_BxP, prompt_mask_BxP, key, False)))
         offset = np.int32(0)
-        return Stream(segments(lambda: self._start(params, prompt_ids_BxP, prompt_mask_BxP, key, offset, B),
-                               lambda d: self._advance(params, d, prompt_mask_BxP, key, offset, B), self._group))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grpo_jax-stream")
+        # segments are dispatched from their own thread: a segment shorter than the host's scoring of the previous
+        # one does not leave the devices waiting for the next
+        return Stream(merged([lambda: segments(lambda: self._start(params, prompt_ids_BxP, prompt_mask_BxP, key,
+                                                                   offset, B),
+                                               lambda d: self._advance(params, d, prompt_mask_BxP, key, offset, B),
+                                               self._group)], lambda outputs: outputs[0], self._pool))

@@ -150,3 +150,34 @@ def test_streamed_groups_reach_the_host_as_they_finish_with_the_calls_rows(tiny_
     else:  # a static batch: every row at once
         assert len(pieces) == 1
     assert outputs_before[-1]  # the output is there before the last piece (its log-probs can start)
+
+
+def test_segments_are_dispatched_while_the_host_still_holds_the_first_piece():
+    """Decoding runs ahead of a consumer busy with a piece (a slow reward function): every segment is dispatched
+    before the first piece is released. Without the stream's own dispatch thread only one segment is ever queued
+    ahead of the consumer, and the wait below times out."""
+    import threading
+
+    from grpo_jax import stream
+    from grpo_jax.sampling import SampleOutput
+
+    rows, segments_total = 6, 3  # one group of 2 rows ends per segment
+    advanced, all_dispatched = [], threading.Event()
+
+    def advance(params, step, mask, key, offset, total):
+        advanced.append(step)
+        if step + 1 == segments_total:
+            all_dispatched.set()
+        ended = np.arange(rows) < 2 * (step + 1)
+        ids = np.where(ended[:, None], np.arange(rows)[:, None], 0).astype(np.int32) * np.ones((1, 4), np.int32)
+        out = SampleOutput(ids, ended[:, None] * np.ones((1, 4), np.int32), ~ended, np.zeros((rows, 4), np.float32),
+                           np.int32(4))
+        return step + 1, out, ended
+
+    sampler = stream.Sampler(None, lambda *a: 0, advance, lambda b, total: 2, group_size=2)
+    pieces = iter(sampler.stream(None, np.zeros((rows, 3), np.int32), np.ones((rows, 3), np.int32), None))
+    first = next(pieces)
+    assert all_dispatched.wait(timeout=30), f"only {len(advanced)} of {segments_total} segments dispatched"
+    rest = list(pieces)
+    np.testing.assert_array_equal(np.concatenate([first.rows, *[p.rows for p in rest]]), np.arange(rows))
+    np.testing.assert_array_equal(first.completion_ids[:, 0], [0, 1])
