@@ -40,10 +40,13 @@ def packed_length(prompt_mask_BxP, completion_mask_BxT, group_size: int) -> int:
 
 def _packed_hidden(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT,
                    G: int, L: int):
-    """`completion_hidden` over a packed layout: each group is one buffer of L tokens, [its real prompt tokens |
-    completion 1's masked tokens | ... | completion G's | padding]. Tokens carry their own positions (prompt:
-    0 .. p-1, completion tokens: p + t) and a branch id (0: prompt, g + 1: completion g); a token sees the earlier
-    tokens of the prompt and of its own branch. Padding (left of prompts, right of completions) is never run."""
+    """The packed layout's forward: each group is one buffer of L tokens, [its real prompt tokens | completion 1's
+    masked tokens | ... | completion G's | padding]. Tokens carry their own positions (prompt: 0 .. p-1, completion
+    tokens: p + t) and a branch id (0: prompt, g + 1: completion g); a token sees the earlier tokens of the prompt
+    and of its own branch. Padding (left of prompts, right of completions) is never run.
+
+    Returns (hidden [R, L, D], the buffers' token ids [R, L], source [R, G, T]: the slot whose hidden state
+    predicts each completion token: the prompt's last slot for t = 0, the completion's own token t - 1 after)."""
     B, P = prompt_ids_BxP.shape
     T = completion_ids_BxT.shape[1]
     R = B // G
@@ -70,33 +73,29 @@ def _packed_hidden(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion
     if window is not None:
         visible_RxLxL &= positions_RxL[:, :, None] - positions_RxL[:, None, :] < window
     hidden_RxLxD, _ = forward(graphdef, params, ids_RxL, positions_RxL, visible_RxLxL)
-    # completion token t is predicted at the prompt's last slot (t = 0) or at its own token t - 1
     t_T = jnp.arange(T)
     source_RxGxT = jnp.where(t_T[None, None] == 0, p_R[:, None, None] - 1, start_RxG[:, :, None] + t_T - 1)
-    source_RxGT = jnp.clip(source_RxGxT, 0, L - 1).reshape(R, G * T)
-    hidden_RxGTxD = jnp.take_along_axis(hidden_RxLxD, source_RxGT[:, :, None], axis=1)
-    return hidden_RxGTxD.reshape(B, T, -1)
+    return hidden_RxLxD, ids_RxL, jnp.clip(source_RxGxT, 0, L - 1)
+
+
+def _gather_slots(values_RxL, source_RxGxT):
+    """[R, L] per-slot values -> [B, T] at each completion token's source slot."""
+    R, G, T = source_RxGxT.shape
+    return jnp.take_along_axis(values_RxL, source_RxGxT.reshape(R, G * T), axis=1).reshape(R * G, T)
 
 
 def completion_hidden(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT,
-                      *, prompt_group_size: int = 1, packed_length: int = 0):
+                      *, prompt_group_size: int = 1):
     """Hidden states [B, T, D] that predict the T completion tokens (prompt ++ completion positions P-1 .. P+T-2).
 
     ``prompt_group_size`` G > 1 promises rows g*G .. g*G + G - 1 share their prompt (ids and mask, the
     `data.repeat_groups` order): each prompt then runs once and its keys/values are shared by the group's
-    completions (`models.forward`'s ``prefix``), instead of G times. Same result, fewer FLOPs.
-    ``packed_length`` L > 0 (`packed_length` of these rows, or more) runs each group as one buffer of L tokens
-    holding its real prompt and masked completion tokens only (`_packed_hidden`); the hidden states of masked
-    completion tokens are then junk (callers mask them). Same result where the mask is 1.
+    completions (`models.forward`'s ``prefix``), instead of G times. Same result, fewer FLOPs. (The packed layout,
+    `completion_logps`'s ``packed_length``, is `_packed_hidden`.)
     """
     B, P = prompt_ids_BxP.shape
     T = completion_ids_BxT.shape[1]
-    G = prompt_group_size
-    if not isinstance(G, int) or G < 1 or B % G:
-        raise ValueError(f"prompt_group_size={G!r} must be a positive integer dividing the {B} rows")
-    if packed_length:
-        return _packed_hidden(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT,
-                              completion_mask_BxT, G, packed_length)
+    G = _group_size(prompt_group_size, B)
     mask_BxL = jnp.concatenate([prompt_mask_BxP, completion_mask_BxT], axis=1).astype(jnp.int32)
     if G == 1:
         ids_BxL = jnp.concatenate([prompt_ids_BxP, completion_ids_BxT], axis=1).astype(jnp.int32)
@@ -111,29 +110,22 @@ def completion_hidden(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, complet
     return jnp.concatenate([last_prompt_Bx1xD, hidden_BxTxD[:, :T - 1]], axis=1)
 
 
-def completion_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT,
-                     *, temperature: float, with_entropy: bool = False, chunk_size: int = 0,
-                     prompt_group_size: int = 1, packed_length: int = 0):
-    """Log-probs [B, T] (float32) of the completion tokens, and entropies [B, T] or None.
+def _group_size(G, B: int) -> int:
+    if not isinstance(G, int) or G < 1 or B % G:
+        raise ValueError(f"prompt_group_size={G!r} must be a positive integer dividing the {B} rows")
+    return G
 
-    logps[b, t] = log softmax(logits[b, P - 1 + t] / temperature)[completion_ids[b, t]] over the full
-    vocabulary, on input prompt ++ completion with mask prompt_mask ++ completion_mask and positions
-    cumsum(mask) - 1. ``chunk_size > 0`` unembeds ``chunk_size`` rows at a time with ``lax.map`` so the
-    float32 [B, T, V] logits never exist at once, in the forward or (chunks rematerialised) the backward pass.
-    ``prompt_group_size``, ``packed_length``: see `completion_hidden`. Masked positions hold finite junk; callers
-    mask.
-    """
-    hidden_BxTxD = completion_hidden(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT,
-                                     completion_mask_BxT, prompt_group_size=prompt_group_size,
-                                     packed_length=packed_length)
-    completion_ids_BxT = completion_ids_BxT.astype(jnp.int32)
 
+def _logps_of_hidden(graphdef, params, hidden_BxTxD, ids_BxT, *, temperature: float, with_entropy: bool,
+                     chunk_size: int):
+    """Log-probs (and entropies, or None) of ``ids`` under the logits of ``hidden``, [B, T] float32; ``chunk_size``
+    rows unembedded at a time (`completion_logps`)."""
     def rows(hidden_CxTxD, ids_CxT):
         logits_CxTxV = unembed(graphdef, params, hidden_CxTxD)
         return token_logps_from_logits(logits_CxTxV, ids_CxT, temperature=temperature, with_entropy=with_entropy)
 
     if chunk_size <= 0:
-        return rows(hidden_BxTxD, completion_ids_BxT)
+        return rows(hidden_BxTxD, ids_BxT)
 
     # checkpointed: the backward pass recomputes each chunk's logits instead of keeping all of them
     @jax.checkpoint
@@ -143,5 +135,60 @@ def completion_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completi
         return logps_1xT[0], (entropy_1xT[0] if with_entropy else jnp.zeros((), jnp.float32))
 
     # batch_size vmaps chunk_size rows per map step (and handles a ragged last chunk)
-    logps_BxT, entropy = jax.lax.map(one_row, (hidden_BxTxD, completion_ids_BxT), batch_size=chunk_size)
+    logps_BxT, entropy = jax.lax.map(one_row, (hidden_BxTxD, ids_BxT), batch_size=chunk_size)
     return logps_BxT, (entropy if with_entropy else None)
+
+
+def _packed_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT, G: int,
+                  L: int, *, temperature: float, with_entropy: bool, chunk_size: int):
+    """`completion_logps` over the packed layout: the vocabulary is applied to the R * L buffer slots, not to the
+    B * T padded rows (at a real vocabulary the unembedding is a large share of a token's FLOPs, and most padded
+    slots are padding). A slot's logits score the next token of its buffer; the prompt's last slot, which predicts
+    the first token of each of the G completions, is scored once more for those."""
+    B, T = completion_ids_BxT.shape
+    R = B // G
+    hidden_RxLxD, ids_RxL, source_RxGxT = _packed_hidden(graphdef, params, prompt_ids_BxP, prompt_mask_BxP,
+                                                         completion_ids_BxT, completion_mask_BxT, G, L)
+    next_RxL = jnp.concatenate([ids_RxL[:, 1:], jnp.zeros((R, 1), jnp.int32)], axis=1)
+    hidden_NxCxD, next_NxC = hidden_RxLxD, next_RxL
+    if chunk_size > 0:  # chunks of T slots, as many as a padded row has: the same logits memory per chunk
+        pad = -(R * L) % T
+        hidden_NxCxD = jnp.pad(hidden_RxLxD.reshape(R * L, -1), ((0, pad), (0, 0))).reshape(-1, T,
+                                                                                          hidden_RxLxD.shape[-1])
+        next_NxC = jnp.pad(next_RxL.reshape(-1), (0, pad)).reshape(-1, T)
+    slot_logps, slot_entropy = _logps_of_hidden(graphdef, params, hidden_NxCxD, next_NxC, temperature=temperature,
+                                                with_entropy=with_entropy, chunk_size=chunk_size)
+    slot_logps_RxL = slot_logps.reshape(-1)[:R * L].reshape(R, L)
+    last_Rx1xD = jnp.take_along_axis(hidden_RxLxD, source_RxGxT[:, :1, :1], axis=1)  # the prompt's last slot
+    logp_RxV = jax.nn.log_softmax(unembed(graphdef, params, last_Rx1xD)[:, 0].astype(jnp.float32) / temperature)
+    first_RxG = jnp.take_along_axis(logp_RxV, completion_ids_BxT[:, 0].reshape(R, G).astype(jnp.int32), axis=1)
+    logps_BxT = jnp.where(jnp.arange(T)[None] == 0, first_RxG.reshape(B, 1), _gather_slots(slot_logps_RxL,
+                                                                                           source_RxGxT))
+    if not with_entropy:
+        return logps_BxT, None
+    return logps_BxT, _gather_slots(slot_entropy.reshape(-1)[:R * L].reshape(R, L), source_RxGxT)
+
+
+def completion_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT,
+                     *, temperature: float, with_entropy: bool = False, chunk_size: int = 0,
+                     prompt_group_size: int = 1, packed_length: int = 0):
+    """Log-probs [B, T] (float32) of the completion tokens, and entropies [B, T] or None.
+
+    logps[b, t] = log softmax(logits[b, P - 1 + t] / temperature)[completion_ids[b, t]] over the full
+    vocabulary, on input prompt ++ completion with mask prompt_mask ++ completion_mask and positions
+    cumsum(mask) - 1. ``chunk_size > 0`` unembeds ``chunk_size`` rows at a time with ``lax.map`` so the
+    float32 [B, T, V] logits never exist at once, in the forward or (chunks rematerialised) the backward pass.
+    ``prompt_group_size``: see `completion_hidden`. ``packed_length`` L > 0 (`packed_length` of these rows, or
+    more) runs each group as one buffer of L tokens holding its real prompt and masked completion tokens only
+    (`_packed_hidden`), and the vocabulary on the buffers' slots only (`_packed_logps`; chunks of T slots): same
+    result where the mask is 1. Masked positions hold finite junk; callers mask.
+    """
+    G = _group_size(prompt_group_size, completion_ids_BxT.shape[0])
+    if packed_length:
+        return _packed_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT,
+                             completion_mask_BxT, G, packed_length, temperature=temperature,
+                             with_entropy=with_entropy, chunk_size=chunk_size)
+    hidden_BxTxD = completion_hidden(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT,
+                                     completion_mask_BxT, prompt_group_size=G)
+    return _logps_of_hidden(graphdef, params, hidden_BxTxD, completion_ids_BxT.astype(jnp.int32),
+                            temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size)

@@ -135,7 +135,7 @@ def jit_logps(graphdef: nnx.GraphDef, mesh: Mesh, *, temperature: float, chunk_s
               params_sharding=None, prompt_group_size: int = 1):
     """Per-token log-probs of completions under some params (old policy or reference), rows sharded:
     `fn(params, prompt_ids, prompt_mask, completion_ids, completion_mask, packed_length=0)`, the last static
-    (`logprobs.completion_hidden`; one compilation per length).
+    (`logprobs.completion_logps`; one compilation per length).
 
     `prompt_group_size` G > 1: rows come in groups of G sharing a prompt (`logprobs.completion_hidden`).
     `params_sharding`: the params' shardings (`sharding.param_shardings`); a reference in host memory is

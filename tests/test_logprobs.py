@@ -209,6 +209,31 @@ def test_packed_forward_gradients_equal_the_padded_ones(tiny_model, group, chunk
         np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, float(np.abs(b).max())), rtol=1e-5)
 
 
+def test_packed_logps_apply_the_vocabulary_to_the_buffers_slots_not_the_padded_rows():
+    # compiled buffer assignment: 2 groups of 4 short completions pack into 2 buffers of 16 slots, so no
+    # float32 logits of the [B, T, V] padded rows may exist, in the forward or the backward pass
+    from grpo_jax.models import ModelConfig, init_model
+    B, G, P, T, V = 8, 4, 4, 64, 4096
+    graphdef, params = init_model(ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32,
+                                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1), 0)
+    prompt_mask = jnp.ones((B, P), jnp.int32)
+    mask = (jnp.arange(T)[None] < 2).astype(jnp.int32) * jnp.ones((B, 1), jnp.int32)
+    ids = jnp.zeros((B, P), jnp.int32), prompt_mask, jnp.zeros((B, T), jnp.int32)
+    length = packed_length(np.asarray(prompt_mask), np.asarray(mask), G)
+    assert length == 16
+
+    def temp_bytes(packed):
+        def objective(p):
+            logps, entropy = completion_logps(graphdef, p, *ids, mask, temperature=1.0, with_entropy=True,
+                                              prompt_group_size=G, packed_length=packed)
+            return jnp.sum((logps + entropy) * mask)
+        return jax.jit(jax.grad(objective)).lower(params).compile().memory_analysis().temp_size_in_bytes
+
+    logits_bytes = B * T * V * 4
+    assert temp_bytes(0) > logits_bytes  # the padded layout holds them (and their softmax)
+    assert temp_bytes(length) < logits_bytes / 2  # 32 slots' logits of 512 (4x the logits before: 33.6 MB)
+
+
 def test_packed_length_is_the_longest_group_rounded_to_eight_steps_an_octave():
     prompt_mask = np.repeat(PROMPT_MASK[[1, 3]], 2, axis=0)  # 5 and 1 real prompt tokens
     # groups: 5 + 3 + 5 = 13 and 1 + 1 + 4 = 6 tokens -> 13, at least 16
