@@ -360,9 +360,14 @@ def run_trl(model_dir: str, prompts: Path, s: Setting, *, steps: int, warmup: in
 
 
 def ratios(ours: dict, theirs: dict) -> dict:
-    """grpo_jax / TRL per phase and for the whole step (lower is better)."""
+    """grpo_jax / TRL per phase and for the whole step (lower is better); ``step_per_completion_token``: the step
+    over the completion tokens it drew (each trainer samples its own lengths; at a wide length spread a few steps
+    draw different totals)."""
     keys = ("step_s", *(f"{p}_s" for p in PHASES))
-    return {k.removesuffix("_s"): ours[k] / theirs[k] if theirs[k] > 0 else None for k in keys}
+    out = {k.removesuffix("_s"): ours[k] / theirs[k] if theirs[k] > 0 else None for k in keys}
+    out["step_per_completion_token"] = (ours["step_s"] / ours["mean_completion_tokens"]
+                                        / (theirs["step_s"] / theirs["mean_completion_tokens"]))
+    return out
 
 
 def main(argv=None) -> dict:
@@ -383,6 +388,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-length", type=int, default=16)
     parser.add_argument("--prompt-length-max", type=int, default=None,
                         help="prompts of random length in [--prompt-length, this] tokens (a realistic spread)")
+    parser.add_argument("--prompt-pool", type=int, default=512,
+                        help="prompts generated for the run (no --prompts file); --prompt-pool equal to "
+                        "--prompts-per-step gives both trainers the same prompts every step (with "
+                        "--prompt-length-max, the same prompt lengths)")
     parser.add_argument("--logps-chunk-size", type=int, default=0, help="grpo_jax train.logps_chunk_size")
     parser.add_argument("--host-allocator", choices=("retain", "system"), default="retain",
                         help="the process's malloc policy (grpo_jax.cpu), set once for both libraries")
@@ -403,10 +412,13 @@ def main(argv=None) -> dict:
     if prompts is None and args.model and (Path(args.model).parent / "prompts.jsonl").is_file() \
             and s.prompt_length == 16 and s.prompt_length_max is None:
         prompts = Path(args.model).parent / "prompts.jsonl"
+    result_extra = {}
     if prompts is None:
         prompts = Path(tempfile.mkdtemp(prefix="bench_prompts_")) / "prompts.jsonl"
         prompts.write_text("".join(json.dumps(r) + "\n" for r in make_models.make_prompts(
-            512, length=s.prompt_length - 1, max_length=s.prompt_length_max and s.prompt_length_max - 1)))
+            args.prompt_pool, length=s.prompt_length - 1,
+            max_length=s.prompt_length_max and s.prompt_length_max - 1)))
+        result_extra["prompt_pool"] = args.prompt_pool
     from grpo_jax.cpu import configure_host_allocator
 
     # one process, one malloc: set before either library allocates, so both run under the same policy
@@ -414,6 +426,7 @@ def main(argv=None) -> dict:
               "warmup": args.warmup, "flops": step_flops(architecture(args.model, args.size), _mean_prompt(s)),
               "host_allocator": args.host_allocator,
               "host_allocator_applied": configure_host_allocator(args.host_allocator)}
+    result.update(result_extra)
     lora = (f"model.lora.rank={args.lora}", f"model.lora.alpha={2 * args.lora}") if args.lora else ()
     if args.lora:
         result["lora_rank"] = args.lora

@@ -79,7 +79,12 @@ def test_grpo_jax_and_trl_one_step_profiled(tiny_folder, tmp_path):
             assert r[key] > 0, (impl, key)
         assert r["score_s"] >= 0 and r["compile_s"] >= 0
         assert 0 < r["mean_completion_tokens"] <= 4 * 4 * 16
-    assert set(result["ratio_grpo_jax_over_trl"]) == {"step", "sample", "score", "logps", "update"}
+    ratios = result["ratio_grpo_jax_over_trl"]
+    assert set(ratios) == {"step", "sample", "score", "logps", "update", "step_per_completion_token"}
+    ours, trl = result["grpo_jax"], result["trl"]
+    assert ratios["step"] == ours["step_s"] / trl["step_s"]
+    assert ratios["step_per_completion_token"] == pytest.approx(
+        ours["step_s"] * trl["mean_completion_tokens"] / (trl["step_s"] * ours["mean_completion_tokens"]))
     r = result["grpo_jax"]
     assert r["overrides"] == ["model.scan_layers=true"]
     modules = r["profile"]["per_module_ms"]
