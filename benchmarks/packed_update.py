@@ -1,17 +1,23 @@
 """One train step over the same rows, padded and packed (`train.packing`): time and XLA's temporaries, JSON out.
 
     python benchmarks/packed_update.py --size small                      # CPU, ~4 minutes
+    python benchmarks/packed_update.py --size qwen0.5b --layers 2 --prompts 2 --logps-chunk-size 1  # real vocab
 
 `--prompts` groups of `--generations` rows: prompts of `--prompt-length` .. `--prompt-length-max` real tokens
 (left-padded to the maximum), completions of geometric length with mean `--mean-completion` (at most
 `--max-completion-length`), the spread of real runs. Each group's prompt runs once in both layouts
 (`train.share_prompt_prefix`). Per layout: the first call (compile + run), the median of `--repeats` runs, and
 XLA's buffer assignment (`memory_analysis().temp_size_in_bytes`); `--remat` / `--scan-layers` as in the config.
+`--attention dense` runs a packed buffer's attention dense instead of block by block (`cpu.blocked_attention`,
+what a run does with `cpu_speedups`); `--layers` keeps fewer of a size's layers (a real vocabulary's share of the
+work at a CPU's pace); `--layouts` picks the layouts; `--profile DIR` traces each layout's timed repeats for
+`trace_summary.py`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -28,16 +34,18 @@ import decode  # noqa: E402
 
 
 def measure(args) -> dict:
-    from grpo_jax import programs, sharding
+    from grpo_jax import cpu, programs, sharding
     from grpo_jax.logprobs import packed_length
     from grpo_jax.losses import LossConfig
     from grpo_jax.train_step import Batch, StepOptions
 
-    config = dataclasses.replace(decode.model_config_for(args.size, "float32", None), remat=args.remat,
-                                 scan_layers=args.scan_layers)
+    config = decode.model_config_for(args.size, "float32", None)
+    config = dataclasses.replace(config, remat=args.remat, scan_layers=args.scan_layers,
+                                 num_hidden_layers=args.layers or config.num_hidden_layers)
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     optimizer = optax.adamw(1e-6)
     graphdef, state = programs.init_state(config, optimizer, seed=0, with_reference=True, mesh=mesh)
+    graphdef = cpu.packed_attention(graphdef, state.params, args.attention == "blocked")
     G, P, T = args.generations, args.prompt_length_max, args.max_completion_length
     B = args.prompts * G
     rng = np.random.default_rng(0)
@@ -49,10 +57,11 @@ def measure(args) -> dict:
     zeros = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
     batch = Batch(ids(P), prompt_mask, ids(T), completion_mask, rng.normal(size=B).astype(np.float32), None,
                   zeros(B, T), None)
-    options = StepOptions(LossConfig(beta=0.04), 1.0, prompt_group_size=G)
+    options = StepOptions(LossConfig(beta=0.04), 1.0, logps_chunk_size=args.logps_chunk_size, prompt_group_size=G)
     step = programs.jit_train_step(graphdef, optimizer, options, mesh, sharding.tree_shardings(state))
     rows, initial = {}, state
-    for name, length in (("padded", 0), ("packed", packed_length(prompt_mask, completion_mask, G))):
+    lengths_of = {"padded": 0, "packed": packed_length(prompt_mask, completion_mask, G)}
+    for name, length in ((name, lengths_of[name]) for name in args.layouts.split(",")):
         state = jax.tree.map(lambda x: x.copy(), initial)  # each layout's first step from the same state (donated)
         temp = step.lower(state, batch, length).compile().memory_analysis().temp_size_in_bytes
         start = time.perf_counter()
@@ -60,20 +69,25 @@ def measure(args) -> dict:
         loss = float(metrics["loss"])
         first_s = time.perf_counter() - start
         times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            state, metrics = step(state, batch, length)
-            jax.block_until_ready(metrics)
-            times.append(time.perf_counter() - start)
+        with (jax.profiler.trace(f"{args.profile}/{name}", create_perfetto_trace=True) if args.profile
+              else contextlib.nullcontext()):
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                state, metrics = step(state, batch, length)
+                jax.block_until_ready(metrics)
+                times.append(time.perf_counter() - start)
         rows[name] = {"packed_length": length, "first_call_s": first_s, "step_s": statistics.median(times),
                       "temp_gib": temp / 2 ** 30, "first_loss": loss}
         print(json.dumps({name: rows[name]}), flush=True)
     real = int(prompt_lengths[::G].sum() + lengths.sum())
-    return {"size": args.size, "rows": B, "generations": G, "prompt_lengths": [args.prompt_length, P],
+    return {"size": args.size, "layers": config.num_hidden_layers, "vocab_size": config.vocab_size,
+            "logps_chunk_size": args.logps_chunk_size, "attention": args.attention, "rows": B, "generations": G,
+            "prompt_lengths": [args.prompt_length, P],
             "max_completion_length": T, "mean_completion_length": float(lengths.mean()), "remat": args.remat,
             "scan_layers": args.scan_layers, "real_tokens": real,
             "padded_tokens": int(args.prompts * P + B * T), **rows,
-            "packed_over_padded_step": rows["packed"]["step_s"] / rows["padded"]["step_s"],
+            "packed_over_padded_step": (rows["packed"]["step_s"] / rows["padded"]["step_s"]
+                                        if len(rows) == 2 else None),
             "device": str(jax.devices()[0]), "jax_version": jax.__version__}
 
 
@@ -88,7 +102,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--mean-completion", type=float, default=125.0)
     parser.add_argument("--remat", default="none")
     parser.add_argument("--scan-layers", action="store_true")
+    parser.add_argument("--layers", type=int, default=0, help="decoder layers (0: the size's own; fewer keep a "
+                        "real vocabulary's shape on a CPU, e.g. --size qwen0.5b --layers 2)")
+    parser.add_argument("--attention", choices=("blocked", "dense"), default="blocked",
+                        help="a packed buffer's attention: `cpu.blocked_attention` (a CPU run's) or dense")
+    parser.add_argument("--logps-chunk-size", type=int, default=0, help="train.logps_chunk_size")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--layouts", default="padded,packed", help="comma-separated: padded, packed")
+    parser.add_argument("--profile", metavar="DIR", help="trace each layout's timed repeats into DIR/<layout> "
+                        "(read with trace_summary.py)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     from grpo_jax.cpu import configure_host_allocator

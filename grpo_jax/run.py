@@ -323,7 +323,7 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
         elif config.model.lora.enabled:
             params = lora.join(programs.init_adapters(config.model, config.seed, shardings), params)
         graphdef, state = model.graphdef, programs.state_from_params(params, optimizer, **state_options)
-    graphdef = cpu.linear_layers(graphdef, state.params, speedups)
+    graphdef = cpu.packed_attention(cpu.linear_layers(graphdef, state.params, speedups), state.params, speedups)
     eos_ids = eos_token_ids(config.model.path, tokenizer) if config.model.path else (tokenizer.eos_token_id,)
     loss_config = dataclasses.replace(config.loss, max_completion_length=config.sampling.max_completion_length)
     round_group, step_group = prompt_group_sizes(config, mesh)

@@ -250,3 +250,78 @@ def test_linear_layers_give_the_same_logits_and_gradients(tiny_model):
     # the backward's sums run in another order: rounding at the leaf's scale (AVX-512 and AVX2 round differently)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * max(1.0, float(np.abs(b).max()))),
                  cpu_grads, grads)
+
+
+# --- packed attention -------------------------------------------------------------------------------------------
+
+def _packed_mask(rng, rows: int, length: int):
+    """[rows, L, L] who-sees-whom of packed buffers (`logprobs._packed_hidden`): a prompt, then branches that see
+    the prompt and themselves; the tail is padding."""
+    i = np.arange(length)
+    masks = []
+    for _ in range(rows):
+        p = int(rng.integers(20, 200))
+        lengths = rng.integers(1, 90, 4)
+        starts = p + np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        branch = np.where(i < p, 0, np.searchsorted(starts, i, side="right"))
+        valid = i < p + lengths.sum()
+        masks.append((i[None] <= i[:, None]) & valid[None]
+                     & ((branch[None] == 0) | (branch[None] == branch[:, None])))
+    return jnp.asarray(np.stack(masks))
+
+
+def test_blocked_attention_equals_the_dense_softmax_and_its_gradients():
+    rng = np.random.default_rng(0)
+    B, T, K, G, Dh = 2, 640, 2, 2, 8  # five blocks of 128; most of them empty (branches do not see each other)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((B, T, K, G, Dh), (B, K, T, Dh),
+                                                                             (B, K, T, Dh)))
+    mask = _packed_mask(rng, B, T).at[0, 5].set(False)  # and one query that sees nothing (finite junk)
+    weights = jnp.asarray(rng.standard_normal((B, K, G, T, Dh)), jnp.float32)
+
+    def dense(q, k, v):
+        s = jnp.where(mask[:, None, None], jnp.einsum("btkgd,bksd->bkgts", q, k) * Dh ** -0.5,
+                      jnp.finfo(jnp.float32).min)
+        return jnp.einsum("bkgts,bksd->bkgtd", jax.nn.softmax(s, axis=-1), v)
+
+    def objective(attend):
+        return jax.jit(jax.value_and_grad(lambda *x: jnp.sum(attend(*x) * weights), argnums=(0, 1, 2)))
+
+    seen = mask.any(axis=2)[:, None, None, :, None]  # queries that see a key: the rest are junk in both
+    out, want = cpu.blocked_attention(q, k, v, mask), dense(q, k, v)
+    assert bool(jnp.isfinite(out).all())
+    np.testing.assert_allclose(jnp.where(seen, out, 0), jnp.where(seen, want, 0), atol=2e-6, rtol=1e-5)
+    weights = jnp.where(seen, weights, 0)
+    (value, grads), (want_value, want_grads) = objective(lambda *x: cpu.blocked_attention(*x, mask))(q, k, v), \
+        objective(dense)(q, k, v)
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    for got, ref in zip(grads, want_grads):
+        np.testing.assert_allclose(got, ref, atol=1e-5 * float(np.abs(ref).max()), rtol=1e-5)
+    assert cpu.blocked_attention(q[:, :256], k[:, :, :256], v[:, :, :256], mask[:, :256, :256]) is None  # dense
+
+
+def test_packed_attention_gives_packed_logps_and_gradients_equal_to_the_padded_layout(tiny_model):
+    from grpo_jax.logprobs import completion_logps, packed_length
+
+    _, graphdef, params = tiny_model
+    rng = np.random.default_rng(3)
+    G, R, P, T = 4, 2, 8, 160
+    prompt_mask = np.repeat((np.arange(P)[None] >= rng.integers(0, 6, (R, 1))), G, axis=0).astype(np.int32)
+    completion_mask = (np.arange(T)[None] < rng.integers(100, T + 1, (R * G, 1))).astype(np.int32)
+    rows = (np.repeat(rng.integers(2, 32, (R, P)), G, axis=0).astype(np.int32), prompt_mask,
+            rng.integers(2, 32, (R * G, T)).astype(np.int32), completion_mask)
+    length = packed_length(prompt_mask, completion_mask, G)
+    assert length >= cpu.MIN_BLOCKED_LENGTH
+    blocked = cpu.packed_attention(graphdef, params, True)
+    weights = jnp.asarray(rng.standard_normal((R * G, T)), jnp.float32) * completion_mask
+
+    def objective(p, g, packed):
+        logps, entropy = completion_logps(g, p, *rows, temperature=0.9, with_entropy=True, prompt_group_size=G,
+                                          packed_length=packed)
+        return jnp.sum((logps + 0.1 * entropy) * weights)
+
+    grad_fn = jax.jit(jax.value_and_grad(objective), static_argnums=(1, 2))
+    assert "cond" in str(jax.make_jaxpr(objective, static_argnums=(1, 2))(params, blocked, length))
+    (value, grads), (want, want_grads) = grad_fn(params, blocked, length), grad_fn(params, graphdef, 0)
+    np.testing.assert_allclose(value, want, rtol=1e-5)
+    for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(got, ref, atol=1e-5 * max(1.0, float(np.abs(ref).max())), rtol=1e-5)

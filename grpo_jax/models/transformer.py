@@ -84,14 +84,17 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(Dh, config)
             self.k_norm = RMSNorm(Dh, config)
         self.qk_norm = config.qk_norm
+        # ``attend(q [B,T,K,G,Dh], k, v [B,K,T,Dh], mask [B,T,T]) -> [B,K,G,T,Dh] or None`` for whole masks (packed
+        # layouts), set by `grpo_jax.cpu.packed_attention`; None: the dense softmax below
+        self.attend_whole_mask = None
 
     def __call__(self, x_BxTxD, cos, sin, mask_BxTxS, cache_kv, cache_index, prefix_kv=None,
-                 prefix_group_size: int = 1):
+                 prefix_group_size: int = 1, whole_mask: bool = False):
         """Attend from T new tokens; with ``cache_kv`` (this layer's k, v [B,K,S,Dh]) write them at cache_index.
 
         ``prefix_kv`` (k, v [R,K,P,Dh], R = B / ``prefix_group_size``): this layer's keys/values of a prefix
-        shared by each group of rows, attended before the T new tokens (S = P + T). Returns (out, cache_kv,
-        the new tokens' (k, v) [B,K,T,Dh])."""
+        shared by each group of rows, attended before the T new tokens (S = P + T). ``whole_mask``: the mask was
+        given whole ([B, T, T], no cache, no prefix). Returns (out, cache_kv, the new tokens' (k, v) [B,K,T,Dh])."""
         B, T, _ = x_BxTxD.shape
         H, K, Dh = self.num_heads, self.num_kv_heads, self.head_dim
         x_NxD = x_BxTxD.reshape(B * T, -1)
@@ -123,12 +126,16 @@ class Attention(nnx.Module):
                              for c, new in zip(cache_kv, (k_BxKxTxDh, v_BxKxTxDh)))
             k_BxKxSxDh, v_BxKxSxDh = cache_kv
         q_BxTxKxGxDh = q_BxTxHxDh.reshape(B, T, K, H // K, Dh)
-        scores = jnp.einsum("btkgd,bksd->bkgts", q_BxTxKxGxDh, k_BxKxSxDh,
-                            preferred_element_type=jnp.float32) * (Dh ** -0.5)
-        # a finite floor (not -inf) keeps fully masked padding queries NaN-free: they become uniform
-        scores = jnp.where(mask_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxDh.dtype)
-        out_BxKxGxTxDh = jnp.einsum("bkgts,bksd->bkgtd", probs, v_BxKxSxDh)
+        out_BxKxGxTxDh = None
+        if whole_mask and self.attend_whole_mask is not None:
+            out_BxKxGxTxDh = self.attend_whole_mask(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxTxS)
+        if out_BxKxGxTxDh is None:
+            scores = jnp.einsum("btkgd,bksd->bkgts", q_BxTxKxGxDh, k_BxKxSxDh,
+                                preferred_element_type=jnp.float32) * (Dh ** -0.5)
+            # a finite floor (not -inf) keeps fully masked padding queries NaN-free: they become uniform
+            scores = jnp.where(mask_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+            probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxDh.dtype)
+            out_BxKxGxTxDh = jnp.einsum("bkgts,bksd->bkgtd", probs, v_BxKxSxDh)
         out_BxTxKxGxDh = out_BxKxGxTxDh.transpose(0, 3, 1, 2, 4)
         out_BxTxD = self.o_proj(out_BxTxKxGxDh.reshape(B * T, H * Dh)).reshape(B, T, -1)
         return out_BxTxD, cache_kv, (k_BxKxTxDh, v_BxKxTxDh)
@@ -159,9 +166,10 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config)
 
-    def __call__(self, x, cos, sin, mask, cache_kv, cache_index, prefix_kv=None, prefix_group_size=1):
+    def __call__(self, x, cos, sin, mask, cache_kv, cache_index, prefix_kv=None, prefix_group_size=1,
+                 whole_mask=False):
         attn, cache_kv, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_kv, cache_index,
-                                                prefix_kv, prefix_group_size)
+                                                prefix_kv, prefix_group_size, whole_mask)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), cache_kv, new_kv
 
@@ -200,7 +208,8 @@ class Transformer(nnx.Module):
         check(cache is None or (prefix is None and not return_kv),
                "a KV cache excludes prefix= and return_kv=: they are for cache-free (training) forwards")
         prefix_len = 0 if prefix is None else prefix.k[0].shape[2]
-        if attention_mask_BxS.ndim == 3:  # who sees whom, given whole (packed layouts)
+        whole_mask = attention_mask_BxS.ndim == 3
+        if whole_mask:  # who sees whom, given whole (packed layouts)
             check(cache is None and prefix is None and attention_mask_BxS.shape[1:] == (T, T),
                    "a [B, T, T] attention mask is for cache- and prefix-free forwards over the T inputs")
             mask_BxTxS = attention_mask_BxS
@@ -233,7 +242,7 @@ class Transformer(nnx.Module):
         def layer_step(x, xs):
             params, prefix_kv = xs
             x, _, new_kv = nnx.merge(layer_graphdef, params)(x, cos, sin, mask_BxTxS, None, cache_index,
-                                                             prefix_kv, prefix_group_size)
+                                                             prefix_kv, prefix_group_size, whole_mask)
             return x, (new_kv if return_kv else None)
 
         if REMAT_POLICIES[config.remat] is not None:
@@ -324,7 +333,7 @@ def forward(graphdef, params, input_ids_BxT, positions_BxT, attention_mask_BxS, 
     """Pure forward pass: (hidden [B, T, D], updated cache or None).
 
     A boolean [B, T, T] ``attention_mask`` (no cache, no prefix) says outright which inputs each input sees (packed
-    layouts, `logprobs.completion_hidden`). Without a cache S == T and a token attends to earlier tokens whose
+    layouts, `logprobs.completion_logps`). Without a cache S == T and a token attends to earlier tokens whose
     ``attention_mask`` is 1 (and, with ``sliding_window`` W, to the last W slots only). With a cache the T new
     keys/values go to slots [cache_index, cache_index + T) for every row (a [B] ``cache_index``: each row's own
     slots) and a token at slot s attends to slots <= s masked by ``attention_mask_BxS`` over all S slots.
