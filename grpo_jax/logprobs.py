@@ -150,23 +150,22 @@ def _packed_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion_
     hidden_RxLxD, ids_RxL, source_RxGxT = _packed_hidden(graphdef, params, prompt_ids_BxP, prompt_mask_BxP,
                                                          completion_ids_BxT, completion_mask_BxT, G, L)
     next_RxL = jnp.concatenate([ids_RxL[:, 1:], jnp.zeros((R, 1), jnp.int32)], axis=1)
+    D = hidden_RxLxD.shape[-1]
     hidden_NxCxD, next_NxC = hidden_RxLxD, next_RxL
     if chunk_size > 0:  # chunks of T slots, as many as a padded row has: the same logits memory per chunk
         pad = -(R * L) % T
-        hidden_NxCxD = jnp.pad(hidden_RxLxD.reshape(R * L, -1), ((0, pad), (0, 0))).reshape(-1, T,
-                                                                                          hidden_RxLxD.shape[-1])
+        hidden_NxCxD = jnp.pad(hidden_RxLxD.reshape(R * L, D), ((0, pad), (0, 0))).reshape(-1, T, D)
         next_NxC = jnp.pad(next_RxL.reshape(-1), (0, pad)).reshape(-1, T)
-    slot_logps, slot_entropy = _logps_of_hidden(graphdef, params, hidden_NxCxD, next_NxC, temperature=temperature,
-                                                with_entropy=with_entropy, chunk_size=chunk_size)
-    slot_logps_RxL = slot_logps.reshape(-1)[:R * L].reshape(R, L)
+    slot_logps_RxL, slot_entropy_RxL = (
+        None if x is None else x.reshape(-1)[:R * L].reshape(R, L)
+        for x in _logps_of_hidden(graphdef, params, hidden_NxCxD, next_NxC, temperature=temperature,
+                                  with_entropy=with_entropy, chunk_size=chunk_size))
     last_Rx1xD = jnp.take_along_axis(hidden_RxLxD, source_RxGxT[:, :1, :1], axis=1)  # the prompt's last slot
     logp_RxV = jax.nn.log_softmax(unembed(graphdef, params, last_Rx1xD)[:, 0].astype(jnp.float32) / temperature)
     first_RxG = jnp.take_along_axis(logp_RxV, completion_ids_BxT[:, 0].reshape(R, G).astype(jnp.int32), axis=1)
-    logps_BxT = jnp.where(jnp.arange(T)[None] == 0, first_RxG.reshape(B, 1), _gather_slots(slot_logps_RxL,
-                                                                                           source_RxGxT))
-    if not with_entropy:
-        return logps_BxT, None
-    return logps_BxT, _gather_slots(slot_entropy.reshape(-1)[:R * L].reshape(R, L), source_RxGxT)
+    later_BxT = _gather_slots(slot_logps_RxL, source_RxGxT)
+    logps_BxT = jnp.where(jnp.arange(T)[None] == 0, first_RxG.reshape(B, 1), later_BxT)
+    return logps_BxT, (None if slot_entropy_RxL is None else _gather_slots(slot_entropy_RxL, source_RxGxT))
 
 
 def completion_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT,
