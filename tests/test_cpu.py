@@ -325,3 +325,23 @@ def test_packed_attention_gives_packed_logps_and_gradients_equal_to_the_padded_l
     np.testing.assert_allclose(value, want, rtol=1e-5)
     for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(got, ref, atol=1e-5 * max(1.0, float(np.abs(ref).max())), rtol=1e-5)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (XLA_FLAGS in conftest)")
+def test_blocked_attention_over_a_mesh_equals_one_device():
+    # rows split over one axis, key/value heads over another: the skipped blocks are those no row of any device sees
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as S
+
+    rng = np.random.default_rng(1)
+    B, T, K, G, Dh = 2, 512, 2, 2, 8
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((B, T, K, G, Dh), (B, K, T, Dh),
+                                                                             (B, K, T, Dh)))
+    mask = _packed_mask(rng, B, T)
+    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("data", "heads"))
+    specs = (S("data", None, "heads"), S("data", "heads"), S("data", "heads"), S("data"))
+    placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in zip((q, k, v, mask), specs)]
+    grad = jax.grad(lambda q, k, v, m: jnp.sum(cpu.blocked_attention(q, k, v, m) ** 2), argnums=(0, 1, 2))
+    out, want = jax.jit(cpu.blocked_attention)(*placed), jax.jit(cpu.blocked_attention)(q, k, v, mask)
+    np.testing.assert_allclose(out, want, atol=1e-6, rtol=1e-6)
+    for got, ref in zip(jax.jit(grad)(*placed), jax.jit(grad)(q, k, v, mask)):
+        np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
