@@ -28,6 +28,10 @@ KINDS = (  # first match wins; matched against "<hlo_op> <event name>", lower ca
 )
 
 
+# the most complete events jax.profiler keeps in a trace: one that holds this many lost its later ops
+TRACE_EVENT_CAP = 1_000_000
+
+
 def find_trace(path: str | Path) -> Path:
     """The newest perfetto_trace.json.gz under ``path`` (or ``path`` itself)."""
     path = Path(path)
@@ -75,7 +79,8 @@ def summarize(path: str | Path, top: int = 15) -> dict:
     events = data["traceEvents"] if isinstance(data, dict) else data
     process = {e["pid"]: e["args"].get("name", "") for e in events
                if e.get("ph") == "M" and e.get("name") == "process_name"}
-    ops = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
+    complete = [e for e in events if e.get("ph") == "X"]
+    ops = [e for e in complete if "hlo_op" in e.get("args", {})]
     device = [e for e in ops if process.get(e["pid"], "").startswith("/device:")]
     ops = device or ops
     per_module, per_kind = collections.Counter(), collections.Counter()
@@ -92,6 +97,7 @@ def summarize(path: str | Path, top: int = 15) -> dict:
         count[key] += 1
     return {
         "events": len(ops), "where": "device streams" if device else "host XLA threads",
+        "truncated": len(complete) >= TRACE_EVENT_CAP,
         "total_ms": sum(per_module.values()),
         "per_module_ms": dict(per_module.most_common()),
         "per_kind_ms": dict(per_kind.most_common()),
@@ -104,6 +110,9 @@ def summarize(path: str | Path, top: int = 15) -> dict:
 
 def format_summary(summary: dict) -> str:
     lines = [f"{summary['events']} XLA op events on {summary['where']}, {summary['total_ms']:.1f} ms in all"]
+    if summary["truncated"]:
+        lines.append(f"TRUNCATED: the trace holds {TRACE_EVENT_CAP:,} events, the profiler's most: later ops are "
+                     "missing (trace fewer steps)")
     lines += ["per program:"] + [f"  {ms:9.2f} ms  {m}" for m, ms in summary["per_module_ms"].items()]
     lines += ["per kind:"] + [f"  {ms:9.2f} ms  {k}" for k, ms in summary["per_kind_ms"].items()]
     for module, ops in summary["top_ops"].items():
