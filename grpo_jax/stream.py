@@ -10,8 +10,8 @@ own, each queued before the previous one's rows are read, so the devices keep de
 from __future__ import annotations
 
 import queue
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
@@ -132,9 +132,10 @@ class Sampler:
         offset = np.int32(0)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grpo_jax-stream")
+
+        def call():
+            return segments(lambda: self._start(params, prompt_ids_BxP, prompt_mask_BxP, key, offset, B),
+                            lambda d: self._advance(params, d, prompt_mask_BxP, key, offset, B), self._group)
         # segments are dispatched from their own thread: a segment shorter than the host's scoring of the previous
         # one does not leave the devices waiting for the next
-        return Stream(merged([lambda: segments(lambda: self._start(params, prompt_ids_BxP, prompt_mask_BxP, key,
-                                                                   offset, B),
-                                               lambda d: self._advance(params, d, prompt_mask_BxP, key, offset, B),
-                                               self._group)], lambda outputs: outputs[0], self._pool))
+        return Stream(merged([call], lambda outputs: outputs[0], self._pool))
