@@ -412,21 +412,20 @@ def main(argv=None) -> dict:
     if prompts is None and args.model and (Path(args.model).parent / "prompts.jsonl").is_file() \
             and s.prompt_length == 16 and s.prompt_length_max is None:
         prompts = Path(args.model).parent / "prompts.jsonl"
-    result_extra = {}
-    if prompts is None:
+    generated = prompts is None
+    if generated:
         prompts = Path(tempfile.mkdtemp(prefix="bench_prompts_")) / "prompts.jsonl"
         prompts.write_text("".join(json.dumps(r) + "\n" for r in make_models.make_prompts(
             args.prompt_pool, length=s.prompt_length - 1,
             max_length=s.prompt_length_max and s.prompt_length_max - 1)))
-        result_extra["prompt_pool"] = args.prompt_pool
     from grpo_jax.cpu import configure_host_allocator
 
     # one process, one malloc: set before either library allocates, so both run under the same policy
     result = {"setting": dataclasses.asdict(s), "model": args.model or args.size, "steps": args.steps,
               "warmup": args.warmup, "flops": step_flops(architecture(args.model, args.size), _mean_prompt(s)),
               "host_allocator": args.host_allocator,
-              "host_allocator_applied": configure_host_allocator(args.host_allocator)}
-    result.update(result_extra)
+              "host_allocator_applied": configure_host_allocator(args.host_allocator),
+              "prompt_pool": args.prompt_pool if generated else None}
     lora = (f"model.lora.rank={args.lora}", f"model.lora.alpha={2 * args.lora}") if args.lora else ()
     if args.lora:
         result["lora_rank"] = args.lora

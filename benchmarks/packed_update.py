@@ -60,8 +60,9 @@ def measure(args) -> dict:
     options = StepOptions(LossConfig(beta=0.04), 1.0, logps_chunk_size=args.logps_chunk_size, prompt_group_size=G)
     step = programs.jit_train_step(graphdef, optimizer, options, mesh, sharding.tree_shardings(state))
     rows, initial = {}, state
-    lengths_of = {"padded": 0, "packed": packed_length(prompt_mask, completion_mask, G)}
-    for name, length in ((name, lengths_of[name]) for name in args.layouts.split(",")):
+    buffer_length = {"padded": 0, "packed": packed_length(prompt_mask, completion_mask, G)}
+    for name in args.layouts:
+        length = buffer_length[name]
         state = jax.tree.map(lambda x: x.copy(), initial)  # each layout's first step from the same state (donated)
         temp = step.lower(state, batch, length).compile().memory_analysis().temp_size_in_bytes
         start = time.perf_counter()
@@ -87,8 +88,15 @@ def measure(args) -> dict:
             "scan_layers": args.scan_layers, "real_tokens": real,
             "padded_tokens": int(args.prompts * P + B * T), **rows,
             "packed_over_padded_step": (rows["packed"]["step_s"] / rows["padded"]["step_s"]
-                                        if len(rows) == 2 else None),
+                                        if rows.keys() == {"padded", "packed"} else None),
             "device": str(jax.devices()[0]), "jax_version": jax.__version__}
+
+
+def _layouts(text: str) -> list[str]:
+    names = text.split(",")
+    if not names or set(names) - {"padded", "packed"}:
+        raise argparse.ArgumentTypeError(f"{text!r}: give padded, packed or padded,packed")
+    return names
 
 
 def main(argv=None) -> dict:
@@ -108,7 +116,7 @@ def main(argv=None) -> dict:
                         help="a packed buffer's attention: `cpu.blocked_attention` (a CPU run's) or dense")
     parser.add_argument("--logps-chunk-size", type=int, default=0, help="train.logps_chunk_size")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--layouts", default="padded,packed", help="comma-separated: padded, packed")
+    parser.add_argument("--layouts", default="padded,packed", type=_layouts, help="comma-separated: padded, packed")
     parser.add_argument("--profile", metavar="DIR", help="trace each layout's timed repeats into DIR/<layout> "
                         "(read with trace_summary.py)")
     parser.add_argument("--out")
