@@ -15,7 +15,7 @@ import numpy as np
 
 import make_models
 from grpo_jax.models import ModelConfig, init_model, lora
-from grpo_jax.models.configuration import LoRAConfig
+from grpo_jax.config.model import LoRAConfig
 from grpo_jax.sampling import SamplingConfig, generate
 
 

@@ -30,7 +30,7 @@ import optax  # noqa: E402
 
 from grpo_jax import cpu, sharding  # noqa: E402
 from grpo_jax.losses import LossConfig  # noqa: E402
-from grpo_jax.models.configuration import LoRAConfig, ModelConfig  # noqa: E402
+from grpo_jax.config.model import LoRAConfig, ModelConfig  # noqa: E402
 from grpo_jax.sampling import SamplingConfig  # noqa: E402
 from grpo_jax.state import abstract_state as library_abstract_state, make_optimizer, model_graphdef  # noqa: E402
 from grpo_jax.programs import init_state, jit_generate, jit_logps, jit_train_step  # noqa: E402

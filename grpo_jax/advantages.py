@@ -19,8 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-SCALE_REWARDS = ("group", "batch", "none")
-MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+from grpo_jax.config.sections import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
+
 
 # Added to the std so a group of identical rewards gives A = 0 / 1e-4 = 0 rather than 0 / 0 (TRL).
 STD_EPS = 1e-4

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _train_parser()
     args = parser.parse_intermixed_args(argv)
 
-    from grpo_jax.config import load_config  # imports jax: keep `--help` fast
+    from grpo_jax.config import load_config
 
     try:
         config = load_config(args.config, args.overrides)

@@ -35,7 +35,8 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax import stream
-from grpo_jax.models.configuration import REMAT_POLICIES
+from grpo_jax.config.sections import HOST_ALLOCATORS
+from grpo_jax.models.transformer import REMAT_POLICIES
 from grpo_jax.sampling import gumbel_rows
 
 
@@ -46,7 +47,6 @@ def enabled(setting: bool | None) -> bool:
 
 # --- host allocator -------------------------------------------------------------------------------------------
 
-HOST_ALLOCATORS = ("retain", "system")
 RETAIN_BYTES = 1 << 30  # blocks below 1 GiB come from (and go back to) the heap; mallopt takes a C int
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
 

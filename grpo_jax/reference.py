@@ -16,21 +16,13 @@ The mix is `optax.incremental_update` and the α = 1 reset `optax.periodic_updat
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-
-@dataclasses.dataclass(frozen=True)
-class RefSyncConfig:
-    """Static options of the reference update (TRL's GRPOConfig names)."""
-
-    sync_ref_model: bool = False
-    ref_model_mixup_alpha: float = 0.6
-    ref_model_sync_steps: int = 512
+from grpo_jax.config.sections import RefSyncConfig
 
 
 def init(params: Any) -> Any:

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-REPORT_TO = ("jsonl", "tensorboard", "wandb")
+from grpo_jax.config.sections import REPORT_TO
+
 _MODULES = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb", "wandb")}  # module, extra
 
 

@@ -47,7 +47,7 @@ class RewardModel:
 
         from grpo_jax import programs, sharding
         from grpo_jax.models import abstract_model, from_pretrained, resolve_config, safetensors_io
-        from grpo_jax.models.configuration import ModelConfig
+        from grpo_jax.config.model import ModelConfig
 
         self.path = os.fspath(path)
         self.__name__ = Path(self.path).name  # TRL names a model reward after the model

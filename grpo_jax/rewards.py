@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-SOFT_OVERLONG = "grpo_jax.rewards:soft_overlong_punishment"
+from grpo_jax.config.sections import SOFT_OVERLONG
+
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # rewards and advantages are float32
 
 

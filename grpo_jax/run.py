@@ -238,6 +238,40 @@ def prompt_group_sizes(config: Config, mesh) -> tuple[int, int]:
     return round_g, step_g
 
 
+def _check_importable(field: str, paths) -> None:
+    """Imports every reward path now, so a typo fails before any compilation (a reward model folder is loaded
+    later, `grpo_jax.reward_model`)."""
+    for path in paths:
+        try:
+            if isinstance(path, str) and not reward_model.is_reward_model(path):
+                rewards.resolve_reward_fn(path)
+        except ValueError as e:
+            raise ValueError(f"{field}: {e}") from e
+
+
+def _check_data_file(key: str, path: str | None) -> None:
+    """A path that names a data file (not a glob, folder or dataset id) must exist: known before anything loads."""
+    if path is not None and Path(path).suffix.lower() in (".jsonl", ".json", ".parquet", ".csv") \
+            and not any(c in path for c in "*?[") and not Path(path).exists():
+        raise ValueError(f"{key}={path!r} does not exist: point it at a JSONL, JSON, Parquet or CSV file (or a glob, a "
+                         "save_to_disk folder, a cached dataset id)")
+
+
+def check_inputs(config: Config, *, reward_funcs=None, train_dataset=None, eval_dataset=None) -> None:
+    """What a config names outside itself, checked before anything is built: data files and the tokenizer folder
+    exist, reward functions and the answer extractor import. Each failure is a one-line ValueError naming the key."""
+    if train_dataset is None:
+        _check_data_file("data.path", config.data.path)
+    if config.data.tokenizer_path is not None and not Path(config.data.tokenizer_path).is_dir():
+        raise ValueError(f"data.tokenizer_path={config.data.tokenizer_path!r} is not a folder: point it at a saved "
+                         "tokenizer")
+    _check_importable("reward.functions", config.reward.functions if reward_funcs is None else reward_funcs)
+    if eval_dataset is None:
+        _check_data_file("eval.path", config.eval.path)
+    _check_importable("eval.reward_functions", config.eval.reward_functions)
+    _check_importable("eval.answer_extractor", (config.eval.answer_extractor,))
+
+
 def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None, eval_dataset=None,
           reward_funcs: Sequence[Callable | str] | None = None) -> tuple[Run, TrainState]:
     """Resolves data, rewards, mesh, optimizer and the initial train state; builds the device programs.
@@ -251,6 +285,7 @@ def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None
     holds `output_dir`'s lock (`Run.output_lock`; a ValueError names the process holding it already) until
     `run.output_lock.release()`, which `train` calls at its end.
     """
+    check_inputs(config, reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset)
     programs.use_compilation_cache(config.compilation_cache_dir)
     output_dir, resuming, held = _output_dir(config)
     try:

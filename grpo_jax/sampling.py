@@ -6,7 +6,6 @@ slots, V vocab. Everything has static shapes; the loop exits early once every ro
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -14,48 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.random import threefry_2x32
 
+from grpo_jax.config.sections import SamplingConfig  # noqa: F401  (re-exported)
 from grpo_jax.models import (compute_dtype_params, forward, init_cache, layer_params, model_config,
                              positions_from_mask, rotary_tables, unembed)
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-    """Sampling hyper-parameters (TRL GRPOConfig names); filters follow HF logits warpers.
-
-    ``host_threads`` (grpo_jax only; used when ``cpu_speedups`` is on) splits a one-device sampling call's rows into
-    that many chunks, each run from its own host thread (`cpu.ChunkedSampler`). The tokens do not depend on it.
-    0: one per CPU core on a one-device CPU mesh, else 1 (`cpu.host_chunks`).
-
-    ``max_batch_rows`` (grpo_jax only) N > 0 fewer than a call's rows: continuous batching (`grpo_jax.continuous`),
-    N rows decode at once and a row that ends hands its slot to the next waiting row. The tokens do not depend on
-    it. 0: every row of the call decodes at once until the longest ends."""
-
-    max_completion_length: int = 8
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    host_threads: int = 0
-    max_batch_rows: int = 0
-
-    def __post_init__(self):
-        if not isinstance(self.max_completion_length, int) or self.max_completion_length < 1:
-            raise ValueError(f"sampling.max_completion_length={self.max_completion_length!r} must be an "
-                             "integer >= 1")
-        if not self.temperature > 0:
-            raise ValueError(f"sampling.temperature={self.temperature} must be > 0: use greedy=True for argmax")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"sampling.top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p={self.top_p} must be in (0, 1] (1.0 disables it)")
-        if not 0 <= self.min_p < 1:
-            raise ValueError(f"sampling.min_p={self.min_p} must be in [0, 1) (0.0 disables it)")
-        if not isinstance(self.max_batch_rows, int) or self.max_batch_rows < 0:
-            raise ValueError(f"sampling.max_batch_rows={self.max_batch_rows!r} must be an integer >= 0 (0: all of a "
-                             "call's rows decode at once)")
-        if not isinstance(self.host_threads, int) or self.host_threads < 0:
-            raise ValueError(f"sampling.host_threads={self.host_threads!r} must be an integer >= 0 (0: one per CPU "
-                             "core on CPU, 1 elsewhere)")
 
 
 class SampleOutput(NamedTuple):

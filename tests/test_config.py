@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from grpo_jax.config import Config, apply_overrides, load_config, to_dict
+from grpo_jax.run import check_inputs
 from grpo_jax.trainer import build
 
 
@@ -58,11 +59,7 @@ def test_every_shipped_config_loads():
     (["sampling.temperature=0"], "sampling.temperature"),
     (["sampling.top_p=1.5"], "sampling.top_p"),
     (["model.num_attention_heads=3"], "model.num_attention_heads"),
-    (["reward.functions=[grpo_jax.task:nope]"], "reward.functions: .*'grpo_jax.task:nope'.* no attribute"),
-    (["reward.functions=[no_such_module_xyz:f]"], "reward.functions: .*no_such_module_xyz.*could not be imported"),
-    (["reward.functions=[grpo_jax.task]"], "reward.functions: .*use 'package.module:function'"),
     (["reward.weights=[1.0, 2.0]"], "reward.weights has 2 entries for 1 reward.functions"),
-    (["data.path=/nonexistent.jsonl"], r"data.path='/nonexistent.jsonl' does not exist"),
     (["data.truncation=right"], "data.truncation='right'"),
     (["mesh.data=-1", "mesh.fsdp=-1"], "at most one of mesh.data"),
     (["max_steps=0"], "max_steps=0 must be >= 1"),
@@ -104,6 +101,33 @@ def test_every_shipped_config_loads():
 def test_validation_errors_name_the_field(overrides, match):
     with pytest.raises(ValueError, match=match):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["reward.functions=[grpo_jax.task:nope]"], "reward.functions: .*'grpo_jax.task:nope'.* no attribute"),
+    (["reward.functions=[no_such_module_xyz:f]"], "reward.functions: .*no_such_module_xyz.*could not be imported"),
+    (["reward.functions=[grpo_jax.task]"], "reward.functions: .*use 'package.module:function'"),
+    (["eval.reward_functions=[no_such_module_xyz:f]"], "eval.reward_functions: .*no_such_module_xyz"),
+    (["eval.answer_extractor=grpo_jax.task:nope"], "eval.answer_extractor: .*'grpo_jax.task:nope'"),
+    (["data.path=/nonexistent.jsonl", "data.tokenizer_path=."], r"data.path=./nonexistent.jsonl. does not exist"),
+    (["eval.path=/nonexistent.parquet"], r"eval.path='/nonexistent.parquet' does not exist"),
+    (["data.tokenizer_path=/nonexistent"], r"data.tokenizer_path='/nonexistent' is not a folder"),
+])
+def test_what_a_config_names_outside_itself_is_checked_when_the_run_is_built(overrides, match):
+    config = load_config(None, overrides)  # a schema: building it reads no file and imports no reward module
+    with pytest.raises(ValueError, match=match):
+        check_inputs(config)
+    with pytest.raises(ValueError, match=match):  # build checks first, before it makes a run folder
+        build(config)
+
+
+def test_importing_the_config_loads_no_jax_and_no_user_code():
+    import subprocess
+    import sys
+    code = ("import sys, grpo_jax.config as c; c.load_config(None, ['reward.functions=[no_such_module_xyz:f]']); "
+            "print(sorted(m for m in ('jax', 'flax', 'transformers', 'no_such_module_xyz') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
 
 
 def test_missing_and_invalid_config_files(tmp_path):

@@ -24,7 +24,7 @@ from grpo_jax.models import (
     positions_from_mask,
     unembed,
 )
-from grpo_jax.models.configuration import LoRAConfig
+from grpo_jax.config.model import LoRAConfig
 from grpo_jax.programs import jit_train_step, state_from_params
 from grpo_jax.state import model_graphdef
 from grpo_jax.train_step import Batch, StepOptions

@@ -8,6 +8,7 @@ import pytest
 
 from grpo_jax import task, trainer
 from grpo_jax.config import load_config
+from grpo_jax.run import check_inputs
 from grpo_jax.reward_model import RewardModel, is_reward_model
 
 torch = pytest.importorskip("torch")
@@ -89,4 +90,4 @@ def test_a_model_folder_without_a_classification_head_is_refused_by_name(tmp_pat
     with pytest.raises(ValueError, match=r"reward.functions: '.*lm' is a model folder but not a reward model "
                                          r"\(architectures \['Qwen2ForCausalLM'\]\): list a "
                                          r"\*ForSequenceClassification"):
-        load_config(None, [f"reward.functions=[{folder}]"])
+        check_inputs(load_config(None, [f"reward.functions=[{folder}]"]))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.losses.config import LOSS_TYPES
+from grpo_jax.config.loss import LOSS_TYPES
 from grpo_jax.losses.masks import masked_mean, masked_sum
 
 

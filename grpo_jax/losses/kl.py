@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.losses.config import KL_ESTIMATORS
+from grpo_jax.config.loss import KL_ESTIMATORS
 
 # low_var_kl clamps k3 to this range (verl's low_var_kl) so one far-off token cannot dominate.
 LOW_VAR_KL_BOUND = 10.0

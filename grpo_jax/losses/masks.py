@@ -10,7 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.losses.config import IS_CORRECTION_MODES
+from grpo_jax.config.loss import IS_CORRECTION_MODES
 
 
 def masked_sum(x_BxT: jax.Array, mask_BxT: jax.Array, axis=None, keepdims: bool = False) -> jax.Array:

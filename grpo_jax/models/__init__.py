@@ -1,7 +1,7 @@
 """Models: the decoder (`configuration` for its `ModelConfig`, `transformer`) used as pure functions over a
 params pytree, and Hugging Face checkpoints in and out (`pretrained`, `hf_config`, `safetensors_io`)."""
 
-from grpo_jax.models.configuration import ModelConfig
+from grpo_jax.config.model import ModelConfig
 from grpo_jax.models.transformer import (
     KVCache,
     Transformer,

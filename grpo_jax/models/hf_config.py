@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from grpo_jax.models.configuration import ROPE_TYPES, ModelConfig
+from grpo_jax.config.model import ROPE_TYPES, ModelConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from grpo_jax.models.configuration import LoRAConfig, ModelConfig
+from grpo_jax.config.model import LoRAConfig, ModelConfig
 
 # PyTorch's nn.Linear init, which PEFT uses for A: Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in))
 _KAIMING_A = nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.models import safetensors_io as st
-from grpo_jax.models.configuration import LORA_TARGETS, LoRAConfig, ModelConfig
+from grpo_jax.config.model import LORA_TARGETS, LoRAConfig, ModelConfig
 from grpo_jax.models.pretrained import _flat, _read, _sharding_fn, _to_host, abstract_model
 
 CONFIG_FILE = "adapter_config.json"

@@ -20,11 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from grpo_jax.models.configuration import (  # noqa: F401  (ModelConfig: re-exported)
-    REMAT_POLICIES,
-    ModelConfig,
-    check,
-)
+from grpo_jax.config.model import ModelConfig  # noqa: F401  (re-exported)
+from grpo_jax.config.sections import check
 from grpo_jax.models.lora import LoRALinear
 from grpo_jax.models.positional import (  # noqa: F401  (positions_from_mask: re-exported)
     apply_rope,
@@ -35,6 +32,10 @@ from grpo_jax.models.positional import (  # noqa: F401  (positions_from_mask: re
     rope_tables,
 )
 
+
+# model.remat: what each decoder layer's backward pass keeps (None: everything, no rematerialisation)
+REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 class KVCache(NamedTuple):
     """Key/value buffers, one per layer: k, v are L-tuples of [B, K, S, Dh] arrays in the compute dtype.

@@ -5,22 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+from grpo_jax.config.sections import check
+
+# numpy dtypes, which jax takes as they are (jnp.bfloat16 is ml_dtypes.bfloat16): the schema needs no jax
+_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 MODEL_TYPES = ("qwen2", "llama", "qwen3", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")
-REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
-                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+REMAT = ("none", "full", "dots")  # `models.transformer.REMAT_POLICIES`: what a layer's backward keeps
 # the decoder's linear layers by PEFT's names; "all-linear" targets all of them (never lm_head, as in PEFT)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def check(ok: bool, message: str) -> None:
-    """A ValueError with `message` (which names the field and the fix) unless `ok`: every config's validation."""
-    if not ok:
-        raise ValueError(message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +128,8 @@ class ModelConfig:
                f"model.model_type={self.model_type!r} is not supported: use one of {', '.join(MODEL_TYPES)}")
         check(isinstance(self.scan_unroll, int) and self.scan_unroll >= 1,
                f"model.scan_unroll={self.scan_unroll!r} must be an integer >= 1 (layers per scan iteration)")
-        check(self.remat in REMAT_POLICIES,
-               f"model.remat={self.remat!r} is not supported: use one of {', '.join(REMAT_POLICIES)}")
+        check(self.remat in REMAT,
+               f"model.remat={self.remat!r} is not supported: use one of {', '.join(REMAT)}")
         check(self.sliding_window is None or (isinstance(self.sliding_window, int) and self.sliding_window >= 1),
                f"model.sliding_window={self.sliding_window!r} must be a positive integer, or null for full "
                "attention")
@@ -164,10 +160,10 @@ class ModelConfig:
 
     @property
     def jnp_dtype(self):
-        """The compute dtype (activations, KV cache, logits) as a jnp dtype."""
+        """The compute dtype (activations, KV cache, logits) as a numpy dtype (jax takes it as it is)."""
         return _DTYPES[self.dtype]
 
     @property
     def param_jnp_dtype(self):
-        """The parameter storage dtype as a jnp dtype."""
+        """The parameter storage dtype as a numpy dtype."""
         return _DTYPES[self.param_dtype]

@@ -1,0 +1,216 @@
+"""Run configuration: a schema of nested frozen dataclasses, YAML files and dotted command-line overrides.
+
+Importing this package (and building a `Config`) reads no file, imports no user code and no jax: each section checks
+its own values (`grpo_jax.config.sections`, `.model`, `.loss`), the root `Config` what spans sections (batch
+geometry); what needs the filesystem or the reward modules is checked when the run is built
+(`grpo_jax.run.check_inputs`). Option names follow TRL's `GRPOConfig` where the concept exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grpo_jax import trl_keys
+from grpo_jax.config.loss import LossConfig
+from grpo_jax.config.model import LoRAConfig, ModelConfig
+from grpo_jax.config.sections import (HOST_ALLOCATORS, REPORT_TO, DataConfig, EvalConfig, MeshConfig, RefSyncConfig,
+                                      RewardConfig, SamplingConfig, TrainConfig, check)
+from grpo_jax.distributed import DistributedConfig
+
+__all__ = ["Config", "DataConfig", "DistributedConfig", "EvalConfig", "LoRAConfig", "LossConfig", "MeshConfig",
+           "ModelConfig", "RefSyncConfig", "RewardConfig", "SamplingConfig", "TrainConfig", "apply_overrides",
+           "from_dict", "load_config", "recipes", "to_dict"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The whole run. Top-level keys follow TRL's TrainingArguments."""
+
+    seed: int = 0
+    output_dir: str | None = None  # None: runs/<task>-<timestamp>
+    max_steps: int = 5000
+    logging_steps: int = 1  # period of the progress bar, console line and completion tables; metrics: every step
+    report_to: tuple[str, ...] = ("jsonl",)  # jsonl, tensorboard, wandb (TRL's name); [] logs to none
+    log_completions: bool = False  # every logging_steps: the round's completions, rewards and advantages (TRL)
+    num_completions_to_print: int | None = None  # of those, rows printed to the console; None: all (TRL)
+    save_steps: int = 500  # checkpoint every N optimizer steps (0: only at the end and on SIGTERM/SIGINT)
+    save_total_limit: int | None = 2  # checkpoints kept (oldest deleted first); None: keep all
+    resume: bool = True  # continue from output_dir's newest checkpoint; false: a non-empty output_dir is an error
+    cpu_speedups: bool | None = None  # XLA:CPU speed-ups (grpo_jax.cpu), same numbers; None: on when backend is cpu
+    host_allocator: str = "retain"  # with cpu_speedups: retain keeps freed blocks in glibc; system: leave malloc
+    compilation_cache_dir: str | None = "~/.cache/grpo_jax/jax"  # JAX's persistent compilation cache; None: off
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+
+    def __post_init__(self):
+        check(self.max_steps >= 1, f"max_steps={self.max_steps} must be >= 1")
+        check(self.logging_steps >= 1, f"logging_steps={self.logging_steps} must be >= 1")
+        check(all(r in REPORT_TO for r in self.report_to) and len(set(self.report_to)) == len(self.report_to),
+               f"report_to={list(self.report_to)}: list each of {', '.join(REPORT_TO)} at most once ([] for none)")
+        check(self.num_completions_to_print is None or self.num_completions_to_print >= 0,
+               f"num_completions_to_print={self.num_completions_to_print} must be >= 0, or null to print them all")
+        check(self.data.path is None or self.data.tokenizer_path is not None or self.model.path is not None,
+               "data.path is set but neither data.tokenizer_path nor model.path is: point one of them at a Hugging "
+               "Face folder holding the tokenizer")
+        check(self.save_steps >= 0, f"save_steps={self.save_steps} must be >= 0 (0: save only at the end)")
+        check(self.cpu_speedups is None or isinstance(self.cpu_speedups, bool),
+               f"cpu_speedups={self.cpu_speedups!r} must be true, false or null (null: on when jax's backend is cpu)")
+        check(self.host_allocator in HOST_ALLOCATORS, f"host_allocator={self.host_allocator!r} is not supported: "
+               f"use one of {', '.join(HOST_ALLOCATORS)}")
+        check(self.save_total_limit is None or self.save_total_limit >= 1,
+               f"save_total_limit={self.save_total_limit} must be >= 1, or null to keep every checkpoint")
+        check(self.loss.loss_type != "dr_grpo" or self.loss.max_completion_length
+               in (None, self.sampling.max_completion_length),
+               f"loss.max_completion_length={self.loss.max_completion_length} differs from "
+               f"sampling.max_completion_length={self.sampling.max_completion_length}: leave it unset")
+        check(not self.train.sync_ref_model or self.loss.beta != 0.0,
+               "train.sync_ref_model=true with loss.beta=0: there is no reference to sync (beta 0 drops the KL "
+               "and the reference model); set loss.beta > 0 or train.sync_ref_model=false")
+        if self.model.lora.enabled:  # the reference is the base with the adapters off: there is no copy of it
+            check(not self.train.sync_ref_model, "train.sync_ref_model=true with model.lora: the reference is the "
+                  "frozen base with the adapters off, which TR-DPO cannot mix the policy into; set "
+                  "train.sync_ref_model=false, or train without model.lora")
+            check(not self.train.offload_ref_params and self.train.ref_param_dtype is None,
+                  "train.offload_ref_params / train.ref_param_dtype with model.lora: the reference is the frozen "
+                  "base itself, not a copy to offload or cast; leave them at false / null")
+            check(self.model.lora.path is None or self.model.path is not None,
+                  f"model.lora.path={self.model.lora.path!r} without model.path: adapters need the base model they "
+                  "were trained on; set model.path to its Hugging Face folder")
+        check(self.reward.soft_punish_cache <= self.sampling.max_completion_length,
+               f"reward.soft_punish_cache={self.reward.soft_punish_cache} exceeds sampling.max_completion_length="
+               f"{self.sampling.max_completion_length}: the punishment zone must fit inside the completion length")
+
+
+def to_dict(config: Any) -> dict:
+    """A config as plain YAML-able data (tuples become lists)."""
+    def plain(x):
+        if dataclasses.is_dataclass(x):
+            return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        if isinstance(x, tuple):
+            return [plain(v) for v in x]
+        return x
+    return plain(config)
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Checks a YAML value against a field annotation, converting lists to tuples and ints to floats."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, where)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(errors[0] if errors else f"{where}: invalid value {value!r}")
+    if origin is tuple:
+        check(isinstance(value, (list, tuple)), f"{where}={value!r} must be a list")
+        (item_type, _) = typing.get_args(annotation)
+        return tuple(_coerce(v, item_type, f"{where}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(annotation):
+        check(isinstance(value, dict), f"{where} must be a mapping of keys, got {value!r}")
+        return from_dict(annotation, value, where + ".")
+    if annotation is bool:
+        check(isinstance(value, bool), f"{where}={value!r} must be true or false")
+    elif annotation is int:
+        check(isinstance(value, int) and not isinstance(value, bool), f"{where}={value!r} must be an integer")
+    elif annotation is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        check(isinstance(value, (int, float)) and not isinstance(value, bool), f"{where}={value!r} must be a number")
+        return float(value)
+    elif annotation is str:
+        check(isinstance(value, str), f"{where}={value!r} must be a string")
+    return value
+
+
+def from_dict(cls: type, values: dict, prefix: str = "") -> Any:
+    """The config dataclass `cls` (any section, or `Config`) from plain data, each value checked and converted.
+
+    `prefix` is the section's dotted name ("model.") for error messages; unknown keys are an error.
+    """
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        hint = trl_keys.suggestions(prefix + unknown[0], names, trl_keys.every_key(to_dict(Config())))
+        raise ValueError(f"unknown config key {prefix}{unknown[0]}{hint}: valid keys here are {', '.join(names)}")
+    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    for key in keys[:-1]:
+        node = tree.setdefault(key, {})
+        check(isinstance(node, dict), f"override {dotted}: {key} is not a section")
+        tree = node
+    tree[keys[-1]] = value
+
+
+RECIPES = Path(__file__).parent.parent / "recipes"  # the packaged copy of configs/ (a link in a source checkout)
+
+
+def recipes() -> list[str]:
+    """The names of the packaged recipes (`configs/*.yaml`), for `--config NAME`."""
+    return sorted(p.stem for p in RECIPES.glob("*.yaml"))
+
+
+def _config_file(path: str) -> Path:
+    """`--config`'s file: a YAML path, or the name of a packaged recipe ('dapo' is configs/dapo.yaml)."""
+    file = Path(path)
+    if file.is_file():
+        return file
+    recipe = RECIPES / (path if path.endswith((".yaml", ".yml")) else f"{path}.yaml")
+    if "/" not in path and recipe.is_file():
+        return recipe
+    raise ValueError(f"config file {path!r} does not exist: pass an existing YAML file to --config, or the name of "
+                     f"a packaged recipe: {', '.join(recipes())}")
+
+
+def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Builds a `Config` from an optional YAML file (or packaged recipe name, `recipes()`) and `dotted.key=value`
+    overrides (values parsed as YAML; TRL's flat names allowed, `grpo_jax.trl_keys`)."""
+    values: dict = {}
+    if path is not None:
+        file = _config_file(path)
+        try:
+            values = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"config file {path!r} is not valid YAML: {e}") from e
+        check(isinstance(values, dict), f"config file {path!r} must hold a mapping of keys")
+    return from_dict(Config, _with_overrides(trl_keys.translate(values), overrides))
+
+
+def apply_overrides(config: Config, overrides: typing.Sequence[str]) -> Config:
+    """``config`` with `dotted.key=value` overrides (values parsed as YAML), checked as a file's would be."""
+    return from_dict(Config, _with_overrides(to_dict(config), overrides))
+
+
+def _with_overrides(values: dict, overrides: typing.Sequence[str]) -> dict:
+    for item in overrides:
+        check("=" in item, f"override {item!r} must look like section.key=value, e.g. train.learning_rate=1e-4")
+        key, raw = item.split("=", 1)
+        _set_dotted(values, trl_keys.dotted(key.strip()), yaml.safe_load(raw) if raw.strip() else None)
+    return values

@@ -1,0 +1,279 @@
+"""The config sections: nested frozen dataclasses that check their own values (never files or user code).
+
+Each section validates itself in `__post_init__` with a message that names the field and the fix. Checks that touch
+the filesystem or import reward modules run when the run is built (`grpo_jax.run.check_inputs`). Option names follow
+TRL's `GRPOConfig` where the concept exists. The model and loss sections are `grpo_jax.config.model` and
+`grpo_jax.config.loss`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+def check(ok: bool, message: str) -> None:
+    """A ValueError with `message` (which names the field and the fix) unless `ok`: every config's validation."""
+    if not ok:
+        raise ValueError(message)
+
+
+TASK_REWARDS = ("grpo_jax.task:char_accuracy",)
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "process")
+SCALE_REWARDS = ("group", "batch", "none")
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+HOST_ALLOCATORS = ("retain", "system")
+REPORT_TO = ("jsonl", "tensorboard", "wandb")
+SOFT_OVERLONG = "grpo_jax.rewards:soft_overlong_punishment"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where prompts come from: a file, folder or cached dataset (`grpo_jax.sources`), or the embedded synthetic
+    task when `path` is None."""
+
+    path: str | None = None  # JSONL/JSON/Parquet/CSV file or glob, save_to_disk folder, or cached dataset id
+    split: str = "train"  # the split of a save_to_disk DatasetDict or a cached dataset id
+    config_name: str | None = None  # a cached dataset's configuration (datasets' `name`)
+    tokenizer_path: str | None = None  # Hugging Face tokenizer folder; None: model.path's, else the built-in one
+    task: str = "reverse"  # embedded task when path is None: reverse, sort, add
+    task_min_len: int = 3
+    task_max_len: int = 4
+    task_num_train: int = 2000
+    max_prompt_length: int | None = None  # left-padded (static shapes) to this; None: the data's longest prompt
+    truncation: str = "left"  # left: keep the last tokens (warned once); error: refuse long prompts
+
+    def __post_init__(self):
+        check(self.task in ("reverse", "sort", "add"),
+               f"data.task={self.task!r} is unknown: use reverse, sort or add (or set data.path to a JSONL file)")
+        check(1 <= self.task_min_len <= self.task_max_len,
+               f"data.task_min_len={self.task_min_len}, data.task_max_len={self.task_max_len}: "
+               "need 1 <= task_min_len <= task_max_len")
+        check(self.task_num_train >= 1, f"data.task_num_train={self.task_num_train} must be >= 1")
+        check(self.max_prompt_length is None or self.max_prompt_length >= 1,
+              f"data.max_prompt_length={self.max_prompt_length} must be >= 1, or null (fit the data)")
+        check(self.truncation in ("left", "error"),
+               f"data.truncation={self.truncation!r}: use 'left' (truncate and count) or 'error'")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Sampling hyper-parameters (TRL GRPOConfig names); filters follow HF logits warpers.
+
+    ``host_threads`` (grpo_jax only; used when ``cpu_speedups`` is on) splits a one-device sampling call's rows into
+    that many chunks, each run from its own host thread (`cpu.ChunkedSampler`). The tokens do not depend on it.
+    0: one per CPU core on a one-device CPU mesh, else 1 (`cpu.host_chunks`).
+
+    ``max_batch_rows`` (grpo_jax only) N > 0 fewer than a call's rows: continuous batching (`grpo_jax.continuous`),
+    N rows decode at once and a row that ends hands its slot to the next waiting row. The tokens do not depend on
+    it. 0: every row of the call decodes at once until the longest ends."""
+
+    max_completion_length: int = 8
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    host_threads: int = 0
+    max_batch_rows: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.max_completion_length, int) or self.max_completion_length < 1:
+            raise ValueError(f"sampling.max_completion_length={self.max_completion_length!r} must be an "
+                             "integer >= 1")
+        if not self.temperature > 0:
+            raise ValueError(f"sampling.temperature={self.temperature} must be > 0: use greedy=True for argmax")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"sampling.top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p={self.top_p} must be in (0, 1] (1.0 disables it)")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"sampling.min_p={self.min_p} must be in [0, 1) (0.0 disables it)")
+        if not isinstance(self.max_batch_rows, int) or self.max_batch_rows < 0:
+            raise ValueError(f"sampling.max_batch_rows={self.max_batch_rows!r} must be an integer >= 0 (0: all of a "
+                             "call's rows decode at once)")
+        if not isinstance(self.host_threads, int) or self.host_threads < 0:
+            raise ValueError(f"sampling.host_threads={self.host_threads!r} must be an integer >= 0 (0: one per CPU "
+                             "core on CPU, 1 elsewhere)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """Reward functions by import path `module:function`, TRL's `fn(prompts, completions, **columns)`."""
+
+    functions: tuple[str, ...] = TASK_REWARDS
+    weights: tuple[float, ...] | None = None  # TRL's reward_weights; None: all 1
+    soft_punish_cache: int = 0  # DAPO L_cache in tokens for grpo_jax.rewards:soft_overlong_punishment
+
+    def __post_init__(self):
+        check(len(self.functions) >= 1, "reward.functions is empty: list at least one 'module:function'")
+        check(self.soft_punish_cache >= 0, f"reward.soft_punish_cache={self.soft_punish_cache} must be >= 0")
+        listed = SOFT_OVERLONG in self.functions
+        check(listed == (self.soft_punish_cache > 0),
+               f"reward.soft_punish_cache={self.soft_punish_cache} and reward.functions "
+               f"{'lists' if listed else 'does not list'} {SOFT_OVERLONG}: the soft overlong punishment needs "
+               "both (a cache > 0 and the function listed) or neither")
+        if self.weights is not None:
+            check(len(self.weights) == len(self.functions),
+                   f"reward.weights has {len(self.weights)} entries for {len(self.functions)} reward.functions: "
+                   "give one weight per function")
+            check(all(math.isfinite(w) for w in self.weights),
+                   f"reward.weights={list(self.weights)}: every weight must be a finite number (a NaN or infinite "
+                   "weight turns every reward into NaN, i.e. no reward)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RefSyncConfig:
+    """Static options of the reference update (TRL's GRPOConfig names; `grpo_jax.reference`)."""
+
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """GRPO batch geometry, advantage scaling and the optimizer (TRL names)."""
+
+    num_generations: int = 8  # G completions per prompt
+    train_batch_size: int = 64  # rows (completions) per optimizer step, over all devices
+    gradient_accumulation_steps: int = 1  # micro-batches inside one optimizer step
+    steps_per_generation: int = 1  # optimizer steps per sampling round, on disjoint slices
+    num_iterations: int = 1  # mu: passes over each round
+    scale_rewards: str = "group"  # group, batch, none
+    multi_objective_aggregation: str = "sum_then_normalize"  # or normalize_then_sum (GDPO)
+    advantage_estimator: str = "grpo"  # grpo, rloo, reinforce_pp_baseline, process
+    mask_truncated_completions: bool = False  # rows without EOS get mask 0 (DAPO overlong filtering)
+    use_sampler_logps: bool = False  # hand the sampler's log-probs to the loss (TRL's vLLM log-probs role)
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more
+    max_num_gen_batches: int = 10  # dynamic sampling: sampling passes per round at most (then fill)
+    sync_ref_model: bool = False  # TR-DPO: mix the policy into the reference every ref_model_sync_steps
+    ref_model_mixup_alpha: float = 0.6  # 1.0: iterative GRPO (reset the reference to the policy)
+    ref_model_sync_steps: int = 512
+    learning_rate: float = 5e-4  # the embedded random-init model; real checkpoints want ~1e-6 (TRL)
+    lr_scheduler_type: str = "constant"  # constant, linear, cosine
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    logps_chunk_size: int = 0  # rows per chunk for log-probs; 0: whole micro-batch at once
+    share_prompt_prefix: bool = True  # run each group's prompt once in log-prob/update forwards (same numbers)
+    packing: bool = False  # log-prob/update forwards over packed groups: no padding tokens run (same numbers)
+    ref_param_dtype: str | None = None  # reference params' storage dtype (float32, bfloat16); None: the params'
+    offload_ref_params: bool = False  # keep the reference in pinned host memory (copied in for its log-probs)
+    max_nonfinite_steps: int = 10  # steps skipped for a non-finite loss/gradient before the run stops
+
+    def __post_init__(self):
+        for name in ("num_generations", "train_batch_size", "gradient_accumulation_steps",
+                     "steps_per_generation", "num_iterations", "max_nonfinite_steps"):
+            check(getattr(self, name) >= 1, f"train.{name}={getattr(self, name)} must be >= 1")
+        check(self.num_generations >= 2,
+               f"train.num_generations={self.num_generations}: GRPO needs >= 2 completions per prompt")
+        check(self.train_batch_size % self.gradient_accumulation_steps == 0,
+               f"train.train_batch_size={self.train_batch_size} is not divisible by "
+               f"train.gradient_accumulation_steps={self.gradient_accumulation_steps}: change either")
+        check(self.generation_batch_size % self.num_generations == 0,
+               f"train.train_batch_size * train.steps_per_generation = {self.generation_batch_size} rows per "
+               f"round is not divisible by train.num_generations={self.num_generations}: make it a multiple")
+        check(self.scale_rewards in ("group", "batch", "none"),
+               f"train.scale_rewards={self.scale_rewards!r}: use group, batch or none")
+        check(self.multi_objective_aggregation in MULTI_OBJECTIVE_AGGREGATIONS,
+               f"train.multi_objective_aggregation={self.multi_objective_aggregation!r}: use "
+               + " or ".join(MULTI_OBJECTIVE_AGGREGATIONS))
+        check(self.advantage_estimator in ADVANTAGE_ESTIMATORS,
+               f"train.advantage_estimator={self.advantage_estimator!r} is unknown: use "
+               + ", ".join(ADVANTAGE_ESTIMATORS))
+        check(self.advantage_estimator == "grpo" or self.multi_objective_aggregation == "sum_then_normalize",
+               f"train.multi_objective_aggregation={self.multi_objective_aggregation!r} only applies to "
+               f"train.advantage_estimator='grpo', not {self.advantage_estimator!r}: set it to sum_then_normalize")
+        check(self.advantage_estimator == "grpo" or self.scale_rewards == "group",
+               f"train.scale_rewards={self.scale_rewards!r} only applies to train.advantage_estimator='grpo': "
+               f"{self.advantage_estimator!r} has its own scaling; leave scale_rewards at group")
+        check(self.multi_objective_aggregation == "sum_then_normalize" or self.scale_rewards == "group",
+               f"train.scale_rewards={self.scale_rewards!r} does not apply to train.multi_objective_aggregation="
+               "'normalize_then_sum' (it normalises per function, then over the batch): leave scale_rewards at group")
+        check(self.max_num_gen_batches >= 1, f"train.max_num_gen_batches={self.max_num_gen_batches} must be >= 1")
+        check(0.0 < self.ref_model_mixup_alpha <= 1.0,
+               f"train.ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in (0, 1] (1.0: iterative GRPO)")
+        check(self.ref_model_sync_steps >= 1, f"train.ref_model_sync_steps={self.ref_model_sync_steps} must be >= 1")
+        for name in ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon"):
+            check(math.isfinite(getattr(self, name)),
+                   f"train.{name}={getattr(self, name)} must be a finite number (it would make every update NaN)")
+        check(self.learning_rate > 0, f"train.learning_rate={self.learning_rate} must be > 0")
+        check(self.lr_scheduler_type in ("constant", "linear", "cosine"),
+               f"train.lr_scheduler_type={self.lr_scheduler_type!r}: use constant, linear or cosine")
+        check(self.warmup_steps >= 0, f"train.warmup_steps={self.warmup_steps} must be >= 0")
+        check(self.max_grad_norm >= 0, f"train.max_grad_norm={self.max_grad_norm} must be >= 0")
+        check(self.logps_chunk_size >= 0, f"train.logps_chunk_size={self.logps_chunk_size} must be >= 0")
+        check(self.ref_param_dtype in (None, "float32", "bfloat16"),
+               f"train.ref_param_dtype={self.ref_param_dtype!r}: use float32, bfloat16 or null (the params' dtype)")
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Rows sampled per round: one optimizer step's batch per step of the round."""
+        return self.train_batch_size * self.steps_per_generation
+
+    @property
+    def prompts_per_round(self) -> int:
+        return self.generation_batch_size // self.num_generations
+
+    @property
+    def ref_sync(self) -> RefSyncConfig:
+        """The reference-update options `train_step` needs (static)."""
+        return RefSyncConfig(self.sync_ref_model, self.ref_model_mixup_alpha, self.ref_model_sync_steps)
+
+    @property
+    def needs_old_logps(self) -> bool:
+        """Old log-probs differ from the current ones only when a round feeds more than one update."""
+        return self.num_iterations > 1 or self.steps_per_generation > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh shape (data, fsdp, tensor; see grpo_jax/sharding.py): -1 on one axis takes the remaining devices."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = (self.data, self.fsdp, self.tensor)
+        check(sizes.count(-1) <= 1, "mesh: at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
+        check(all(s == -1 or s >= 1 for s in sizes), f"mesh sizes {sizes} must be >= 1 or -1")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation before, after and every `steps` steps of training: greedy, and `num_generations`
+    sampled completions per prompt for pass@k and maj@n (`grpo_jax.evaluation`)."""
+
+    num_examples: int = 200  # embedded task: held-out prompts generated with another seed
+    path: str | None = None  # held-out prompts, any form data.path takes (with the columns the rewards need)
+    split: str = "test"  # the split of a save_to_disk DatasetDict or a cached dataset id
+    reward_functions: tuple[str, ...] = ("grpo_jax.task:exact_match", "grpo_jax.task:char_accuracy")
+    steps: int = 0  # also evaluate every N optimizer steps (TRL's eval_steps); 0: before and after training only
+    num_generations: int = 0  # n sampled completions per prompt (pass@k, maj@n); 0: greedy only
+    temperature: float = 1.0  # of the sampled completions
+    pass_at_k: tuple[int, ...] | None = None  # k of the pass@k reported; None: 1 and num_generations
+    answer_extractor: str = "grpo_jax.math_rewards:extract_answer"  # completion text -> answer (or None), for maj@n
+
+    def __post_init__(self):
+        check(self.num_examples >= 0, f"eval.num_examples={self.num_examples} must be >= 0")
+        check(self.steps >= 0, f"eval.steps={self.steps} must be >= 0 (0: evaluate before and after training only)")
+        check(self.num_generations >= 0, f"eval.num_generations={self.num_generations} must be >= 0 (0: greedy only)")
+        check(self.temperature > 0, f"eval.temperature={self.temperature} must be > 0")
+        if self.pass_at_k is not None:
+            check(all(1 <= k <= self.num_generations for k in self.pass_at_k),
+                   f"eval.pass_at_k={list(self.pass_at_k)} needs 1 <= k <= eval.num_generations="
+                   f"{self.num_generations} for every k: raise eval.num_generations or drop the larger k")
+
+    @property
+    def ks(self) -> tuple[int, ...]:
+        """The k of the pass@k reported (none without sampled completions)."""
+        if self.pass_at_k is not None:
+            return tuple(sorted(set(self.pass_at_k)))
+        return tuple(sorted({1, self.num_generations})) if self.num_generations else ()
+
+
+
