@@ -178,7 +178,7 @@ def run_grpo_jax(model_dir: str | None, size: str | None, prompts: Path, s: Sett
     timed ones runs under `jax.profiler.trace`; its per-op summary (`trace_summary`) joins the result."""
     import jax
 
-    from grpo_jax import trainer
+    from grpo_jax import data, trainer
     from grpo_jax.config import Config, DataConfig, EvalConfig, RewardConfig, TrainConfig, apply_overrides
     from grpo_jax.losses import LossConfig
     from grpo_jax.models import ModelConfig
@@ -220,22 +220,22 @@ def run_grpo_jax(model_dir: str | None, size: str | None, prompts: Path, s: Sett
     start = time.perf_counter()
     run, state = trainer.build(config)
     build_s = time.perf_counter() - start
-    history = []
+    history, position = [], data.DataState(epoch=0, index=0, seed=config.seed)
     start = time.perf_counter()
     for i in range(warmup):
-        state, _, lines = trainer.run_round(run, state, i)
+        state, position, _, lines = trainer.run_round(run, state, position, i)
         history += lines
     first_rounds_s = time.perf_counter() - start
     # compilations inside timed steps (a new packed length, `train.packing`): timed, reported, not subtracted
     compiled = _compile_seconds()
     compiled.clear()
     for i in range(warmup, warmup + steps):
-        state, _, lines = trainer.run_round(run, state, i)
+        state, position, _, lines = trainer.run_round(run, state, position, i)
         history += lines
     timed_compile_s = sum(compiled)
     if profile_dir:
         with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
-            trainer.run_round(run, state, warmup + steps)
+            trainer.run_round(run, state, position, warmup + steps)
     timed = history[warmup:warmup + steps]
     records = [{"step": h["step_time"], **{p: h[f"step_time/{p}"] for p in PHASES}} for h in timed]
     tokens = [int(round(h["completions/mean_length"] * s.rows)) for h in timed]

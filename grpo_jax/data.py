@@ -1,5 +1,6 @@
-"""Prompts: read a JSONL file (other sources: `grpo_jax.sources`), check every row, tokenize to static left-padded
-shapes, iterate in seeded epochs, repeat per group.
+"""Prompts: read a JSONL file (other sources: `grpo_jax.sources`), check and tokenize every row once (`Dataset`), and
+draw batches left-padded to static shapes in seeded epochs from a position that is state (`DataState`, `next_batch`),
+repeated per group.
 
 Rows follow TRL's dataset convention: a "prompt" column plus any other columns (e.g. "answer"), which are handed
 to reward functions as keyword arguments. A prompt is a plain string (used as it is) or, in TRL's conversational
@@ -9,6 +10,8 @@ round, L = max_prompt_length, G = num_generations.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -69,12 +72,13 @@ def read_jsonl(path: str | os.PathLike) -> tuple[list[dict[str, Any]], list[int]
 
 
 def check_prompts(where, prompts: Sequence, lines: list[int] | None, tokenizer, max_prompt_length: int | None,
-                  truncation: str, chunk: int = 1024) -> np.ndarray:
+                  truncation: str, chunk: int = 1024) -> tuple[np.ndarray, np.ndarray]:
     """Before the first step: every prompt renders and tokenizes to at least one token (and, with
     truncation="error", to at most `max_prompt_length`); a ValueError names the file (`where`) and line (`lines`,
     else the row's index) of the first that does not, so no row can stop a run halfway through its data.
-    Returns each prompt's length in tokens."""
+    Returns every prompt's token ids, kept for the run (`Dataset`): (flat int32 ids, offsets [n + 1])."""
     lengths = np.zeros(len(prompts), np.int64)
+    pieces = []
     for start in range(0, len(prompts), chunk):
         part = list(prompts[start:start + chunk])
         try:
@@ -98,7 +102,9 @@ def check_prompts(where, prompts: Sequence, lines: list[int] | None, tokenizer, 
                                  f"data.max_prompt_length={max_prompt_length}: raise data.max_prompt_length (or "
                                  "null: fit the data), shorten that row, or set data.truncation=left")
             lengths[start + i] = len(tokens)
-    return lengths
+            pieces.append(np.asarray(tokens, np.int32))
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    return (np.concatenate(pieces) if pieces else np.zeros(0, np.int32)), offsets
 
 
 def prompt_column(rows) -> Sequence:
@@ -193,109 +199,71 @@ def _preview(prompt, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def _make_batches(tokenizer, batches: list[list[dict[str, Any]]], max_prompt_length: int,
-                  truncation: str) -> list[PromptBatch]:
-    """Rows into PromptBatches, all tokenized in one call; columns are the union of a batch's keys (missing
-    values -> None)."""
-    rows = [row for batch in batches for row in batch]
-    ids, mask, truncated = _tokenize(tokenizer, [row["prompt"] for row in rows], max_prompt_length, truncation)
-    out, start = [], 0
-    for batch in batches:
-        keys = list(dict.fromkeys(k for row in batch for k in row if k != "prompt"))
-        part = slice(start, start + len(batch))
-        out.append(PromptBatch(ids[part], mask[part], [row["prompt"] for row in batch],
-                               {k: [row.get(k) for row in batch] for k in keys}, int(truncated[part].sum())))
-        start += len(batch)
-    return out
+class DataState(NamedTuple):
+    """Where a run is in its data, a pytree of three ints saved in every checkpoint: the next prompt is position
+    ``index`` of epoch ``epoch``'s order, ``np.random.default_rng([seed, epoch]).permutation(n)``."""
+
+    epoch: int
+    index: int
+    seed: int
 
 
-class PromptIterator:
-    """Endless seeded epochs over rows, `prompts_per_round` at a time.
+@dataclasses.dataclass(frozen=True, eq=False)
+class Dataset:
+    """A run's training prompts, tokenized once when the run is built (`check_prompts`): the rows (TRL's columns;
+    a list of dicts or a `datasets.Dataset`) and every prompt's token ids, flat (``offsets`` [n + 1]). Never
+    changes: a batch is `next_batch` of it and a `DataState`."""
 
-    Epoch e visits rows in order `np.random.default_rng([seed, e]).permutation(n)`. Epochs are concatenated:
-    a batch that runs past the end of an epoch continues with the start of the next one, so every prompt is
-    seen exactly once per epoch and prompts_per_round may exceed the number of rows (the batch then spans
-    several epochs). `state()`/`restore()` give an explicit resumable position.
+    rows: Sequence
+    token_ids: np.ndarray  # int32, every prompt's tokens one after another
+    offsets: np.ndarray  # [n + 1]: prompt i is token_ids[offsets[i]:offsets[i + 1]]
+    max_prompt_length: int  # L: batches are left-padded (and left-truncated) to it
+    pad_token_id: int
 
-    Prompts are tokenized `TOKENIZE_AT_ONCE` or more at a time, the next batches' together: a tokenizer call
-    hands its texts to the tokenizer's thread pool, whose wake-up costs more than encoding a few prompts while
-    XLA's threads hold the cores. A prompt's tokens do not depend on the others in its call.
-    """
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
 
-    TOKENIZE_AT_ONCE = 64
 
-    def __init__(self, rows: list[dict[str, Any]], tokenizer, *, prompts_per_round: int, max_prompt_length: int,
-                 seed: int, truncation: str = "left"):
-        if not rows:
-            raise ValueError("PromptIterator needs at least one row")
-        if prompts_per_round < 1:
-            raise ValueError(f"prompts_per_round={prompts_per_round} must be >= 1")
-        _check_truncation(truncation)
-        self._rows = rows
-        self._tokenizer = tokenizer
-        self._prompts_per_round = prompts_per_round
-        self._max_prompt_length = max_prompt_length
-        self._seed = seed
-        self._truncation = truncation
-        self._epoch = 0
-        self._index = 0
-        self._order = self._permutation(0)
-        self._ahead: dict = {}  # (epoch, index) -> the PromptBatch starting there, for the next few batches
+@functools.lru_cache(maxsize=4)
+def _order(seed: int, epoch: int, n: int) -> np.ndarray:
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    order.setflags(write=False)  # shared by every batch of the epoch
+    return order
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self._seed, epoch]).permutation(len(self._rows))
 
-    def state(self) -> dict[str, int]:
-        """Position of the next prompt: epoch and index into that epoch's permutation."""
-        return {"epoch": self._epoch, "index": self._index}
+def next_batch(dataset: Dataset, state: DataState, num_prompts: int) -> tuple[PromptBatch, DataState]:
+    """The next ``num_prompts`` prompts [P, L] and the position after them. Epochs follow one another: a batch
+    that runs past the end of an epoch continues with the start of the next, so every prompt is seen once an epoch
+    and a batch may span several epochs."""
+    n = len(dataset)
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts={num_prompts} must be >= 1")
+    if state.epoch < 0 or not 0 <= state.index < n:
+        raise ValueError(f"data position {dict(state._asdict())} is out of range for {n} rows")
+    indices, epoch, index = [], int(state.epoch), int(state.index)
+    while len(indices) < num_prompts:
+        take = min(num_prompts - len(indices), n - index)
+        indices.extend(int(i) for i in _order(int(state.seed), epoch, n)[index:index + take])
+        epoch, index = (epoch + 1, 0) if index + take == n else (epoch, index + take)
+    L = dataset.max_prompt_length
+    ids_PxL = np.full((num_prompts, L), dataset.pad_token_id, np.int32)
+    mask_PxL = np.zeros((num_prompts, L), np.int32)
+    truncated = 0
+    for p, i in enumerate(indices):
+        tokens = dataset.token_ids[dataset.offsets[i]:dataset.offsets[i + 1]][-L:]  # left truncation keeps the end
+        truncated += int(dataset.offsets[i + 1] - dataset.offsets[i] > L)
+        ids_PxL[p, L - len(tokens):] = tokens
+        mask_PxL[p, L - len(tokens):] = 1
+    rows = [dataset.rows[i] for i in indices]
+    keys = list(dict.fromkeys(k for row in rows for k in row if k != "prompt"))
+    batch = PromptBatch(ids_PxL, mask_PxL, [row["prompt"] for row in rows],
+                        {k: [row.get(k) for row in rows] for k in keys}, truncated)
+    return batch, DataState(epoch, index, state.seed)
 
-    @property
-    def epoch(self) -> float:
-        """Epochs read so far, fractional (TrainerState's `epoch`)."""
-        return self._epoch + self._index / len(self._rows)
 
-    def restore(self, state: dict[str, int]) -> None:
-        """Continue from a position returned by `state()`."""
-        epoch, index = int(state["epoch"]), int(state["index"])
-        if epoch < 0 or not 0 <= index < len(self._rows):
-            raise ValueError(f"data iterator state {state} is out of range for {len(self._rows)} rows")
-        self._epoch, self._index = epoch, index
-        self._order = self._permutation(epoch)
-        self._ahead = {}
-
-    def next_indices(self) -> list[int]:
-        """Row indices of the next batch (advances the position)."""
-        out = []
-        while len(out) < self._prompts_per_round:
-            take = min(self._prompts_per_round - len(out), len(self._rows) - self._index)
-            out.extend(int(i) for i in self._order[self._index:self._index + take])
-            self._index += take
-            if self._index == len(self._rows):
-                self._epoch, self._index = self._epoch + 1, 0
-                self._order = self._permutation(self._epoch)
-        return out
-
-    def next_batch(self) -> PromptBatch:
-        """The next `prompts_per_round` prompts as a PromptBatch [P, L]."""
-        self.prefetch()
-        batch = self._ahead.pop((self._epoch, self._index))
-        self.next_indices()
-        return batch
-
-    def prefetch(self) -> None:
-        """Tokenize the next batch now, with the few after it when it is not tokenized yet, without moving the
-        position (the trainer calls it while the devices run an update); `next_batch` returns them."""
-        if (self._epoch, self._index) in self._ahead:
-            return
-        saved = self._epoch, self._index, self._order
-        count = -(-self.TOKENIZE_AT_ONCE // self._prompts_per_round)
-        positions, batches = [], []
-        for _ in range(count):
-            positions.append((self._epoch, self._index))
-            batches.append([self._rows[i] for i in self.next_indices()])
-        self._epoch, self._index, self._order = saved
-        self._ahead = dict(zip(positions, _make_batches(self._tokenizer, batches, self._max_prompt_length,
-                                                        self._truncation)))
+def epochs_read(dataset: Dataset, state: DataState) -> float:
+    """Epochs read so far, fractional (TrainerState's `epoch`)."""
+    return state.epoch + state.index / len(dataset)
 
 
 def repeat_groups(batch: PromptBatch, num_generations: int) -> PromptBatch:

@@ -1,9 +1,9 @@
 """One round of GRPO, in the order it runs:
 
-    PromptIterator -> sample (jit; finished groups scored on the host while the others decode) -> dispatch
+    next_batch -> sample (jit; finished groups scored on the host while the others decode) -> dispatch
     ref/old log-probs -> score the last groups (host) -> RoundBatch -> optimizer steps -> metrics
 
-`prepare_round(run, state, i) -> RoundBatch` and `run_steps(run, state, round_batch) -> (state, round_batch,
+`prepare_round(run, state, data_state, i) -> (RoundBatch, data_state)` and `run_steps(run, state, round_batch) -> (state, round_batch,
 metrics)` take the train state explicitly and return it; `grpo_jax.run.build` makes the immutable `Run` (data,
 rewards, mesh, `grpo_jax.programs`), the maths lives in pure functions behind those programs, and
 `grpo_jax.trainer` repeats rounds with checkpoints, evaluation and outputs around them.
@@ -79,10 +79,10 @@ def _weights(run: Run) -> np.ndarray:
     return np.asarray(run.config.reward.weights or [1.0] * len(run.reward_fns), np.float32)
 
 
-def _sample(run: Run, state: TrainState, batch: data.PromptBatch, draw_index: int):
+def _sample(run: Run, state: TrainState, batch: data.PromptBatch, round_index: int, draw_index: int):
     """One sampling pass of the batch's rows with the current policy: (prompt rows as the programs take them,
     `stream.Stream` of its finished groups). Returns once dispatched."""
-    key = run.programs.sample_key(state.key, state.step, draw_index)
+    key = run.programs.sample_key(state.key, round_index, draw_index)
     prompts = sharding.host_rows((batch.prompt_ids, batch.prompt_mask), run.mesh)
     return prompts, run.programs.sample.stream(state.params, *prompts, key)
 
@@ -128,8 +128,8 @@ def _draw(batch: data.PromptBatch, out, scored: list) -> rounds.Draw:
                        batch.columns, batch.num_truncated, **steps)
 
 
-def _sample_and_score(run: Run, state: TrainState, batch: data.PromptBatch, draw_index: int, seconds: dict,
-                      context: dict, log: rewards.RewardLog, decoded: Callable | None = None):
+def _sample_and_score(run: Run, state: TrainState, batch: data.PromptBatch, round_index: int, draw_index: int,
+                      seconds: dict, context: dict, log: rewards.RewardLog, decoded: Callable | None = None):
     """One sampling pass, its groups scored on the host as they finish while the devices decode the others
     (`stream`). ``decoded(rows, host_out)`` runs once the last row is decoded, before the last groups are
     scored (``host_out``: the pass's SampleOutput on the host with `train.packing`, else None); ``rows`` are
@@ -137,7 +137,7 @@ def _sample_and_score(run: Run, state: TrainState, batch: data.PromptBatch, draw
     (until its last rows reach the host) and `score` time (host scoring after that) to ``seconds``.
     Returns (draw, rows, what ``decoded`` returned)."""
     timer = time.perf_counter()
-    prompts, sample = _sample(run, state, batch, draw_index)
+    prompts, sample = _sample(run, state, batch, round_index, draw_index)
     scored, received, out, result = [], 0, None, None
     for piece in sample:
         received += len(piece.rows)
@@ -177,39 +177,44 @@ def _dispatch_logps(run: Run, state: TrainState, rows: tuple, packed_length: int
     return ref, old
 
 
-def _reward_context(run: Run, state: TrainState) -> dict:
+def _reward_context(run: Run, state: TrainState, data_state: data.DataState) -> dict:
     """The keywords TRL 1.16 passes every reward function beside the dataset's columns (`_score` adds
     `log_metric` and `log_extra`)."""
-    return {"trainer_state": rewards.trainer_state(int(state.step), run.config.max_steps, run.prompts.epoch)}
+    epoch = data.epochs_read(run.dataset, data_state)
+    return {"trainer_state": rewards.trainer_state(int(state.step), run.config.max_steps, epoch)}
 
 
-def _one_pass(run: Run, state: TrainState, seconds: dict, context: dict, log: rewards.RewardLog):
+def _one_pass(run: Run, state: TrainState, data_state: data.DataState, round_index: int, seconds: dict,
+              context: dict, log: rewards.RewardLog):
     """A round of one sampling pass: its log-probs are dispatched on the sampled rows (which never leave the
     devices for them) before the host scores the last groups, so the two overlap. Returns (draw, device rows,
-    ref, old)."""
-    batch = data.repeat_groups(run.prompts.next_batch(), run.config.train.num_generations)
+    ref, old, the data position after it)."""
+    tc = run.config.train
+    batch, data_state = data.next_batch(run.dataset, data_state, tc.prompts_per_round)
+    batch = data.repeat_groups(batch, tc.num_generations)
 
     def dispatch(rows, out):
         return _dispatch_logps(run, state, rows, _packed_length(
             run, batch.prompt_mask, None if out is None else out.completion_mask, run.round_prompt_group_size))
 
-    draw, rows, (ref, old) = _sample_and_score(run, state, batch, 0, seconds, context, log, dispatch)
-    return draw, rows, ref, old
+    draw, rows, (ref, old) = _sample_and_score(run, state, batch, round_index, 0, seconds, context, log, dispatch)
+    return draw, rows, ref, old, data_state
 
 
-def _dynamic_sampling_passes(run: Run, state: TrainState, seconds: dict, context: dict, log: rewards.RewardLog
-                             ) -> tuple[rounds.Draw, dict]:
+def _dynamic_sampling_passes(run: Run, state: TrainState, data_state: data.DataState, round_index: int,
+                             seconds: dict, context: dict, log: rewards.RewardLog):
     """DAPO dynamic sampling: passes until informative groups fill the round (`rounds.init/update/finalize`)."""
     tc = run.config.train
     passes = rounds.init()
     seconds.update(sample=0.0, score=0.0)
     while not (rounds.is_full(passes, tc.prompts_per_round) or len(passes.draws) >= tc.max_num_gen_batches):
-        batch = data.repeat_groups(run.prompts.next_batch(), tc.num_generations)
-        draw, _, _ = _sample_and_score(run, state, batch, len(passes.draws), seconds, context, log)
+        batch, data_state = data.next_batch(run.dataset, data_state, tc.prompts_per_round)
+        batch = data.repeat_groups(batch, tc.num_generations)
+        draw, _, _ = _sample_and_score(run, state, batch, round_index, len(passes.draws), seconds, context, log)
         timer = time.perf_counter()
         passes = rounds.update(passes, draw, rounds.zero_std_groups(draw, _weights(run), tc.num_generations))
         seconds["score"] += time.perf_counter() - timer
-    return rounds.finalize(passes, tc.prompts_per_round, tc.num_generations)
+    return (*rounds.finalize(passes, tc.prompts_per_round, tc.num_generations), data_state)
 
 
 def _step_rows(run: Run, round_index: int) -> np.ndarray:
@@ -223,18 +228,22 @@ def _step_rows(run: Run, round_index: int) -> np.ndarray:
     return np.stack([s for _ in range(tc.num_iterations) for s in slices])
 
 
-def prepare_round(run: Run, state: TrainState, round_index: int) -> RoundBatch:
+def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round_index: int
+                  ) -> tuple[RoundBatch, data.DataState]:
     """A round before its updates: sample (jit) -> dispatch ref/old log-probs -> rows to host -> score (host)
-    -> advantages -> RoundBatch. With DAPO dynamic sampling the passes are merged on the host first."""
+    -> advantages -> RoundBatch, and the data position after its prompts. With DAPO dynamic sampling the passes are
+    merged on the host first."""
     cfg, tc = run.config, run.config.train
     seconds: dict = {}
     log = rewards.RewardLog()
-    context = _reward_context(run, state)
+    context = _reward_context(run, state, data_state)
     if tc.dynamic_sampling:
-        draw, sampling_metrics = _dynamic_sampling_passes(run, state, seconds, context, log)
+        draw, sampling_metrics, data_state = _dynamic_sampling_passes(run, state, data_state, round_index, seconds,
+                                                                      context, log)
         ref = old = rows = None
     else:
-        (draw, rows, ref, old), sampling_metrics = _one_pass(run, state, seconds, context, log), {}
+        draw, rows, ref, old, data_state = _one_pass(run, state, data_state, round_index, seconds, context, log)
+        sampling_metrics = {}
 
     timer = time.perf_counter()
     mask = rounds.mask_truncated(draw.completion_mask, draw.is_truncated) if tc.mask_truncated_completions \
@@ -276,7 +285,7 @@ def prepare_round(run: Run, state: TrainState, round_index: int) -> RoundBatch:
                                  sampler_per_token_logps=masked_sampler if tc.use_sampler_logps else None),
                       step_rows=step_rows, round_index=round_index, first_step=int(state.step),
                       position=0, metrics={k: plain(v) for k, v in metrics.items()}, seconds=seconds,
-                      completions=completions)
+                      completions=completions), data_state
 
 
 def run_steps(run: Run, state: TrainState, round_batch: RoundBatch, *, until: int,
@@ -310,7 +319,6 @@ def run_steps(run: Run, state: TrainState, round_batch: RoundBatch, *, until: in
         if max_skipped is not None and unchecked > max_skipped:  # these steps alone could pass the limit
             max_skipped -= int(sum(jax.device_get([m["skipped"] for m in pending[-unchecked:]])))
             unchecked = 0
-    run.prompts.prefetch()  # the next round's prompts are tokenized while the devices run the steps
     pending = jax.device_get(pending)  # one host sync per call, after every step was dispatched
     t_update = (time.perf_counter() - timer) / max(len(pending), 1)
 
@@ -324,6 +332,9 @@ def run_steps(run: Run, state: TrainState, round_batch: RoundBatch, *, until: in
     return state, rb._replace(position=position), lines
 
 
-def run_round(run: Run, state: TrainState, round_index: int) -> tuple[TrainState, RoundBatch, list[dict]]:
+def run_round(run: Run, state: TrainState, data_state: data.DataState, round_index: int
+              ) -> tuple[TrainState, data.DataState, RoundBatch, list[dict]]:
     """One generation round: `prepare_round`, then all its optimizer steps (`run_steps`)."""
-    return run_steps(run, state, prepare_round(run, state, round_index), until=run.config.max_steps)
+    round_batch, data_state = prepare_round(run, state, data_state, round_index)
+    state, round_batch, lines = run_steps(run, state, round_batch, until=run.config.max_steps)
+    return state, data_state, round_batch, lines

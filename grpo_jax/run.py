@@ -35,14 +35,14 @@ class Run:
     """Everything `train` builds once before the loop and never changes: config, data, rewards, mesh, programs.
 
     The train state is not here: `build` returns it beside the run, and the loop passes it explicitly.
-    `prompts` is the data iterator, the one part that moves (I/O, saved in checkpoints by its `state()`).
+    The data position is not here either: it is a `data.DataState` the loop passes beside the train state.
     """
 
     config: Config
     output_dir: Path
     tokenizer: PreTrainedTokenizerBase
     tokenizer_path: Path
-    prompts: data.PromptIterator
+    dataset: data.Dataset
     eval_rows: list[dict]
     reward_fns: list[tuple[str, Callable]]
     eval_reward_fns: list[tuple[str, Callable]]
@@ -109,8 +109,9 @@ def _saved_config(output_dir: Path, config: Config) -> tuple[dict, dict]:
 
 
 def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_dataset=None):
-    """The tokenizer, training rows and held-out rows (`grpo_jax.sources`), and the prompt length L: from files or
-    datasets (or those given from Python), or the embedded task written to files."""
+    """The tokenizer, the training prompts tokenized (`data.Dataset`, left-padded to the run's prompt length L) and
+    the held-out rows (`grpo_jax.sources`): from files or datasets (or those given from Python), or the embedded
+    task written to files."""
     tokenizer_dir = config.data.tokenizer_path or config.model.path  # a model folder holds its tokenizer
     given_data = config.data.path is not None or train_dataset is not None
     if not given_data:
@@ -160,12 +161,16 @@ def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_datase
                          f"{len(tokenizer)} tokens ({tokenizer_dir}): raise model.vocab_size or leave it unset")
     # every row is checked before the first step: a bad one fails now, naming its line, not halfway through
     limit, truncation = config.data.max_prompt_length, config.data.truncation
-    lengths = data.check_prompts(train_where, data.prompt_column(train_rows), train_lines, tokenizer, limit,
-                                 truncation)
+    tokens, offsets = data.check_prompts(train_where, data.prompt_column(train_rows), train_lines, tokenizer, limit,
+                                         truncation)
+    lengths = np.diff(offsets)
     if len(eval_rows):
-        lengths = np.concatenate([lengths, data.check_prompts(eval_where, data.prompt_column(eval_rows), eval_lines,
-                                                              tokenizer, limit, "left")])
-    return tokenizer, tokenizer_dir, train_rows, list(eval_rows), _prompt_length(limit, lengths)
+        _, eval_offsets = data.check_prompts(eval_where, data.prompt_column(eval_rows), eval_lines, tokenizer, limit,
+                                             "left")
+        lengths = np.concatenate([lengths, np.diff(eval_offsets)])
+    length = _prompt_length(limit, lengths)
+    dataset = data.Dataset(train_rows, tokens, offsets, length, tokenizer.pad_token_id)
+    return tokenizer, tokenizer_dir, dataset, list(eval_rows)
 
 
 PROMPT_LENGTH_MULTIPLE = 16  # data.max_prompt_length: null rounds the longest prompt up to this
@@ -321,9 +326,9 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     model_config = resolve_config(config.model)
     model_config = dataclasses.replace(model_config, lora=peft_io.resolve_lora(model_config.lora))
     config = dataclasses.replace(config, model=model_config)
-    tokenizer, tokenizer_dir, train_rows, eval_rows, prompt_length = _load_data(config, output_dir, train_dataset,
-                                                                                eval_dataset)
-    config = dataclasses.replace(config, data=dataclasses.replace(config.data, max_prompt_length=prompt_length))
+    tokenizer, tokenizer_dir, dataset, eval_rows = _load_data(config, output_dir, train_dataset, eval_dataset)
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data,
+                                                                  max_prompt_length=dataset.max_prompt_length))
     if config.model.vocab_size is None:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=len(tokenizer)))
     tc = config.train
@@ -335,15 +340,12 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     eval_reward_fns = _resolve_rewards(config, config.eval.reward_functions, mesh)
     # a reward function that fails on its first call does so now, not after the sampler compiled
     where = "train_dataset" if train_dataset is not None else config.data.path or "the embedded task"
-    rewards.check_reward_fns(reward_fns, [train_rows[i] for i in range(min(2, len(train_rows)))],
+    rewards.check_reward_fns(reward_fns, [dataset.rows[i] for i in range(min(2, len(dataset)))],
                              tokenizer.eos_token_id, where=where, process=config.train.advantage_estimator == "process")
     rewards.check_reward_fns(eval_reward_fns, eval_rows[:2], tokenizer.eos_token_id,
                              where="eval_dataset" if eval_dataset is not None else config.eval.path or where)
     sharding.check_rows(tc.train_batch_size // tc.gradient_accumulation_steps, mesh,
                         "train.train_batch_size / train.gradient_accumulation_steps")
-    prompts = data.PromptIterator(train_rows, tokenizer, prompts_per_round=tc.prompts_per_round,
-                                  max_prompt_length=config.data.max_prompt_length, seed=config.seed,
-                                  truncation=config.data.truncation)
     schedule, optimizer = optimizer_from_config(tc, config.max_steps)
     state_options = dict(seed=config.seed, with_reference=config.loss.beta != 0.0, mesh=mesh,
                          ref_param_dtype=tc.ref_param_dtype, offload_ref_params=tc.offload_ref_params)
@@ -385,7 +387,7 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     if jax.process_index() == 0:
         (output_dir / "config.yaml").write_text(yaml.safe_dump(given, sort_keys=False))
     run = Run(config=config, output_dir=output_dir, tokenizer=tokenizer, tokenizer_path=tokenizer_dir,
-              prompts=prompts, eval_rows=eval_rows, reward_fns=reward_fns, eval_reward_fns=eval_reward_fns,
+              dataset=dataset, eval_rows=eval_rows, reward_fns=reward_fns, eval_reward_fns=eval_reward_fns,
               mesh=mesh, graphdef=graphdef, schedule=schedule, programs=run_programs,
               step_prompt_group_size=step_group, round_prompt_group_size=round_group, resuming=resuming,
               output_lock=held)

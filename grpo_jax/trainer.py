@@ -12,7 +12,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from grpo_jax import checkpoint, export, preemption, sharding
+from grpo_jax import checkpoint, data, export, preemption, sharding
 from grpo_jax.config import Config, to_dict
 from grpo_jax.evaluation import evaluate, short_names
 from grpo_jax.reporting import MetricsWriter, is_eval, plot_run
@@ -26,11 +26,13 @@ __all__ = ["RoundBatch", "build", "prepare_round", "run_round", "run_steps", "tr
 _SCALARS = ("round_index", "first_step", "position", "metrics", "seconds", "completions")  # its JSON part
 
 
-def _meta(run: Run, round_index: int, round_batch: RoundBatch | None, history: list, eval_before: dict) -> dict:
-    """The JSON part of a checkpoint: everything but the state and the round's arrays."""
+def _meta(run: Run, data_state: data.DataState, round_index: int, round_batch: RoundBatch | None, history: list,
+          eval_before: dict) -> dict:
+    """The JSON part of a checkpoint: everything but the train state and the round's arrays (the data position
+    is three ints)."""
     scalars = None if round_batch is None else {k: getattr(round_batch, k) for k in _SCALARS}
     # a copy: the save writes in the background while the loop appends to the history
-    return {"round_index": round_index, "data": run.prompts.state(), "buffer": scalars, "history": list(history),
+    return {"round_index": round_index, "data": data_state._asdict(), "buffer": scalars, "history": list(history),
             "eval_before": eval_before, "config": to_dict(run.config), "model_config": to_dict(run.config.model),
             "tokenizer_path": str(run.tokenizer_path)}
 
@@ -43,14 +45,15 @@ def _arrays(round_batch: RoundBatch | None) -> dict:
     return {**rows, "step_rows": round_batch.step_rows}
 
 
-def _restore(run: Run, state: TrainState, mngr):
-    """Continues a run from its newest valid checkpoint: (state, round batch, round index, history, eval before)."""
+def _restore(run: Run, state: TrainState, data_state: data.DataState, mngr):
+    """Continues a run from its newest valid checkpoint: (state, data position, round batch, round index, history,
+    eval before)."""
     restored = checkpoint.restore_latest(mngr, state, keep_ref=run.keep_ref)
     if restored is None:
         print(f"grpo_jax: {run.output_dir} has no checkpoint yet: starting from step 0")
-        return state, None, 0, [], None
+        return state, data_state, None, 0, [], None
     step, state, meta, arrays = restored
-    run.prompts.restore(meta["data"])
+    data_state = data.DataState(**{"seed": run.config.seed, **meta["data"]})  # older runs saved no seed
     round_batch = None
     if meta["buffer"] is not None:
         rows = sharding.shard_global_rows(Batch(**{k: arrays.get(k) for k in Batch._fields}), run.mesh)
@@ -58,7 +61,7 @@ def _restore(run: Run, state: TrainState, mngr):
     where = "" if round_batch is None else f", inside round {round_batch.round_index} ({round_batch.position} " \
         f"of its {len(round_batch.step_rows)} steps done)"
     print(f"grpo_jax: resuming from checkpoint {mngr.directory / str(step)} at step {step}{where}")
-    return state, round_batch, meta["round_index"], meta["history"], meta["eval_before"]
+    return state, data_state, round_batch, meta["round_index"], meta["history"], meta["eval_before"]
 
 
 def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | None = None, train_dataset=None,
@@ -94,9 +97,10 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
     print(f"grpo_jax: output_dir={run.output_dir}  devices={len(run.mesh.devices.flat)} "
           f"({jax.devices()[0].platform})  mesh={dict(run.mesh.shape)}")
     mngr = checkpoint.manager(run.output_dir, save_total_limit=config.save_total_limit)
+    data_state = data.DataState(epoch=0, index=0, seed=config.seed)
     round_batch, round_index, history, before = None, 0, [], None
     if run.resuming:
-        state, round_batch, round_index, history, before = _restore(run, state, mngr)
+        state, data_state, round_batch, round_index, history, before = _restore(run, state, data_state, mngr)
     saved_step = int(state.step) if history else -1
     writer = MetricsWriter(run.output_dir, max_steps=config.max_steps, initial_step=int(state.step),
                            logging_steps=config.logging_steps, show_progress=show_progress, history=history,
@@ -109,17 +113,15 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
 
     def save(wait: bool) -> None:
         checkpoint.save(mngr, state, keep_ref=run.keep_ref, wait=wait, arrays=_arrays(round_batch),
-                        meta=_meta(run, round_index, round_batch, writer.history, before))
+                        meta=_meta(run, data_state, round_index, round_batch, writer.history, before))
 
     skipped, step = 0, int(state.step)
-    unprepared, failure = None, None  # the data position before a round still being prepared; what stopped the loop
+    failure = None  # what stopped the loop
     try:
         with preemption.PreemptionGuard() as guard:
             while step < config.max_steps and not guard.requested:
-                if round_batch is None:
-                    unprepared = run.prompts.state()
-                    round_batch = prepare_round(run, state, round_index)
-                    unprepared = None
+                if round_batch is None:  # the data position moves only once the round is prepared
+                    round_batch, data_state = prepare_round(run, state, data_state, round_index)
                 until = config.max_steps
                 if config.save_steps:
                     until = min(until, (step // config.save_steps + 1) * config.save_steps)
@@ -155,8 +157,6 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
         raise
     except Exception as error:
         failure = error
-        if unprepared is not None:  # the round's prompts are drawn again on resume
-            run.prompts.restore(unprepared)
         raise preemption.failed(error, run.output_dir, checkpoint.nbytes(state, run.keep_ref, _arrays(round_batch)),
                                 state=state, history=writer.history, saved_step=saved_step, save=save) from error
     finally:

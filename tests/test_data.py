@@ -67,8 +67,9 @@ def test_every_prompt_is_checked_before_training_and_named_by_its_line(tmp_path,
     with pytest.raises(ValueError, match=r"d.jsonl: line 3: the prompt .* cannot be tokenized \(TypeError: .*\): "
                                          r"fix or remove that row"):
         data.check_prompts(path, data.prompt_column(loaded), lines, tok, 8, "left")
-    lengths = data.check_prompts(path, [rows[0]["prompt"], rows[2]["prompt"]], [1, 4], tok, 8, "left")
-    assert lengths.tolist() == [3, 10]  # the second is truncated later, warned about at build
+    tokens, offsets = data.check_prompts(path, [rows[0]["prompt"], rows[2]["prompt"]], [1, 4], tok, 8, "left")
+    assert np.diff(offsets).tolist() == [3, 10]  # the second is truncated later, warned about at build
+    assert tokens.tolist() == tok("12>123456789>", add_special_tokens=False)["input_ids"]
     with pytest.raises(ValueError, match=r"d.jsonl: line 4: the prompt '123456789>' has 10 tokens > "
                                          r"data.max_prompt_length=8: raise data.max_prompt_length"):
         data.check_prompts(path, [rows[0]["prompt"], rows[2]["prompt"]], [1, 4], tok, 8, "error")
@@ -109,96 +110,83 @@ def test_tokenize_prompts_bad_args(tok):
         data.tokenize_prompts(tok, ["1", ""], 4)
 
 
-# --- PromptIterator --------------------------------------------------------------------------------------
+# --- Dataset and DataState ------------------------------------------------------------------------------
 
 
-def _iter(n=7, p=3, seed=0, **kw):
-    return data.PromptIterator(_rows(n), task.build_tokenizer(), prompts_per_round=p, max_prompt_length=4,
-                               seed=seed, **kw)
+def _dataset(rows, tokenizer=None, length=4, truncation="left"):
+    tokenizer = tokenizer or task.build_tokenizer()
+    tokens, offsets = data.check_prompts("rows", data.prompt_column(rows), None, tokenizer, length, truncation)
+    return data.Dataset(rows, tokens, offsets, length, tokenizer.pad_token_id)
 
 
-def _take_indices(it, num_batches):
-    return [i for _ in range(num_batches) for i in it.next_batch().columns["idx"]]
+def _take_indices(dataset, p, seed, num_batches):
+    position, out = data.DataState(0, 0, seed), []
+    for _ in range(num_batches):
+        batch, position = data.next_batch(dataset, position, p)
+        out += batch.columns["idx"]
+    return out
 
 
-def test_iterator_epochs_follow_seeded_permutations():
+def test_batches_follow_seeded_epoch_permutations():
     n, p, seed = 7, 3, 5
-    seen = _take_indices(_iter(n, p, seed), 7)  # 21 prompts = exactly 3 epochs
+    seen = _take_indices(_dataset(_rows(n)), p, seed, 7)  # 21 prompts = exactly 3 epochs
     expected = np.concatenate([np.random.default_rng([seed, e]).permutation(n) for e in range(3)]).tolist()
     assert seen == expected
     for e in range(3):
         assert sorted(seen[e * n:(e + 1) * n]) == list(range(n))
 
 
-def test_iterator_deterministic_per_seed_and_differs_across_seeds():
-    assert _take_indices(_iter(seed=1), 5) == _take_indices(_iter(seed=1), 5)
-    assert _take_indices(_iter(seed=1), 5) != _take_indices(_iter(seed=2), 5)
+def test_batches_are_deterministic_per_seed_and_differ_across_seeds():
+    dataset = _dataset(_rows(7))
+    assert _take_indices(dataset, 3, 1, 5) == _take_indices(dataset, 3, 1, 5)
+    assert _take_indices(dataset, 3, 1, 5) != _take_indices(dataset, 3, 2, 5)
 
 
-def test_iterator_batch_contents():
-    batch = _iter(n=4, p=3, seed=0).next_batch()
-    assert batch.prompt_ids.shape == (3, 4) and batch.prompt_mask.shape == (3, 4)
+def test_batch_contents_are_the_prompts_tokenized_alone(tok):
+    dataset = _dataset(_rows(12), tok)
+    batch, _ = data.next_batch(dataset, data.DataState(0, 0, 0), 5)
+    assert batch.prompt_ids.shape == (5, 4) and batch.prompt_mask.shape == (5, 4)
     assert batch.prompts == [f"{i}>" for i in batch.columns["idx"]]
     assert batch.columns["answer"] == [str(i) for i in batch.columns["idx"]]
     assert batch.num_truncated == 0
+    ids, mask, _ = data.tokenize_prompts(tok, batch.prompts, 4)  # the reference: each batch tokenized on its own
+    np.testing.assert_array_equal(batch.prompt_ids, ids)
+    np.testing.assert_array_equal(batch.prompt_mask, mask)
 
 
-def test_iterator_more_prompts_than_rows_spans_epochs():
+def test_more_prompts_than_rows_span_epochs():
     n, seed = 3, 4
-    it = _iter(n=n, p=8, seed=seed)
+    batch, position = data.next_batch(_dataset(_rows(n)), data.DataState(0, 0, seed), 8)
     expected = np.concatenate([np.random.default_rng([seed, e]).permutation(n) for e in range(3)]).tolist()
-    assert it.next_batch().columns["idx"] == expected[:8]
-    assert it.state() == {"epoch": 2, "index": 2}
+    assert batch.columns["idx"] == expected[:8]
+    assert position == data.DataState(epoch=2, index=2, seed=seed)
 
 
-def test_iterator_state_restore_continues_identically():
-    a = _iter(n=7, p=3, seed=9)
-    _take_indices(a, 4)
-    state = a.state()
-    assert state == {"epoch": 1, "index": 5}
-    tail_a = _take_indices(a, 6)
-    b = _iter(n=7, p=3, seed=9)
-    b.restore(json.loads(json.dumps(state)))  # state survives a JSON round trip (checkpoints)
-    assert _take_indices(b, 6) == tail_a
+def test_a_saved_position_continues_identically():
+    dataset = _dataset(_rows(7))
+    position = data.DataState(0, 0, 9)
+    for _ in range(4):
+        _, position = data.next_batch(dataset, position, 3)
+    assert position == data.DataState(1, 5, 9)
+    saved = data.DataState(**json.loads(json.dumps(position._asdict())))  # as a checkpoint's JSON keeps it
+    a = b = None
+    for _ in range(6):
+        a, position = data.next_batch(dataset, position, 3)
+        b, saved = data.next_batch(dataset, saved, 3)
+        assert a.columns["idx"] == b.columns["idx"]
     with pytest.raises(ValueError, match="out of range for 7 rows"):
-        b.restore({"epoch": 0, "index": 7})
+        data.next_batch(dataset, data.DataState(0, 7, 9), 3)
 
 
-def test_prefetch_tokenizes_batches_ahead_in_one_call_without_moving_the_position(monkeypatch):
-    monkeypatch.setattr(data.PromptIterator, "TOKENIZE_AT_ONCE", 7)  # 3 batches of 3 prompts per call
-    calls = []
-    make = data._make_batches
-    monkeypatch.setattr(data, "_make_batches", lambda tok, batches, *a: calls.append(len(batches)) or
-                        make(tok, batches, *a))
-    it, tok = _iter(n=7, p=3, seed=3), task.build_tokenizer()
-    order = np.concatenate([np.random.default_rng([3, e]).permutation(7) for e in range(3)]).tolist()
-    for round_index in range(6):  # 18 prompts: crosses two epoch boundaries
-        state = it.state()
-        it.prefetch()
-        it.prefetch()
-        assert it.state() == state and calls == [3] * (round_index // 3 + 1)
-        batch = it.next_batch()
-        idx = order[3 * round_index:3 * round_index + 3]
-        assert batch.columns["idx"] == idx and batch.prompts == [f"{i}>" for i in idx]
-        ids, mask, _ = data.tokenize_prompts(tok, batch.prompts, 4)  # alone, as the batch's own call would
-        np.testing.assert_array_equal(batch.prompt_ids, ids)
-        np.testing.assert_array_equal(batch.prompt_mask, mask)
-    it.prefetch()
-    assert calls == [3, 3, 3]
-    it.restore({"epoch": 0, "index": 1})  # a restored position drops the batches tokenized ahead
-    assert it.next_batch().columns["idx"] == order[1:4] and calls == [3, 3, 3, 3]
-
-
-def test_iterator_missing_columns_become_none_and_truncation_counted():
+def test_missing_columns_become_none_and_truncation_is_counted():
     rows = [{"prompt": "123456>", "answer": "1"}, {"prompt": "1>"}]
-    it = data.PromptIterator(rows, task.build_tokenizer(), prompts_per_round=2, max_prompt_length=4, seed=0)
-    batch = it.next_batch()
+    batch, _ = data.next_batch(_dataset(rows), data.DataState(0, 0, 0), 2)
     assert batch.num_truncated == 1
     assert dict(zip(batch.prompts, batch.columns["answer"])) == {"123456>": "1", "1>": None}
-    strict = data.PromptIterator(rows, task.build_tokenizer(), prompts_per_round=2, max_prompt_length=4,
-                                 seed=0, truncation="error")
-    with pytest.raises(ValueError, match=r"\('123456>'\) has 7 tokens > data.max_prompt_length=4"):
-        strict.next_batch()
+    long = batch.prompt_ids[batch.prompts.index("123456>")]
+    assert task.build_tokenizer().decode(long) == "456>"  # left truncation keeps the prompt's end
+    with pytest.raises(ValueError, match=r"row 0: the prompt '123456>' has 7 tokens > data.max_prompt_length=4"):
+        _dataset(rows, truncation="error")
 
 
 # --- repeat_groups ---------------------------------------------------------------------------------------
@@ -259,8 +247,7 @@ def test_chat_prompt_without_template_is_an_error(tok):
 
 def test_batches_keep_raw_messages_for_rewards(chat_tok):
     rows = [{"prompt": CHAT, "answer": "3"}, {"prompt": "12>", "answer": "21"}]
-    it = data.PromptIterator(rows, chat_tok, prompts_per_round=2, max_prompt_length=16, seed=0)
-    batch = data.repeat_groups(it.next_batch(), 2)
+    batch = data.repeat_groups(data.next_batch(_dataset(rows, chat_tok, 16), data.DataState(0, 0, 0), 2)[0], 2)
     assert sorted(map(str, batch.prompts)) == sorted(map(str, [CHAT, CHAT, "12>", "12>"]))
     prompts, completions = data.reward_inputs(batch.prompts, [f"c{i}" for i in range(4)])
     assert prompts == batch.prompts

@@ -138,22 +138,23 @@ def test_prompt_length_fits_the_data_or_warns_how_many_are_cut(files, tmp_path):
 
 
 def test_a_memory_mapped_dataset_iterates_and_resumes_as_the_list_does(files):
-    """PromptIterator over a datasets.Dataset reads rows by index: the same batches as over the list, and the same
-    batches again after restoring a saved position (what a checkpoint resumes from)."""
+    """A data.Dataset over a datasets.Dataset reads rows by index: the same batches as over the list, and the same
+    batches again from a saved position (what a checkpoint resumes from)."""
     from grpo_jax import data
 
     tok = task.build_tokenizer()
     rows, _ = sources.load_rows(str(files["parquet"]))
 
-    def batches(source, n, restore=None):
-        it = data.PromptIterator(source, tok, prompts_per_round=5, max_prompt_length=8, seed=3)
-        if restore is not None:
-            it.restore(restore)
-        out = [it.next_batch() for _ in range(n)]
-        return [(b.prompt_ids.tolist(), b.prompts, b.columns) for b in out], it.state()
+    def batches(source, n, position=data.DataState(0, 0, 3)):
+        tokens, offsets = data.check_prompts("rows", data.prompt_column(source), None, tok, 8, "left")
+        dataset, out = data.Dataset(source, tokens, offsets, 8, tok.pad_token_id), []
+        for _ in range(n):
+            batch, position = data.next_batch(dataset, position, 5)
+            out.append((batch.prompt_ids.tolist(), batch.prompts, batch.columns))
+        return out, position
 
     from_list, _ = batches(ROWS, 12)
     from_dataset, _ = batches(rows, 12)
     assert from_dataset == from_list  # 12 batches of 5 over 24 rows: across epoch boundaries
     _, position = batches(rows, 7)
-    assert batches(rows, 5, restore=position)[0] == from_list[7:]
+    assert batches(rows, 5, position)[0] == from_list[7:]

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from grpo_jax import rounds, trainer
+from grpo_jax import data, rounds, trainer
 from grpo_jax.config import load_config
 from grpo_jax.reporting import plain
 
@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # a short run of the embedded task: few steps, small rounds (the default run is the README's command)
 QUICK = ["max_steps=4", "train.train_batch_size=16", "train.num_generations=4", "eval.num_examples=8",
          "sampling.max_completion_length=6"]
+START = data.DataState(epoch=0, index=0, seed=0)  # a run's first data position (seed 0, the default)
 
 
 def spy(run, **programs):
@@ -89,7 +90,7 @@ def test_streamed_round_scores_groups_as_they_finish_and_equals_the_static_round
         calls = []
         run = dataclasses.replace(run, reward_fns=[(name, lambda fn=fn, **kw: calls.append(len(kw["completions"]))
                                                     or fn(**kw)) for name, fn in run.reward_fns])
-        _, round_batch, lines = trainer.run_round(run, state, 0)
+        _, _, round_batch, lines = trainer.run_round(run, state, START, 0)
         out[slots] = calls, round_batch, lines
     (static_calls, static, static_lines), (calls, streamed, lines) = out[0], out[2]
     passes = lines[0].get("dynamic_sampling/num_gen_batches", 1)
@@ -165,7 +166,7 @@ def test_on_policy_round_skips_old_logps(tmp_path, monkeypatch):
     run, state = trainer.build(config)
     calls = []
     run = spy(run, logps=lambda *a: calls.append(1) or run.programs.logps(*a))
-    state, _, _ = trainer.run_round(run, state, 0)
+    state, _, _, _ = trainer.run_round(run, state, START, 0)
     assert calls == [] and int(state.step) == 1
 
 
@@ -223,8 +224,9 @@ def test_no_recompilation_across_rounds(tmp_path):
     config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "max_steps=6", "eval.num_examples=0",
                                 "train.steps_per_generation=2"])
     run, state = trainer.build(config)
+    position = START
     for round_index in range(3):
-        state, _, _ = trainer.run_round(run, state, round_index)
+        state, position, _, _ = trainer.run_round(run, state, position, round_index)
     assert int(state.step) == 6
     programs = run.programs
     assert programs.sample._cache_size() == programs.step._cache_size() == programs.advantages._cache_size() == 1
@@ -245,7 +247,7 @@ def test_a_step_gets_its_rows(tmp_path, batch_size, gathers):
     run = spy(run, take=lambda batch, rows: taken.append(rows) or take(batch, rows),
               step=lambda state, batch, *packed: batches.append(jax.device_get(batch))
               or step(state, batch, *packed))
-    _, round_batch, _ = trainer.run_round(run, state, 0)
+    _, _, round_batch, _ = trainer.run_round(run, state, START, 0)
     assert len(taken) == gathers and len(batches) == 1
     in_order = np.array_equal(round_batch.step_rows[0], np.arange(batch_size))
     assert in_order == (gathers == 0)
@@ -260,7 +262,7 @@ def test_sampler_logps_serve_as_old_logps(tmp_path):
     config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "max_steps=2", "eval.num_examples=0",
                                 "train.steps_per_generation=2"])
     run, state = trainer.build(config)
-    rows = trainer.prepare_round(run, state, 0).rows
+    rows = trainer.prepare_round(run, state, START, 0)[0].rows
     fresh = run.programs.logps(state.params, rows.prompt_ids, rows.prompt_mask, rows.completion_ids,
                                rows.completion_mask)
     mask = np.asarray(rows.completion_mask, bool)
@@ -296,7 +298,7 @@ def test_shared_prompt_round_equals_per_row_round(tmp_path):
                                     f"train.share_prompt_prefix={str(share).lower()}"])
         run, state = trainer.build(config)
         assert run.step_prompt_group_size == (4 if share else 1)
-        _, round_batch, lines = trainer.run_round(run, state, 0)
+        _, _, round_batch, lines = trainer.run_round(run, state, START, 0)
         rows = round_batch.rows
         out[share] = (*jax.device_get((rows.completion_ids, rows.completion_mask, rows.ref_per_token_logps)),
                       lines[0])
@@ -319,7 +321,7 @@ def test_packed_round_equals_padded_round(tmp_path, overrides):
         config = load_config(None, [f"output_dir={tmp_path / str(packing)}", *QUICK, "max_steps=2",
                                     "eval.num_examples=0", f"train.packing={str(packing).lower()}", *overrides])
         run, state = trainer.build(config)
-        _, round_batch, lines = trainer.run_round(run, state, 0)
+        _, _, round_batch, lines = trainer.run_round(run, state, START, 0)
         rows = round_batch.rows
         out[packing] = (*jax.device_get((rows.completion_mask, rows.ref_per_token_logps, rows.old_per_token_logps)),
                         lines)
@@ -342,8 +344,8 @@ def test_seeded_runs_are_reproducible(tmp_path):
     for name in ("a", "b"):
         config = load_config(None, [f"output_dir={tmp_path / name}", *QUICK, "max_steps=2", "eval.num_examples=0"])
         run, state = trainer.build(config)
-        state, _, _ = trainer.run_round(run, state, 0)
-        state, _, _ = trainer.run_round(run, state, 1)
+        state, position, _, _ = trainer.run_round(run, state, START, 0)
+        state, _, _, _ = trainer.run_round(run, state, position, 1)
         params.append(jax.device_get(state.params))
     jax.tree.map(np.testing.assert_array_equal, *params)
 
@@ -376,7 +378,7 @@ def _one_round(tmp_path, overrides, loss_fn=None):
                                   or step(state, batch, *packed)),
                               reward_fns=[(name, lambda fn=fn, **kw: calls.append(kw["completion_ids"]) or fn(**kw))
                                           for name, fn in run.reward_fns])
-    state, _, lines = trainer.run_round(run, state, 0)
+    state, _, _, lines = trainer.run_round(run, state, START, 0)
     return run, state, calls, batches, lines[0]
 
 
@@ -492,7 +494,7 @@ def test_offloaded_reference_trains_like_one_on_the_devices(tmp_path, sync):
         kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.ref_params)}
         assert kinds == ({"pinned_host"} if offload else {"device"})
         initial_ref = jax.device_get(state.ref_params)
-        state, _, lines = trainer.run_round(run, state, 0)
+        state, _, _, lines = trainer.run_round(run, state, START, 0)
         out[offload] = ([{k: v for k, v in line.items() if not k.startswith("step_time")} for line in lines],
                         jax.device_get((state.params, state.ref_params)))
     (lines, trees), (lines_on_device, trees_on_device) = out[True], out[False]
@@ -601,9 +603,9 @@ def test_reporting_and_evaluation_during_training(tmp_path, monkeypatch, capsys)
     quiet = dataclasses.replace(config, output_dir=str(tmp_path / "quiet"), report_to=(), log_completions=False,
                                 eval=dataclasses.replace(config.eval, num_examples=0))
     run, state = trainer.build(quiet)
-    expected = []
+    expected, position = [], START
     for round_index in range(4):
-        state, _, round_lines = trainer.run_round(run, state, round_index)
+        state, position, _, round_lines = trainer.run_round(run, state, position, round_index)
         expected += round_lines
 
     def untimed(line):
