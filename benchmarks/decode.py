@@ -1,4 +1,4 @@
-"""Decode throughput of `grpo_jax.sampling.generate` against the memory-bandwidth bound, JSON out.
+"""Decode throughput of `grpo_jax.decoder` (a static batch) against the memory-bandwidth bound, JSON out.
 
     python benchmarks/decode.py --size qwen0.5b --rows 64 --prompt-length 64 --new-tokens 256 --dtype bfloat16
 
@@ -60,10 +60,10 @@ def model_config_for(size: str, dtype: str, param_dtype: str | None):
 
 def measure(size: str, rows: int, prompt_length: int, new_tokens: int, dtype: str, param_dtype: str | None,
             repeats: int = 3) -> dict:
-    """Decode tokens/s of `generate` and its fraction of the bandwidth bound (see the module docstring)."""
-    from grpo_jax import cpu
+    """Decode tokens/s of `decoder` and its fraction of the bandwidth bound (see the module docstring)."""
+    from grpo_jax import cpu, decoder
     from grpo_jax.models import init_model
-    from grpo_jax.sampling import SamplingConfig, generate
+    from grpo_jax.sampling import SamplingConfig
 
     config = model_config_for(size, dtype, param_dtype)
     graphdef, params = init_model(config, seed=0)
@@ -71,17 +71,21 @@ def measure(size: str, rows: int, prompt_length: int, new_tokens: int, dtype: st
     mask = jnp.ones((rows, prompt_length), jnp.int32)
 
     def timed(T):
-        choose_tokens = cpu.token_chooser() if cpu.enabled(None) else None  # as a training run samples
-        fn = jax.jit(lambda p, i, m, k: generate(graphdef, p, i, m, k, config=SamplingConfig(max_completion_length=T),
-                                                 eos_token_ids=(-1,), pad_token_id=1, choose_tokens=choose_tokens))
+        options = decoder.DecodeOptions(SamplingConfig(max_completion_length=T), (-1,), 1)
+        if cpu.enabled(None):  # as a training run samples
+            options = cpu.decode_options(options, rows, config.vocab_size)
+
+        @jax.jit
+        def fn(p, i, m, k):
+            return decoder.advance(graphdef, p, decoder.start(graphdef, p, i, m, k, options), options).steps
+
         start = time.perf_counter()
-        out = fn(params, ids, mask, jax.random.PRNGKey(1))
-        int(out.num_decode_steps)
+        int(fn(params, ids, mask, jax.random.PRNGKey(1)))
         compile_s = time.perf_counter() - start
         times = []
         for r in range(repeats):
             start = time.perf_counter()
-            int(fn(params, ids, mask, jax.random.PRNGKey(2 + r)).num_decode_steps)
+            int(fn(params, ids, mask, jax.random.PRNGKey(2 + r)))
             times.append(time.perf_counter() - start)
         return statistics.median(times), compile_s
 

@@ -16,7 +16,8 @@ import numpy as np
 import make_models
 from grpo_jax.models import ModelConfig, init_model, lora
 from grpo_jax.config.model import LoRAConfig
-from grpo_jax.sampling import SamplingConfig, generate
+from grpo_jax import decoder
+from grpo_jax.sampling import SamplingConfig
 
 
 def main(argv=None) -> dict:
@@ -35,10 +36,10 @@ def main(argv=None) -> dict:
     params = jax.tree.map(lambda x: x + 0.01 if x.ndim == 3 and x.shape[-2] == args.rank else x, params)
     ids = jnp.asarray(np.random.default_rng(0).integers(2, 128, (args.rows, args.prompt_length)), jnp.int32)
     mask = jnp.ones_like(ids)
-    sampling = SamplingConfig(max_completion_length=args.new_tokens)
+    options = decoder.DecodeOptions(SamplingConfig(max_completion_length=args.new_tokens), (-1,), 0)
 
     def sample(graphdef, params, key):  # no EOS: every call decodes all new tokens
-        return generate(graphdef, params, ids, mask, key, config=sampling, eos_token_ids=(-1,), pad_token_id=0)
+        return decoder.generate(graphdef, params, ids, mask, key, options)
 
     fns = {"on_the_fly": jax.jit(lambda p, k: sample(graphdef, p, k)),
            "merged_per_call": jax.jit(lambda p, k: sample(*lora.merged(graphdef, p), k))}

@@ -33,8 +33,10 @@ from grpo_jax.losses import LossConfig  # noqa: E402
 from grpo_jax.config.model import LoRAConfig, ModelConfig  # noqa: E402
 from grpo_jax.sampling import SamplingConfig  # noqa: E402
 from grpo_jax.state import abstract_state as library_abstract_state, make_optimizer, model_graphdef  # noqa: E402
-from grpo_jax.programs import init_state, jit_generate, jit_logps, jit_train_step  # noqa: E402
-from grpo_jax.train_step import Batch, StepOptions  # noqa: E402
+from grpo_jax import decoder  # noqa: E402
+from grpo_jax.programs import init_state, jit_logps, jit_train_step  # noqa: E402
+from grpo_jax.train_step import StepOptions  # noqa: E402
+from grpo_jax.trajectory import Trajectory  # noqa: E402
 
 QWEN25_05B = ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
@@ -83,15 +85,17 @@ def measure(config: ModelConfig, *, rows: int, prompt: int, completion: int, chu
                     **stats(compiled), "compile_s": round(time.perf_counter() - timer, 1)})
 
     if every_phase or (chunk == 0 and remat == "none"):  # sampling does not depend on either
-        sample = jit_generate(graphdef, mesh, config=SamplingConfig(max_completion_length=completion),
-                              eos_token_ids=(0,), pad_token_id=0, params_sharding=shardings.params)
+        options = decoder.DecodeOptions(SamplingConfig(max_completion_length=completion), (0,), 0)
+        sample = jax.jit(lambda p, i, m, k: decoder.generate(graphdef, p, i, m, k, options),
+                         in_shardings=(shardings.params, rs, rs, None))
         record("sampling", sample.lower(state.params, ids(prompt), ids(prompt),
-                                        jax.eval_shape(lambda: jax.random.PRNGKey(0)), False))
+                                        jax.eval_shape(lambda: jax.random.PRNGKey(0))))
     if every_phase or remat == "none":
         logps = jit_logps(graphdef, mesh, temperature=1.0, chunk_size=chunk, params_sharding=shardings.params)
         record("logps", logps.lower(state.params, ids(prompt), ids(prompt), ids(completion), ids(completion)))
-    batch = Batch(ids(prompt), ids(prompt), ids(completion), ids(completion),
-                  _abstract((rows,), jnp.float32, rs), ids(completion, jnp.float32), ids(completion, jnp.float32))
+    batch = Trajectory(ids(prompt), ids(prompt), ids(completion), ids(completion), ids(completion),
+                       ids(completion, jnp.float32), ids(completion), _abstract((rows,), jnp.bool_, rs),
+                       _abstract((rows,), jnp.float32, rs), ids(completion, jnp.float32), ids(completion, jnp.float32))
     step = jit_train_step(graphdef, optimizer, StepOptions(LossConfig(beta=0.04), 1.0, logps_chunk_size=chunk),
                           mesh, shardings)
     record("train_step", step.lower(state, batch))
@@ -113,9 +117,11 @@ def time_steps(configs: list[ModelConfig], *, rows: int, prompt: int, completion
         keys = jax.random.split(jax.random.PRNGKey(0), 4)
         prompt_ids, completion_ids = (jax.random.randint(k, (rows, n), 0, config.vocab_size)
                                       for k, n in zip(keys, (prompt, completion)))
-        batch = Batch(prompt_ids, jnp.ones((rows, prompt), jnp.int32), completion_ids,
-                      jnp.ones((rows, completion), jnp.int32), jax.random.normal(keys[2], (rows,)), None,
-                      -12.0 + 0.1 * jax.random.normal(keys[3], (rows, completion)))
+        ones = jnp.ones((rows, completion), jnp.int32)
+        batch = Trajectory(prompt_ids, jnp.ones((rows, prompt), jnp.int32), completion_ids, ones, ones,
+                           jnp.zeros((rows, completion), jnp.float32), jnp.zeros_like(ones), jnp.zeros((rows,), bool),
+                           jax.random.normal(keys[2], (rows,)), None,
+                           -12.0 + 0.1 * jax.random.normal(keys[3], (rows, completion)))
         step = jit_train_step(graphdef, optimizer, StepOptions(LossConfig(beta=0.04), 1.0, logps_chunk_size=chunk),
                               mesh, sharding.tree_shardings(state))
         state, metrics = step(state, batch)

@@ -37,7 +37,8 @@ def measure(args) -> dict:
     from grpo_jax import cpu, programs, sharding
     from grpo_jax.logprobs import packed_length
     from grpo_jax.losses import LossConfig
-    from grpo_jax.train_step import Batch, StepOptions
+    from grpo_jax.train_step import StepOptions
+    from grpo_jax.trajectory import Trajectory
 
     config = decode.model_config_for(args.size, "float32", None)
     config = dataclasses.replace(config, remat=args.remat, scan_layers=args.scan_layers,
@@ -55,12 +56,12 @@ def measure(args) -> dict:
     completion_mask = (np.arange(T)[None] < lengths[:, None]).astype(np.int32)
     ids = lambda n: rng.integers(2, config.vocab_size, (B, n)).astype(np.int32)  # noqa: E731
     zeros = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
-    batch = Batch(ids(P), prompt_mask, ids(T), completion_mask, rng.normal(size=B).astype(np.float32), None,
-                  zeros(B, T), None)
+    batch = Trajectory(ids(P), prompt_mask, ids(T), completion_mask, completion_mask, zeros(B, T),
+                       completion_mask - 1, np.zeros(B, bool), rng.normal(size=B).astype(np.float32), None, zeros(B, T))
     options = StepOptions(LossConfig(beta=0.04), 1.0, logps_chunk_size=args.logps_chunk_size, prompt_group_size=G)
     step = programs.jit_train_step(graphdef, optimizer, options, mesh, sharding.tree_shardings(state))
     rows, initial = {}, state
-    buffer_length = {"padded": 0, "packed": packed_length(prompt_mask, completion_mask, G)}
+    buffer_length = {"padded": 0, "packed": packed_length(np.sum(prompt_mask, 1), np.sum(completion_mask, 1), G)}
     for name in args.layouts:
         length = buffer_length[name]
         state = jax.tree.map(lambda x: x.copy(), initial)  # each layout's first step from the same state (donated)

@@ -2,8 +2,8 @@
 
     python benchmarks/rollout_lengths.py --size small --prompts 8 --slots 0,16          # CPU, ~5 minutes
 
-The sampler is the one a training run builds (`programs.jit_generate`: CPU speed-ups and host-thread chunks as
-configured by default), over `--prompts` prompts x `--generations` rows of random length `--prompt-length` ..
+The sampler is the one a training run builds (`programs.jit_decoder` driven by `stream.decode`: CPU speed-ups and
+host-thread chunks as configured by default), over `--prompts` prompts x `--generations` rows of random length `--prompt-length` ..
 `--prompt-length-max` (left-padded) and completions of at most `--max-completion-length` tokens.
 
 Length spread: a random-init model's next-token distribution is close to uniform, so with EOS one id of a
@@ -15,8 +15,8 @@ flight (a static batch: every row until the longest ends); padding = 1 - useful 
 
 ``--score-ms`` adds a reward function costing that many milliseconds per completion (a sleep: a judge behind HTTP,
 a code sandbox; ``--score-cpu``: a Python busy loop, as math-verify) and times sampling + scoring twice per
-setting, median of ``--repeats``: sequential (sample every row, then score) and streamed (`stream.Sampler.stream`:
-each group scored as soon as it has finished, while the others decode); ``score_hidden_fraction`` is the part of
+setting, median of ``--repeats``: sequential (sample every row, then score) and streamed (`stream.decode`: each
+group scored as soon as it has finished, while the others decode); ``score_hidden_fraction`` is the part of
 the scoring time the stream hid behind decoding.
 """
 
@@ -39,7 +39,7 @@ import decode  # noqa: E402
 def measure(args) -> dict:
     import dataclasses
 
-    from grpo_jax import cpu, programs, sharding
+    from grpo_jax import cpu, programs, sharding, stream
     from grpo_jax.models import init_model
     from grpo_jax.sampling import SamplingConfig
 
@@ -53,31 +53,39 @@ def measure(args) -> dict:
     ids = rng.integers(2, args.vocab, (B, P)).astype(np.int32)
     mask = (np.arange(P)[None] >= (P - lengths)[:, None]).astype(np.int32)
     rows, first_mask = [], None
+
+    def sample(fn, key):
+        """The call's host rows (completion masks) and its decode steps, as a round decodes them."""
+        mask_BxT, steps = np.zeros((B, args.max_completion_length), np.int32), 0
+        for piece in stream.decode(fn, params, ids, mask, key, group_size=G):
+            mask_BxT[piece.rows], steps = piece.completion_mask, max(steps, piece.decode_steps)
+        return mask_BxT, steps
+
     for slots in args.slots:
         sampling = SamplingConfig(max_completion_length=args.max_completion_length, max_batch_rows=slots)
-        fn = programs.jit_generate(graphdef, mesh, config=sampling, eos_token_ids=(0,), pad_token_id=1,
-                                   prompt_group_size=G, cpu_speedups=cpu.enabled(None))
+        fn = programs.jit_decoder(graphdef, mesh, config, config=sampling, eos_token_ids=(0,), pad_token_id=1,
+                                  prompt_group_size=G, cpu_speedups=cpu.enabled(None))
         start = time.perf_counter()
-        jax.device_get(fn(params, ids, mask, jax.random.key(0), False))
+        sample(fn, jax.random.key(0))
         first_s = time.perf_counter() - start
         times, outs = [], []
         for r in range(args.repeats):
             start = time.perf_counter()
-            outs.append(jax.device_get(fn(params, ids, mask, jax.random.key(1 + r), False)))
+            outs.append(sample(fn, jax.random.key(1 + r)))
             times.append(time.perf_counter() - start)
         if first_mask is None:
-            first_mask = [o.completion_mask for o in outs]
-        elif not all(np.array_equal(a, o.completion_mask) for a, o in zip(first_mask, outs)):
+            first_mask = [m for m, _ in outs]
+        elif not all(np.array_equal(a, m) for a, (m, _) in zip(first_mask, outs)):
             raise AssertionError(f"slots={slots} sampled other lengths than slots={args.slots[0]}")
-        # host-thread chunks (`cpu.ChunkedSampler`) each take their share of the slots; steps: the longest chunk's
-        chunks = cpu.host_chunks(0, mesh, B, G) if cpu.enabled(None) else 1
+        # host-thread chunks each take their share of the slots; steps: the longest chunk's
+        chunks = fn.chunks(B, G)
         in_flight = chunks * programs.continuous_slots(slots, B // chunks, B, 1)
-        useful = float(np.mean([o.completion_mask.sum() for o in outs]))
-        decoded = float(np.mean([int(o.num_decode_steps) * in_flight for o in outs]))
+        useful = float(np.mean([m.sum() for m, _ in outs]))
+        decoded = float(np.mean([steps * in_flight for _, steps in outs]))
         run_s = statistics.median(times)
         rows.append({"max_batch_rows": slots, "rows_in_flight": in_flight, "first_call_s": first_s,
                      "compile_s": max(first_s - run_s, 0.0), "sample_s": run_s, "useful_tokens": useful,
-                     "decode_steps": float(np.mean([int(o.num_decode_steps) for o in outs])),
+                     "decode_steps": float(np.mean([steps for _, steps in outs])),
                      "padding_fraction": 1 - useful / decoded, "useful_tokens_per_s": useful / run_s})
         if args.score_ms:
             rows[-1].update(_score_times(args, fn, params, ids, mask))
@@ -94,6 +102,8 @@ def measure(args) -> dict:
 
 def _score_times(args, fn, params, ids, mask) -> dict:
     """Sampling + scoring, sequential and streamed (see the module's docstring)."""
+    from grpo_jax import stream
+
     def score(num_rows: int) -> None:
         if not args.score_cpu:
             time.sleep(num_rows * args.score_ms / 1000)
@@ -102,21 +112,22 @@ def _score_times(args, fn, params, ids, mask) -> dict:
         while time.perf_counter() < end:
             sum(i * i for i in range(1000))
 
-    for _ in fn.stream(params, ids, mask, jax.random.key(0)):  # compiles the segments' programs
+    for _ in stream.decode(fn, params, ids, mask, jax.random.key(0), group_size=args.generations):  # compiles it all
         pass
     sequential, streamed = [], []
     for r in range(args.repeats):
         start = time.perf_counter()
-        score(len(jax.device_get(fn(params, ids, mask, jax.random.key(1 + r), False).completion_mask)))
+        pieces = list(stream.decode(fn, params, ids, mask, jax.random.key(1 + r), group_size=args.generations))
+        score(sum(len(piece.rows) for piece in pieces))
         sequential.append(time.perf_counter() - start)
         start = time.perf_counter()
-        for piece in fn.stream(params, ids, mask, jax.random.key(1 + r)):
+        for piece in stream.decode(fn, params, ids, mask, jax.random.key(1 + r), group_size=args.generations):
             score(len(piece.rows))
         streamed.append(time.perf_counter() - start)
     score_s = len(ids) * args.score_ms / 1000
-    seq, stream = statistics.median(sequential), statistics.median(streamed)
-    return {"score_s": score_s, "sample_then_score_s": seq, "streamed_sample_and_score_s": stream,
-            "score_hidden_fraction": (seq - stream) / score_s}
+    seq, streamed_s = statistics.median(sequential), statistics.median(streamed)
+    return {"score_s": score_s, "sample_then_score_s": seq, "streamed_sample_and_score_s": streamed_s,
+            "score_hidden_fraction": (seq - streamed_s) / score_s}
 
 
 def main(argv=None) -> dict:

@@ -1,11 +1,9 @@
 """XLA:CPU speed-ups, all behind one switch (the config's ``cpu_speedups``, on by default on CPU).
 
-- Sampling rows in chunks, each run from its own host thread (`ChunkedSampler`): XLA:CPU runs a small model's
-  decode steps on one core, so chunks keep the other cores busy.
-- A chunk draws only its own rows' Gumbel noise (`sampling.gumbel_rows`): threefry is a rolled loop on CPU, so drawing
-  the whole call's noise in every chunk costs each chunk the other chunks' bits too.
-- Every decode step's noise drawn before the decode loop when it is small (`PRECOMPUTED_NOISE_BYTES`): one
-  threefry call outside the loop instead of a small loop of its own in every step.
+- A decoding call's rows in chunks, each decoded from its own host thread (`host_chunks`, driven by
+  `stream.decode`): XLA:CPU runs a small model's decode steps on one core, so chunks keep the other cores busy.
+- Every decode step's noise drawn before the decode loop when it is small (`decode_options`,
+  `PRECOMPUTED_NOISE_BYTES`): one threefry call outside the loop instead of a small loop of its own in every step.
 - Arg-max as two plain reductions (`argmax_last_axis`): XLA:CPU runs argmax's (value, index) reduction element
   by element.
 - The Linear layers' weight gradient multiplies a materialised x^T (`linear_layers`): XLA:CPU hands a dot with a
@@ -15,29 +13,27 @@
 - glibc keeps freed blocks (`configure_host_allocator`): XLA:CPU gives each call one large block of temporaries,
   which glibc would otherwise mmap and unmap per call, page-faulting the working set in again every time.
 
-The tokens and sampler log-probs are those of the default path (`sampling.generate`'s
-``jax.random.categorical`` and ``jnp.argmax``) bit for bit, whatever the chunks; tests check it. The Linear
+The tokens and sampler log-probs are those of the default path (`decoder`'s in-loop noise and ``jnp.argmax``)
+bit for bit, whatever the chunks; tests check it. The Linear
 weight gradients are the same products summed in another order: equal up to float rounding.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import ctypes.util
 import math
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax import stream
 from grpo_jax.config.sections import HOST_ALLOCATORS
 from grpo_jax.models.transformer import REMAT_POLICIES
-from grpo_jax.sampling import gumbel_rows
 
 
 def enabled(setting: bool | None) -> bool:
@@ -197,7 +193,7 @@ def packed_attention(graphdef: nnx.GraphDef, params: nnx.State, on: bool) -> nnx
 
 # --- sampling -------------------------------------------------------------------------------------------------
 
-# below this many bytes of [T, B, V] float32 noise, the draws of every decode step are made before the loop
+# below this many bytes of [B, T, V] float32 noise, every step's noise is drawn in `decoder.start`
 PRECOMPUTED_NOISE_BYTES = 32 << 20
 
 
@@ -209,28 +205,12 @@ def argmax_last_axis(x_BxV):
     return jnp.min(jnp.where(hit_BxV, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
 
 
-def token_chooser(row_offset=0, total_rows: int | None = None):
-    """`sampling.generate`'s ``choose_tokens``: the tokens of ``jax.random.categorical(fold_in(key, t), scores)``
-    (and ``jnp.argmax`` when greedy), with every step's noise drawn before the loop when it is small.
-
-    ``row_offset`` / ``total_rows``: the call's B rows are rows ``row_offset ..`` of a call over ``total_rows``
-    rows (None: B), whose noise they draw: the tokens of a chunk are those of the whole call.
-    """
-    def make(key, shape_TxBxV: tuple[int, int, int], greedy: bool):
-        if greedy:
-            return lambda step, scores_BxV: argmax_last_axis(scores_BxV)
-        T, B, V = shape_TxBxV
-        total = B if total_rows is None else total_rows
-
-        def noise_at(step):
-            return gumbel_rows(key, step, total, row_offset, B, V)
-
-        if T * B * V * 4 <= PRECOMPUTED_NOISE_BYTES:
-            noise_TxBxV = jax.vmap(noise_at)(jnp.arange(T))  # the same bits as per step (vmap of the draw)
-            noise_at = lambda step: jax.lax.dynamic_index_in_dim(noise_TxBxV, step, keepdims=False)  # noqa: E731
-        # jax.random.categorical's own formula (Gumbel-max): argmax(noise + scores)
-        return lambda step, scores_BxV: argmax_last_axis(noise_at(step) + scores_BxV)
-    return make
+def decode_options(options, num_rows: int, vocab: int):
+    """A decoding call's `decoder.DecodeOptions` the CPU's way, the same tokens: `argmax_last_axis`, and every
+    step's noise drawn in one go before the loop when it is small (`PRECOMPUTED_NOISE_BYTES`)."""
+    T = options.sampling.max_completion_length
+    return dataclasses.replace(options, argmax=argmax_last_axis,
+                               noise_ahead=num_rows * T * vocab * 4 <= PRECOMPUTED_NOISE_BYTES)
 
 
 def host_threads(setting: int, mesh) -> int:
@@ -247,64 +227,3 @@ def host_chunks(setting: int, mesh, num_rows: int, group_size: int) -> int:
     ``group_size`` rows."""
     groups = num_rows // group_size
     return max(k for k in range(1, min(host_threads(setting, mesh), groups) + 1) if groups % k == 0)
-
-
-class ChunkedSampler:
-    """A sampling callable ``fn(params, prompt_ids, prompt_mask, key, greedy)`` whose calls run as `host_chunks`
-    row chunks, each from its own host thread, or as one call.
-
-    ``jitted(params, ids, mask, key, row_offset, greedy, total_rows)`` samples rows ``row_offset ..`` of a call
-    over ``total_rows`` rows; ``split(ids, mask, k)`` cuts a call's rows into k chunks of (ids, mask);
-    ``concat(outputs)`` joins the chunks' outputs. ``offset_sharding`` places the chunks' row offsets.
-    """
-
-    def __init__(self, jitted, split, concat, *, host_threads: int, mesh, prompt_group_size: int,
-                 offset_sharding, segments):
-        self._jitted, self._split, self._concat = jitted, split, concat
-        self._start, self._advance, self._slots = segments  # `stream.Sampler`'s, for `stream`
-        self._threads, self._mesh, self._group = host_threads, mesh, prompt_group_size
-        self._offset_sharding = offset_sharding
-        self._offsets = {}  # row offset -> device scalar, made once: a host scalar is a transfer in every call
-        self._pool = None  # made on the first chunked call
-
-    def _cache_size(self) -> int:
-        return self._jitted._cache_size()
-
-    def _offset(self, row: int):
-        if row not in self._offsets:
-            self._offsets[row] = jax.device_put(np.int32(row), self._offset_sharding)
-        return self._offsets[row]
-
-    def __call__(self, params, prompt_ids_BxP, prompt_mask_BxP, key, greedy):
-        B = prompt_ids_BxP.shape[0]
-        k = host_chunks(self._threads, self._mesh, B, 1 if greedy else self._group)
-        if k == 1:
-            return self._jitted(params, prompt_ids_BxP, prompt_mask_BxP, key, np.int32(0), greedy, B)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(host_threads(self._threads, self._mesh),
-                                            thread_name_prefix="grpo_jax-sample")
-
-        def run(i, ids, mask):  # waiting in the worker: chunks dispatched without it sometimes ran one by one
-            return jax.block_until_ready(self._jitted(params, ids, mask, key, self._offset(i * (B // k)), greedy, B))
-        chunks = self._split(prompt_ids_BxP, prompt_mask_BxP, k)
-        futures = [self._pool.submit(run, i, ids, mask) for i, (ids, mask) in enumerate(chunks)]
-        return self._concat([f.result() for f in futures])
-
-    def stream(self, params, prompt_ids_BxP, prompt_mask_BxP, key) -> stream.Stream:
-        """`stream.Sampler.stream`: each chunk's rows stream from its own host thread."""
-        B = prompt_ids_BxP.shape[0]
-        k = host_chunks(self._threads, self._mesh, B, self._group)
-
-        def chunk(i, ids, mask):
-            row = i * (B // k)
-            if self._slots(B // k, B) >= B // k:
-                return stream.whole(self._jitted(params, ids, mask, key, self._offset(row), False, B), row)
-            return stream.segments(lambda: self._start(params, ids, mask, key, self._offset(row), B),
-                                   lambda d: self._advance(params, d, mask, key, self._offset(row), B),
-                                   self._group, row)
-        if self._pool is None:  # chunks (one: `stream.Sampler.stream`'s thread) dispatch from worker threads
-            self._pool = ThreadPoolExecutor(host_threads(self._threads, self._mesh),
-                                            thread_name_prefix="grpo_jax-sample")
-        parts = self._split(prompt_ids_BxP, prompt_mask_BxP, k) if k > 1 else [(prompt_ids_BxP, prompt_mask_BxP)]
-        calls = [lambda i=i, ids=ids, mask=mask: chunk(i, ids, mask) for i, (ids, mask) in enumerate(parts)]
-        return stream.Stream(stream.merged(calls, self._concat if k > 1 else (lambda outs: outs[0]), self._pool))

@@ -21,7 +21,7 @@ from collections import Counter
 import jax
 import numpy as np
 
-from grpo_jax import data, rewards, sharding
+from grpo_jax import data, rewards, sharding, stream
 
 EVAL_STREAM = 0x6576616C  # "eval", folded into the seed's key: a stream the training key never meets
 
@@ -77,7 +77,7 @@ def eval_key(seed: int):
     return jax.random.fold_in(jax.random.PRNGKey(seed), EVAL_STREAM)
 
 
-def _generate(run, sample, params, n: int, key, greedy: bool):
+def _generate(run, decoder, params, n: int, key, greedy: bool):
     """n completions of every held-out prompt: (texts, rewards_NxF, completion_mask), N = P x n group-major."""
     cfg, rows = run.config, run.eval_rows
     num_prompts, shards = len(rows), sharding.num_row_shards(run.mesh)
@@ -86,9 +86,12 @@ def _generate(run, sample, params, n: int, key, greedy: bool):
         padded += 1
     ids, mask, _ = data.tokenize_prompts(run.tokenizer, [rows[i % num_prompts]["prompt"] for i in range(padded)],
                                          cfg.data.max_prompt_length, truncation="left")
-    ids, mask = sharding.host_rows((np.repeat(ids, n, axis=0), np.repeat(mask, n, axis=0)), run.mesh)
-    out = sharding.to_host(sample(params, ids, mask, key, greedy))
-    completion_ids, completion_mask = out.completion_ids[:num_prompts * n], out.completion_mask[:num_prompts * n]
+    ids, mask = np.repeat(ids, n, axis=0), np.repeat(mask, n, axis=0)
+    completion_ids, completion_mask = np.zeros((len(ids), cfg.sampling.max_completion_length), np.int32), None
+    completion_mask = np.zeros_like(completion_ids)
+    for piece in stream.decode(decoder, params, ids, mask, key, greedy=greedy, group_size=n):
+        completion_ids[piece.rows], completion_mask[piece.rows] = piece.completion_ids, piece.completion_mask
+    completion_ids, completion_mask = completion_ids[:num_prompts * n], completion_mask[:num_prompts * n]
     # as the training rounds hand them to reward functions: EOS kept in the ids, padding removed
     token_ids = [row[:length] for row, length in zip(completion_ids.tolist(), completion_mask.sum(axis=1))]
     texts = run.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
@@ -102,16 +105,16 @@ def _generate(run, sample, params, n: int, key, greedy: bool):
 
 def evaluate(run, params, step: int) -> dict[str, float]:
     """The held-out metrics of `params` after `step` optimizer steps (see the module docstring); {} without
-    held-out rows. Runs `run.programs.sample` (greedy) and `run.programs.eval_sample` (sampled)."""
+    held-out rows. Decodes with `run.programs.decoder` (greedy) and `run.programs.eval_decoder` (sampled)."""
     if not run.eval_rows:
         return {}
     cfg = run.config.eval
     names = [name.split(":")[-1] for name, _ in run.eval_reward_fns]
-    _, scores, _ = _generate(run, run.programs.sample, params, 1, jax.random.PRNGKey(0), True)
+    _, scores, _ = _generate(run, run.programs.decoder, params, 1, jax.random.PRNGKey(0), True)
     metrics = {f"eval/greedy/{name}": float(np.nanmean(scores[:, i])) for i, name in enumerate(names)}
     if cfg.num_generations:
         key = run.programs.sample_key(eval_key(run.config.seed), step, 0)
-        texts, scores, mask = _generate(run, run.programs.eval_sample, params, cfg.num_generations, key, False)
+        texts, scores, mask = _generate(run, run.programs.eval_decoder, params, cfg.num_generations, key, False)
         extract = rewards.resolve_reward_fn(cfg.answer_extractor)
         metrics.update(sampled_metrics(scores, names, [extract(t) for t in texts], mask.sum(axis=1),
                                        num_generations=cfg.num_generations, ks=cfg.ks))

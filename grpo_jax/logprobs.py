@@ -24,15 +24,15 @@ def token_logps_from_logits(logits_BxTxV, token_ids_BxT, *, temperature: float, 
     return logps_BxT, entropy_BxT
 
 
-def packed_length(prompt_mask_BxP, completion_mask_BxT, group_size: int) -> int:
-    """The buffer length of `completion_hidden`'s packed layout for these rows (host arrays): each group's real
-    prompt tokens plus its completions' masked tokens, the longest group's count rounded up to 8 steps an octave
-    (at most 1/8 padding; few lengths, so few compilations). 0 for no rows."""
-    B = len(prompt_mask_BxP)
+def packed_length(prompt_tokens_B, completion_tokens_B, group_size: int) -> int:
+    """The buffer length of `completion_hidden`'s packed layout for rows of these real prompt and completion token
+    counts (host arrays): each group's prompt tokens plus its completions' tokens, the longest group's count rounded
+    up to 8 steps an octave (at most 1/8 padding; few lengths, so few compilations). 0 for no rows."""
+    B = len(prompt_tokens_B)
     if B == 0:
         return 0
-    counts_R = (np.asarray(prompt_mask_BxP)[::group_size].sum(1)
-                + np.asarray(completion_mask_BxT).sum(1).reshape(-1, group_size).sum(1))
+    counts_R = (np.asarray(prompt_tokens_B)[::group_size]
+                + np.asarray(completion_tokens_B).reshape(-1, group_size).sum(1))
     need = max(int(counts_R.max()), 16)
     step = 1 << max(need.bit_length() - 4, 0)  # 8 lengths between each power of two and the next
     return -(-need // step) * step

@@ -20,10 +20,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from grpo_jax import continuous, cpu, rounds, sharding, stream
+from grpo_jax import cpu, decoder, rounds, sharding
 from grpo_jax.logprobs import completion_logps
-from grpo_jax.models import ModelConfig, init_model, lora, model_config
-from grpo_jax.sampling import SampleOutput, SamplingConfig, generate
+from grpo_jax.models import ModelConfig, init_model, lora
+from grpo_jax.config.sections import SamplingConfig
 from grpo_jax.state import TrainState, abstract_state, model_graphdef, new_state
 from grpo_jax.train_step import StepOptions, train_step
 
@@ -31,26 +31,31 @@ from grpo_jax.train_step import StepOptions, train_step
 class Programs(NamedTuple):
     """The jitted device programs a run calls, built once by `build`.
 
-    - `sample(params, prompt_ids, prompt_mask, key, greedy) -> SampleOutput` (`sampling.jit_generate`)
-    - `sample_key(key, step, draw_index) -> key`: the key of a round's sampling pass
+    - `decoder`: the round's decoding programs (`jit_decoder`, driven by `stream.decode`); greedy evaluation uses
+      them too
+    - `eval_decoder`: the same at `eval.temperature` with `eval.num_generations` rows per prompt; None when
+      evaluation samples nothing (`grpo_jax.evaluation`)
+    - `sample_key(key, round_index, draw_index) -> key`: the key of a round's sampling pass
     - `logps(params, prompt_ids, prompt_mask, completion_ids, completion_mask) -> [N, T]` (old policy)
     - `ref_logps(ref_params, ...)`: the same over the reference's layout; None when beta = 0. With LoRA
       adapters it takes the policy's params (`TrainState.reference_params`) and runs them with the adapters off
-    - `advantages(rewards_NxF, weights_F, mask_NxT, step_rewards, step_ends) -> (advantages, r_N, std_N)`
-    - `take(batch, rows_B) -> Batch`: one step's rows of a round, gathered on the devices
-    - `step(state, batch) -> (state, metrics)`: one optimizer step, the state donated
-    - `eval_sample`: `sample` at `eval.temperature` with `eval.num_generations` rows per prompt; None when
-      evaluation samples nothing (`grpo_jax.evaluation`)
+    - `advantages(rewards_NxF, weights_F, mask_NxT, step_rewards, step_ends) -> (advantages, r_N, std_N)`, on the
+      host's CPU (where the rewards are): numpy in, numpy out
+    - `rows(trajectory, advantages, old, ref) -> Trajectory`: the round's rows for its steps, row-split, the
+      advantages uploaded (`train.mask_truncated_completions` clears truncated rows' loss mask here)
+    - `take(rows, rows_B) -> Trajectory`: one step's rows of a round, gathered on the devices
+    - `step(state, rows) -> (state, metrics)`: one optimizer step, the state donated
     """
 
-    sample: Callable
+    decoder: Decoder
     sample_key: Callable
     logps: Callable
     ref_logps: Callable | None
     advantages: Callable
+    rows: Callable
     take: Callable
     step: Callable
-    eval_sample: Callable | None = None
+    eval_decoder: Decoder | None = None
 
 
 def use_compilation_cache(path: str | None) -> None:
@@ -156,27 +161,41 @@ def jit_logps(graphdef: nnx.GraphDef, mesh: Mesh, *, temperature: float, chunk_s
                    static_argnums=5)
 
 
-def jit_advantages(mesh: Mesh, **options):
-    """`rounds.round_advantages` with its static `options`: advantages placed row-split for the steps (they
-    never come back to the host), r_N and std_N replicated for the round's reward metrics."""
-    rows, replicated = sharding.row_sharded(mesh), sharding.replicated(mesh)
+def host_advantages(**options):
+    """`rounds.round_advantages` with its static `options`, jitted for this process's CPU (the rewards are computed
+    there, and the metrics and `log_completions` read the results there): numpy arrays in, numpy arrays out. Every
+    device and process gets the same numbers, from one summation order whatever the mesh."""
+    cpu_device = jax.local_devices(backend="cpu")[0]
+    jitted = jax.jit(functools.partial(rounds.round_advantages, **options))
 
     def advantages(*args):
-        # computed whole on every device, then split: group and batch statistics in one summation order, the
-        # single-device one, whatever the mesh
-        return jax.lax.with_sharding_constraint(rounds.round_advantages(*args, **options), replicated)
+        with jax.default_device(cpu_device):
+            return jax.device_get(jitted(*args))
 
-    return jax.jit(advantages, out_shardings=(rows, replicated, replicated))
+    return advantages
+
+
+def jit_rows(mesh: Mesh, mask_truncated: bool):
+    """`(trajectory, advantages, old, ref) -> trajectory` with those set, row-split over the mesh; with
+    ``mask_truncated`` (TRL's `mask_truncated_completions`) rows that ran out of tokens train nothing."""
+    def rows(trajectory, advantages, old, ref):
+        loss_mask = trajectory.loss_mask
+        if mask_truncated:
+            loss_mask = rounds.mask_truncated(loss_mask, trajectory.is_truncated)
+        return trajectory._replace(loss_mask=loss_mask, advantages=advantages, old_per_token_logps=old,
+                                   ref_per_token_logps=ref)
+
+    return jax.jit(rows, out_shardings=sharding.row_sharded(mesh))
 
 
 def jit_take(mesh: Mesh):
-    """`(batch, rows_B) -> batch[rows_B]` leaf by leaf, the result row-split: one step's rows of a round."""
+    """`(rows, rows_B) -> rows[rows_B]` leaf by leaf, the result row-split: one step's rows of a round."""
     return jax.jit(lambda batch, rows_B: jax.tree.map(lambda x: x[rows_B], batch),
                    out_shardings=sharding.row_sharded(mesh))
 
 
 def continuous_slots(max_batch_rows: int, rows: int, total_rows: int, row_shards: int) -> int:
-    """Decode slots for ``rows`` of a sampling call over ``total_rows`` (a host-thread chunk takes its share of
+    """Decode slots for ``rows`` of a decoding call over ``total_rows`` (a host-thread chunk takes its share of
     ``sampling.max_batch_rows``), a multiple of the mesh's ``row_shards``; ``rows`` (a static batch) when that is
     not fewer."""
     if not max_batch_rows:
@@ -185,83 +204,84 @@ def continuous_slots(max_batch_rows: int, rows: int, total_rows: int, row_shards
     return min(rows, -(-share // row_shards) * row_shards)
 
 
-def jit_generate(graphdef, mesh, *, config: SamplingConfig, eos_token_ids: tuple[int, ...], pad_token_id: int,
-                 params_sharding=None, prompt_group_size: int = 1, cpu_speedups: bool = False):
-    """`generate` jitted over `mesh`: `fn(params, prompt_ids, prompt_mask, key, greedy) -> SampleOutput`.
+class Decoder(NamedTuple):
+    """A run's decoding programs over the mesh (`grpo_jax.decoder`), jitted once; `stream.decode` drives them.
 
-    Prompt rows and outputs split over (data, fsdp), key and step count replicated; `params_sharding`
-    (`sharding.param_shardings`) None takes the params' own layout. `greedy` is static: greedy calls
-    (evaluation) have one row per prompt, sampling calls `prompt_group_size` rows per prompt.
-    LoRA adapters are merged into the kernels once per call (`lora.merged`), not run in every decode step.
-    ``cpu_speedups`` (`cpu.enabled`) draws the same tokens with `cpu.token_chooser`, and on a one-device mesh
-    ``config.host_threads`` may split a call into row chunks run concurrently (`cpu.ChunkedSampler`).
-    ``config.max_batch_rows`` fewer than a call's rows decodes them continuously batched (`grpo_jax.continuous`).
-    ``fn.stream(params, prompt_ids, prompt_mask, key)`` samples as a `stream.Stream`: groups reach the host as
-    they finish.
+    - `start(params, prompt_ids, prompt_mask, key, row_offset, options) -> Decoding`
+    - `advance(params, decoding, options, segment) -> (Decoding, view)`, the decoding donated; ``view`` (ended,
+      length, at_eos [B], tokens [B, T], decode steps) is what the host reads between segments
+    - `append(params, decoding, rows, tokens, counts, options)`, `retire(decoding, rows)`: multi-turn rows
+    - `trajectory(decoding) -> Trajectory`; `concat(trajectories)` joins host-thread chunks' rows
+    - `options(rows, total_rows, greedy) -> DecodeOptions` of a call (or chunk) of ``rows`` rows
+    - `chunks(rows, group_size) -> k`: host-thread chunks of a call (`cpu.host_chunks`; 1 off the CPU switch)
+    - `place((prompt_ids, prompt_mask))`: a whole call's host rows as its programs take them (`sharding.host_rows`)
     """
-    rows, replicated = sharding.row_sharded(mesh), sharding.replicated(mesh)
-    out_shardings = SampleOutput(rows, rows, rows, rows, num_decode_steps=replicated)
-    row_shards = sharding.num_row_shards(mesh)
 
-    def slots(num_rows: int, total_rows: int) -> int:
-        return continuous_slots(config.max_batch_rows, num_rows, total_rows, row_shards)
+    start: Callable
+    advance: Callable
+    append: Callable
+    retire: Callable
+    trajectory: Callable
+    concat: Callable
+    options: Callable
+    chunks: Callable
+    place: Callable
+
+
+def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingConfig, eos_token_ids: tuple[int, ...],
+                pad_token_id: int, params_sharding=None, prompt_group_size: int = 1,
+                cpu_speedups: bool = False) -> Decoder:
+    """The decoding programs of `grpo_jax.decoder` over `mesh` for the model `graphdef` of `model_config` (its
+    vocabulary and key/value heads): prompt rows split over (data, fsdp), key replicated;
+    `params_sharding` (`sharding.param_shardings`) None takes the params' own layout. A call's options are static:
+    greedy calls (evaluation) have one row per prompt, sampling calls `prompt_group_size` rows per prompt, and
+    ``config.max_batch_rows`` fewer than a call's rows decodes them continuously batched. LoRA adapters are merged
+    into the kernels once per program (`lora.merged`), not run in every decode step. ``cpu_speedups``
+    (`cpu.enabled`) draws the same tokens the CPU's faster way (`cpu.decode_options`) and on a one-device mesh may
+    split a call into host-thread chunks (`cpu.host_chunks`, ``config.host_threads``)."""
+    rows, replicated = sharding.row_sharded(mesh), sharding.replicated(mesh)
+    row_shards = sharding.num_row_shards(mesh)
+    if cpu_speedups and config.host_threads > 1 and mesh.devices.size > 1:
+        raise ValueError(f"sampling.host_threads={config.host_threads} splits one device's rows over host "
+                         f"threads, but the mesh has {mesh.devices.size} devices (which already sample in "
+                         "parallel): set it to 0 or 1")
 
     def merged(params):
         # LoRA adapters merged into the kernels once per call (`lora.merged`): decode steps run the base's products
         return lora.merged(graphdef, params) if lora.has_adapters(params) else (graphdef, params)
 
-    def continuous_options(params, B, greedy, row_offset, total_rows):
-        return dict(config=config, num_slots=slots(B, B if total_rows is None else total_rows),
-                    eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, greedy=greedy,
-                    prompt_group_size=1 if greedy else prompt_group_size, row_offset=row_offset,
-                    total_rows=total_rows, argmax=cpu.argmax_last_axis if cpu_speedups else None,
-                    cache_sharding=sharding.cache_sharding(mesh, model_config(graphdef, params).num_key_value_heads))
+    def options(num_rows: int, total_rows: int, greedy: bool) -> decoder.DecodeOptions:
+        group = 1 if greedy else prompt_group_size
+        kv_heads = model_config.num_key_value_heads
+        base = decoder.DecodeOptions(
+            sampling=config, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, greedy=greedy, group_size=group,
+            num_slots=continuous_slots(config.max_batch_rows, num_rows, total_rows, row_shards),
+            cache_sharding=sharding.cache_sharding(mesh, kv_heads))
+        return cpu.decode_options(base, num_rows, model_config.vocab_size) if cpu_speedups else base
 
-    def sample(params, prompt_ids_BxP, prompt_mask_BxP, key, greedy, choose_tokens=None, row_offset=0,
-               total_rows=None):
-        options = continuous_options(params, prompt_ids_BxP.shape[0], greedy, row_offset, total_rows)
-        model, params = merged(params)
-        if options["num_slots"] < prompt_ids_BxP.shape[0]:
-            return continuous.generate(model, params, prompt_ids_BxP, prompt_mask_BxP, key, **options)
-        return generate(model, params, prompt_ids_BxP, prompt_mask_BxP, key, config=config,
-                        eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, greedy=greedy,
-                        prompt_group_size=options["prompt_group_size"], cache_sharding=options["cache_sharding"],
-                        choose_tokens=choose_tokens)
+    def start(params, prompt_ids_BxP, prompt_mask_BxP, key, row_offset, options):
+        return decoder.start(*merged(params), prompt_ids_BxP, prompt_mask_BxP, key, options, row_offset)
 
-    # the continuously batched loop in segments (`grpo_jax.stream`): the decoding carried between them is donated
-    def start(params, prompt_ids_BxP, prompt_mask_BxP, key, row_offset, total_rows):
-        options = continuous_options(params, prompt_ids_BxP.shape[0], False, row_offset, total_rows)
-        return continuous.start(*merged(params), prompt_ids_BxP, prompt_mask_BxP, key, **options)
+    def advance(params, decoding, options, segment):
+        decoding = decoder.advance(*merged(params), decoding, options, segment=segment)
+        return decoding, (decoding.ended, decoding.length, decoding.at_eos, decoding.tokens, decoding.steps)
 
-    def advance(params, decoding, prompt_mask_BxP, key, row_offset, total_rows):
-        options = continuous_options(params, prompt_mask_BxP.shape[0], False, row_offset, total_rows)
-        decoding = continuous.advance(*merged(params), decoding, prompt_mask_BxP, key, **options)
-        return decoding, continuous.output(decoding), decoding.state.ended_B
+    def append(params, decoding, rows_M, tokens_MxA, counts_M, options):
+        return decoder.append(*merged(params), decoding, rows_M, tokens_MxA, counts_M, options)
 
-    jit_start = jax.jit(start, static_argnums=5, in_shardings=(params_sharding, rows, rows, replicated, replicated))
-    jit_advance = jax.jit(advance, static_argnums=5, donate_argnums=1, out_shardings=(None, out_shardings, rows),
-                          in_shardings=(params_sharding, None, rows, replicated, replicated))
-    if not cpu_speedups:
-        return stream.Sampler(jax.jit(sample, static_argnums=4, in_shardings=(params_sharding, rows, rows, replicated),
-                                      out_shardings=out_shardings), jit_start, jit_advance, slots, prompt_group_size)
-    if config.host_threads > 1 and mesh.devices.size > 1:
-        raise ValueError(f"sampling.host_threads={config.host_threads} splits one device's rows over host "
-                         f"threads, but the mesh has {mesh.devices.size} devices (which already sample in "
-                         "parallel): set it to 0 or 1")
+    def chunks(num_rows: int, group_size: int) -> int:
+        return cpu.host_chunks(config.host_threads, mesh, num_rows, group_size) if cpu_speedups else 1
 
-    def sample_rows(params, prompt_ids_BxP, prompt_mask_BxP, key, row_offset, greedy, total_rows):
-        return sample(params, prompt_ids_BxP, prompt_mask_BxP, key, greedy,
-                      cpu.token_chooser(row_offset, total_rows), row_offset, total_rows)
-
-    jitted = jax.jit(sample_rows, static_argnums=(5, 6),
-                     in_shardings=(params_sharding, rows, rows, replicated, replicated), out_shardings=out_shardings)
-    split = jax.jit(lambda ids, mask, k: list(zip(jnp.split(ids, k), jnp.split(mask, k))), static_argnums=2)
-    concat = jax.jit(lambda outs: SampleOutput(
-        *(jnp.concatenate(parts) for parts in zip(*(o[:4] for o in outs))),
-        num_decode_steps=jnp.max(jnp.stack([o.num_decode_steps for o in outs]))))
-    return cpu.ChunkedSampler(jitted, split, concat, host_threads=config.host_threads, mesh=mesh,
-                              prompt_group_size=prompt_group_size, offset_sharding=replicated,
-                              segments=(jit_start, jit_advance, slots))
+    return Decoder(
+        start=jax.jit(start, static_argnums=5, in_shardings=(params_sharding, rows, rows, replicated, replicated)),
+        advance=jax.jit(advance, static_argnums=(2, 3), donate_argnums=1, in_shardings=(params_sharding, None)),
+        append=jax.jit(append, static_argnums=5, donate_argnums=1,
+                       in_shardings=(params_sharding, None, replicated, replicated, replicated)),
+        # closures, not the module's functions: a jitted function's compilations are counted (and kept) per function
+        retire=jax.jit(lambda d, rows_M: decoder.retire(d, rows_M), donate_argnums=0),
+        trajectory=jax.jit(lambda d: decoder.trajectory(d), out_shardings=rows),
+        concat=jax.jit(lambda parts: jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts), out_shardings=rows),
+        options=options, chunks=chunks, place=lambda rows: sharding.host_rows(rows, mesh))
 
 
 def init_state(model_config: ModelConfig, optimizer: optax.GradientTransformation, *, seed: int,
@@ -327,16 +347,16 @@ def jit_reward_scores(graphdef: nnx.GraphDef):
     return jax.jit(scores)
 
 
-def _sample_key(key, step, draw_index: int):
-    key = jax.random.fold_in(key, step)
+def _sample_key(key, round_index, draw_index: int):
+    key = jax.random.fold_in(key, round_index)
     return jax.random.fold_in(key, draw_index) if draw_index else key  # dynamic sampling's extra passes
 
 
 def build(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, options: StepOptions, mesh: Mesh,
-          state_sharding, *, sample: Callable, round_prompt_group_size: int, advantage_options: dict,
-          eval_sample: Callable | None = None) -> Programs:
-    """The run's programs over `mesh` for a state laid out as `state_sharding`; `sample` and `eval_sample` are
-    jitted samplers (`jit_generate`), `round_prompt_group_size` the G of the round's log-prob passes."""
+          state_sharding, *, decoder: Decoder, round_prompt_group_size: int, advantage_options: dict,
+          mask_truncated: bool = False, eval_decoder: Decoder | None = None) -> Programs:
+    """The run's programs over `mesh` for a state laid out as `state_sharding`; `decoder` and `eval_decoder` are
+    `jit_decoder`'s, `round_prompt_group_size` the G of the round's log-prob passes."""
     logps = functools.partial(jit_logps, mesh=mesh, temperature=options.temperature,
                               chunk_size=options.logps_chunk_size, prompt_group_size=round_prompt_group_size)
     ref_logps = None
@@ -345,13 +365,14 @@ def build(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, optio
     elif options.loss.beta != 0.0 and lora.has_adapters(state_sharding.params):  # the base is the reference
         ref_logps = logps(lora.adapters_off(graphdef, state_sharding.params), params_sharding=state_sharding.params)
     return Programs(
-        sample=sample,
+        decoder=decoder,
         # one dispatch, not fold_in's primitives one by one
         sample_key=jax.jit(_sample_key, static_argnums=2),
         logps=logps(graphdef, params_sharding=state_sharding.params),
         ref_logps=ref_logps,
-        advantages=jit_advantages(mesh, **advantage_options),
+        advantages=host_advantages(**advantage_options),
+        rows=jit_rows(mesh, mask_truncated),
         take=jit_take(mesh),
         step=jit_train_step(graphdef, optimizer, options, mesh, state_sharding),
-        eval_sample=eval_sample,
+        eval_decoder=eval_decoder,
     )

@@ -1,12 +1,16 @@
 """One round of GRPO, in the order it runs:
 
-    next_batch -> sample (jit; finished groups scored on the host while the others decode) -> dispatch
-    ref/old log-probs -> score the last groups (host) -> RoundBatch -> optimizer steps -> metrics
+    next_batch -> decode (jit; each group scored on the host as soon as it ends, while the others decode) ->
+    reference / old log-probs queued on the decoded rows -> the last groups scored (host) -> advantages (host) ->
+    RoundBatch -> optimizer steps -> metrics
 
-`prepare_round(run, state, data_state, i) -> (RoundBatch, data_state)` and `run_steps(run, state, round_batch) -> (state, round_batch,
-metrics)` take the train state explicitly and return it; `grpo_jax.run.build` makes the immutable `Run` (data,
-rewards, mesh, `grpo_jax.programs`), the maths lives in pure functions behind those programs, and
-`grpo_jax.trainer` repeats rounds with checkpoints, evaluation and outputs around them.
+A round's rows are one `Trajectory` on the devices, from the decoder to the loss; the host holds what the reward
+functions saw (`rounds.Draw`). Completions reach the host once (`stream.decode`'s pieces), the advantages go up once.
+`prepare_round(run, state, data_state, i) -> (RoundBatch, data_state)` and `run_steps(run, state, round_batch) ->
+(state, round_batch, metrics)` take the states explicitly and return them; a round can be sampled with other params
+than the state's (``params``). `grpo_jax.run.build` makes the immutable `Run` (data, rewards, mesh,
+`grpo_jax.programs`), the maths lives in pure functions behind those programs, and `grpo_jax.trainer` repeats rounds
+with checkpoints, evaluation and outputs around them.
 """
 
 from __future__ import annotations
@@ -18,11 +22,11 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from grpo_jax import data, logprobs, rewards, rounds, sharding, stream
+from grpo_jax import data, logprobs, rewards, rounds, stream
 from grpo_jax.reporting import completion_rows, plain
 from grpo_jax.run import Run
 from grpo_jax.state import TrainState
-from grpo_jax.train_step import Batch
+from grpo_jax.trajectory import Trajectory
 
 
 class RoundBatch(NamedTuple):
@@ -32,7 +36,8 @@ class RoundBatch(NamedTuple):
     N rows of the round, B rows per step, K = steps_per_generation x num_iterations steps.
     """
 
-    rows: Batch  # the round's N rows: prompts, completions, training mask, advantages, old/ref/sampler log-probs
+    rows: Trajectory  # the round's N rows on the devices, with advantages and old/ref log-probs
+    token_counts: np.ndarray  # [N, 2] each row's real prompt and completion tokens (its steps' packed lengths)
     step_rows: np.ndarray  # [K, B] row indices of each step of the round
     round_index: int
     first_step: int  # optimizer steps taken before the round
@@ -79,19 +84,10 @@ def _weights(run: Run) -> np.ndarray:
     return np.asarray(run.config.reward.weights or [1.0] * len(run.reward_fns), np.float32)
 
 
-def _sample(run: Run, state: TrainState, batch: data.PromptBatch, round_index: int, draw_index: int):
-    """One sampling pass of the batch's rows with the current policy: (prompt rows as the programs take them,
-    `stream.Stream` of its finished groups). Returns once dispatched."""
-    key = run.programs.sample_key(state.key, round_index, draw_index)
-    prompts = sharding.host_rows((batch.prompt_ids, batch.prompt_mask), run.mesh)
-    return prompts, run.programs.sample.stream(state.params, *prompts, key)
-
-
 def _score(run: Run, batch: data.PromptBatch, piece: stream.Piece, context: dict, log: rewards.RewardLog) -> tuple:
     """The reward functions on the host over one piece's rows: (rewards_NxF, process supervision's (step rewards,
     step end indices) or None). ``context``: TRL's `trainer_state` (`_reward_context`); what the functions log
     goes to ``log`` at the piece's rows."""
-    cfg = run.config
     rows = piece.rows
     columns = {k: [v[i] for i in rows] for k, v in batch.columns.items()}
     piece_log = rewards.RewardLog()
@@ -100,7 +96,7 @@ def _score(run: Run, batch: data.PromptBatch, piece: stream.Piece, context: dict
     columns = _columns(columns, piece.completion_ids, piece.completion_mask)
     inputs = data.reward_inputs([batch.prompts[i] for i in rows], completions)
     steps = None
-    if cfg.train.advantage_estimator == "process":
+    if run.config.train.advantage_estimator == "process":
         lengths = piece.completion_mask.sum(axis=1)
         rewards_NxF, *steps = rewards.score_steps(run.reward_fns, _weights(run), *inputs, columns, lengths, context)
     else:
@@ -109,71 +105,50 @@ def _score(run: Run, batch: data.PromptBatch, piece: stream.Piece, context: dict
     return rewards_NxF, steps
 
 
-def _draw(batch: data.PromptBatch, out, scored: list) -> rounds.Draw:
-    """A pass's `rounds.Draw` from its rows (`out`: SampleOutput on the host) and its pieces' scores
-    (rows, rewards_NxF, steps), placed at their rows."""
-    rewards_NxF = np.full((len(out.completion_ids), scored[0][1].shape[1]), np.nan, np.float32)
-    for rows, r_NxF, _ in scored:
-        rewards_NxF[rows] = r_NxF
+def _draw(batch: data.PromptBatch, pieces: list, scores: list) -> rounds.Draw:
+    """A pass's `rounds.Draw`: its pieces' rows and their scores (rewards_NxF, steps) placed at their rows."""
+    N, T = len(batch.prompts), pieces[0].completion_ids.shape[1]
+    ids, mask = np.zeros((N, T), np.int32), np.zeros((N, T), np.int32)
+    truncated = np.zeros(N, bool)
+    rewards_NxF = np.full((N, scores[0][0].shape[1]), np.nan, np.float32)
+    for piece, (r_NxF, _) in zip(pieces, scores):
+        ids[piece.rows], mask[piece.rows], truncated[piece.rows] = (piece.completion_ids, piece.completion_mask,
+                                                                      piece.is_truncated)
+        rewards_NxF[piece.rows] = r_NxF
     steps = {}
-    if scored[0][2] is not None:  # process supervision: each piece's steps padded to the most of any row
-        S = max(step_rewards.shape[1] for _, _, (step_rewards, _) in scored)
-        steps = {"step_rewards": np.full((len(rewards_NxF), S), np.nan, np.float32),
-                 "step_end_indices": np.full((len(rewards_NxF), S), -1, np.int32)}
-        for rows, _, (step_rewards, ends) in scored:
-            steps["step_rewards"][rows, :step_rewards.shape[1]] = step_rewards
-            steps["step_end_indices"][rows, :ends.shape[1]] = ends
-    return rounds.Draw(batch.prompt_ids, batch.prompt_mask, out.completion_ids, out.completion_mask,
-                       np.asarray(out.is_truncated), out.sampler_per_token_logps, rewards_NxF, batch.prompts,
-                       batch.columns, batch.num_truncated, **steps)
+    if scores[0][1] is not None:  # process supervision: each piece's steps padded to the most of any row
+        S = max(step_rewards.shape[1] for _, (step_rewards, _) in scores)
+        steps = {"step_rewards": np.full((N, S), np.nan, np.float32), "step_end_indices": np.full((N, S), -1, np.int32)}
+        for piece, (_, (step_rewards, ends)) in zip(pieces, scores):
+            steps["step_rewards"][piece.rows, :step_rewards.shape[1]] = step_rewards
+            steps["step_end_indices"][piece.rows, :ends.shape[1]] = ends
+    return rounds.Draw(batch.prompts, batch.columns, ids, mask, truncated, rewards_NxF, batch.num_truncated, **steps)
 
 
-def _sample_and_score(run: Run, state: TrainState, batch: data.PromptBatch, round_index: int, draw_index: int,
-                      seconds: dict, context: dict, log: rewards.RewardLog, decoded: Callable | None = None):
-    """One sampling pass, its groups scored on the host as they finish while the devices decode the others
-    (`stream`). ``decoded(rows, host_out)`` runs once the last row is decoded, before the last groups are
-    scored (``host_out``: the pass's SampleOutput on the host with `train.packing`, else None); ``rows`` are
-    (prompt_ids, prompt_mask, completion_ids, completion_mask) on the devices. Adds the pass's `sample` time
-    (until its last rows reach the host) and `score` time (host scoring after that) to ``seconds``.
-    Returns (draw, rows, what ``decoded`` returned)."""
-    timer = time.perf_counter()
-    prompts, sample = _sample(run, state, batch, round_index, draw_index)
-    scored, received, out, result = [], 0, None, None
-    for piece in sample:
-        received += len(piece.rows)
-        if received == len(batch.prompts):  # the last piece: decoding is over
-            # packing needs the lengths first: the rows come over before the dispatch, else while it runs
-            out = sharding.to_host(sample.output) if run.config.train.packing else None
-            rows = (*prompts, sample.output.completion_ids, sample.output.completion_mask)
-            result = None if decoded is None else decoded(rows, out)
-            seconds["sample"] = seconds.get("sample", 0.0) + time.perf_counter() - timer
-            timer = time.perf_counter()
-        scored.append((piece.rows, *_score(run, batch, piece, context, log)))
-    draw = _draw(batch, sharding.to_host(sample.output) if out is None else out, scored)
-    seconds["score"] = seconds.get("score", 0.0) + time.perf_counter() - timer
-    return draw, rows, result
+def _counts(prompt_mask: np.ndarray, completion_mask: np.ndarray) -> np.ndarray:
+    """[N, 2] each row's real prompt and completion tokens."""
+    return np.stack([np.sum(prompt_mask, axis=1), np.sum(completion_mask, axis=1)], axis=1).astype(np.int32)
 
 
-def _packed_length(run: Run, prompt_mask: np.ndarray, completion_mask: np.ndarray | None, group_size: int) -> int:
-    """With `train.packing`, the packed buffer length of these rows' forwards (`logprobs.packed_length`; host
-    masks of every row), else 0: the padded layout."""
+def _packed_length(run: Run, counts_Nx2: np.ndarray, group_size: int) -> int:
+    """With `train.packing`, the packed buffer length of these rows' forwards (`logprobs.packed_length`), else 0:
+    the padded layout."""
     if not run.config.train.packing:
         return 0
-    return logprobs.packed_length(prompt_mask, completion_mask, group_size)
+    return logprobs.packed_length(counts_Nx2[:, 0], counts_Nx2[:, 1], group_size)
 
 
-def _dispatch_logps(run: Run, state: TrainState, rows: tuple, packed_length: int):
-    """(reference, old-policy) log-probs of the rows (prompt_ids, prompt_mask, completion_ids, completion_mask),
-    queued on the devices without waiting; None where the round needs none."""
+def _dispatch_logps(run: Run, state: TrainState, params, rows: Trajectory, counts_Nx2: np.ndarray):
+    """(reference, old-policy) log-probs of the rows, queued on the devices without waiting; None where the round
+    needs none. In float32 the sampler's log-probs are the old policy's (same params, full-vocabulary
+    log-softmax at the temperature) up to rounding: no forward pass for them."""
     cfg, tc = run.config, run.config.train
-    ref = None
-    if run.programs.ref_logps is not None:
-        ref = run.programs.ref_logps(state.reference_params, *rows, packed_length)
-    # in float32 the sampler's log-probs are the old policy's (same params, full-vocabulary log-softmax at the
-    # temperature) up to rounding: no forward pass for them (`prepare_round`)
+    packed = _packed_length(run, counts_Nx2, run.round_prompt_group_size)
+    args = (rows.prompt_ids, rows.prompt_mask, rows.completion_ids, rows.completion_mask, packed)
+    ref = None if run.programs.ref_logps is None else run.programs.ref_logps(state.reference_params, *args)
     old = None
-    if tc.needs_old_logps and cfg.model.dtype != "float32":
-        old = run.programs.logps(state.params, *rows, packed_length)
+    if tc.needs_old_logps:
+        old = rows.sampler_per_token_logps if cfg.model.dtype == "float32" else run.programs.logps(params, *args)
     return ref, old
 
 
@@ -184,37 +159,54 @@ def _reward_context(run: Run, state: TrainState, data_state: data.DataState) -> 
     return {"trainer_state": rewards.trainer_state(int(state.step), run.config.max_steps, epoch)}
 
 
-def _one_pass(run: Run, state: TrainState, data_state: data.DataState, round_index: int, seconds: dict,
-              context: dict, log: rewards.RewardLog):
-    """A round of one sampling pass: its log-probs are dispatched on the sampled rows (which never leave the
-    devices for them) before the host scores the last groups, so the two overlap. Returns (draw, device rows,
-    ref, old, the data position after it)."""
-    tc = run.config.train
-    batch, data_state = data.next_batch(run.dataset, data_state, tc.prompts_per_round)
-    batch = data.repeat_groups(batch, tc.num_generations)
+def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBatch, key, seconds: dict,
+                      context: dict, log: rewards.RewardLog, *, logps: bool):
+    """One sampling pass, each group scored on the host as soon as it has ended while the devices decode the others.
+    With ``logps`` the reference / old log-probs are queued on the devices as soon as the last rows are decoded,
+    before the host scores them. Adds the pass's `sample` time (until its last rows reach the host) and `score`
+    time (host scoring after that) to ``seconds``. Returns (the rows on the devices, `rounds.Draw`, (ref, old) or
+    None)."""
+    timer = time.perf_counter()
+    pieces, scores, rows, queued = [], [], None, None
+    for piece in stream.decode(run.programs.decoder, params, batch.prompt_ids, batch.prompt_mask, key,
+                               group_size=run.config.train.num_generations):
+        if piece.trajectory is not None:  # decoding is over: every row's tokens are on the host
+            rows = piece.trajectory
+            if logps:
+                completion_mask = np.zeros_like(batch.prompt_ids, shape=rows.completion_ids.shape)
+                for done in (*pieces, piece):
+                    completion_mask[done.rows] = done.completion_mask
+                queued = _dispatch_logps(run, state, params, rows, _counts(batch.prompt_mask, completion_mask))
+            seconds["sample"] = seconds.get("sample", 0.0) + time.perf_counter() - timer
+            timer = time.perf_counter()
+        pieces.append(piece)
+        scores.append(_score(run, batch, piece, context, log))
+    draw = _draw(batch, pieces, scores)
+    seconds["score"] = seconds.get("score", 0.0) + time.perf_counter() - timer
+    return rows, draw, queued
 
-    def dispatch(rows, out):
-        return _dispatch_logps(run, state, rows, _packed_length(
-            run, batch.prompt_mask, None if out is None else out.completion_mask, run.round_prompt_group_size))
 
-    draw, rows, (ref, old) = _sample_and_score(run, state, batch, round_index, 0, seconds, context, log, dispatch)
-    return draw, rows, ref, old, data_state
-
-
-def _dynamic_sampling_passes(run: Run, state: TrainState, data_state: data.DataState, round_index: int,
+def _dynamic_sampling_passes(run: Run, state: TrainState, params, data_state: data.DataState, round_index: int,
                              seconds: dict, context: dict, log: rewards.RewardLog):
-    """DAPO dynamic sampling: passes until informative groups fill the round (`rounds.init/update/finalize`)."""
+    """DAPO dynamic sampling: passes until informative groups fill the round (`rounds.init/update/finalize`); the
+    chosen rows are gathered on the devices. Returns (rows, draw, their token counts, metrics, data position)."""
     tc = run.config.train
-    passes = rounds.init()
+    passes, trajectories, prompt_masks = rounds.init(), [], []
     seconds.update(sample=0.0, score=0.0)
     while not (rounds.is_full(passes, tc.prompts_per_round) or len(passes.draws) >= tc.max_num_gen_batches):
         batch, data_state = data.next_batch(run.dataset, data_state, tc.prompts_per_round)
         batch = data.repeat_groups(batch, tc.num_generations)
-        draw, _, _ = _sample_and_score(run, state, batch, round_index, len(passes.draws), seconds, context, log)
+        key = run.programs.sample_key(state.key, round_index, len(passes.draws))
+        rows, draw, _ = _sample_and_score(run, state, params, batch, key, seconds, context, log, logps=False)
+        trajectories.append(rows)
+        prompt_masks.append(batch.prompt_mask)
         timer = time.perf_counter()
         passes = rounds.update(passes, draw, rounds.zero_std_groups(draw, _weights(run), tc.num_generations))
         seconds["score"] += time.perf_counter() - timer
-    return (*rounds.finalize(passes, tc.prompts_per_round, tc.num_generations), data_state)
+    draw, chosen, metrics = rounds.finalize(passes, tc.prompts_per_round, tc.num_generations)
+    every = trajectories[0] if len(trajectories) == 1 else run.programs.decoder.concat(trajectories)
+    counts = _counts(np.concatenate(prompt_masks)[chosen], draw.completion_mask)
+    return run.programs.take(every, chosen), draw, counts, metrics, data_state
 
 
 def _step_rows(run: Run, round_index: int) -> np.ndarray:
@@ -228,47 +220,38 @@ def _step_rows(run: Run, round_index: int) -> np.ndarray:
     return np.stack([s for _ in range(tc.num_iterations) for s in slices])
 
 
-def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round_index: int
+def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round_index: int, *, params=None
                   ) -> tuple[RoundBatch, data.DataState]:
-    """A round before its updates: sample (jit) -> dispatch ref/old log-probs -> rows to host -> score (host)
-    -> advantages -> RoundBatch, and the data position after its prompts. With DAPO dynamic sampling the passes are
-    merged on the host first."""
+    """A round before its updates: decode (jit) -> ref/old log-probs queued -> rows to the host -> score (host) ->
+    advantages (host) -> RoundBatch, and the data position after its prompts. ``params`` samples the round (and
+    gives its old log-probs; None: the state's); the state gives the key, the step and the reference. With DAPO
+    dynamic sampling the passes are merged first."""
     cfg, tc = run.config, run.config.train
+    params = state.params if params is None else params
     seconds: dict = {}
     log = rewards.RewardLog()
     context = _reward_context(run, state, data_state)
     if tc.dynamic_sampling:
-        draw, sampling_metrics, data_state = _dynamic_sampling_passes(run, state, data_state, round_index, seconds,
-                                                                      context, log)
-        ref = old = rows = None
+        rows, draw, counts, sampling_metrics, data_state = _dynamic_sampling_passes(
+            run, state, params, data_state, round_index, seconds, context, log)
+        ref, old = _dispatch_logps(run, state, params, rows, counts)
     else:
-        draw, rows, ref, old, data_state = _one_pass(run, state, data_state, round_index, seconds, context, log)
-        sampling_metrics = {}
+        batch, data_state = data.next_batch(run.dataset, data_state, tc.prompts_per_round)
+        batch = data.repeat_groups(batch, tc.num_generations)
+        key = run.programs.sample_key(state.key, round_index, 0)
+        rows, draw, (ref, old) = _sample_and_score(run, state, params, batch, key, seconds, context, log, logps=True)
+        counts, sampling_metrics = _counts(batch.prompt_mask, draw.completion_mask), {}
 
     timer = time.perf_counter()
     mask = rounds.mask_truncated(draw.completion_mask, draw.is_truncated) if tc.mask_truncated_completions \
         else draw.completion_mask
-    step_rows = _step_rows(run, round_index)
-    # host arrays go up once for a round of several steps, else as they are into the step's call
-    upload = sharding.host_rows if len(step_rows) == 1 else sharding.shard_global_rows
-    if rows is None:  # merged passes: the rows go up once, then their log-probs
-        rows = sharding.shard_global_rows((draw.prompt_ids, draw.prompt_mask, draw.completion_ids, mask), run.mesh)
-        ref, old = _dispatch_logps(run, state, rows,
-                                   _packed_length(run, draw.prompt_mask, mask, run.round_prompt_group_size))
-    elif tc.mask_truncated_completions:
-        rows = (*rows[:3], upload(mask, run.mesh))
     advantages, r_N, std_N = run.programs.advantages(draw.rewards, _weights(run), mask,
                                                      *rounds.pad_steps(draw, mask.shape[1]))
-    r_N, std_N = jax.device_get((r_N, std_N))
-    masked_sampler = None  # the sampler's log-probs under the training mask: one upload for both uses
-    if tc.use_sampler_logps or (tc.needs_old_logps and old is None):
-        masked_sampler = upload(draw.sampler_per_token_logps * mask, run.mesh)
-    if tc.needs_old_logps and old is None:
-        old = masked_sampler  # see `_dispatch_logps`
+    rows = run.programs.rows(rows, advantages, old, ref)
     seconds["score"] += time.perf_counter() - timer
 
     timer = time.perf_counter()
-    jax.block_until_ready((ref, old))  # the phase's time, not the next one's
+    jax.block_until_ready(rows)  # the phase's time, not the next one's
     # the time the round waits for its log-probs: what scoring on the host did not hide
     seconds["logps"] = time.perf_counter() - timer
 
@@ -279,12 +262,10 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
     completions = None
     if cfg.log_completions:
         completions = completion_rows(draw.prompts, decode(run.tokenizer, draw.completion_ids, draw.completion_mask),
-                                      draw.rewards, names, r_N, sharding.to_host(advantages), mask,
-                                      extra=log.extra)
-    return RoundBatch(rows=Batch(*rows, advantages=advantages, old_per_token_logps=old, ref_per_token_logps=ref,
-                                 sampler_per_token_logps=masked_sampler if tc.use_sampler_logps else None),
-                      step_rows=step_rows, round_index=round_index, first_step=int(state.step),
-                      position=0, metrics={k: plain(v) for k, v in metrics.items()}, seconds=seconds,
+                                      draw.rewards, names, r_N, advantages, mask, extra=log.extra)
+    return RoundBatch(rows=rows, token_counts=counts, step_rows=_step_rows(run, round_index),
+                      round_index=round_index, first_step=int(state.step), position=0,
+                      metrics={k: plain(v) for k, v in metrics.items()}, seconds=seconds,
                       completions=completions), data_state
 
 
@@ -304,13 +285,11 @@ def run_steps(run: Run, state: TrainState, round_batch: RoundBatch, *, until: in
     pending, position = [], rb.position
     num_rows = len(rb.rows.completion_ids)
     unchecked = 0  # steps dispatched since the skipped flags were last fetched
-    masks = sharding.to_host((rb.rows.prompt_mask, rb.rows.completion_mask)) if run.config.train.packing else None
     while position < last and not (stop is not None and stop()) and (max_skipped is None or max_skipped >= 0):
         step_rows = rb.step_rows[position]
         # a step of all the round's rows in order (one step per round) takes them as they are, without a gather
         in_order = len(step_rows) == num_rows and np.array_equal(step_rows, np.arange(num_rows))
-        packed = 0 if masks is None else _packed_length(run, masks[0][step_rows], masks[1][step_rows],
-                                                         run.step_prompt_group_size)
+        packed = _packed_length(run, rb.token_counts[step_rows], run.step_prompt_group_size)
         state, metrics = run.programs.step(state, rb.rows if in_order else run.programs.take(rb.rows, step_rows),
                                            packed)
         pending.append(metrics)

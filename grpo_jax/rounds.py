@@ -25,25 +25,24 @@ from grpo_jax import advantages
 
 
 class Draw(NamedTuple):
-    """One sampling pass, scored: row arrays [N, ...] (host NumPy) plus the per-row Python columns."""
+    """One sampling pass, scored, on the host: the rows as the reward functions saw them and what they gave. Its
+    rows on the devices are a `trajectory.Trajectory`, in the same order."""
 
-    prompt_ids: np.ndarray  # [N, P] int32
-    prompt_mask: np.ndarray  # [N, P]
-    completion_ids: np.ndarray  # [N, T]
-    completion_mask: np.ndarray  # [N, T], as sampled (before mask_truncated)
-    is_truncated: np.ndarray  # [N] bool
-    sampler_per_token_logps: np.ndarray  # [N, T]
-    rewards: np.ndarray  # [N, F] (NaN: None)
-    prompts: list  # N prompt strings
+    prompts: list  # N prompts (strings or message lists)
     columns: dict  # dataset columns, N values each
+    completion_ids: np.ndarray  # [N, T]
+    completion_mask: np.ndarray  # [N, T]
+    is_truncated: np.ndarray  # [N] bool
+    rewards: np.ndarray  # [N, F] (NaN: None)
     num_prompts_truncated: int = 0
     step_rewards: np.ndarray | None = None  # [N, S] weighted step rewards (process supervision), NaN padding
     step_end_indices: np.ndarray | None = None  # [N, S] their end-token indices, -1 padding
 
 
-def mask_truncated(completion_mask_NxT: np.ndarray, is_truncated_N: np.ndarray) -> np.ndarray:
-    """mask_truncated_completions: rows that ended without EOS get mask 0 (so also 0 active tokens)."""
-    return completion_mask_NxT * (~np.asarray(is_truncated_N, bool))[:, None].astype(completion_mask_NxT.dtype)
+def mask_truncated(mask_NxT, is_truncated_N):
+    """mask_truncated_completions: rows that ended without EOS get mask 0 (so also 0 active tokens). NumPy or jax
+    arrays."""
+    return mask_NxT * (~is_truncated_N)[:, None].astype(mask_NxT.dtype)
 
 
 def zero_std_groups(draw: Draw, weights_F: np.ndarray, num_generations: int) -> np.ndarray:
@@ -89,8 +88,9 @@ def is_full(state: DynamicSamplingState, num_groups: int) -> bool:
     return len(state.kept) >= num_groups
 
 
-def finalize(state: DynamicSamplingState, num_groups: int, num_generations: int) -> tuple[Draw, dict]:
-    """The round's rows (first `num_groups` kept groups, topped up with set-aside ones) and its metrics.
+def finalize(state: DynamicSamplingState, num_groups: int, num_generations: int) -> tuple[Draw, np.ndarray, dict]:
+    """The round's rows (first `num_groups` kept groups, topped up with set-aside ones), their indices into the
+    passes' rows one after another (pass d's row r is d * N + r: where the devices' rows are), and its metrics.
 
     Metrics: `dynamic_sampling/num_gen_batches` (passes drawn, 1 = no extra sampling),
     `dynamic_sampling/num_filled_groups` (zero-std groups used to fill the round at the cap),
@@ -116,13 +116,15 @@ def finalize(state: DynamicSamplingState, num_groups: int, num_generations: int)
                                      for d, r in rows])
     keys = dict.fromkeys(k for d in state.draws for k in d.columns)
     columns = {key: [state.draws[d].columns.get(key, [None] * (r + 1))[r] for d, r in rows] for key in keys}
-    round_ = Draw(*(gather(f) for f in Draw._fields[:7]), prompts=[state.draws[d].prompts[r] for d, r in rows],
-                  columns=columns, num_prompts_truncated=sum(d.num_prompts_truncated for d in state.draws), **steps)
+    round_ = Draw(prompts=[state.draws[d].prompts[r] for d, r in rows], columns=columns,
+                  **{f: gather(f) for f in ("completion_ids", "completion_mask", "is_truncated", "rewards")},
+                  num_prompts_truncated=sum(d.num_prompts_truncated for d in state.draws), **steps)
+    sizes = np.cumsum([0] + [len(d.prompts) for d in state.draws])
     drawn = len(state.kept) + len(state.spare)
     metrics = {"dynamic_sampling/num_gen_batches": len(state.draws),
                "dynamic_sampling/num_filled_groups": filled,
                "dynamic_sampling/frac_zero_std_drawn": len(state.spare) / max(drawn, 1)}
-    return round_, metrics
+    return round_, np.array([sizes[d] + r for d, r in rows]), metrics
 
 
 def round_advantages(rewards_NxF, weights_F, mask_NxT, step_rewards_NxS=None, step_end_indices_NxS=None, *,

@@ -367,23 +367,23 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     options = StepOptions(loss=loss_config, temperature=config.sampling.temperature,
                           gradient_accumulation_steps=tc.gradient_accumulation_steps,
                           logps_chunk_size=tc.logps_chunk_size, prompt_group_size=step_group,
-                          ref_sync=tc.ref_sync, loss_fn=loss_fn)
+                          ref_sync=tc.ref_sync, loss_fn=loss_fn, use_sampler_logps=tc.use_sampler_logps)
     state_sharding = sharding.tree_shardings(state)
-    sample = programs.jit_generate(graphdef, mesh, config=config.sampling, eos_token_ids=eos_ids,
-                                   pad_token_id=tokenizer.pad_token_id, params_sharding=state_sharding.params,
-                                   prompt_group_size=tc.num_generations, cpu_speedups=speedups)
-    eval_sample = None
+    decoding = dict(eos_token_ids=eos_ids, pad_token_id=tokenizer.pad_token_id,
+                    params_sharding=state_sharding.params, cpu_speedups=speedups)
+    decoder = programs.jit_decoder(graphdef, mesh, config.model, config=config.sampling,
+                                   prompt_group_size=tc.num_generations, **decoding)
+    eval_decoder = None
     if config.eval.num_generations and eval_rows:  # evaluation's sampled completions, at their own temperature
-        eval_sample = programs.jit_generate(
-            graphdef, mesh, config=dataclasses.replace(config.sampling, temperature=config.eval.temperature),
-            eos_token_ids=eos_ids, pad_token_id=tokenizer.pad_token_id, params_sharding=state_sharding.params,
-            prompt_group_size=config.eval.num_generations, cpu_speedups=speedups)
+        eval_decoder = programs.jit_decoder(
+            graphdef, mesh, config.model, config=dataclasses.replace(config.sampling, temperature=config.eval.temperature),
+            prompt_group_size=config.eval.num_generations, **decoding)
     advantage_options = dict(estimator=tc.advantage_estimator, scale_rewards=tc.scale_rewards,
                              multi_objective_aggregation=tc.multi_objective_aggregation,
                              num_generations=tc.num_generations)
-    run_programs = programs.build(graphdef, optimizer, options, mesh, state_sharding, sample=sample,
+    run_programs = programs.build(graphdef, optimizer, options, mesh, state_sharding, decoder=decoder,
                                   round_prompt_group_size=round_group, advantage_options=advantage_options,
-                                  eval_sample=eval_sample)
+                                  mask_truncated=tc.mask_truncated_completions, eval_decoder=eval_decoder)
     if jax.process_index() == 0:
         (output_dir / "config.yaml").write_text(yaml.safe_dump(given, sort_keys=False))
     run = Run(config=config, output_dir=output_dir, tokenizer=tokenizer, tokenizer_path=tokenizer_dir,

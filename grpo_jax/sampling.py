@@ -1,7 +1,7 @@
-"""Autoregressive sampling with a KV cache: prefill the prompt, then a ``lax.while_loop`` decode.
+"""How one token is drawn from a row's logits: temperature, the filters (top-k, top-p, min-p, as Hugging Face's
+logits warpers), and the row's own Gumbel noise. The loop that draws them is `grpo_jax.decoder`.
 
-Dimension letters: B rows, P prompt tokens (left-padded), T = max_completion_length, S = P + T cache
-slots, V vocab. Everything has static shapes; the loop exits early once every row has emitted EOS.
+Dimension letters: N rows drawing at once, V vocab.
 """
 
 from __future__ import annotations
@@ -10,12 +10,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.extend.random import threefry_2x32
 
-from grpo_jax.config.sections import SamplingConfig  # noqa: F401  (re-exported)
-from grpo_jax.models import (compute_dtype_params, forward, init_cache, layer_params, model_config,
-                             positions_from_mask, rotary_tables, unembed)
+from grpo_jax.config.sections import SamplingConfig
 
 
 class SampleOutput(NamedTuple):
@@ -69,154 +65,22 @@ def filter_logits(scaled_logits_BxV, config: SamplingConfig):
     return scores
 
 
-def prefill(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, group_size: int, cache_length: int):
-    """Each distinct prompt (R = B / ``group_size`` rows, `data.repeat_groups` order) run once into a KV cache of
-    ``cache_length`` slots: (params in the compute dtype, their per-layer slices, RoPE tables of every slot,
-    cache [R, ...], the logits of each prompt's next token [R, V]). The casts and slices are made once here, not
-    in every decode step."""
-    B, P = prompt_ids_BxP.shape
-    G = group_size
-    if not isinstance(G, int) or G < 1 or B % G:
-        raise ValueError(f"prompt_group_size={G!r} must be a positive integer dividing the {B} rows")
-    model_cfg = model_config(graphdef, params)
-    params = compute_dtype_params(graphdef, params)
-    layers = layer_params(graphdef, params)
-    rope = rotary_tables(model_cfg, cache_length)  # RoPE of every slot: decode steps gather theirs
-    mask_RxS = jnp.zeros((B // G, cache_length), jnp.int32).at[:, :P].set(prompt_mask_BxP[::G].astype(jnp.int32))
-    hidden_RxPxD, cache_R = forward(graphdef, params, prompt_ids_BxP[::G], positions_from_mask(prompt_mask_BxP[::G]),
-                                    mask_RxS, init_cache(model_cfg, B // G, cache_length), 0, layers=layers,
-                                    rope=rope)
-    # left padding puts every row's last real token at slot P - 1
-    return params, layers, rope, cache_R, unembed(graphdef, params, hidden_RxPxD[:, -1:])[:, 0]
+def row_noise(key, row, step, vocab: int):
+    """Row ``row``'s Gumbel noise [V] for its token ``step``: ``gumbel(fold_in(fold_in(key, row), step))``. A
+    function of (key, row, step) alone, so a row draws the same tokens whichever rows share its decode step."""
+    return jax.random.gumbel(jax.random.fold_in(jax.random.fold_in(key, row), step), (vocab,), jnp.float32)
 
 
-def _threefry_words(key):
-    """The key's two uint32 words when it is a threefry key, else None (other PRNGs draw other bits)."""
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return jax.random.key_data(key) if str(jax.random.key_impl(key)) == "threefry2x32" else None
-    return key if jax.config.jax_default_prng_impl == "threefry2x32" else None
+def draw(logits_NxV, noise_NxV, config: SamplingConfig, *, greedy: bool, argmax=None):
+    """Each row's next token and its log-probability (full-vocabulary log-softmax of logits / temperature, before
+    the filters): ([N] int32, [N] float32). Sampling takes argmax(filtered scores + noise), i.e.
+    ``jax.random.categorical`` with the given noise; ``greedy`` the arg-max of the unfiltered scores (``noise``
+    unused). ``argmax``: another arg-max of the last axis (`cpu.argmax_last_axis`), None: ``jnp.argmax``."""
+    argmax = (lambda x: jnp.argmax(x, axis=-1)) if argmax is None else argmax  # noqa: E731
+    scaled_NxV = logits_NxV.astype(jnp.float32) / config.temperature
+    tokens_N = argmax(scaled_NxV if greedy else noise_NxV + filter_logits(scaled_NxV, config)).astype(jnp.int32)
+    logp_N = jnp.take_along_axis(jax.nn.log_softmax(scaled_NxV, axis=-1), tokens_N[:, None], axis=-1)[:, 0]
+    return tokens_N, logp_N
 
 
-def gumbel_rows(key, step, total: int, row_offset, rows: int, vocab: int):
-    """Rows ``row_offset .. row_offset + rows`` of ``jax.random.gumbel(fold_in(key, step), (total, vocab))``:
-    the noise `generate`'s ``jax.random.categorical`` adds to those rows' scores at ``step``.
-
-    With a threefry key and partitionable bits (jax's defaults) element i of that draw hashes the counter
-    (0, i) alone, so only these rows' bits are drawn (`jax.extend.random.threefry_2x32`), then
-    `jax.random.gumbel`'s own float transform; otherwise the whole draw is sliced. A row's noise is then a
-    function of (key, step, row) alone, whatever rows share its call (`grpo_jax.continuous` relies on it).
-    """
-    key = jax.random.fold_in(key, step)
-    words = _threefry_words(key)
-    # the counters are (0, i) with i < 2**32: larger draws take the sliced whole draw too
-    if (words is None or not jax.config.jax_threefry_partitionable or total * vocab >= 2 ** 32
-            or jax.config.jax_high_dynamic_range_gumbel):
-        noise = jax.random.gumbel(key, (total, vocab), jnp.float32)
-        return noise if rows == total else jax.lax.dynamic_slice_in_dim(noise, row_offset, rows, axis=0)
-    n = rows * vocab
-    counts = jnp.asarray(row_offset, jnp.uint32) * vocab + jnp.arange(n, dtype=jnp.uint32)
-    # threefry_2x32 hashes the pairs (first half[i], second half[i]) of its counts into the two output halves
-    bits = threefry_2x32((words[0], words[1]), jnp.concatenate([jnp.zeros_like(counts), counts]))
-    # jax.random.uniform's mantissa trick over [tiny, 1), then gumbel's -log(-log(u))
-    ones = jax.lax.bitcast_convert_type(((bits[:n] ^ bits[n:]) >> np.uint32(9)) | np.uint32(0x3F800000),
-                                        jnp.float32)
-    tiny = jnp.finfo(jnp.float32).tiny
-    uniform = jnp.maximum(tiny, (ones - 1.0) * (1.0 - tiny) + tiny)
-    return -jnp.log(-jnp.log(uniform)).reshape(rows, vocab)
-
-
-class _DecodeState(NamedTuple):
-    step: jax.Array           # tokens sampled so far (also the slot of the pending token, minus P)
-    pending_B: jax.Array      # the last sampled token, not yet fed through the model
-    done_B: jax.Array         # rows whose pending token or an earlier one was EOS
-    cache: object
-    mask_BxS: jax.Array
-    ids_BxT: jax.Array
-    completion_mask_BxT: jax.Array
-    logps_BxT: jax.Array
-
-
-def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, *, config: SamplingConfig,
-             eos_token_ids: tuple[int, ...], pad_token_id: int, greedy: bool = False,
-             prompt_group_size: int = 1, cache_sharding=None, choose_tokens=None) -> SampleOutput:
-    """Sample up to T = config.max_completion_length tokens per left-padded prompt.
-
-    Prefill writes the prompt into a KV cache of S = P + T slots; decode step t feeds token t - 1 at slot
-    P + t - 1 (RoPE position = real prompt length + t - 1) and samples token t as
-    ``jax.random.categorical(fold_in(key, t), filter_logits(logits / temperature))``. ``greedy`` takes the
-    arg-max (no filters) but still reports logps at temperature.
-    ``prompt_group_size`` G > 1 promises that rows g*G .. g*G + G - 1 hold the same prompt
-    (`data.repeat_groups` order): the prompt is then prefilled once per group and its cache copied G times.
-    ``cache_sharding`` (`sharding.cache_sharding`) pins the KV cache's layout over a mesh; None leaves it to XLA.
-    ``choose_tokens(key, (T, B, V), greedy)`` (e.g. `cpu.token_chooser`), called once before the decode loop,
-    returns ``choose(t, scores_BxV) -> tokens_B`` picking the same tokens another way; None: the draw above.
-    """
-    B, P = prompt_ids_BxP.shape
-    T = config.max_completion_length
-    G = prompt_group_size
-    eos_E = jnp.asarray(eos_token_ids, jnp.int32).reshape(-1)
-    prompt_mask_BxP = prompt_mask_BxP.astype(jnp.int32)
-    prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1)
-    mask_BxS = jnp.concatenate([prompt_mask_BxP, jnp.zeros((B, T), jnp.int32)], axis=1)
-    params, layers, rope, cache_R, logits_RxV = prefill(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, G, P + T)
-    cache = jax.tree.map(lambda x_RxKxSxDh: jnp.repeat(x_RxKxSxDh, G, axis=0), cache_R) if G > 1 else cache_R
-    constrain = (lambda c: c) if cache_sharding is None else (  # noqa: E731
-        lambda c: jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, cache_sharding), c))
-    cache = constrain(cache)
-    logits_BxV = jnp.repeat(logits_RxV, G, axis=0) if G > 1 else logits_RxV
-
-    def categorical(step, scores_BxV):
-        if greedy:
-            return jnp.argmax(scores_BxV, axis=-1)
-        return jax.random.categorical(jax.random.fold_in(key, step), scores_BxV)
-
-    choose = categorical if choose_tokens is None else choose_tokens(key, (T, B, logits_BxV.shape[-1]), greedy)
-
-    def record(state: _DecodeState, logits_BxV):
-        scaled_BxV = logits_BxV.astype(jnp.float32) / config.temperature
-        tokens_B = choose(state.step, scaled_BxV if greedy else filter_logits(scaled_BxV, config))
-        tokens_B = tokens_B.astype(jnp.int32)
-        logp_B = jnp.take_along_axis(jax.nn.log_softmax(scaled_BxV, axis=-1), tokens_B[:, None], axis=-1)[:, 0]
-        live_B = ~state.done_B
-        tokens_B = jnp.where(live_B, tokens_B, pad_token_id)
-        t = state.step
-        return state._replace(
-            step=t + 1,
-            pending_B=tokens_B,
-            done_B=state.done_B | (live_B & jnp.isin(tokens_B, eos_E)),
-            ids_BxT=state.ids_BxT.at[:, t].set(tokens_B),
-            completion_mask_BxT=state.completion_mask_BxT.at[:, t].set(live_B.astype(jnp.int32)),
-            logps_BxT=state.logps_BxT.at[:, t].set(jnp.where(live_B, logp_B, 0.0)),
-        )
-
-    def cond(state: _DecodeState):
-        return (state.step < T) & ~jnp.all(state.done_B)
-
-    def body(state: _DecodeState):
-        slot = P + state.step - 1
-        mask_BxS = jax.lax.dynamic_update_slice(state.mask_BxS, jnp.ones((B, 1), jnp.int32), (0, slot))
-        positions_Bx1 = (prompt_len_B + state.step - 1)[:, None]
-        hidden_Bx1xD, cache = forward(graphdef, params, state.pending_B[:, None], positions_Bx1, mask_BxS,
-                                      state.cache, slot, layers=layers, rope=rope)
-        cache = constrain(cache)
-        logits_BxV = unembed(graphdef, params, hidden_Bx1xD)[:, 0]
-        return record(state._replace(cache=cache, mask_BxS=mask_BxS), logits_BxV)
-
-    state = _DecodeState(
-        step=jnp.zeros((), jnp.int32),
-        pending_B=jnp.zeros((B,), jnp.int32),
-        done_B=jnp.zeros((B,), bool),
-        cache=cache,
-        mask_BxS=mask_BxS,
-        ids_BxT=jnp.full((B, T), pad_token_id, jnp.int32),
-        completion_mask_BxT=jnp.zeros((B, T), jnp.int32),
-        logps_BxT=jnp.zeros((B, T), jnp.float32),
-    )
-    state = jax.lax.while_loop(cond, body, record(state, logits_BxV))
-    return SampleOutput(
-        completion_ids=state.ids_BxT,
-        completion_mask=state.completion_mask_BxT,
-        is_truncated=~state.done_B,
-        sampler_per_token_logps=state.logps_BxT,
-        num_decode_steps=state.step,
-    )
+__all__ = ["SamplingConfig", "draw", "filter_logits", "row_noise"]

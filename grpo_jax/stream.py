@@ -1,10 +1,12 @@
-"""Sampling that hands finished groups to the host while the devices decode the others.
+"""A decoding call driven from the host: its rows reach the host group by group, as they finish.
 
-`Sampler` is a jitted sampling program (`programs.jit_generate`): call it for a `SampleOutput`, or `stream` it
-for a `Stream`, which yields each `Piece` (whole groups of finished rows, on the host) as soon as a segment of the
-continuously batched loop (`continuous.advance`) has finished them. Segments are dispatched from a thread of their
-own, each queued before the previous one's rows are read, so the devices keep decoding while the host scores
-(`grpo_jax.rollout`). A static batch (slots for every row) finishes all its rows at once: one piece.
+`decode` runs a call with a run's `programs.Decoder` and yields `Piece`s: whole groups of finished rows, on the host,
+each row once. The piece that completes the call also carries the call's `Trajectory` on the devices, so the
+round can queue the log-prob passes on it before it scores those last rows. A static batch (a slot for every row)
+finishes its rows in one program and one piece; continuously batched calls run in segments (`decoder.advance`
+with ``segment``), each queued from a thread of its own before the previous segment's rows are read, so the devices
+keep decoding while the host scores. On the CPU switch a call may also be split into host-thread chunks, each
+decoding its rows from a thread of its own (`cpu.host_chunks`).
 """
 
 from __future__ import annotations
@@ -17,66 +19,52 @@ from typing import NamedTuple
 import numpy as np
 
 from grpo_jax import sharding
-from grpo_jax.sampling import SampleOutput
+from grpo_jax.trajectory import Trajectory
 
 
 class Piece(NamedTuple):
-    """Finished rows of a sampling call: whole groups, on the host."""
+    """Finished rows of a decoding call (whole groups), on the host."""
 
     rows: np.ndarray  # [n] the rows' indices in the call
     completion_ids: np.ndarray  # [n, T]
     completion_mask: np.ndarray  # [n, T]
+    is_truncated: np.ndarray  # [n] bool
+    trajectory: Trajectory | None = None  # the call's rows on the devices, with the piece that finishes the call
+    decode_steps: int = 0  # with the piece that finishes the call: its decode steps (the longest chunk's)
 
 
-class Stream:
-    """Iterating yields the call's `Piece`s, every row once; ``output`` (the call's `SampleOutput`, on the devices)
-    is set as soon as the last row is decoded, before the last piece is yielded."""
-
-    def __init__(self, events: Iterator):
-        self._events = events  # Pieces, and the SampleOutput once decoding is over
-        self.output: SampleOutput | None = None
-
-    def __iter__(self) -> Iterator[Piece]:
-        for event in self._events:
-            if isinstance(event, SampleOutput):
-                self.output = event
-            else:
-                yield event
+def _piece(rows: np.ndarray, view, offset: int) -> Piece:
+    ended_B, length_B, at_eos_B, tokens_BxT, steps = view
+    mask = (np.arange(tokens_BxT.shape[1])[None] < length_B[rows, None]).astype(np.int32)
+    return Piece(rows + offset, tokens_BxT[rows], mask, ~at_eos_B[rows], decode_steps=int(steps) * ended_B.all())
 
 
-def segments(start: Callable, advance: Callable, group_size: int, row_offset: int = 0) -> Iterator:
-    """One continuously batched call run segment by segment: ``start() -> decoding``, ``advance(decoding) ->
-    (decoding, SampleOutput, ended_B)`` (the decoding donated). Yields `Piece`s (rows from ``row_offset``) and,
-    once every row has ended, the `SampleOutput`."""
-    decoding, *view = advance(start())
-    seen_R = None
+def _chunk(decoder, params, ids, mask, key, offset: int, options, group_size: int) -> Iterator:
+    """One program's rows (from row ``offset`` of the call): its `Piece`s, then its `Trajectory`."""
+    decoding = decoder.start(params, ids, mask, key, np.int32(offset), options)
+    if not options.num_slots or options.num_slots >= len(ids):  # a static batch: every row at once
+        decoding, view = decoder.advance(params, decoding, options, False)
+        yield decoder.trajectory(decoding)
+        yield _piece(np.arange(len(ids)), sharding.to_host(view), offset)
+        return
+    decoding, view = decoder.advance(params, decoding, options, True)
+    seen_R = np.zeros(len(ids) // group_size, bool)
     while True:
-        ahead = advance(decoding)  # queued before this segment is read: the devices do not wait for the host
-        out, ended_B = view
-        done_R = np.asarray(sharding.to_host(ended_B)).reshape(-1, group_size).all(axis=1)
-        seen_R = np.zeros_like(done_R) if seen_R is None else seen_R
-        if done_R.all():
-            yield out
+        ahead = decoder.advance(params, decoding, options, True)  # queued before this segment is read
+        ended_B = np.asarray(sharding.to_host(view[0]))
+        done_R = ended_B.reshape(-1, group_size).all(axis=1)
+        if done_R.all():  # the segment queued ahead found nothing left to decode: its state is the final one
+            yield decoder.trajectory(ahead[0])
         if (done_R & ~seen_R).any():
-            rows = np.flatnonzero(np.repeat(done_R & ~seen_R, group_size))
-            ids, mask = sharding.to_host((out.completion_ids, out.completion_mask))
-            yield Piece(rows + row_offset, ids[rows], mask[rows])
+            yield _piece(np.flatnonzero(np.repeat(done_R & ~seen_R, group_size)), sharding.to_host(view), offset)
             seen_R = done_R
         if done_R.all():
             return
-        decoding, *view = ahead
+        decoding, view = ahead
 
 
-def whole(out: SampleOutput, row_offset: int = 0) -> Iterator:
-    """A static batch's call as a stream: its output, then all its rows (from ``row_offset``) as one piece."""
-    yield out
-    ids, mask = sharding.to_host((out.completion_ids, out.completion_mask))
-    yield Piece(np.arange(len(ids)) + row_offset, ids, mask)
-
-
-def merged(calls: list[Callable[[], Iterator]], concat: Callable, pool) -> Iterator:
-    """Several calls' streams (row chunks, each already offset) run in ``pool``'s threads, as one stream: pieces
-    as they come, and ``concat(outputs)`` in chunk order once every chunk has ended."""
+def _merged(calls: list[Callable[[], Iterator]], pool) -> Iterator:
+    """Several chunks' events as (chunk index, event), each chunk run in one of ``pool``'s threads."""
     events: queue.Queue = queue.Queue()
 
     def run(i, call):
@@ -89,53 +77,57 @@ def merged(calls: list[Callable[[], Iterator]], concat: Callable, pool) -> Itera
 
     for i, call in enumerate(calls):
         pool.submit(run, i, call)
-    outputs, running = [None] * len(calls), len(calls)
+    running = len(calls)
     while running:
         i, event = events.get()
         if event is None:
             running -= 1
         elif isinstance(event, BaseException):
             raise event
-        elif isinstance(event, SampleOutput):
-            outputs[i] = event
-            if all(o is not None for o in outputs):
-                yield concat(outputs)
         else:
-            yield event
+            yield i, event
 
 
-class Sampler:
-    """A sampling program: ``fn(params, prompt_ids, prompt_mask, key, greedy) -> SampleOutput`` and
-    ``fn.stream(params, prompt_ids, prompt_mask, key) -> Stream`` (sampling, not greedy).
+def decode(decoder, params, prompt_ids_BxP, prompt_mask_BxP, key, *, greedy: bool = False,
+           group_size: int = 1) -> Iterator[Piece]:
+    """A decoding call of ``decoder`` (`programs.Decoder`) over host prompt rows (every process's, the same): its
+    `Piece`s, whole groups of ``group_size`` rows as they finish; the last carries the call's `Trajectory`."""
+    B = len(prompt_ids_BxP)
+    k = decoder.chunks(B, group_size)
+    rows = B // k
+    options = decoder.options(rows, B, greedy)
+    parts = [decoder.place((prompt_ids_BxP, prompt_mask_BxP))] if k == 1 else [
+        (prompt_ids_BxP[i * rows:(i + 1) * rows], prompt_mask_BxP[i * rows:(i + 1) * rows]) for i in range(k)]
+    calls = [lambda i=i: _chunk(decoder, params, *parts[i], key, i * rows, options, group_size) for i in range(k)]
+    if k == 1 and (not options.num_slots or options.num_slots >= rows):  # one static batch: inline
+        yield from _events(((0, event) for event in calls[0]()), decoder, B, k)
+        return
+    # segments and chunks are queued from threads of their own, so the devices never wait for the host
+    with ThreadPoolExecutor(k, thread_name_prefix="grpo_jax-decode") as pool:
+        yield from _events(_merged(calls, pool), decoder, B, k)
 
-    ``call``: the jitted sampler; ``start(params, ids, mask, key, row_offset, total_rows)`` and ``advance(params,
-    decoding, mask, key, row_offset, total_rows)``: its continuously batched loop in segments, used when
-    ``slots(rows, total_rows)`` is fewer than the call's rows.
-    """
 
-    def __init__(self, call: Callable, start: Callable, advance: Callable, slots: Callable[[int, int], int],
-                 group_size: int):
-        self._call, self._start, self._advance, self._slots = call, start, advance, slots
-        self._group = group_size
-        self._pool = None  # the thread that dispatches the segments, made on the first streamed call
+def _events(events: Iterator, decoder, B: int, k: int) -> Iterator[Piece]:
+    """The pieces of ``k`` chunks' (chunk, event) stream, the whole call's trajectory on the one that ends it."""
+    trajectories, received, steps = [None] * k, 0, 0
+    for i, event in events:
+        if isinstance(event, Trajectory):
+            trajectories[i] = event
+            continue
+        received += len(event.rows)
+        steps = max(steps, event.decode_steps)  # a chunk's last piece has its steps
+        if received == B:  # each chunk gives its trajectory before its last rows: all are here
+            event = event._replace(trajectory=trajectories[0] if k == 1 else decoder.concat(trajectories),
+                                   decode_steps=steps)
+        else:
+            event = event._replace(decode_steps=0)
+        yield event
 
-    def __call__(self, params, prompt_ids_BxP, prompt_mask_BxP, key, greedy):
-        return self._call(params, prompt_ids_BxP, prompt_mask_BxP, key, greedy)
 
-    def _cache_size(self) -> int:
-        return self._call._cache_size()
-
-    def stream(self, params, prompt_ids_BxP, prompt_mask_BxP, key) -> Stream:
-        B = prompt_ids_BxP.shape[0]
-        if self._slots(B, B) >= B:
-            return Stream(whole(self(params, prompt_ids_BxP, prompt_mask_BxP, key, False)))
-        offset = np.int32(0)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grpo_jax-stream")
-
-        def call():
-            return segments(lambda: self._start(params, prompt_ids_BxP, prompt_mask_BxP, key, offset, B),
-                            lambda d: self._advance(params, d, prompt_mask_BxP, key, offset, B), self._group)
-        # segments are dispatched from their own thread: a segment shorter than the host's scoring of the previous
-        # one does not leave the devices waiting for the next
-        return Stream(merged([call], lambda outputs: outputs[0], self._pool))
+def generate(decoder, params, prompt_ids_BxP, prompt_mask_BxP, key, *, greedy: bool = False,
+             group_size: int = 1) -> Trajectory:
+    """Every row of a call decoded to its end (`decode`), as one `Trajectory` on the devices."""
+    for piece in decode(decoder, params, prompt_ids_BxP, prompt_mask_BxP, key, greedy=greedy, group_size=group_size):
+        if piece.trajectory is not None:
+            return piece.trajectory
+    raise ValueError("a decoding call of no rows")

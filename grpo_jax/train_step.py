@@ -1,5 +1,8 @@
 """One GRPO optimizer step as a pure function of (state, batch), with gradient accumulation inside.
 
+The batch is the step's rows as a `trajectory.Trajectory`: attention sees every completion token
+(``completion_mask``), the loss trains ``loss_mask`` (it is the ``completion_mask`` argument of the loss).
+
 B rows per step split into M = `gradient_accumulation_steps` micro-batches; each micro-batch loss is
 normalised by the whole step's row and token counts (`num_sequences`, `num_items_in_batch`), so the sum over
 micro-batches, and its gradient, equal the full-batch values for every loss_type. Two options are computed
@@ -20,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,19 +35,7 @@ from grpo_jax.logprobs import completion_logps
 from grpo_jax.losses import CLIPPED_LOSS_TYPES, LossConfig, compute_loss
 from grpo_jax.models import lora
 from grpo_jax.state import TrainState, as_float32
-
-
-class Batch(NamedTuple):
-    """The rows of one optimizer step (B rows, P prompt and T completion tokens)."""
-
-    prompt_ids: jax.Array  # [B, P] int32, left-padded
-    prompt_mask: jax.Array  # [B, P]
-    completion_ids: jax.Array  # [B, T] int32
-    completion_mask: jax.Array  # [B, T]: 1 up to and including the first EOS
-    advantages: jax.Array  # [B] float32, or [B, T] (process supervision)
-    old_per_token_logps: jax.Array | None  # [B, T]; None: on-policy (one update per round)
-    ref_per_token_logps: jax.Array | None  # [B, T]; None when beta == 0
-    sampler_per_token_logps: jax.Array | None = None  # [B, T] the sampler's (SampleOutput.sampler_per_token_logps)
+from grpo_jax.trajectory import Trajectory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +49,7 @@ class StepOptions:
     prompt_group_size: int = 1  # G > 1: each micro-batch's rows are whole groups in order (shared prompt forward)
     ref_sync: reference.RefSyncConfig = reference.RefSyncConfig()
     loss_fn: Callable | None = None  # None: grpo_jax.losses.compute_loss (see the module docstring)
+    use_sampler_logps: bool = False  # hand the rows' sampler log-probs to the loss (TRL's vLLM log-probs role)
 
 
 # LossAux field -> metric name as TRL logs it (ALGORITHMS.md §9); other fields keep their own name
@@ -74,7 +65,7 @@ def _aux_dict(aux) -> dict:
     return {AUX_METRIC_NAMES.get(k, k): v for k, v in items}
 
 
-def _micro_batches(batch: Batch, num_micro: int, mesh: Mesh | None) -> Batch:
+def _micro_batches(batch: Trajectory, num_micro: int, mesh: Mesh | None) -> Trajectory:
     """[B, ...] -> [M, B/M, ...], micro-batch m taking rows m, m+M, ... so each stays spread over the devices."""
 
     def split(x):
@@ -87,7 +78,7 @@ def _micro_batches(batch: Batch, num_micro: int, mesh: Mesh | None) -> Batch:
 
 
 def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, options: StepOptions,
-               state: TrainState, batch: Batch, packed_length: int = 0, mesh: Mesh | None = None,
+               state: TrainState, batch: Trajectory, packed_length: int = 0, mesh: Mesh | None = None,
                ref_device_sharding=None) -> tuple[TrainState, dict]:
     """Accumulates the GRPO loss gradient over micro-batches and applies one optimizer update.
 
@@ -101,12 +92,12 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     `ref_device_sharding`: device-memory shardings of a reference kept in host memory, used to bring it over
     when TR-DPO mixing needs it.
     """
-    num_sequences = batch.completion_mask.shape[0]
-    num_items = jnp.sum(batch.completion_mask).astype(jnp.float32)
+    num_sequences = batch.loss_mask.shape[0]
+    num_items = jnp.sum(batch.loss_mask).astype(jnp.float32)
     loss_fn_ = compute_loss if options.loss_fn is None else options.loss_fn
     trainable, frozen = lora.split_trainable(state.params)
 
-    def loss_fn(trainable, micro: Batch):
+    def loss_fn(trainable, micro: Trajectory):
         params = lora.join(trainable, frozen)
         logps_BxT, entropy_BxT = completion_logps(
             graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.completion_ids, micro.completion_mask,
@@ -114,14 +105,16 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
             prompt_group_size=options.prompt_group_size, packed_length=packed_length)
         # the entropy carries gradient only for the entropy bonus (compute_loss differentiates through what it gets)
         entropies_BxT = entropy_BxT if options.loss.entropy_coef != 0.0 else jax.lax.stop_gradient(entropy_BxT)
+        sampler = micro.sampler_per_token_logps if options.use_sampler_logps else None
+        # the loss trains the loss mask; attention (the forward above) saw every completion token
         loss, aux = loss_fn_(logps_BxT, micro.old_per_token_logps, micro.ref_per_token_logps,
-                             micro.advantages, micro.completion_mask, config=options.loss,
+                             micro.advantages, micro.loss_mask, config=options.loss,
                              num_items_in_batch=num_items, num_sequences=num_sequences,
-                             entropies=entropies_BxT, sampler_per_token_logps=micro.sampler_per_token_logps)
+                             entropies=entropies_BxT, sampler_per_token_logps=sampler)
         # aux holds masked means over this micro-batch: weight by its tokens for exact step-level means
-        tokens = jnp.sum(micro.completion_mask).astype(jnp.float32)
+        tokens = jnp.sum(micro.loss_mask).astype(jnp.float32)
         aux = jax.tree.map(lambda x: jax.lax.stop_gradient(x) * tokens, _aux_dict(aux))
-        entropy_sum = jnp.sum(jax.lax.stop_gradient(entropy_BxT) * micro.completion_mask)
+        entropy_sum = jnp.sum(jax.lax.stop_gradient(entropy_BxT) * micro.loss_mask)
         return loss, (aux, entropy_sum)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)

@@ -19,7 +19,7 @@ from grpo_jax.reporting import MetricsWriter, is_eval, plot_run
 from grpo_jax.rollout import RoundBatch, prepare_round, run_round, run_steps
 from grpo_jax.run import Run, build
 from grpo_jax.state import TrainState
-from grpo_jax.train_step import Batch
+from grpo_jax.trajectory import Trajectory
 
 __all__ = ["RoundBatch", "build", "prepare_round", "run_round", "run_steps", "train"]
 
@@ -38,11 +38,11 @@ def _meta(run: Run, data_state: data.DataState, round_index: int, round_batch: R
 
 
 def _arrays(round_batch: RoundBatch | None) -> dict:
-    """A RoundBatch's arrays as a checkpoint saves them: its rows by field name, and `step_rows`."""
+    """A RoundBatch's arrays as a checkpoint saves them: its rows by field name, `token_counts` and `step_rows`."""
     if round_batch is None:
         return {}
     rows = {k: v for k, v in round_batch.rows._asdict().items() if v is not None}
-    return {**rows, "step_rows": round_batch.step_rows}
+    return {**rows, "token_counts": round_batch.token_counts, "step_rows": round_batch.step_rows}
 
 
 def _restore(run: Run, state: TrainState, data_state: data.DataState, mngr):
@@ -56,8 +56,9 @@ def _restore(run: Run, state: TrainState, data_state: data.DataState, mngr):
     data_state = data.DataState(**{"seed": run.config.seed, **meta["data"]})  # older runs saved no seed
     round_batch = None
     if meta["buffer"] is not None:
-        rows = sharding.shard_global_rows(Batch(**{k: arrays.get(k) for k in Batch._fields}), run.mesh)
-        round_batch = RoundBatch(rows=rows, step_rows=arrays["step_rows"], **meta["buffer"])
+        rows = sharding.shard_global_rows(Trajectory(**{k: arrays.get(k) for k in Trajectory._fields}), run.mesh)
+        round_batch = RoundBatch(rows=rows, token_counts=arrays["token_counts"], step_rows=arrays["step_rows"],
+                                 **meta["buffer"])
     where = "" if round_batch is None else f", inside round {round_batch.round_index} ({round_batch.position} " \
         f"of its {len(round_batch.step_rows)} steps done)"
     print(f"grpo_jax: resuming from checkpoint {mngr.directory / str(step)} at step {step}{where}")

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax import cpu, programs, sampling, sharding
+from grpo_jax import cpu, programs, sharding, stream
 from grpo_jax.config import load_config
 from grpo_jax.cpu import _glibc, configure_host_allocator
 from grpo_jax.models import forward, init_model, positions_from_mask, unembed
@@ -90,13 +90,17 @@ def test_enabled_resolves_none_to_the_cpu_backend():
 PROMPT_IDS = np.array([[0, 0, 0, 5, 7, 9], [0, 3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8], [0, 0, 0, 0, 0, 6]], np.int32)
 PROMPT_MASK = (np.arange(6)[None] >= np.array([[3], [1], [0], [5]])).astype(np.int32)
 IDS, MASK = np.repeat(PROMPT_IDS, 2, axis=0), np.repeat(PROMPT_MASK, 2, axis=0)  # 4 groups of 2 rows
-FIELDS = ("completion_ids", "completion_mask", "is_truncated", "sampler_per_token_logps", "num_decode_steps")
+FIELDS = ("completion_ids", "completion_mask", "loss_mask", "is_truncated", "sampler_per_token_logps")
 
 
-def _sampler(graphdef, mesh, on: bool, host_threads: int = 1, **config):
+def _sampler(model, mesh, on: bool, host_threads: int = 1, **config):
+    """A run's decoder with the CPU switch ``on`` or off, as ``fn(params, ids, mask, key, greedy)`` (host rows)."""
+    model_config, graphdef, _ = model
     config = SamplingConfig(max_completion_length=7, host_threads=host_threads, **config)
-    return programs.jit_generate(graphdef, mesh, config=config, eos_token_ids=(1, 3), pad_token_id=0,
-                                 prompt_group_size=2, cpu_speedups=on)
+    dec = programs.jit_decoder(graphdef, mesh, model_config, config=config, eos_token_ids=(1, 3, 4, 7), pad_token_id=0,
+                               prompt_group_size=2, cpu_speedups=on)
+    return lambda params, ids, mask, key, greedy: stream.generate(dec, params, ids, mask, key, greedy=greedy,
+                                                                  group_size=1 if greedy else 2)
 
 
 def _one_device():
@@ -116,14 +120,14 @@ def _assert_same(got, want, logps_exact=True):
 @pytest.mark.parametrize("filters", [dict(temperature=1.3), dict(temperature=0.9, top_k=8),
                                      dict(temperature=0.7, top_k=5, top_p=0.9), dict(min_p=0.1)])
 def test_cpu_sampler_draws_the_default_paths_tokens(tiny_model, filters):
-    # the switch on (noise before the loop, chunks' own Gumbel rows, 1 or 2 chunks) picks the tokens of
-    # jax.random.categorical(fold_in(key, t), ...) under every filter, with the same log-probs
+    # the switch on (noise before the loop, the two-reduction arg-max, 1 or 2 chunks) picks the default path's tokens
+    # under every filter, with the same log-probs
     _, graphdef, params = tiny_model
     key = jax.random.key(3)
-    want = jax.device_get(_sampler(graphdef, _one_device(), False, **filters)(params, IDS, MASK, key, False))
+    want = jax.device_get(_sampler(tiny_model, _one_device(), False, **filters)(params, IDS, MASK, key, False))
     assert want.completion_mask.sum() < want.completion_mask.size  # some rows stop at EOS
     for threads in (1, 2):
-        fn = _sampler(graphdef, _one_device(), True, threads, **filters)
+        fn = _sampler(tiny_model, _one_device(), True, threads, **filters)
         assert cpu.host_chunks(threads, _one_device(), 8, 2) == threads
         _assert_same(jax.device_get(fn(params, IDS, MASK, key, False)), want, logps_exact=threads == 1)
 
@@ -134,9 +138,9 @@ def test_cpu_sampler_in_4_chunks_and_greedy_draws_the_default_paths_tokens(tiny_
     _, graphdef, params = tiny_model
     key, filters = jax.random.key(3), dict(temperature=0.7, top_k=5, top_p=0.9)
     for greedy, thread_counts in ((False, (4,)), (True, (1, 2, 4))):
-        want = jax.device_get(_sampler(graphdef, _one_device(), False, **filters)(params, IDS, MASK, key, greedy))
+        want = jax.device_get(_sampler(tiny_model, _one_device(), False, **filters)(params, IDS, MASK, key, greedy))
         for threads in thread_counts:
-            fn = _sampler(graphdef, _one_device(), True, threads, **filters)
+            fn = _sampler(tiny_model, _one_device(), True, threads, **filters)
             assert cpu.host_chunks(threads, _one_device(), 8, 1 if greedy else 2) == threads
             _assert_same(jax.device_get(fn(params, IDS, MASK, key, greedy)), want, logps_exact=threads == 1)
 
@@ -146,7 +150,7 @@ def test_cpu_sampler_on_an_8_device_mesh_draws_the_default_paths_tokens(tiny_mod
     _, graphdef, params = tiny_model
     mesh = sharding.make_mesh(8, 1, 1)
     for greedy in (False, True):
-        outs = [jax.device_get(_sampler(graphdef, mesh, on, 0, top_k=8)(params, IDS, MASK, jax.random.key(5), greedy))
+        outs = [jax.device_get(_sampler(tiny_model, mesh, on, 0, top_k=8)(params, IDS, MASK, jax.random.key(5), greedy))
                 for on in (False, True)]
         _assert_same(outs[1], outs[0])
 
@@ -156,27 +160,10 @@ def test_noise_before_or_inside_the_loop_draws_the_same_tokens(tiny_model, monke
     monkeypatch.setattr(cpu, "PRECOMPUTED_NOISE_BYTES", noise_bytes)
     _, graphdef, params = tiny_model
     key = jax.random.key(7)
-    outs = [jax.device_get(_sampler(graphdef, _one_device(), on, 2, temperature=0.9, top_k=8)(params, IDS, MASK, key,
+    outs = [jax.device_get(_sampler(tiny_model, _one_device(), on, 2, temperature=0.9, top_k=8)(params, IDS, MASK, key,
                                                                                            False))
             for on in (False, True)]
     _assert_same(outs[1], outs[0], logps_exact=False)
-
-
-@pytest.mark.parametrize("partitionable", [True, False])
-@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey])
-def test_gumbel_rows_are_the_rows_of_the_whole_draw(partitionable, make_key):
-    # jax's defaults (partitionable threefry bits) draw only the chunk's rows' bits; otherwise the draw is sliced.
-    # Either way the rows equal those of jax.random.gumbel over the whole call, bit for bit
-    with jax.threefry_partitionable(partitionable):
-        key = make_key(11)
-        whole = np.asarray(jax.random.gumbel(jax.random.fold_in(key, 5), (12, 37), jnp.float32))
-        rows = jax.jit(sampling.gumbel_rows, static_argnums=(2, 4, 5))
-        for offset, n in ((0, 12), (0, 4), (4, 4), (8, 4), (3, 7)):
-            np.testing.assert_array_equal(rows(key, 5, 12, np.int32(offset), n, 37), whole[offset:offset + n])
-    # an rbg key (not threefry) takes the sliced draw
-    key = jax.random.key(11, impl="rbg")
-    whole = np.asarray(jax.random.gumbel(jax.random.fold_in(key, 2), (8, 37), jnp.float32))
-    np.testing.assert_array_equal(sampling.gumbel_rows(key, 2, 8, 4, 4, 37), whole[4:])
 
 
 def test_argmax_last_axis_equals_jnp_argmax_with_ties_infs_and_nans():
@@ -309,7 +296,7 @@ def test_packed_attention_gives_packed_logps_and_gradients_equal_to_the_padded_l
     completion_mask = (np.arange(T)[None] < rng.integers(100, T + 1, (R * G, 1))).astype(np.int32)
     rows = (np.repeat(rng.integers(2, 32, (R, P)), G, axis=0).astype(np.int32), prompt_mask,
             rng.integers(2, 32, (R * G, T)).astype(np.int32), completion_mask)
-    length = packed_length(prompt_mask, completion_mask, G)
+    length = packed_length(np.sum(prompt_mask, 1), np.sum(completion_mask, 1), G)
     assert length >= cpu.MIN_BLOCKED_LENGTH
     blocked = cpu.packed_attention(graphdef, params, True)
     weights = jnp.asarray(rng.standard_normal((R * G, T)), jnp.float32) * completion_mask

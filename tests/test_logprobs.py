@@ -180,7 +180,7 @@ def test_packed_forward_matches_naive_reference(tiny_model, group):
     mask = COMPLETION_MASK.copy()
     mask[2] = 0
     rows = (*GROUPED[:3], mask)
-    length = packed_length(rows[1], mask, group)
+    length = packed_length(np.sum(rows[1], 1), np.sum(mask, 1), group)
     assert length < rows[0].shape[1] * (4 // group) + mask.size  # shorter than the padded rows
     logps, entropy = completion_logps(graphdef, params, *rows, temperature=0.8, with_entropy=True,
                                       prompt_group_size=group, packed_length=length)
@@ -202,7 +202,7 @@ def test_packed_forward_gradients_equal_the_padded_ones(tiny_model, group, chunk
 
     grad_fn = jax.jit(jax.value_and_grad(objective), static_argnums=1)
     (padded, g_padded), (packed, g_packed) = grad_fn(params, 0), grad_fn(params, packed_length(
-        GROUPED[1], COMPLETION_MASK, group))
+        np.sum(GROUPED[1], 1), np.sum(COMPLETION_MASK, 1), group))
     np.testing.assert_allclose(packed, padded, atol=1e-5, rtol=1e-6)
     # float32 rounding at each leaf's scale: the packed sums run in another order (AVX-512 rounds them apart more)
     for a, b in zip(jax.tree.leaves(g_packed), jax.tree.leaves(g_padded)):
@@ -219,7 +219,7 @@ def test_packed_logps_apply_the_vocabulary_to_the_buffers_slots_not_the_padded_r
     prompt_mask = jnp.ones((B, P), jnp.int32)
     mask = (jnp.arange(T)[None] < 2).astype(jnp.int32) * jnp.ones((B, 1), jnp.int32)
     ids = jnp.zeros((B, P), jnp.int32), prompt_mask, jnp.zeros((B, T), jnp.int32)
-    length = packed_length(np.asarray(prompt_mask), np.asarray(mask), G)
+    length = packed_length(np.sum(prompt_mask, 1), np.sum(mask, 1), G)
     assert length == 16
 
     def temp_bytes(packed):
@@ -237,9 +237,9 @@ def test_packed_logps_apply_the_vocabulary_to_the_buffers_slots_not_the_padded_r
 def test_packed_length_is_the_longest_group_rounded_to_eight_steps_an_octave():
     prompt_mask = np.repeat(PROMPT_MASK[[1, 3]], 2, axis=0)  # 5 and 1 real prompt tokens
     # groups: 5 + 3 + 5 = 13 and 1 + 1 + 4 = 6 tokens -> 13, at least 16
-    assert packed_length(prompt_mask, COMPLETION_MASK, 2) == 16
-    assert packed_length(prompt_mask, COMPLETION_MASK, 1) == 16  # rows alone: 10 at most
+    assert packed_length(np.sum(prompt_mask, 1), np.sum(COMPLETION_MASK, 1), 2) == 16
+    assert packed_length(np.sum(prompt_mask, 1), np.sum(COMPLETION_MASK, 1), 1) == 16  # rows alone: 10 at most
     wide = np.ones((2, 300), np.int32)
-    assert packed_length(wide[:, :1], wide, 2) == 640  # 601 tokens: steps of 64 between 512 and 1024
-    assert packed_length(wide[:, :1], wide[:, :255], 1) == 256
-    assert packed_length(np.zeros((0, 3)), np.zeros((0, 3)), 1) == 0
+    assert packed_length(wide[:, 0], wide.sum(1), 2) == 640  # 601 tokens: steps of 64 between 512 and 1024
+    assert packed_length(wide[:, 0], wide[:, :255].sum(1), 1) == 256
+    assert packed_length(np.zeros(0), np.zeros(0), 1) == 0

@@ -56,7 +56,7 @@ def worker(process_id: int, port: int, folder: Path) -> None:
     import jax
 
     from grpo_jax import sharding
-    from grpo_jax.train_step import Batch
+    from grpo_jax.trajectory import Trajectory
     assert jax.process_count() == 2 and len(jax.devices()) == 4 and len(jax.local_devices()) == 2
     mesh = sharding.make_mesh(2, 2, 1)
     _, state, step = _build(mesh)
@@ -64,9 +64,9 @@ def worker(process_id: int, port: int, folder: Path) -> None:
         saved = np.load(folder / f"batch{i}.npz")
         if i == 0:  # this process's own rows only
             mine = sharding.process_rows(saved["prompt_ids"].shape[0])
-            batch = sharding.shard_rows(Batch(**{k: saved[k][mine] for k in saved.files}), mesh)
+            batch = sharding.shard_rows(Trajectory(**{k: saved[k][mine] for k in saved.files}), mesh)
         else:  # the same global rows everywhere, each process placing its slice
-            batch = sharding.shard_global_rows(Batch(**{k: saved[k] for k in saved.files}), mesh)
+            batch = sharding.shard_global_rows(Trajectory(**{k: saved[k] for k in saved.files}), mesh)
         state, metrics = step(state, batch)
     params = sharding.to_host(state.params)
     if jax.process_index() == 0:

@@ -33,7 +33,8 @@ from grpo_jax.models import (  # noqa: E402
 )
 from grpo_jax.models.hf_config import config_fields, to_hf_config  # noqa: E402
 from grpo_jax.models.safetensors_io import INDEX_FILE  # noqa: E402
-from grpo_jax.programs import jit_generate  # noqa: E402
+from grpo_jax import stream  # noqa: E402
+from grpo_jax.programs import jit_decoder  # noqa: E402
 from grpo_jax.sampling import SamplingConfig  # noqa: E402
 
 VARIANTS = [(family, tied) for family in hf.FAMILIES for tied in (True, False)]
@@ -104,9 +105,9 @@ def test_greedy_generation_matches_transformers(variant):
             do_sample=False, max_new_tokens=new, eos_token_id=hf.EOS_ID, pad_token_id=hf.PAD_ID,
         ).numpy()[:, INPUT_IDS.shape[1]:]
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    sample = jit_generate(model.graphdef, mesh, config=SamplingConfig(max_completion_length=new),
-                          eos_token_ids=(hf.EOS_ID,), pad_token_id=hf.PAD_ID)
-    out = sample(params, INPUT_IDS, MASK, jax.random.key(0), True)
+    dec = jit_decoder(model.graphdef, mesh, model.config, config=SamplingConfig(max_completion_length=new),
+                      eos_token_ids=(hf.EOS_ID,), pad_token_id=hf.PAD_ID)
+    out = stream.generate(dec, params, INPUT_IDS, MASK, jax.random.key(0), greedy=True)
     ours = np.asarray(out.completion_ids)
     # transformers stops once every row has emitted EOS; the rest is padding on our side
     np.testing.assert_array_equal(ours[:, :expected.shape[1]], expected)

@@ -16,10 +16,9 @@ def make_draw(rewards_N, tag: int, *, truncated=None, steps=None) -> rounds.Draw
     truncated = np.zeros(n, bool) if truncated is None else np.asarray(truncated)
     mask = np.ones((n, T), np.int32)
     extra = {} if steps is None else {"step_rewards": steps[0], "step_end_indices": steps[1]}
-    return rounds.Draw(prompt_ids=ids, prompt_mask=np.ones((n, 2), np.int32), completion_ids=ids,
-                       completion_mask=mask, is_truncated=truncated, sampler_per_token_logps=-ids.astype(np.float32),
-                       rewards=np.asarray(rewards_N, np.float32)[:, None], prompts=[f"{tag}-{r}" for r in rows],
-                       columns={"answer": [f"a{tag}-{r}" for r in rows]}, num_prompts_truncated=tag, **extra)
+    return rounds.Draw(prompts=[f"{tag}-{r}" for r in rows], columns={"answer": [f"a{tag}-{r}" for r in rows]},
+                       completion_ids=ids, completion_mask=mask, is_truncated=truncated,
+                       rewards=np.asarray(rewards_N, np.float32)[:, None], num_prompts_truncated=tag, **extra)
 
 
 def test_mask_truncated_zeroes_rows_without_eos_and_their_tokens():
@@ -56,13 +55,13 @@ def test_dynamic_sampling_keeps_only_mixed_groups_and_counts_passes():
         draw = make_draw(r, tag)
         state = rounds.update(state, draw, rounds.zero_std_groups(draw, weights, G))
     assert rounds.is_full(state, 3)
-    round_, metrics = rounds.finalize(state, 3, G)
+    round_, rows, metrics = rounds.finalize(state, 3, G)
     # kept groups in sampling order: pass 0 group 1, pass 1 group 2, pass 2 group 0 (group 2 of pass 2 unused)
     np.testing.assert_array_equal(round_.completion_ids[:, 0], [2, 3, 104, 105, 200, 201])
+    np.testing.assert_array_equal(rows, [2, 3, 6 + 4, 6 + 5, 12 + 0, 12 + 1])  # into the passes' rows in order
     np.testing.assert_array_equal(round_.rewards[:, 0], [0, 1, 1, 0, 0, 1])
     assert round_.prompts == ["0-2", "0-3", "1-4", "1-5", "2-0", "2-1"]
     assert round_.columns["answer"] == ["a0-2", "a0-3", "a1-4", "a1-5", "a2-0", "a2-1"]
-    np.testing.assert_array_equal(round_.sampler_per_token_logps[:, 0], -round_.completion_ids[:, 0])
     assert not rounds.zero_std_groups(round_, weights, G).any()
     assert metrics == {"dynamic_sampling/num_gen_batches": 3, "dynamic_sampling/num_filled_groups": 0,
                        "dynamic_sampling/frac_zero_std_drawn": pytest.approx(5 / 9)}
@@ -74,9 +73,10 @@ def test_dynamic_sampling_fills_with_zero_std_groups_at_the_cap():
     for tag, r in enumerate([[1, 1, 0, 1, 0, 0], [1, 1, 1, 1, 0, 0]]):  # 1 mixed group in two passes
         draw = make_draw(r, tag)
         state = rounds.update(state, draw, rounds.zero_std_groups(draw, weights, G))
-    round_, metrics = rounds.finalize(state, 3, G)
+    round_, rows, metrics = rounds.finalize(state, 3, G)
     # the mixed group first, then the oldest set-aside groups: pass 0 groups 0 and 2
     np.testing.assert_array_equal(round_.completion_ids[:, 0], [2, 3, 0, 1, 4, 5])
+    np.testing.assert_array_equal(rows, [2, 3, 0, 1, 4, 5])
     assert metrics["dynamic_sampling/num_filled_groups"] == 2
     assert metrics["dynamic_sampling/num_gen_batches"] == 2
 
@@ -86,7 +86,7 @@ def test_finalize_pads_step_rewards_of_passes_with_different_step_counts():
     two = make_draw([0, 0], 1, steps=(np.array([[1.0, 2.0], [0.0, np.nan]], np.float32),
                                        np.array([[0, 2], [1, -1]], np.int32)))
     state = rounds.update(rounds.update(rounds.init(), one, np.array([False])), two, np.array([False]))
-    round_, _ = rounds.finalize(state, 2, G)
+    round_, _, _ = rounds.finalize(state, 2, G)
     np.testing.assert_array_equal(round_.step_end_indices, [[0, -1], [1, -1], [0, 2], [1, -1]])
     np.testing.assert_array_equal(round_.step_rewards, [[1, np.nan], [0, np.nan], [1, 2], [0, np.nan]])
 

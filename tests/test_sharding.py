@@ -13,7 +13,8 @@ from grpo_jax import reference, sharding
 from grpo_jax.losses import LossConfig
 from grpo_jax.models import ModelConfig, init_model
 from grpo_jax.sampling import SamplingConfig
-from grpo_jax.programs import init_state, jit_generate
+from grpo_jax import stream
+from grpo_jax.programs import init_state, jit_decoder
 from grpo_jax.programs import jit_train_step
 from grpo_jax.train_step import StepOptions
 from test_train_step import make_batch, one_device_mesh
@@ -133,7 +134,7 @@ def test_sharded_train_steps_equal_single_device(tiny_model_config, single, shap
 @needs_8
 @pytest.mark.parametrize("shape", MESHES)
 def test_greedy_sampling_equals_single_device(tiny_model, shape):
-    _, graphdef, params = tiny_model
+    model_config, graphdef, params = tiny_model
     rng = np.random.default_rng(0)
     ids = rng.integers(3, 32, (8, 5)).astype(np.int32)
     mask = np.ones_like(ids)
@@ -142,9 +143,10 @@ def test_greedy_sampling_equals_single_device(tiny_model, shape):
 
     def sample(mesh):
         shardings = sharding.param_shardings(mesh, params)
-        fn = jit_generate(graphdef, mesh, config=config, eos_token_ids=(1,), pad_token_id=0,
+        dec = jit_decoder(graphdef, mesh, model_config, config=config, eos_token_ids=(1,), pad_token_id=0,
                           params_sharding=shardings)
-        return jax.device_get(fn(jax.device_put(params, shardings), ids, mask, jax.random.key(0), True))
+        return jax.device_get(stream.generate(dec, jax.device_put(params, shardings), ids, mask, jax.random.key(0),
+                                              greedy=True))
 
     single_out, out = sample(one_device_mesh()), sample(sharding.make_mesh(*shape))
     np.testing.assert_array_equal(out.completion_ids, single_out.completion_ids)
@@ -211,10 +213,10 @@ def test_state_from_given_params_is_laid_out_like_init_state(tiny_model_config):
 
 @needs_8
 def test_host_threads_refuse_a_multi_device_mesh(tiny_model):
-    _, graphdef, _ = tiny_model
+    model_config, graphdef, _ = tiny_model
     with pytest.raises(ValueError, match="sampling.host_threads=2 .* 8 devices"):
-        jit_generate(graphdef, sharding.make_mesh(8, 1, 1), config=SamplingConfig(host_threads=2),
-                     eos_token_ids=(1,), pad_token_id=0, cpu_speedups=True)
+        jit_decoder(graphdef, sharding.make_mesh(8, 1, 1), model_config, config=SamplingConfig(host_threads=2),
+                    eos_token_ids=(1,), pad_token_id=0, cpu_speedups=True)
     # the CPU speed-ups off: host_threads is not used, nothing to refuse
-    jit_generate(graphdef, sharding.make_mesh(8, 1, 1), config=SamplingConfig(host_threads=2), eos_token_ids=(1,),
-                 pad_token_id=0, cpu_speedups=False)
+    jit_decoder(graphdef, sharding.make_mesh(8, 1, 1), model_config, config=SamplingConfig(host_threads=2),
+                eos_token_ids=(1,), pad_token_id=0, cpu_speedups=False)

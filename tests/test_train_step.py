@@ -15,7 +15,8 @@ from grpo_jax.losses import LossConfig, compute_loss
 from grpo_jax.state import learning_rate_schedule, make_optimizer
 from grpo_jax.programs import init_state
 from grpo_jax.programs import jit_train_step
-from grpo_jax.train_step import Batch, StepOptions, train_step
+from grpo_jax.train_step import StepOptions, train_step
+from grpo_jax.trajectory import Trajectory
 
 B, P, T = 16, 5, 6
 
@@ -23,9 +24,9 @@ B, P, T = 16, 5, 6
 _batch_logps = jax.jit(functools.partial(completion_logps, temperature=1.0), static_argnums=0)
 
 
-def make_batch(graphdef, params, *, seed=0, off_policy=True, beta=0.04, group_size=1) -> Batch:
+def make_batch(graphdef, params, *, seed=0, off_policy=True, beta=0.04, group_size=1) -> Trajectory:
     """Random rows with ragged masks, a fully masked row, and old/ref log-probs near the current ones;
-    `group_size` consecutive rows share a prompt."""
+    `group_size` consecutive rows share a prompt. The loss trains every completion token (loss mask = mask)."""
     rng = np.random.default_rng(seed)
     prompt_ids = np.repeat(rng.integers(3, 32, (B // group_size, P)).astype(np.int32), group_size, axis=0)
     prompt_mask = np.ones((B // group_size, P), np.int32)
@@ -44,7 +45,15 @@ def make_batch(graphdef, params, *, seed=0, off_policy=True, beta=0.04, group_si
     # the sampler's log-probs: near the learner's, so the sampler/learner IS correction and the off-policy mask act
     base = old if old is not None else np.asarray(logps)
     sampler = (base + rng.normal(0, 0.05, (B, T)).astype(np.float32)) * completion_mask
-    return Batch(prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, old, ref, sampler)
+    return Trajectory(prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask=completion_mask,
+                      sampler_per_token_logps=sampler, turns=np.where(completion_mask == 1, 0, -1),
+                      is_truncated=lengths == T, advantages=advantages, old_per_token_logps=old,
+                      ref_per_token_logps=ref)
+
+
+def _options(loss, *args, **kwargs):
+    """StepOptions whose loss gets the rows' sampler log-probs (the IS correction and off-policy mask act)."""
+    return StepOptions(loss, *args, use_sampler_logps=True, **kwargs)
 
 
 def _optimizer(lr, adam):
@@ -76,10 +85,10 @@ def run_step(tiny_model_config, mesh, loss_config, grad_accum=1, batch_seed=0, g
              packing=False):
     graphdef, optimizer, state = setup(tiny_model_config, mesh, beta=loss_config.beta, adam=False)
     batch = make_batch(graphdef, state.params, seed=batch_seed, beta=loss_config.beta, group_size=group_size)
-    options = StepOptions(loss=loss_config, temperature=1.0, gradient_accumulation_steps=grad_accum,
-                          prompt_group_size=prompt_group_size)
+    options = _options(loss_config, temperature=1.0, gradient_accumulation_steps=grad_accum,
+                       prompt_group_size=prompt_group_size)
     step = jit_train_step(graphdef, optimizer, options, mesh, sharding.tree_shardings(state))
-    length = packed_length(batch.prompt_mask, batch.completion_mask, prompt_group_size) if packing else 0
+    length = packed_length(np.sum(batch.prompt_mask, 1), np.sum(batch.completion_mask, 1), prompt_group_size) if packing else 0
     new_state, metrics = step(state, batch, length)
     return jax.device_get((new_state, metrics))
 
@@ -149,10 +158,10 @@ def test_custom_loss_fn_replaces_compute_loss(tiny_model_config):
     graphdef, optimizer, state = setup(tiny_model_config, mesh, adam=False)
     batch = make_batch(graphdef, state.params)
     shardings = sharding.tree_shardings(state)
-    reference_state, reference_metrics = jit_train_step(graphdef, optimizer, StepOptions(config, 1.0), mesh,
+    reference_state, reference_metrics = jit_train_step(graphdef, optimizer, _options(config, 1.0), mesh,
                                                         shardings)(state, batch)
     _, _, state = setup(tiny_model_config, mesh, adam=False)
-    custom_step = jit_train_step(graphdef, optimizer, StepOptions(config, 1.0, loss_fn=scaled), mesh, shardings)
+    custom_step = jit_train_step(graphdef, optimizer, _options(config, 1.0, loss_fn=scaled), mesh, shardings)
     _, metrics = custom_step(state, batch)
     np.testing.assert_allclose(metrics["loss"], 2 * reference_metrics["loss"], rtol=1e-6)
     np.testing.assert_allclose(metrics["grad_norm"], 2 * reference_metrics["grad_norm"], rtol=1e-5)
@@ -167,14 +176,13 @@ def test_step_matches_optax_update_of_the_loss_gradient(tiny_model_config):
     graphdef, optimizer, state = setup(tiny_model_config, mesh)
     # no sampler log-probs here: this is about the optimizer step (near-zero gradient elements make Adam's
     # first step lr·g/(|g|+eps) amplify rounding, so the case is kept as it was; the IS plumbing is tested below)
-    batch = make_batch(graphdef, state.params)._replace(sampler_per_token_logps=None)
+    batch = make_batch(graphdef, state.params)
 
     def naive_loss(params):
         logps, _ = completion_logps(graphdef, params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                     batch.completion_mask, temperature=1.0)
         return compute_loss(logps, batch.old_per_token_logps, batch.ref_per_token_logps, batch.advantages,
-                            batch.completion_mask, config=loss_config,
-                            sampler_per_token_logps=batch.sampler_per_token_logps)[0]
+                            batch.loss_mask, config=loss_config)[0]
 
     params = jax.device_get(state.params)
     grads = jax.jit(jax.grad(naive_loss))(params)  # one program, not the ops one by one
@@ -223,7 +231,7 @@ def test_shared_prompt_step_equals_per_row_step(tiny_model_config, shape, packin
 def test_no_recompilation_on_second_step(tiny_model_config):
     mesh = one_device_mesh()
     graphdef, optimizer, state = setup(tiny_model_config, mesh)
-    step = jit_train_step(graphdef, optimizer, StepOptions(LossConfig(), 1.0, 2), mesh, sharding.tree_shardings(state))
+    step = jit_train_step(graphdef, optimizer, _options(LossConfig(), 1.0, 2), mesh, sharding.tree_shardings(state))
     for seed in range(3):
         state, _ = step(state, make_batch(graphdef, state.params, seed=seed))
     assert step._cache_size() == 1
@@ -240,7 +248,7 @@ def test_non_finite_loss_skips_the_update(tiny_model_config, cause):
     batch = make_batch(graphdef, state.params)
     if cause == "nan_loss":
         batch = batch._replace(advantages=np.full(B, np.nan, np.float32))
-    step = jit_train_step(graphdef, optimizer, StepOptions(LossConfig(), 1.0), mesh, sharding.tree_shardings(state))
+    step = jit_train_step(graphdef, optimizer, _options(LossConfig(), 1.0), mesh, sharding.tree_shardings(state))
     state, metrics = jax.device_get(step(state, batch))
     assert metrics["skipped"] == 1
     assert np.isfinite(metrics["loss"]) == np.isfinite(metrics["grad_norm"]) == (cause == "overflowing_update")
@@ -282,3 +290,35 @@ def test_remat_equals_no_remat(tiny_model_config, remat):
         np.testing.assert_allclose(metrics[k], base_metrics[k], rtol=1e-6, atol=1e-7, err_msg=k)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), state.params,
                  base_state.params)
+
+
+def test_attention_sees_every_completion_token_and_the_loss_trains_the_loss_mask(tiny_model_config):
+    """Rows with tokens from outside (loss mask 0 inside the completion): the step's loss and gradient are
+    compute_loss over the loss mask of log-probs whose forward attended every completion token, and a token
+    outside the loss mask changes the gradient only through what later tokens see of it."""
+    mesh = one_device_mesh()
+    loss_config = LossConfig(loss_type="dapo")
+    graphdef, optimizer, state = setup(tiny_model_config, mesh, adam=False)
+    batch = make_batch(graphdef, state.params)
+    outside = np.zeros_like(batch.loss_mask)
+    outside[:, 1:3] = 1  # two tokens of every row came from outside
+    batch = batch._replace(loss_mask=batch.completion_mask * (1 - outside))
+    assert 0 < batch.loss_mask.sum() < batch.completion_mask.sum()
+
+    def naive_loss(params, ids):
+        logps, _ = completion_logps(graphdef, params, batch.prompt_ids, batch.prompt_mask, ids, batch.completion_mask,
+                                    temperature=1.0)
+        return compute_loss(logps, batch.old_per_token_logps, batch.ref_per_token_logps, batch.advantages,
+                            batch.loss_mask, config=loss_config,
+                            num_items_in_batch=jnp.sum(batch.loss_mask).astype(jnp.float32))[0]
+
+    params = jax.device_get(state.params)
+    want, grads = jax.jit(jax.value_and_grad(naive_loss))(params, batch.completion_ids)
+    step = jit_train_step(graphdef, optimizer, StepOptions(loss_config, 1.0), mesh, sharding.tree_shardings(state))
+    new_state, metrics = jax.device_get(step(state, batch))
+    np.testing.assert_allclose(metrics["loss"], want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(metrics["grad_norm"], optax.tree_utils.tree_norm(grads), rtol=1e-5)
+    # another token outside the loss mask: the loss changes only through the tokens after it that attend to it
+    changed = batch.completion_ids.copy()
+    changed[:, 1] = (changed[:, 1] + 1) % 32
+    assert naive_loss(params, changed) != pytest.approx(float(want), rel=1e-6)

@@ -229,7 +229,9 @@ def test_no_recompilation_across_rounds(tmp_path):
         state, position, _, _ = trainer.run_round(run, state, position, round_index)
     assert int(state.step) == 6
     programs = run.programs
-    assert programs.sample._cache_size() == programs.step._cache_size() == programs.advantages._cache_size() == 1
+    decoder = programs.decoder
+    assert decoder.start._cache_size() == decoder.advance._cache_size() == decoder.trajectory._cache_size() == 1
+    assert programs.step._cache_size() == programs.rows._cache_size() == 1
     if programs.ref_logps is not None:
         assert programs.ref_logps._cache_size() == 1
     assert programs.logps._cache_size() == 0  # float32: the sampler's log-probs serve as the old ones
@@ -386,7 +388,6 @@ def test_dynamic_sampling_trains_only_on_mixed_groups(tmp_path):
     run, _, calls, batches, line = _one_round(tmp_path, ["train.dynamic_sampling=true",
                                                       "reward.functions=[tests.test_trainer:half_constant_reward]"])
     assert line["dynamic_sampling/num_gen_batches"] == len(calls) >= 1
-    assert batches[0].sampler_per_token_logps is None  # train.use_sampler_logps is off by default
     assert line["dynamic_sampling/num_filled_groups"] == 0 and line["frac_reward_zero_std"] == 0.0
     advantages = np.asarray(batches[0].advantages).reshape(-1, 4)
     assert (np.abs(advantages) > 0.5).all()  # every trained group is 0/1 alternating: |A| = 1/std ≈ 0.87
@@ -411,11 +412,11 @@ def test_mask_truncated_and_soft_overlong_punishment_in_the_loop(tmp_path):
     assert (lengths == 4).any() and (lengths < 4).any()  # some rows are truncated, some ended with EOS
     expected = np.where(lengths <= 2, 0.0, (2 - lengths) / 2)
     assert line["rewards/soft_overlong_punishment/mean"] == pytest.approx(expected.mean(), abs=1e-6)
-    mask = np.asarray(batches[0].completion_mask)
+    mask, seen = np.asarray(batches[0].loss_mask), np.asarray(batches[0].completion_mask)
     ended_with_eos = lengths < 4  # every completion of length 4 hit max_completion_length
-    assert mask.sum() == lengths[ended_with_eos].sum()
-    sampler = np.asarray(batches[0].sampler_per_token_logps)  # handed to the loss, zero wherever the mask is
-    assert (sampler[mask == 0] == 0).all() and (sampler[mask == 1] < 0).all()
+    assert mask.sum() == lengths[ended_with_eos].sum() and seen.sum() == lengths.sum()  # attention sees them all
+    sampler = np.asarray(batches[0].sampler_per_token_logps)  # handed to the loss, zero where nothing was sampled
+    assert (sampler[seen == 0] == 0).all() and (sampler[seen == 1] < 0).all()
     # the step's rows are a permutation of the round's: compare the multisets of row lengths
     assert sorted(mask.sum(axis=1).tolist()) == sorted(np.where(ended_with_eos, lengths, 0).tolist())
 
@@ -504,9 +505,9 @@ def test_offloaded_reference_trains_like_one_on_the_devices(tmp_path, sync):
     assert moved == sync  # with TR-DPO the comparison covers the mixing path
 
 
-def odd_start(prompts, completions, **kwargs):
-    """1 for completions that start with an odd digit: a few of a random policy's, so pass@k and maj@n move."""
-    return [float(c[:1] in tuple("13579")) for c in completions]
+def digit_start(prompts, completions, **kwargs):
+    """1 for completions that start with a digit: some of a random policy's, so pass@k and maj@n move."""
+    return [float(c[:1] in tuple("0123456789")) for c in completions]
 
 
 def _wandb_history(output_dir) -> list[dict]:
@@ -548,7 +549,7 @@ def test_reporting_and_evaluation_during_training(tmp_path, monkeypatch, capsys)
     # 4 held-out prompts x 4 samples at the training temperature: the same sampler programs as training's
     config = load_config(None, [
         f"output_dir={tmp_path / 'run'}", *QUICK, "eval.num_examples=4", "eval.steps=2", "eval.num_generations=4",
-        "eval.pass_at_k=[1,2,4]", "eval.reward_functions=[tests.test_trainer:odd_start,grpo_jax.task:exact_match]",
+        "eval.pass_at_k=[1,2,4]", "eval.reward_functions=[tests.test_trainer:digit_start,grpo_jax.task:exact_match]",
         f"report_to=[jsonl,tensorboard{',wandb' if has_wandb else ''}]", "log_completions=true",
         "num_completions_to_print=2", "logging_steps=2"])
     summary = trainer.train(config, show_progress=False)
@@ -559,12 +560,12 @@ def test_reporting_and_evaluation_during_training(tmp_path, monkeypatch, capsys)
 
     # evaluation: pass@1 is the fraction correct, pass@k grows with k, maj@4 is a fraction of the 4 prompts
     for h in evals.values():
-        assert h["eval/pass@1"] == pytest.approx(h["eval/rewards/odd_start/mean"])
+        assert h["eval/pass@1"] == pytest.approx(h["eval/rewards/digit_start/mean"])
         assert h["eval/pass@1"] <= h["eval/pass@2"] <= h["eval/pass@4"] and h["eval/maj@4"] in (0, 0.25, 0.5, 0.75, 1)
-        assert {"eval/greedy/odd_start", "eval/greedy/exact_match", "eval/reward"} <= set(h)
+        assert {"eval/greedy/digit_start", "eval/greedy/exact_match", "eval/reward"} <= set(h)
     assert 0 < evals[0]["eval/pass@1"] < evals[0]["eval/pass@4"]
     assert summary["eval_after"]["pass@4"] == evals[4]["eval/pass@4"]
-    assert summary["eval_before"]["odd_start"] == evals[0]["eval/greedy/odd_start"]
+    assert summary["eval_before"]["digit_start"] == evals[0]["eval/greedy/digit_start"]
 
     # TensorBoard: every metric under TRL's name there, the completion tables as text
     events = accumulator.EventAccumulator(str(out / "tensorboard"), size_guidance={"tensors": 0})

@@ -1,0 +1,336 @@
+"""The decoder: a resumable decoding state (`Decoding`) and the pure functions over it.
+
+Dimension letters: B rows of the call, N decode slots (N <= B), R = B / G distinct prompts (G rows each), P prompt
+tokens (left-padded), T = max_completion_length, S = P + T cache slots per decode slot, V vocab, M rows handed to
+`append` / `retire`, A tokens appended per row at most.
+
+Rows wait, in order, for one of N slots. `start` prefills every distinct prompt once (its keys/values kept, P slots)
+and gives the first N rows a slot, drawing their first tokens from their prompts' logits. `advance` runs decode
+steps inside one ``lax.while_loop``: each feeds every decoding slot's last token and draws its next one; a slot whose
+row has ended takes the next waiting row (its prompt's keys/values copied in, its first token drawn) in the same
+step. N = B is a static batch (no row waits); fewer slots than rows is continuous batching. A row ends at EOS or
+after T tokens; with ``pause_at_eos`` (multi-turn) EOS only pauses it, keeping its slot: the host then `append`s
+tokens from outside (a tool's result: prefilled, not sampled, ``loss_mask`` 0) and the row decodes on, or `retire`s
+it. `trajectory` gives the rows, as far as they got, as a `trajectory.Trajectory`.
+
+Row b draws token t with the noise `sampling.row_noise(key, row_offset + b, t)`: a row's tokens are a function of
+(params, its prompt and earlier tokens, key, its row in the call), the same for any slot count, chunking (a chunk's
+``row_offset``) or mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from grpo_jax.config.sections import SamplingConfig
+from grpo_jax.models import (compute_dtype_params, forward, init_cache, layer_params, model_config, positions_from_mask,
+                             rotary_tables, unembed)
+from grpo_jax.sampling import draw, row_noise
+from grpo_jax.trajectory import Trajectory
+
+SEGMENTS = 16  # `advance(segment=True)` returns after about 1 / SEGMENTS of the call's groups end (at least one)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """A decoding call's static options (hashable: a jit static argument)."""
+
+    sampling: SamplingConfig
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    greedy: bool = False  # arg-max tokens (their log-probs still at the temperature)
+    group_size: int = 1  # G: rows g*G .. g*G + G - 1 share a prompt (`data.repeat_groups`), prefilled once
+    num_slots: int = 0  # N rows decode at once; 0: every row (a static batch)
+    pause_at_eos: bool = False  # EOS pauses a row for `append` / `retire` instead of ending it (multi-turn)
+    noise_ahead: bool = False  # draw every row's noise of every step in `start` (`cpu.py`: one draw, not T)
+    argmax: Callable | None = None  # arg-max of the last axis (`cpu.argmax_last_axis`); None: jnp.argmax
+    cache_sharding: Any = None  # the slots' KV cache layout over a mesh (`sharding.cache_sharding`); None: XLA's
+
+
+class Decoding(NamedTuple):
+    """A call between two decoding steps: the call's prompts, its N slots and its B rows as far as they got."""
+
+    key: jax.Array  # the call's sampling key
+    row_offset: jax.Array  # [] int32: these rows are rows row_offset .. of the call (host-thread chunks)
+    prompt_ids: jax.Array  # [B, P]
+    prompt_mask: jax.Array  # [B, P]
+    prompt_kv: Any  # KVCache of each distinct prompt, [R, K, P, Dh] per layer (refills copy it in)
+    prompt_logits: jax.Array  # [R, V]: each prompt's next-token logits (a row's first token)
+    noise: jax.Array | None  # [B, T, V] every step's noise, with ``noise_ahead``
+    slot_row: jax.Array  # [N] the row each slot holds (B: none)
+    live: jax.Array  # [N] the slot's row is decoding (its pending token goes in next)
+    pending: jax.Array  # [N] the row's last token, not fed through the model yet
+    cache: Any  # KVCache [N, K, S, Dh] per layer
+    cache_mask: jax.Array  # [N, S] int32: the cache slots holding the row's tokens
+    tokens: jax.Array  # [B, T] completion tokens, sampled or appended (pad after)
+    sampled: jax.Array  # [B, T] int32: 1 on sampled tokens
+    logps: jax.Array  # [B, T] float32: the sampler's log-probs (0 where not sampled)
+    turns: jax.Array  # [B, T] int32: each token's turn, -1 after the row's last token
+    length: jax.Array  # [B] tokens in the completion so far
+    turn: jax.Array  # [B] the row's current turn
+    ended: jax.Array  # [B] bool: the row is over (EOS without pause_at_eos, T tokens, or retired)
+    paused: jax.Array  # [B] bool: the row sampled EOS with pause_at_eos and holds its slot for `append`
+    at_eos: jax.Array  # [B] bool: the row's last token is a sampled EOS (not truncated)
+    next_row: jax.Array  # [] the first row still waiting for a slot
+    steps: jax.Array  # [] decode steps run (forward passes of the N slots)
+
+
+def _constrain(cache, options: DecodeOptions):
+    if options.cache_sharding is None:
+        return cache
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, options.cache_sharding), cache)
+
+
+def _noise(decoding: Decoding, rows_N, t_N, vocab: int):
+    """Each slot's noise for its row's next token."""
+    if decoding.noise is not None:
+        return decoding.noise[rows_N, jnp.minimum(t_N, decoding.noise.shape[1] - 1)]
+    return jax.vmap(lambda r, t: row_noise(decoding.key, decoding.row_offset + r, t, vocab))(rows_N, t_N)
+
+
+def _free(d: Decoding):
+    """[N] bool: slots holding no row or a row that is over (a paused row keeps its slot)."""
+    B = d.tokens.shape[0]
+    return (d.slot_row == B) | d.ended[jnp.minimum(d.slot_row, B - 1)]
+
+
+def _admit(d: Decoding, logits_NxV, group_size: int, options: DecodeOptions):
+    """Free slots take the next waiting rows, in slot order: their prompts' keys/values and mask go in, and their
+    logits become the prompts' next-token logits."""
+    B, P = d.prompt_mask.shape
+    free_N = _free(d)
+    new_row_N = d.next_row + jnp.cumsum(free_N) - 1
+    admit_N = free_N & (new_row_N < B)
+    row_N = jnp.where(admit_N, new_row_N, jnp.where(free_N, B, d.slot_row))
+    safe_N = jnp.minimum(row_N, B - 1)
+    group_N = safe_N // group_size
+
+    def copy_prompts(cache_and_mask):
+        cache, mask_NxS = cache_and_mask
+        cache = jax.tree.map(lambda c_NxKxSxDh, p_RxKxPxDh: c_NxKxSxDh.at[:, :, :P].set(jnp.where(
+            admit_N[:, None, None, None], p_RxKxPxDh[group_N], c_NxKxSxDh[:, :, :P])), cache, d.prompt_kv)
+        prompt_mask_NxS = jnp.zeros_like(mask_NxS).at[:, :P].set(d.prompt_mask[safe_N].astype(mask_NxS.dtype))
+        return _constrain(cache, options), jnp.where(admit_N[:, None], prompt_mask_NxS, mask_NxS)
+
+    cache, cache_mask = jax.lax.cond(jnp.any(admit_N), copy_prompts, lambda cm: cm, (d.cache, d.cache_mask))
+    logits_NxV = jnp.where(admit_N[:, None], d.prompt_logits[group_N].astype(logits_NxV.dtype), logits_NxV)
+    d = d._replace(slot_row=row_N, live=d.live | admit_N, next_row=d.next_row + jnp.sum(admit_N), cache=cache,
+                   cache_mask=cache_mask)
+    return d, logits_NxV
+
+
+def _sample(d: Decoding, logits_NxV, options: DecodeOptions, in_step: bool = False) -> Decoding:
+    """Each decoding slot's next token, drawn with its row's noise at its row's step, written at its row.
+    ``in_step``: a static batch, whose slot n holds row n and whose live rows all draw token ``d.steps + 1``: the
+    writes are one column, not scatters."""
+    B, T = d.tokens.shape
+    live_N = d.live
+    rows_N = jnp.minimum(d.slot_row, B - 1)
+    t_N = jnp.broadcast_to(d.steps + 1, live_N.shape) if in_step else d.length[rows_N]
+    noise = None if options.greedy else _noise(d, rows_N, t_N, logits_NxV.shape[-1])
+    tokens_N, logp_N = draw(logits_NxV, noise, options.sampling, greedy=options.greedy, argmax=options.argmax)
+    if in_step:
+        t = jnp.minimum(d.steps + 1, T - 1)  # rows that ended keep their column
+
+        def write(x_BxT, v_N):
+            return jax.lax.dynamic_update_slice_in_dim(
+                x_BxT, jnp.where(live_N, v_N, jax.lax.dynamic_index_in_dim(x_BxT, t, 1, False))[:, None], t, 1)
+
+        def flag(x_B, v_N):
+            return jnp.where(live_N, v_N, x_B)
+    else:
+        at = jnp.where(live_N, rows_N, B)  # B: out of bounds, the write is dropped
+        write = lambda x_BxT, v_N: x_BxT.at[at, t_N].set(v_N, mode="drop")  # noqa: E731
+        flag = lambda x_B, v_N: x_B.at[at].set(v_N, mode="drop")  # noqa: E731
+    eos_N = jnp.isin(tokens_N, jnp.asarray(options.eos_token_ids, jnp.int32))
+    full_N = t_N + 1 >= T
+    pause_N = eos_N & ~full_N if options.pause_at_eos else jnp.zeros_like(eos_N)
+    end_N = full_N | (eos_N & ~pause_N)
+    return d._replace(
+        live=live_N & ~end_N & ~pause_N, pending=jnp.where(live_N, tokens_N, d.pending),
+        tokens=write(d.tokens, tokens_N), sampled=write(d.sampled, jnp.ones_like(tokens_N)),
+        logps=write(d.logps, logp_N), turns=write(d.turns, d.turn[rows_N]), length=flag(d.length, t_N + 1),
+        ended=flag(d.ended, end_N), paused=flag(d.paused, pause_N), at_eos=flag(d.at_eos, eos_N))
+
+
+def prefill(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, group_size: int):
+    """Each distinct prompt (rows g*G, `data.repeat_groups` order) run once: (its keys/values [R, K, P, Dh], the
+    logits of its next token [R, V]). ``params`` in the compute dtype (`models.compute_dtype_params`)."""
+    B, P = prompt_ids_BxP.shape
+    G = group_size
+    if not isinstance(G, int) or G < 1 or B % G:
+        raise ValueError(f"group_size={G!r} must be a positive integer dividing the {B} rows")
+    model_cfg = model_config(graphdef, params)
+    mask_RxP = prompt_mask_BxP[::G].astype(jnp.int32)
+    hidden_RxPxD, kv_R = forward(graphdef, params, prompt_ids_BxP[::G], positions_from_mask(mask_RxP), mask_RxP,
+                                 init_cache(model_cfg, B // G, P), 0, layers=layer_params(graphdef, params),
+                                 rope=rotary_tables(model_cfg, P))
+    # left padding puts every prompt's last real token at slot P - 1
+    return kv_R, unembed(graphdef, params, hidden_RxPxD[:, -1:])[:, 0]
+
+
+def start(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options: DecodeOptions, row_offset=0) -> Decoding:
+    """Prefill the call's prompts and give the first N rows a slot, their first tokens drawn: no decode step yet."""
+    B, P = prompt_ids_BxP.shape
+    T = options.sampling.max_completion_length
+    N = options.num_slots or B
+    if not isinstance(N, int) or not 0 < N <= B:
+        raise ValueError(f"{N!r} decode slots for {B} rows: the slots must be between 1 and the rows")
+    params = compute_dtype_params(graphdef, params)
+    prompt_kv, logits_RxV = prefill(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, options.group_size)
+    V = logits_RxV.shape[-1]
+    row_offset = jnp.asarray(row_offset, jnp.int32)
+    noise = None
+    if options.noise_ahead and not options.greedy:
+        noise = jax.vmap(lambda r: jax.vmap(lambda t: row_noise(key, row_offset + r, t, V))(jnp.arange(T)))(
+            jnp.arange(B))
+    cache = _constrain(jax.tree.map(lambda x_RxKxPxDh: jnp.zeros(
+        (N, x_RxKxPxDh.shape[1], P + T, x_RxKxPxDh.shape[3]), x_RxKxPxDh.dtype), prompt_kv), options)
+    d = Decoding(
+        key=key, row_offset=row_offset, prompt_ids=prompt_ids_BxP, prompt_mask=prompt_mask_BxP, prompt_kv=prompt_kv,
+        prompt_logits=logits_RxV, noise=noise, slot_row=jnp.full((N,), B, jnp.int32), live=jnp.zeros((N,), bool),
+        pending=jnp.zeros((N,), jnp.int32), cache=cache, cache_mask=jnp.zeros((N, P + T), jnp.int32),
+        tokens=jnp.full((B, T), options.pad_token_id, jnp.int32), sampled=jnp.zeros((B, T), jnp.int32),
+        logps=jnp.zeros((B, T), jnp.float32), turns=jnp.full((B, T), -1, jnp.int32),
+        length=jnp.zeros((B,), jnp.int32), turn=jnp.zeros((B,), jnp.int32), ended=jnp.zeros((B,), bool),
+        paused=jnp.zeros((B,), bool), at_eos=jnp.zeros((B,), bool), next_row=jnp.zeros((), jnp.int32),
+        steps=jnp.zeros((), jnp.int32))
+    return _sample(*_admit(d, jnp.zeros((N, V), logits_RxV.dtype), options.group_size, options), options)
+
+
+def finished_groups(ended_B, group_size: int):
+    """How many groups of ``group_size`` rows have every row over."""
+    return jnp.sum(jnp.all(ended_B.reshape(-1, group_size), axis=1))
+
+
+def advance(graphdef, params, decoding: Decoding, options: DecodeOptions, *, segment: bool = False) -> Decoding:
+    """Decode steps until every row is over or paused, or (``segment``) until about 1 / `SEGMENTS` more of the
+    call's groups are over (at least one) or a row pauses. Tokens do not depend on where a call stops."""
+    B, P = decoding.prompt_mask.shape
+    G = options.group_size
+    params = compute_dtype_params(graphdef, params)
+    layers = layer_params(graphdef, params)
+    T = options.sampling.max_completion_length
+    rope = rotary_tables(model_config(graphdef, params), P + T)  # decode positions reach P + T - 1
+    prompt_len_B = jnp.sum(decoding.prompt_mask, axis=1, dtype=jnp.int32)
+    slots_N = jnp.arange(decoding.slot_row.shape[0])
+
+    # a static batch (slots for every row, none pausing) feeds every row's token t at cache slot P + t - 1 in the
+    # same step t: one slice write for all rows, not a scatter (rows that ended write where nothing reads)
+    in_step = decoding.slot_row.shape[0] == B and not options.pause_at_eos
+
+    def body(d: Decoding) -> Decoding:
+        rows_N = jnp.minimum(d.slot_row, B - 1)
+        if in_step:
+            at_N = P + d.steps
+            cache_mask = jax.lax.dynamic_update_slice(d.cache_mask, jnp.ones_like(d.cache_mask[:, :1]), (0, at_N))
+            positions_Nx1 = (prompt_len_B[rows_N] + d.steps)[:, None]
+        else:
+            t_N = d.length[rows_N]
+            at_N = P + t_N - 1  # the pending token's cache slot (slots that hold no decoding row write harmlessly)
+            cache_mask = d.cache_mask.at[slots_N, at_N].set(1)
+            positions_Nx1 = (prompt_len_B[rows_N] + t_N - 1)[:, None]
+        hidden_Nx1xD, cache = forward(graphdef, params, d.pending[:, None], positions_Nx1, cache_mask, d.cache, at_N,
+                                      layers=layers, rope=rope)
+        logits_NxV = unembed(graphdef, params, hidden_Nx1xD)[:, 0]
+        d = d._replace(cache=_constrain(cache, options), cache_mask=cache_mask)
+        # a static batch has no row waiting for a slot: nothing to admit
+        d = _sample(d, logits_NxV, options, in_step) if in_step else _sample(*_admit(d, logits_NxV, G, options), options)
+        return d._replace(steps=d.steps + 1)
+
+    def cond(d: Decoding):
+        return jnp.any(d.live) | ((d.next_row < B) & jnp.any(_free(d)))
+
+    if segment:
+        target = finished_groups(decoding.ended, G) + max(1, B // G // SEGMENTS)
+        paused = jnp.sum(decoding.paused)
+        return jax.lax.while_loop(
+            lambda d: cond(d) & (finished_groups(d.ended, G) < target) & (jnp.sum(d.paused) <= paused), body,
+            decoding)
+    return jax.lax.while_loop(cond, body, decoding)
+
+
+def append(graphdef, params, decoding: Decoding, rows_M, tokens_MxA, counts_M, options: DecodeOptions) -> Decoding:
+    """Paused rows ``rows_M`` (-1: no row) get ``counts_M`` tokens from outside (``tokens_MxA[m, :count]``; a row
+    takes at most what fits in T) and decode on. The tokens are prefilled into the row's slot after its last
+    sampled token, not sampled: ``loss_mask`` 0, a turn of their own with the turn that follows. A row they fill to
+    T tokens is over (truncated): a caller that must not cut a tool's result retires the row instead."""
+    B, P = decoding.prompt_mask.shape
+    T = options.sampling.max_completion_length
+    M, A = tokens_MxA.shape
+    S = P + T
+    params = compute_dtype_params(graphdef, params)
+    valid_M = rows_M >= 0
+    row_M = jnp.where(valid_M, rows_M, 0)
+    slot_M = jnp.argmax(decoding.slot_row[None, :] == row_M[:, None], axis=1)
+    valid_M &= decoding.paused[row_M] & (decoding.slot_row[slot_M] == row_M)
+    t_M = decoding.length[row_M]
+    count_M = jnp.where(valid_M, jnp.clip(counts_M, 0, T - t_M), 0)
+    i_A = jnp.arange(A)
+    # the pending token (the turn's EOS) and all but the last appended one go through the model now; the last is
+    # the new pending token, fed by the next decode step
+    feed_MxA = jnp.concatenate([decoding.pending[slot_M][:, None], tokens_MxA[:, :A - 1]], axis=1)
+    real_MxA = i_A[None] < count_M[:, None]
+    feed_MxA = jnp.where(real_MxA, feed_MxA, options.pad_token_id)
+    at_M = P + t_M - 1
+    # A spare cache slots: a row near T writes its padded inputs there instead of being clamped back over its tokens
+    cache_M = jax.tree.map(lambda c_NxKxSxDh: jnp.pad(c_NxKxSxDh[slot_M], ((0, 0), (0, 0), (0, A), (0, 0))),
+                           decoding.cache)
+    mask_MxS = jnp.pad(decoding.cache_mask[slot_M], ((0, 0), (0, A)))
+    slots_MxA = at_M[:, None] + i_A[None]
+    mask_MxS = mask_MxS.at[jnp.arange(M)[:, None], slots_MxA].max(real_MxA.astype(mask_MxS.dtype))
+    prompt_len_M = jnp.sum(decoding.prompt_mask[row_M], axis=1, dtype=jnp.int32)
+    positions_MxA = jnp.minimum(prompt_len_M[:, None] + t_M[:, None] - 1 + i_A[None], S - 1)  # padding: finite RoPE
+    _, cache_M = forward(graphdef, params, feed_MxA, positions_MxA, mask_MxS, cache_M, at_M,
+                         layers=layer_params(graphdef, params), rope=rotary_tables(model_config(graphdef, params), S))
+    into = jnp.where(valid_M & (count_M > 0), slot_M, decoding.slot_row.shape[0])  # N: dropped
+    cache = jax.tree.map(lambda c, new: c.at[into].set(new[:, :, :S], mode="drop"), decoding.cache, cache_M)
+    cache_mask = decoding.cache_mask.at[into].set(mask_MxS[:, :S], mode="drop")
+    # the appended tokens at completion indices t .. t + count - 1 of their rows
+    row_at = jnp.where(real_MxA, row_M[:, None], B)
+    t_at = t_M[:, None] + i_A[None]
+    put = lambda x_BxT, v: x_BxT.at[row_at, t_at].set(v, mode="drop")  # noqa: E731
+    last_M = jnp.take_along_axis(tokens_MxA, jnp.maximum(count_M - 1, 0)[:, None], axis=1)[:, 0]
+    resumed_M = valid_M & (count_M > 0)
+    full_M = t_M + count_M >= T
+    rows_at = jnp.where(resumed_M, row_M, B)
+    flag = lambda x_B, v_M: x_B.at[rows_at].set(v_M, mode="drop")  # noqa: E731
+    live = decoding.live.at[jnp.where(resumed_M, slot_M, decoding.slot_row.shape[0])].set(~full_M, mode="drop")
+    return decoding._replace(
+        cache=_constrain(cache, options), cache_mask=cache_mask, live=live,
+        pending=decoding.pending.at[jnp.where(resumed_M, slot_M, decoding.slot_row.shape[0])].set(last_M, mode="drop"),
+        tokens=put(decoding.tokens, tokens_MxA), sampled=put(decoding.sampled, jnp.zeros_like(tokens_MxA)),
+        logps=put(decoding.logps, jnp.zeros(tokens_MxA.shape, jnp.float32)),
+        turns=put(decoding.turns, jnp.broadcast_to(decoding.turn[row_M][:, None], tokens_MxA.shape)),
+        length=flag(decoding.length, t_M + count_M), turn=flag(decoding.turn, decoding.turn[row_M] + 1),
+        paused=flag(decoding.paused, jnp.zeros_like(resumed_M)), ended=flag(decoding.ended, full_M),
+        at_eos=flag(decoding.at_eos, jnp.zeros_like(resumed_M)))
+
+
+def retire(decoding: Decoding, rows_M) -> Decoding:
+    """Rows ``rows_M`` (-1: no row) are over now, paused or not: their slots take waiting rows at the next step."""
+    B = decoding.tokens.shape[0]
+    at = jnp.where(rows_M >= 0, rows_M, B)
+    held_N = jnp.isin(decoding.slot_row, jnp.where(rows_M >= 0, rows_M, -1))
+    return decoding._replace(ended=decoding.ended.at[at].set(True, mode="drop"),
+                             paused=decoding.paused.at[at].set(False, mode="drop"), live=decoding.live & ~held_N)
+
+
+def trajectory(decoding: Decoding) -> Trajectory:
+    """The call's rows as a `Trajectory` (rows not over yet: what they have so far)."""
+    d = decoding
+    completion_mask = (jnp.arange(d.tokens.shape[1])[None] < d.length[:, None]).astype(jnp.int32)
+    return Trajectory(prompt_ids=d.prompt_ids, prompt_mask=d.prompt_mask, completion_ids=d.tokens,
+                      completion_mask=completion_mask, loss_mask=d.sampled, sampler_per_token_logps=d.logps,
+                      turns=d.turns, is_truncated=~d.at_eos)
+
+
+def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options: DecodeOptions) -> Trajectory:
+    """Every row decoded to its end: `start`, `advance`, `trajectory`."""
+    decoding = start(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options)
+    return trajectory(advance(graphdef, params, decoding, options))
