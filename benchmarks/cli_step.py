@@ -48,7 +48,8 @@ def cpu_model() -> str:
 
 def overrides(model: str, prompts: Path, s: grpo_step.Setting, steps: int, out: Path) -> list[str]:
     """The command line's `key=value` overrides for the benchmarked setting (everything else: defaults)."""
-    return [f"model.path={model}", f"data.path={prompts}", f"data.max_prompt_length={s.prompt_length_max or s.prompt_length}",
+    return [f"model.path={model}", f"data.path={prompts}",
+            f"data.max_prompt_length={s.prompt_length_max or s.prompt_length}",
             f"reward.functions=[{grpo_step.REWARD}]", f"sampling.max_completion_length={s.max_completion_length}",
             f"sampling.temperature={s.temperature}", f"loss.loss_type={s.loss_type}", f"loss.beta={s.beta}",
             f"train.num_generations={s.num_generations}", f"train.train_batch_size={s.rows}",
@@ -81,7 +82,9 @@ def run_cli(model: str, prompts: Path, s: grpo_step.Setting, *, steps: int, warm
     phases = {p: statistics.median(h[f"step_time/{p}"] for h in history if h["step"] in timed)
               for p in grpo_step.PHASES}
     tokens = [h["completions/mean_length"] * s.rows for h in history if h["step"] in timed]
-    return {"step_s": statistics.median(walls), "step_s_min": min(walls), "step_s_max": max(walls),
+    return {"step_s": statistics.median(walls), "step_s_min": min(walls), "step_s_max": max(walls), "steps_s": walls,
+            "update_steps_s": [h["step_time/update"] for h in history if h["step"] in timed],
+            "packed_lengths": [h.get("packed_length") for h in history],
             "first_steps_s": stamps[warmup] - start, "total_s": total,
             **{f"{p}_s": v for p, v in phases.items()}, "mean_completion_tokens": statistics.mean(tokens),
             "command": " ".join(command)}

@@ -35,7 +35,7 @@ import decode  # noqa: E402
 
 def measure(args) -> dict:
     from grpo_jax import cpu, programs, sharding
-    from grpo_jax.logprobs import packed_length
+    from grpo_jax.trajectory import packed_length
     from grpo_jax.losses import LossConfig
     from grpo_jax.train_step import StepOptions
     from grpo_jax.trajectory import Trajectory
@@ -46,7 +46,8 @@ def measure(args) -> dict:
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     optimizer = optax.adamw(1e-6)
     graphdef, state = programs.init_state(config, optimizer, seed=0, with_reference=True, mesh=mesh)
-    graphdef = cpu.packed_attention(graphdef, state.params, args.attention == "blocked")
+    graphdef = cpu.packed_attention(cpu.linear_layers(graphdef, state.params, args.linear_layers), state.params,
+                                    args.attention == "blocked")
     G, P, T = args.generations, args.prompt_length_max, args.max_completion_length
     B = args.prompts * G
     rng = np.random.default_rng(0)
@@ -115,6 +116,8 @@ def main(argv=None) -> dict:
                         "real vocabulary's shape on a CPU, e.g. --size qwen0.5b --layers 2)")
     parser.add_argument("--attention", choices=("blocked", "dense"), default="blocked",
                         help="a packed buffer's attention: `cpu.blocked_attention` (a CPU run's) or dense")
+    parser.add_argument("--linear-layers", action="store_true",
+                        help="the Linear layers' weight gradient the CPU switch's way (`cpu.linear_layers`, a run's)")
     parser.add_argument("--logps-chunk-size", type=int, default=0, help="train.logps_chunk_size")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--layouts", default="padded,packed", type=_layouts, help="comma-separated: padded, packed")

@@ -2,9 +2,10 @@
 
     python benchmarks/rollout_lengths.py --size small --prompts 8 --slots 0,16          # CPU, ~5 minutes
 
-The sampler is the one a training run builds (`programs.jit_decoder` driven by `stream.decode`: CPU speed-ups and
-host-thread chunks as configured by default), over `--prompts` prompts x `--generations` rows of random length `--prompt-length` ..
-`--prompt-length-max` (left-padded) and completions of at most `--max-completion-length` tokens.
+The sampler is the one a training run builds (`programs.jit_decoder` driven by `stream.decode`: CPU speed-ups
+and host-thread chunks as configured by default), over `--prompts` prompts x `--generations` rows of random length
+`--prompt-length` .. `--prompt-length-max` (left-padded) and completions of at most `--max-completion-length`
+tokens.
 
 Length spread: a random-init model's next-token distribution is close to uniform, so with EOS one id of a
 `--vocab`-token vocabulary a completion's length is about geometric with mean `--vocab` (256 by default: a quarter

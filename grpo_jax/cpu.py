@@ -177,6 +177,32 @@ def blocked_attention(q_BxTxKxGxDh, k_BxKxTxDh, v_BxKxTxDh, mask_BxTxT):
     return out_nxBxKxGxbxDh.transpose(1, 2, 3, 0, 4, 5).reshape(B, K, G, T, Dh)
 
 
+def blocked_pairs(prompt_tokens_R, branch_tokens_RxG, length: int) -> int | None:
+    """The (query, key) pairs `blocked_attention` computes for each buffer of a packed layout (host counts: each
+    buffer's shared prompt tokens, then its branches' tokens), None when the dense path runs: the blocks that some
+    buffer needs (any query of one sees any key of the other), times the block's area. Mirrors its ``needed``."""
+    b = math.gcd(length, ATTENTION_BLOCK)
+    if length < MIN_BLOCKED_LENGTH or b < 64:
+        return None
+    n = length // b
+    needed_nxn = np.zeros((n, n), bool)
+    lower_nxn = np.tril(np.ones((n, n), bool))
+    for prompt, branches in zip(np.asarray(prompt_tokens_R), np.asarray(branch_tokens_RxG)):
+        starts = prompt + np.concatenate([[0], np.cumsum(branches)[:-1]])
+        segments = [(0, prompt)] + [(s, s + size) for s, size in zip(starts, branches) if size]
+        for i, (lo, hi) in enumerate(segments):
+            if hi <= lo:
+                continue
+            span = np.zeros(n, bool)
+            span[lo // b:(hi - 1) // b + 1] = True
+            needed_nxn |= span[:, None] & span[None, :] & lower_nxn  # causal inside the segment
+            if i and prompt:  # a branch sees the whole prompt
+                prompt_span = np.zeros(n, bool)
+                prompt_span[:(prompt - 1) // b + 1] = True
+                needed_nxn |= span[:, None] & prompt_span[None, :]
+    return int(needed_nxn.sum()) * b * b
+
+
 def packed_attention(graphdef: nnx.GraphDef, params: nnx.State, on: bool) -> nnx.GraphDef:
     """``graphdef`` whose attention layers run packed buffers' whole masks through `blocked_attention` when ``on``,
     else ``graphdef`` unchanged. Apply once, where the model is built; ``params`` may be abstract."""

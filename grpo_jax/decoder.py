@@ -239,8 +239,10 @@ def advance(graphdef, params, decoding: Decoding, options: DecodeOptions, *, seg
                                       layers=layers, rope=rope)
         logits_NxV = unembed(graphdef, params, hidden_Nx1xD)[:, 0]
         d = d._replace(cache=_constrain(cache, options), cache_mask=cache_mask)
-        # a static batch has no row waiting for a slot: nothing to admit
-        d = _sample(d, logits_NxV, options, in_step) if in_step else _sample(*_admit(d, logits_NxV, G, options), options)
+        if in_step:  # a static batch has no row waiting for a slot: nothing to admit
+            d = _sample(d, logits_NxV, options, in_step)
+        else:
+            d = _sample(*_admit(d, logits_NxV, G, options), options)
         return d._replace(steps=d.steps + 1)
 
     def cond(d: Decoding):

@@ -204,9 +204,16 @@ def continuous_slots(max_batch_rows: int, rows: int, total_rows: int, row_shards
     return min(rows, -(-share // row_shards) * row_shards)
 
 
+def _view(decoding):
+    """What the host reads of a decoding between segments: (ended, length, at_eos [B], tokens [B, T], steps)."""
+    return decoding.ended, decoding.length, decoding.at_eos, decoding.tokens, decoding.steps
+
+
 class Decoder(NamedTuple):
     """A run's decoding programs over the mesh (`grpo_jax.decoder`), jitted once; `stream.decode` drives them.
 
+    - `generate(params, prompt_ids, prompt_mask, key, row_offset, options) -> (Trajectory, view)`: a call decoded
+      to its end in one program (a static batch)
     - `start(params, prompt_ids, prompt_mask, key, row_offset, options) -> Decoding`
     - `advance(params, decoding, options, segment) -> (Decoding, view)`, the decoding donated; ``view`` (ended,
       length, at_eos [B], tokens [B, T], decode steps) is what the host reads between segments
@@ -217,6 +224,7 @@ class Decoder(NamedTuple):
     - `place((prompt_ids, prompt_mask))`: a whole call's host rows as its programs take them (`sharding.host_rows`)
     """
 
+    generate: Callable
     start: Callable
     advance: Callable
     append: Callable
@@ -262,9 +270,14 @@ def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingCo
     def start(params, prompt_ids_BxP, prompt_mask_BxP, key, row_offset, options):
         return decoder.start(*merged(params), prompt_ids_BxP, prompt_mask_BxP, key, options, row_offset)
 
+    def generate(params, prompt_ids_BxP, prompt_mask_BxP, key, row_offset, options):
+        decoding = decoder.advance(*merged(params), start(params, prompt_ids_BxP, prompt_mask_BxP, key, row_offset,
+                                                          options), options)
+        return decoder.trajectory(decoding), _view(decoding)
+
     def advance(params, decoding, options, segment):
         decoding = decoder.advance(*merged(params), decoding, options, segment=segment)
-        return decoding, (decoding.ended, decoding.length, decoding.at_eos, decoding.tokens, decoding.steps)
+        return decoding, _view(decoding)
 
     def append(params, decoding, rows_M, tokens_MxA, counts_M, options):
         return decoder.append(*merged(params), decoding, rows_M, tokens_MxA, counts_M, options)
@@ -272,8 +285,10 @@ def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingCo
     def chunks(num_rows: int, group_size: int) -> int:
         return cpu.host_chunks(config.host_threads, mesh, num_rows, group_size) if cpu_speedups else 1
 
+    in_shardings = (params_sharding, rows, rows, replicated, replicated)
     return Decoder(
-        start=jax.jit(start, static_argnums=5, in_shardings=(params_sharding, rows, rows, replicated, replicated)),
+        generate=jax.jit(generate, static_argnums=5, in_shardings=in_shardings, out_shardings=(rows, None)),
+        start=jax.jit(start, static_argnums=5, in_shardings=in_shardings),
         advance=jax.jit(advance, static_argnums=(2, 3), donate_argnums=1, in_shardings=(params_sharding, None)),
         append=jax.jit(append, static_argnums=5, donate_argnums=1,
                        in_shardings=(params_sharding, None, replicated, replicated, replicated)),

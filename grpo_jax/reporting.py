@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from grpo_jax.config.sections import REPORT_TO
 
 _MODULES = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb", "wandb")}  # module, extra
 

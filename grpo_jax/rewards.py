@@ -33,7 +33,6 @@ from typing import Any
 
 import numpy as np
 
-from grpo_jax.config.sections import SOFT_OVERLONG
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # rewards and advantages are float32
 
@@ -216,6 +215,18 @@ def _outputs(reward_fns, arguments: list[dict]) -> list:
     return outputs
 
 
+def _fresh(value):
+    """A deep copy (a function that edits its arguments changes neither the next function's nor the data's), with
+    the lists, dicts and scalars of rows copied directly: `copy.deepcopy` is several times slower on them."""
+    if isinstance(value, list):
+        return [_fresh(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _fresh(v) for k, v in value.items()}
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return copy.deepcopy(value)
+
+
 def _call_all(reward_fns, prompts, completions, columns, context: dict | None = None):
     """Calls every function once; yields (name, its list of N values) after checking the list's shape.
 
@@ -230,7 +241,7 @@ def _call_all(reward_fns, prompts, completions, columns, context: dict | None = 
     arguments = []
     for name, fn in reward_fns:
         extra = {k: v for k, v in (context or {}).items() if _accepts(fn, k)}
-        arguments.append({**copy.deepcopy({"prompts": prompts, "completions": completions, **columns}), **extra})
+        arguments.append({**_fresh({"prompts": prompts, "completions": completions, **columns}), **extra})
     for (name, fn), out in zip(reward_fns, _outputs(reward_fns, arguments)):
         if inspect.isawaitable(out):
             if inspect.iscoroutine(out):

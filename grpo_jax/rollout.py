@@ -22,7 +22,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from grpo_jax import data, logprobs, rewards, rounds, stream
+from grpo_jax import cpu, data, rewards, rounds, stream, trajectory
 from grpo_jax.reporting import completion_rows, plain
 from grpo_jax.run import Run
 from grpo_jax.state import TrainState
@@ -131,11 +131,13 @@ def _counts(prompt_mask: np.ndarray, completion_mask: np.ndarray) -> np.ndarray:
 
 
 def _packed_length(run: Run, counts_Nx2: np.ndarray, group_size: int) -> int:
-    """With `train.packing`, the packed buffer length of these rows' forwards (`logprobs.packed_length`), else 0:
-    the padded layout."""
-    if not run.config.train.packing:
-        return 0
-    return logprobs.packed_length(counts_Nx2[:, 0], counts_Nx2[:, 1], group_size)
+    """The packed buffer length of these rows' forwards, or 0 for the static layout: `train.packing`, or when it is
+    null whichever layout costs fewer FLOPs (`trajectory.choose_packed_length`)."""
+    cfg = run.config
+    return trajectory.choose_packed_length(
+        counts_Nx2[:, 0], counts_Nx2[:, 1], group_size, cfg.data.max_prompt_length, cfg.sampling.max_completion_length,
+        trajectory.forward_flops(cfg.model), packing=cfg.train.packing,
+        blocked_pairs=cpu.blocked_pairs if cpu.enabled(cfg.cpu_speedups) else None)
 
 
 def _dispatch_logps(run: Run, state: TrainState, params, rows: Trajectory, counts_Nx2: np.ndarray):
@@ -144,11 +146,17 @@ def _dispatch_logps(run: Run, state: TrainState, params, rows: Trajectory, count
     log-softmax at the temperature) up to rounding: no forward pass for them."""
     cfg, tc = run.config, run.config.train
     packed = _packed_length(run, counts_Nx2, run.round_prompt_group_size)
-    args = (rows.prompt_ids, rows.prompt_mask, rows.completion_ids, rows.completion_mask, packed)
-    ref = None if run.programs.ref_logps is None else run.programs.ref_logps(state.reference_params, *args)
+    args = (rows.prompt_ids, rows.prompt_mask, rows.completion_ids, rows.completion_mask)
+    calls = []
+    if run.programs.ref_logps is not None:
+        calls.append((run.programs.ref_logps, state.reference_params))
+    if tc.needs_old_logps and cfg.model.dtype != "float32":
+        calls.append((run.programs.logps, params))
+    out = [program(weights, *args, packed) for program, weights in calls]
+    ref = out.pop(0) if run.programs.ref_logps is not None else None
     old = None
     if tc.needs_old_logps:
-        old = rows.sampler_per_token_logps if cfg.model.dtype == "float32" else run.programs.logps(params, *args)
+        old = rows.sampler_per_token_logps if cfg.model.dtype == "float32" else out.pop(0)
     return ref, old
 
 
@@ -290,9 +298,9 @@ def run_steps(run: Run, state: TrainState, round_batch: RoundBatch, *, until: in
         # a step of all the round's rows in order (one step per round) takes them as they are, without a gather
         in_order = len(step_rows) == num_rows and np.array_equal(step_rows, np.arange(num_rows))
         packed = _packed_length(run, rb.token_counts[step_rows], run.step_prompt_group_size)
-        state, metrics = run.programs.step(state, rb.rows if in_order else run.programs.take(rb.rows, step_rows),
-                                           packed)
-        pending.append(metrics)
+        rows = rb.rows if in_order else run.programs.take(rb.rows, step_rows)
+        state, metrics = run.programs.step(state, rows, packed)
+        pending.append({**metrics, "packed_length": packed})
         position += 1
         unchecked += 1
         if max_skipped is not None and unchecked > max_skipped:  # these steps alone could pass the limit

@@ -25,6 +25,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from grpo_jax import checkpoint, cpu, data, lock, programs, reward_model, rewards, sharding, sources, task
 from grpo_jax.config import Config, to_dict
+from grpo_jax.config.sections import SOFT_OVERLONG
 from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, lora, peft_io, resolve_config
 from grpo_jax.state import TrainState, optimizer_from_config
 from grpo_jax.train_step import StepOptions
@@ -217,7 +218,7 @@ def _resolve_rewards(config: Config, paths, mesh) -> list:
             out.append((model.__name__, model))
             continue
         fn = rewards.resolve_reward_fn(path)
-        if path == rewards.SOFT_OVERLONG:
+        if path == SOFT_OVERLONG:
             fn = functools.partial(fn, max_completion_len=config.sampling.max_completion_length,
                                    soft_punish_cache=config.reward.soft_punish_cache)
         out.append((path, fn))
@@ -375,9 +376,9 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
                                    prompt_group_size=tc.num_generations, **decoding)
     eval_decoder = None
     if config.eval.num_generations and eval_rows:  # evaluation's sampled completions, at their own temperature
-        eval_decoder = programs.jit_decoder(
-            graphdef, mesh, config.model, config=dataclasses.replace(config.sampling, temperature=config.eval.temperature),
-            prompt_group_size=config.eval.num_generations, **decoding)
+        eval_sampling = dataclasses.replace(config.sampling, temperature=config.eval.temperature)
+        eval_decoder = programs.jit_decoder(graphdef, mesh, config.model, config=eval_sampling,
+                                            prompt_group_size=config.eval.num_generations, **decoding)
     advantage_options = dict(estimator=tc.advantage_estimator, scale_rewards=tc.scale_rewards,
                              multi_objective_aggregation=tc.multi_objective_aggregation,
                              num_generations=tc.num_generations)

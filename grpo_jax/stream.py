@@ -41,12 +41,12 @@ def _piece(rows: np.ndarray, view, offset: int) -> Piece:
 
 def _chunk(decoder, params, ids, mask, key, offset: int, options, group_size: int) -> Iterator:
     """One program's rows (from row ``offset`` of the call): its `Piece`s, then its `Trajectory`."""
-    decoding = decoder.start(params, ids, mask, key, np.int32(offset), options)
-    if not options.num_slots or options.num_slots >= len(ids):  # a static batch: every row at once
-        decoding, view = decoder.advance(params, decoding, options, False)
-        yield decoder.trajectory(decoding)
+    if not options.num_slots or options.num_slots >= len(ids):  # a static batch: every row at once, one program
+        rows, view = decoder.generate(params, ids, mask, key, np.int32(offset), options)
+        yield rows
         yield _piece(np.arange(len(ids)), sharding.to_host(view), offset)
         return
+    decoding = decoder.start(params, ids, mask, key, np.int32(offset), options)
     decoding, view = decoder.advance(params, decoding, options, True)
     seen_R = np.zeros(len(ids) // group_size, bool)
     while True:

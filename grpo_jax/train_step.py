@@ -88,7 +88,7 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     cast back to the params' dtype. With LoRA adapters only they are differentiated and updated
     (`lora.split_trainable`): the base gets no gradient, no optimizer state and no update.
     `packed_length` > 0 runs each micro-batch's groups (rows one by one when `prompt_group_size` is 1) as packed
-    buffers of that many tokens (`logprobs.completion_logps`; the rows' `logprobs.packed_length` or more).
+    buffers of that many tokens (`logprobs.completion_logps`; the rows' `trajectory.packed_length` or more).
     `ref_device_sharding`: device-memory shardings of a reference kept in host memory, used to bring it over
     when TR-DPO mixing needs it.
     """

@@ -88,8 +88,8 @@ def test_grpo_jax_and_trl_one_step_profiled(tiny_folder, tmp_path):
     r = result["grpo_jax"]
     assert r["overrides"] == ["model.scan_layers=true"]
     modules = r["profile"]["per_module_ms"]
-    # the programs by their functions' names (programs.jit_decoder: the decode loop is advance)
-    assert {"jit_advance", "jit_train_step"} <= set(modules) and r["profile"]["per_kind_ms"]["matmul"] > 0
+    # the programs by their functions' names (programs.jit_decoder: a static batch decodes in generate)
+    assert {"jit_generate", "jit_train_step"} <= set(modules) and r["profile"]["per_kind_ms"]["matmul"] > 0
     text = digest.digest(out)
     assert f"step_s: {r['step_s']}" in text and "top ops of jit_train_step" in text
     assert "missing" in digest.digest(tmp_path / "absent.json")

@@ -242,7 +242,7 @@ def test_linear_layers_give_the_same_logits_and_gradients(tiny_model):
 # --- packed attention -------------------------------------------------------------------------------------------
 
 def _packed_mask(rng, rows: int, length: int):
-    """[rows, L, L] who-sees-whom of packed buffers (`logprobs._packed_hidden`): a prompt, then branches that see
+    """[rows, L, L] who-sees-whom of packed buffers (`trajectory.layout`, packed): a prompt, then branches that see
     the prompt and themselves; the tail is padding."""
     i = np.arange(length)
     masks = []
@@ -287,7 +287,8 @@ def test_blocked_attention_equals_the_dense_softmax_and_its_gradients():
 
 
 def test_packed_attention_gives_packed_logps_and_gradients_equal_to_the_padded_layout(tiny_model):
-    from grpo_jax.logprobs import completion_logps, packed_length
+    from grpo_jax.logprobs import completion_logps
+    from grpo_jax.trajectory import packed_length
 
     _, graphdef, params = tiny_model
     rng = np.random.default_rng(3)

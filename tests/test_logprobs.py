@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax.logprobs import completion_logps, packed_length
+from grpo_jax.logprobs import completion_logps
+from grpo_jax.trajectory import packed_length
 from grpo_jax.models import forward, unembed
 
 PROMPT_IDS = np.array([[0, 0, 0, 5, 7, 9], [0, 3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8], [0, 0, 0, 0, 0, 6]], np.int32)
@@ -234,12 +235,14 @@ def test_packed_logps_apply_the_vocabulary_to_the_buffers_slots_not_the_padded_r
     assert temp_bytes(length) < logits_bytes / 2  # 32 slots' logits of 512 (4x the logits before: 33.6 MB)
 
 
-def test_packed_length_is_the_longest_group_rounded_to_eight_steps_an_octave():
+def test_packed_length_is_the_longest_group_rounded_to_four_steps_an_octave():
     prompt_mask = np.repeat(PROMPT_MASK[[1, 3]], 2, axis=0)  # 5 and 1 real prompt tokens
-    # groups: 5 + 3 + 5 = 13 and 1 + 1 + 4 = 6 tokens -> 13, at least 16
+    # a buffer: the prompt less its last token, then per row that token and the completion:
+    # groups (5 - 1) + 2 + 3 + 5 = 14 and (1 - 1) + 2 + 1 + 4 = 7 -> 14, at least 16
     assert packed_length(np.sum(prompt_mask, 1), np.sum(COMPLETION_MASK, 1), 2) == 16
     assert packed_length(np.sum(prompt_mask, 1), np.sum(COMPLETION_MASK, 1), 1) == 16  # rows alone: 10 at most
     wide = np.ones((2, 300), np.int32)
-    assert packed_length(wide[:, 0], wide.sum(1), 2) == 640  # 601 tokens: steps of 64 between 512 and 1024
+    assert packed_length(wide[:, 0], wide.sum(1), 2) == 640  # 602 slots: steps of 128 between 512 and 1024
     assert packed_length(wide[:, 0], wide[:, :255].sum(1), 1) == 256
+    assert packed_length(np.array([1]), np.array([1024]), 1) == 1280  # 1025 slots: steps of 256 past 1024
     assert packed_length(np.zeros(0), np.zeros(0), 1) == 0

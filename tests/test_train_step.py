@@ -10,7 +10,8 @@ import optax
 import pytest
 
 from grpo_jax import sharding
-from grpo_jax.logprobs import completion_logps, packed_length
+from grpo_jax.logprobs import completion_logps
+from grpo_jax.trajectory import packed_length
 from grpo_jax.losses import LossConfig, compute_loss
 from grpo_jax.state import learning_rate_schedule, make_optimizer
 from grpo_jax.programs import init_state
@@ -88,7 +89,9 @@ def run_step(tiny_model_config, mesh, loss_config, grad_accum=1, batch_seed=0, g
     options = _options(loss_config, temperature=1.0, gradient_accumulation_steps=grad_accum,
                        prompt_group_size=prompt_group_size)
     step = jit_train_step(graphdef, optimizer, options, mesh, sharding.tree_shardings(state))
-    length = packed_length(np.sum(batch.prompt_mask, 1), np.sum(batch.completion_mask, 1), prompt_group_size) if packing else 0
+    length = 0
+    if packing:
+        length = packed_length(np.sum(batch.prompt_mask, 1), np.sum(batch.completion_mask, 1), prompt_group_size)
     new_state, metrics = step(state, batch, length)
     return jax.device_get((new_state, metrics))
 

@@ -229,9 +229,8 @@ def test_no_recompilation_across_rounds(tmp_path):
         state, position, _, _ = trainer.run_round(run, state, position, round_index)
     assert int(state.step) == 6
     programs = run.programs
-    decoder = programs.decoder
-    assert decoder.start._cache_size() == decoder.advance._cache_size() == decoder.trajectory._cache_size() == 1
-    assert programs.step._cache_size() == programs.rows._cache_size() == 1
+    # a static batch decodes in one program; the round's rows and its steps are one program each
+    assert programs.decoder.generate._cache_size() == programs.step._cache_size() == programs.rows._cache_size() == 1
     if programs.ref_logps is not None:
         assert programs.ref_logps._cache_size() == 1
     assert programs.logps._cache_size() == 0  # float32: the sampler's log-probs serve as the old ones
@@ -332,12 +331,14 @@ def test_packed_round_equals_padded_round(tmp_path, overrides):
     (mask, ref, old, lines), (_, ref_1, old_1, lines_1) = out[True], out[False]
     real = np.asarray(mask, bool)
     assert real.sum() < real.size  # rows end at different lengths: the layouts differ
-    np.testing.assert_allclose(ref[real], ref_1[real], rtol=1e-5, atol=1e-5)
+    # float32 rounding, or with bfloat16 forwards bfloat16's (each layout computes a token's hidden state in
+    # another order: the packed one runs a group's last prompt token once per completion)
+    tol = 1e-5 if not overrides else 2e-2
+    np.testing.assert_allclose(ref[real], ref_1[real], rtol=tol, atol=tol)
     if old is not None:
-        np.testing.assert_allclose(old[real], old_1[real], rtol=2e-2, atol=2e-2)  # bfloat16 forwards
+        np.testing.assert_allclose(old[real], old_1[real], rtol=tol, atol=tol)
     for line, line_1 in zip(lines, lines_1, strict=True):
         for key in ("loss", "grad_norm", "kl", "entropy"):
-            tol = 1e-5 if not overrides else 2e-2
             np.testing.assert_allclose(line[key], line_1[key], rtol=tol, atol=tol * 1e-2, err_msg=key)
 
 

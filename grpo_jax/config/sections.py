@@ -159,7 +159,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # 0 disables clipping
     logps_chunk_size: int = 0  # rows per chunk for log-probs; 0: whole micro-batch at once
     share_prompt_prefix: bool = True  # run each group's prompt once in log-prob/update forwards (same numbers)
-    packing: bool = False  # log-prob/update forwards over packed groups: no padding tokens run (same numbers)
+    packing: bool | None = None  # log-prob/update forwards over packed groups; null: when it costs fewer FLOPs
     ref_param_dtype: str | None = None  # reference params' storage dtype (float32, bfloat16); None: the params'
     offload_ref_params: bool = False  # keep the reference in pinned host memory (copied in for its log-probs)
     max_nonfinite_steps: int = 10  # steps skipped for a non-finite loss/gradient before the run stops
