@@ -1,6 +1,6 @@
 """Every device program of a run, jitted here and nowhere else: explicit in/out shardings, donated state.
 
-The maths lives in pure functions (`sampling.generate`, `logprobs.completion_logps`, `train_step.train_step`,
+The maths lives in pure functions (`decoder`, `logprobs.completion_logps`, `train_step.train_step`,
 `advantages`, `rounds.round_advantages`); this module only says how each runs over the mesh. `build` makes the
 `Programs` of one run; the `jit_*` functions are the same programs one by one, for library use and tests.
 """
@@ -142,7 +142,7 @@ def jit_logps(graphdef: nnx.GraphDef, mesh: Mesh, *, temperature: float, chunk_s
     `fn(params, prompt_ids, prompt_mask, completion_ids, completion_mask, packed_length=0)`, the last static
     (`logprobs.completion_logps`; one compilation per length).
 
-    `prompt_group_size` G > 1: rows come in groups of G sharing a prompt (`logprobs.completion_hidden`).
+    `prompt_group_size` G > 1: rows come in groups of G sharing a prompt (`trajectory.layout`).
     `params_sharding`: the params' shardings (`sharding.param_shardings`); a reference in host memory is
     brought to the devices inside. None: the layout of the params passed in (one compilation per layout).
     """
@@ -219,7 +219,8 @@ class Decoder(NamedTuple):
       length, at_eos [B], tokens [B, T], decode steps) is what the host reads between segments
     - `append(params, decoding, rows, tokens, counts, options)`, `retire(decoding, rows)`: multi-turn rows
     - `trajectory(decoding) -> Trajectory`; `concat(trajectories)` joins host-thread chunks' rows
-    - `options(rows, total_rows, greedy) -> DecodeOptions` of a call (or chunk) of ``rows`` rows
+    - `options(rows, total_rows, greedy, slots=0) -> DecodeOptions` of a call (or chunk) of ``rows`` rows; ``slots``
+      the call's slot count (`stream.plan_slots`), 0: `sampling.max_batch_rows`'s
     - `chunks(rows, group_size) -> k`: host-thread chunks of a call (`cpu.host_chunks`; 1 off the CPU switch)
     - `place((prompt_ids, prompt_mask))`: a whole call's host rows as its programs take them (`sharding.host_rows`)
     """
@@ -243,10 +244,10 @@ def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingCo
     vocabulary and key/value heads): prompt rows split over (data, fsdp), key replicated;
     `params_sharding` (`sharding.param_shardings`) None takes the params' own layout. A call's options are static:
     greedy calls (evaluation) have one row per prompt, sampling calls `prompt_group_size` rows per prompt, and
-    ``config.max_batch_rows`` fewer than a call's rows decodes them continuously batched. LoRA adapters are merged
-    into the kernels once per program (`lora.merged`), not run in every decode step. ``cpu_speedups``
-    (`cpu.enabled`) draws the same tokens the CPU's faster way (`cpu.decode_options`) and on a one-device mesh may
-    split a call into host-thread chunks (`cpu.host_chunks`, ``config.host_threads``)."""
+    slots (``config.max_batch_rows``, or the call's own) fewer than a call's rows decode them continuously batched.
+    LoRA adapters are merged into the kernels once per program (`lora.merged`), not run in every decode step.
+    ``cpu_speedups`` (`cpu.enabled`) draws the same tokens the CPU's faster way (`cpu.decode_options`) and on a
+    one-device mesh may split a call into host-thread chunks (`cpu.host_chunks`, ``config.host_threads``)."""
     rows, replicated = sharding.row_sharded(mesh), sharding.replicated(mesh)
     row_shards = sharding.num_row_shards(mesh)
     if cpu_speedups and config.host_threads > 1 and mesh.devices.size > 1:
@@ -258,12 +259,12 @@ def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingCo
         # LoRA adapters merged into the kernels once per call (`lora.merged`): decode steps run the base's products
         return lora.merged(graphdef, params) if lora.has_adapters(params) else (graphdef, params)
 
-    def options(num_rows: int, total_rows: int, greedy: bool) -> decoder.DecodeOptions:
+    def options(num_rows: int, total_rows: int, greedy: bool, slots: int = 0) -> decoder.DecodeOptions:
         group = 1 if greedy else prompt_group_size
         kv_heads = model_config.num_key_value_heads
         base = decoder.DecodeOptions(
             sampling=config, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, greedy=greedy, group_size=group,
-            num_slots=continuous_slots(config.max_batch_rows, num_rows, total_rows, row_shards),
+            num_slots=continuous_slots(slots or config.max_batch_rows or 0, num_rows, total_rows, row_shards),
             cache_sharding=sharding.cache_sharding(mesh, kv_heads))
         return cpu.decode_options(base, num_rows, model_config.vocab_size) if cpu_speedups else base
 

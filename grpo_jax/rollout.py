@@ -43,7 +43,7 @@ class RoundBatch(NamedTuple):
     first_step: int  # optimizer steps taken before the round
     position: int  # steps of the round done
     metrics: dict  # the round's metrics (rewards, lengths), repeated on each of its steps
-    seconds: dict  # sample / score / logps seconds of the round
+    seconds: dict  # sample / score / logps seconds of the round, and its decode steps and slots
     completions: list | None = None  # with log_completions: the round's table (`reporting.completion_rows`)
 
 
@@ -168,18 +168,20 @@ def _reward_context(run: Run, state: TrainState, data_state: data.DataState) -> 
 
 
 def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBatch, key, seconds: dict,
-                      context: dict, log: rewards.RewardLog, *, logps: bool):
+                      context: dict, log: rewards.RewardLog, *, logps: bool, slots: int = 0):
     """One sampling pass, each group scored on the host as soon as it has ended while the devices decode the others.
     With ``logps`` the reference / old log-probs are queued on the devices as soon as the last rows are decoded,
-    before the host scores them. Adds the pass's `sample` time (until its last rows reach the host) and `score`
-    time (host scoring after that) to ``seconds``. Returns (the rows on the devices, `rounds.Draw`, (ref, old) or
+    before the host scores them. ``slots``: the decoding call's (`stream.plan_slots`). Adds the pass's `sample` time
+    (until its last rows reach the host), `score` time (host scoring after that) and `decode_steps` to ``seconds``.
+    Returns (the rows on the devices, `rounds.Draw`, (ref, old) or
     None)."""
     timer = time.perf_counter()
     pieces, scores, rows, queued = [], [], None, None
     for piece in stream.decode(run.programs.decoder, params, batch.prompt_ids, batch.prompt_mask, key,
-                               group_size=run.config.train.num_generations):
+                               group_size=run.config.train.num_generations, slots=slots):
         if piece.trajectory is not None:  # decoding is over: every row's tokens are on the host
             rows = piece.trajectory
+            seconds["decode_steps"] = seconds.get("decode_steps", 0) + piece.decode_steps
             if logps:
                 completion_mask = np.zeros_like(batch.prompt_ids, shape=rows.completion_ids.shape)
                 for done in (*pieces, piece):
@@ -228,15 +230,16 @@ def _step_rows(run: Run, round_index: int) -> np.ndarray:
     return np.stack([s for _ in range(tc.num_iterations) for s in slices])
 
 
-def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round_index: int, *, params=None
-                  ) -> tuple[RoundBatch, data.DataState]:
+def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round_index: int, *, params=None,
+                  slots: int = 0) -> tuple[RoundBatch, data.DataState]:
     """A round before its updates: decode (jit) -> ref/old log-probs queued -> rows to the host -> score (host) ->
     advantages (host) -> RoundBatch, and the data position after its prompts. ``params`` samples the round (and
-    gives its old log-probs; None: the state's); the state gives the key, the step and the reference. With DAPO
-    dynamic sampling the passes are merged first."""
+    gives its old log-probs; None: the state's); the state gives the key, the step and the reference; ``slots``
+    decode it (`stream.plan_slots`; 0: `sampling.max_batch_rows`'s, its `seconds` record them). With DAPO dynamic
+    sampling the passes are merged first."""
     cfg, tc = run.config, run.config.train
     params = state.params if params is None else params
-    seconds: dict = {}
+    seconds: dict = {"decode_slots": slots}
     log = rewards.RewardLog()
     context = _reward_context(run, state, data_state)
     if tc.dynamic_sampling:
@@ -247,7 +250,8 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
         batch, data_state = data.next_batch(run.dataset, data_state, tc.prompts_per_round)
         batch = data.repeat_groups(batch, tc.num_generations)
         key = run.programs.sample_key(state.key, round_index, 0)
-        rows, draw, (ref, old) = _sample_and_score(run, state, params, batch, key, seconds, context, log, logps=True)
+        rows, draw, (ref, old) = _sample_and_score(run, state, params, batch, key, seconds, context, log, logps=True,
+                                                   slots=slots)
         counts, sampling_metrics = _counts(batch.prompt_mask, draw.completion_mask), {}
 
     timer = time.perf_counter()

@@ -6,28 +6,10 @@ Dimension letters: N rows drawing at once, V vocab.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
 from grpo_jax.config.sections import SamplingConfig
-
-
-class SampleOutput(NamedTuple):
-    """Sampled completions.
-
-    completion_ids [B, T] int32 (pad after EOS), completion_mask [B, T] int32 (1 up to and including the
-    first EOS), is_truncated [B] bool (no EOS within T), sampler_per_token_logps [B, T] float32 (full-vocabulary
-    log-softmax of logits / temperature at the sampled token, 0 where the mask is 0), num_decode_steps []
-    int32 (tokens sampled per row before the loop stopped; < T when every row ended early).
-    """
-
-    completion_ids: jax.Array
-    completion_mask: jax.Array
-    is_truncated: jax.Array
-    sampler_per_token_logps: jax.Array
-    num_decode_steps: jax.Array
 
 
 def _top_k(scores_BxV, k: int):

@@ -11,6 +11,7 @@ decoding its rows from a thread of its own (`cpu.host_chunks`).
 
 from __future__ import annotations
 
+import heapq
 import queue
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +37,8 @@ class Piece(NamedTuple):
 def _piece(rows: np.ndarray, view, offset: int) -> Piece:
     ended_B, length_B, at_eos_B, tokens_BxT, steps = view
     mask = (np.arange(tokens_BxT.shape[1])[None] < length_B[rows, None]).astype(np.int32)
-    return Piece(rows + offset, tokens_BxT[rows], mask, ~at_eos_B[rows], decode_steps=int(steps) * ended_B.all())
+    steps = int(steps) if ended_B.all() else 0  # the call's steps come with its last rows
+    return Piece(rows + offset, tokens_BxT[rows], mask, ~at_eos_B[rows], decode_steps=steps)
 
 
 def _chunk(decoder, params, ids, mask, key, offset: int, options, group_size: int) -> Iterator:
@@ -89,13 +91,14 @@ def _merged(calls: list[Callable[[], Iterator]], pool) -> Iterator:
 
 
 def decode(decoder, params, prompt_ids_BxP, prompt_mask_BxP, key, *, greedy: bool = False,
-           group_size: int = 1) -> Iterator[Piece]:
+           group_size: int = 1, slots: int = 0) -> Iterator[Piece]:
     """A decoding call of ``decoder`` (`programs.Decoder`) over host prompt rows (every process's, the same): its
-    `Piece`s, whole groups of ``group_size`` rows as they finish; the last carries the call's `Trajectory`."""
+    `Piece`s, whole groups of ``group_size`` rows as they finish; the last carries the call's `Trajectory`.
+    ``slots``: the call's decode slots (`plan_slots`; 0: `sampling.max_batch_rows`)."""
     B = len(prompt_ids_BxP)
     k = decoder.chunks(B, group_size)
     rows = B // k
-    options = decoder.options(rows, B, greedy)
+    options = decoder.options(rows, B, greedy, slots)
     parts = [decoder.place((prompt_ids_BxP, prompt_mask_BxP))] if k == 1 else [
         (prompt_ids_BxP[i * rows:(i + 1) * rows], prompt_mask_BxP[i * rows:(i + 1) * rows]) for i in range(k)]
     calls = [lambda i=i: _chunk(decoder, params, *parts[i], key, i * rows, options, group_size) for i in range(k)]
@@ -131,3 +134,59 @@ def generate(decoder, params, prompt_ids_BxP, prompt_mask_BxP, key, *, greedy: b
         if piece.trajectory is not None:
             return piece.trajectory
     raise ValueError("a decoding call of no rows")
+
+
+def decode_steps(lengths, slots: int) -> int:
+    """The decode steps `decoder.advance` runs for rows of these completion lengths (in order) over ``slots`` slots:
+    the first rows' first tokens come with `decoder.start`; a row of n tokens then holds its slot n - 1 more steps,
+    and the next row takes the slot in the step after the last of them."""
+    free = [(-1, slot) for slot in range(min(slots, len(lengths)))]  # the step after which each slot is free
+    end = 0
+    for n in lengths:
+        step, slot = heapq.heappop(free)
+        end = max(end, step + max(int(n), 1))
+        heapq.heappush(free, (step + max(int(n), 1), slot))
+    return end
+
+
+class SlotPlan(NamedTuple):
+    """The decode slots of a run's next rounds and what they were chosen from: measured (slots, seconds per decode
+    step) of earlier rounds. A choice of speed only: a row's tokens do not depend on the slots."""
+
+    slots: int = 0  # the next round's slots per call; 0: a static batch (a slot for every row)
+    measured: tuple = ()  # ((slots, seconds per decode step), ...), the latest per slot count tried
+
+
+def call_steps(lengths, slots: int, chunks: int = 1) -> int:
+    """`decode_steps` of a call of these rows split into ``chunks`` host-thread chunks, each with its share of the
+    ``slots`` (0: a slot for every row): the longest chunk's, as the chunks decode side by side."""
+    lengths = np.asarray(lengths)
+    rows = len(lengths) // chunks
+    share = -(-slots * rows // len(lengths)) if slots else rows
+    return max(decode_steps(lengths[i * rows:(i + 1) * rows], share) for i in range(chunks))
+
+
+def plan_slots(plan: SlotPlan, lengths, *, slots: int, steps: int, seconds: float, chunks: int = 1) -> SlotPlan:
+    """The next round's slots, from a round whose rows of completion ``lengths`` (in call order) decoded over
+    ``slots`` slots (0: static) in ``steps`` steps and ``seconds``, ``chunks`` host-thread chunks side by side.
+
+    A decode step of a chunk of N slots costs a + b N: the weights are read once a step, each slot adds its work.
+    After a static round whose lengths spread (mean under 0.6 of the longest), a round of half the slots measures a
+    second point; from then on a round takes whichever of rows, rows / 2, rows / 4, rows / 8 slots costs least by
+    `call_steps` over the last round's lengths times a + b N (a, b fitted to every slot count measured). On a CPU,
+    where a decode step's fixed cost dominates, that is the static batch; with many long rows on an accelerator,
+    fewer slots than rows."""
+    rows = len(lengths)
+    measured = dict(plan.measured)
+    measured[slots or rows] = seconds / max(steps, 1)
+    plan = SlotPlan(plan.slots, tuple(sorted(measured.items())))
+    lengths = np.asarray(lengths)
+    if len(measured) == 1:
+        spread = lengths.mean() < 0.6 * lengths.max()
+        return plan._replace(slots=rows // 2 if spread and not slots and rows >= 4 * chunks else 0)
+    n_M, t_M = (np.array(v, float) for v in zip(*measured.items()))
+    b, a = np.polyfit(n_M / chunks, t_M, 1)  # per chunk: slots / chunks each
+    a, b = max(a, 0.0), max(b, 0.0)
+    candidates = [n for n in (rows, rows // 2, rows // 4, rows // 8) if n >= chunks]
+    best = min(candidates, key=lambda n: call_steps(lengths, n, chunks) * (a + b * n / chunks))
+    return plan._replace(slots=0 if best == rows else best)

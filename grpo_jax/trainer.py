@@ -12,7 +12,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from grpo_jax import checkpoint, data, export, preemption, sharding
+from grpo_jax import checkpoint, data, export, preemption, sharding, stream
 from grpo_jax.config import Config, to_dict
 from grpo_jax.evaluation import evaluate, short_names
 from grpo_jax.reporting import MetricsWriter, is_eval, plot_run
@@ -99,6 +99,7 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
           f"({jax.devices()[0].platform})  mesh={dict(run.mesh.shape)}")
     mngr = checkpoint.manager(run.output_dir, save_total_limit=config.save_total_limit)
     data_state = data.DataState(epoch=0, index=0, seed=config.seed)
+    plan = stream.SlotPlan()  # a speed choice: the tokens do not depend on it, so it is not saved
     round_batch, round_index, history, before = None, 0, [], None
     if run.resuming:
         state, data_state, round_batch, round_index, history, before = _restore(run, state, data_state, mngr)
@@ -122,7 +123,8 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
         with preemption.PreemptionGuard() as guard:
             while step < config.max_steps and not guard.requested:
                 if round_batch is None:  # the data position moves only once the round is prepared
-                    round_batch, data_state = prepare_round(run, state, data_state, round_index)
+                    round_batch, data_state = prepare_round(run, state, data_state, round_index, slots=plan.slots)
+                    plan = _plan(run, plan, round_batch)
                 until = config.max_steps
                 if config.save_steps:
                     until = min(until, (step // config.save_steps + 1) * config.save_steps)
@@ -183,6 +185,17 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
               f"last 10%={summary['reward_last_10pct']:.3f}  plot: {run.output_dir / 'reward.png'}  "
               f"policy ({export.FORMAT_NAMES[fmt]} format): {final}")
     return summary
+
+
+def _plan(run: Run, plan: stream.SlotPlan, round_batch: RoundBatch) -> stream.SlotPlan:
+    """The next round's decode slots (`stream.plan_slots`) when `sampling.max_batch_rows` is null."""
+    tc = run.config.train
+    if run.config.sampling.max_batch_rows is not None or tc.dynamic_sampling:  # set, or rows from several calls
+        return plan
+    seconds = round_batch.seconds
+    return stream.plan_slots(plan, round_batch.token_counts[:, 1], slots=seconds["decode_slots"],
+                             steps=seconds["decode_steps"], seconds=seconds["sample"],
+                             chunks=run.programs.decoder.chunks(tc.generation_batch_size, tc.num_generations))
 
 
 def _evaluate_after(run: Run, state: TrainState, writer: MetricsWriter, step: int) -> dict:

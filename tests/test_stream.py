@@ -41,7 +41,7 @@ class _FakeDecoder:
     def __init__(self, rows, segments):
         self.rows, self.segments, self.advanced, self.all_queued = rows, segments, [], threading.Event()
 
-    def options(self, rows, total, greedy):
+    def options(self, rows, total, greedy, slots=0):
         from grpo_jax.decoder import DecodeOptions
         from grpo_jax.sampling import SamplingConfig
         return DecodeOptions(SamplingConfig(max_completion_length=4), (1,), 0, num_slots=2)
@@ -79,3 +79,41 @@ def test_segments_are_queued_while_the_host_still_holds_the_first_piece():
     np.testing.assert_array_equal(np.concatenate([first.rows, *[p.rows for p in rest]]), np.arange(6))
     np.testing.assert_array_equal(first.completion_ids[:, 0], [0, 1])
     assert rest[-1].trajectory is not None and rest[-1].decode_steps == 12  # the steps of the segment that ended it
+
+
+def test_the_decode_step_count_of_any_slot_count_is_the_decoders_own(tiny_model):
+    """`stream.decode_steps` from the rows' lengths alone == the steps `decoder.advance` ran, for every slot count."""
+    import dataclasses
+
+    from grpo_jax import decoder
+    _, graphdef, params = tiny_model
+    want = decode_rows(tiny_model)
+    lengths = want.completion_mask.sum(1)
+    assert len(set(lengths)) > 2
+    dec = make_decoder(tiny_model, eos=EOS, group=G, max_completion_length=9, temperature=0.9, top_k=12)
+    start, advance = jax.jit(decoder.start, static_argnums=5), jax.jit(decoder.advance, static_argnums=3)
+    for slots in (1, 2, 5, 9, len(IDS)):
+        options = dataclasses.replace(dec.options(len(IDS), len(IDS), False), num_slots=slots)
+        d = advance(graphdef, params, start(graphdef, params, IDS, MASK, jax.random.key(3), options), options)
+        assert int(d.steps) == stream.decode_steps(lengths, slots), slots
+    assert stream.call_steps(lengths, 0, chunks=3) == max(stream.decode_steps(lengths[i * 5:(i + 1) * 5], 5)
+                                                         for i in range(3))
+
+
+def test_slots_are_planned_from_measured_step_times():
+    lengths = np.array([30, 4, 2, 1, 3, 2, 5, 1] * 4)  # 32 rows, a long tail: a static batch runs 29 steps for them
+    plan = stream.plan_slots(stream.SlotPlan(), lengths, slots=0, steps=29, seconds=0.29)
+    assert plan.slots == 16 and plan.measured == ((32, 0.29 / 29),)  # the lengths spread: measure half the slots
+    # a step's cost is nearly all fixed (the CPU's): the static batch wins
+    steps = stream.decode_steps(lengths, 16)
+    fixed = stream.plan_slots(plan, lengths, slots=16, steps=steps, seconds=steps * 0.0098)
+    assert fixed.slots == 0 and dict(fixed.measured) == {16: pytest.approx(0.0098), 32: pytest.approx(0.010)}
+    # a step's cost grows with its slots (long rows on an accelerator): the cheapest of 32, 16, 8, 4 slots
+    a, b = 0.001, 0.001
+    grows = stream.plan_slots(plan, lengths, slots=16, steps=10, seconds=10 * (a + 16 * b))
+    grows = grows._replace(measured=((16, a + 16 * b), (32, a + 32 * b)))
+    grows = stream.plan_slots(grows, lengths, slots=0, steps=29, seconds=29 * (a + 32 * b))
+    costs = {n: stream.decode_steps(lengths, n) * (a + b * n) for n in (32, 16, 8, 4)}
+    assert grows.slots == min(costs, key=costs.get) < 32
+    # lengths that hardly spread: a static batch wastes nothing, nothing to measure
+    assert stream.plan_slots(stream.SlotPlan(), np.full(32, 7), slots=0, steps=6, seconds=0.06).slots == 0

@@ -60,13 +60,14 @@ class DataConfig:
 class SamplingConfig:
     """Sampling hyper-parameters (TRL GRPOConfig names); filters follow HF logits warpers.
 
-    ``host_threads`` (grpo_jax only; used when ``cpu_speedups`` is on) splits a one-device sampling call's rows into
-    that many chunks, each run from its own host thread (`cpu.ChunkedSampler`). The tokens do not depend on it.
+    ``host_threads`` (grpo_jax only; used when ``cpu_speedups`` is on) splits a one-device decoding call's rows into
+    that many chunks, each decoded from its own host thread (`stream.decode`). The tokens do not depend on it.
     0: one per CPU core on a one-device CPU mesh, else 1 (`cpu.host_chunks`).
 
-    ``max_batch_rows`` (grpo_jax only) N > 0 fewer than a call's rows: continuous batching (`grpo_jax.continuous`),
+    ``max_batch_rows`` (grpo_jax only) N > 0 fewer than a call's rows: continuous batching (`grpo_jax.decoder`),
     N rows decode at once and a row that ends hands its slot to the next waiting row. The tokens do not depend on
-    it. 0: every row of the call decodes at once until the longest ends."""
+    it. 0: every row of the call decodes at once until the longest ends. None: chosen round by round from the
+    measured time of a decode step (`stream.plan_slots`)."""
 
     max_completion_length: int = 8
     temperature: float = 1.0
@@ -74,7 +75,7 @@ class SamplingConfig:
     top_p: float = 1.0
     min_p: float = 0.0
     host_threads: int = 0
-    max_batch_rows: int = 0
+    max_batch_rows: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_completion_length, int) or self.max_completion_length < 1:
@@ -88,7 +89,7 @@ class SamplingConfig:
             raise ValueError(f"sampling.top_p={self.top_p} must be in (0, 1] (1.0 disables it)")
         if not 0 <= self.min_p < 1:
             raise ValueError(f"sampling.min_p={self.min_p} must be in [0, 1) (0.0 disables it)")
-        if not isinstance(self.max_batch_rows, int) or self.max_batch_rows < 0:
+        if self.max_batch_rows is not None and (not isinstance(self.max_batch_rows, int) or self.max_batch_rows < 0):
             raise ValueError(f"sampling.max_batch_rows={self.max_batch_rows!r} must be an integer >= 0 (0: all of a "
                              "call's rows decode at once)")
         if not isinstance(self.host_threads, int) or self.host_threads < 0:
