@@ -146,17 +146,11 @@ def _dispatch_logps(run: Run, state: TrainState, params, rows: Trajectory, count
     log-softmax at the temperature) up to rounding: no forward pass for them."""
     cfg, tc = run.config, run.config.train
     packed = _packed_length(run, counts_Nx2, run.round_prompt_group_size)
-    args = (rows.prompt_ids, rows.prompt_mask, rows.completion_ids, rows.completion_mask)
-    calls = []
-    if run.programs.ref_logps is not None:
-        calls.append((run.programs.ref_logps, state.reference_params))
-    if tc.needs_old_logps and cfg.model.dtype != "float32":
-        calls.append((run.programs.logps, params))
-    out = [program(weights, *args, packed) for program, weights in calls]
-    ref = out.pop(0) if run.programs.ref_logps is not None else None
+    args = (rows.prompt_ids, rows.prompt_mask, rows.completion_ids, rows.completion_mask, packed)
+    ref = None if run.programs.ref_logps is None else run.programs.ref_logps(state.reference_params, *args)
     old = None
     if tc.needs_old_logps:
-        old = rows.sampler_per_token_logps if cfg.model.dtype == "float32" else out.pop(0)
+        old = rows.sampler_per_token_logps if cfg.model.dtype == "float32" else run.programs.logps(params, *args)
     return ref, old
 
 
@@ -173,8 +167,7 @@ def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBat
     With ``logps`` the reference / old log-probs are queued on the devices as soon as the last rows are decoded,
     before the host scores them. ``slots``: the decoding call's (`stream.plan_slots`). Adds the pass's `sample` time
     (until its last rows reach the host), `score` time (host scoring after that) and `decode_steps` to ``seconds``.
-    Returns (the rows on the devices, `rounds.Draw`, (ref, old) or
-    None)."""
+    Returns (the rows on the devices, `rounds.Draw`, (ref, old) or None)."""
     timer = time.perf_counter()
     pieces, scores, rows, queued = [], [], None, None
     for piece in stream.decode(run.programs.decoder, params, batch.prompt_ids, batch.prompt_mask, key,
@@ -234,9 +227,9 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
                   slots: int = 0) -> tuple[RoundBatch, data.DataState]:
     """A round before its updates: decode (jit) -> ref/old log-probs queued -> rows to the host -> score (host) ->
     advantages (host) -> RoundBatch, and the data position after its prompts. ``params`` samples the round (and
-    gives its old log-probs; None: the state's); the state gives the key, the step and the reference; ``slots``
-    decode it (`stream.plan_slots`; 0: `sampling.max_batch_rows`'s, its `seconds` record them). With DAPO dynamic
-    sampling the passes are merged first."""
+    gives its old log-probs; None: the state's); the state gives the key, the step and the reference. ``slots``:
+    the decode slots (`stream.plan_slots`; 0: `sampling.max_batch_rows`), kept in its `seconds` with the decode
+    steps. With DAPO dynamic sampling the passes are merged first."""
     cfg, tc = run.config, run.config.train
     params = state.params if params is None else params
     seconds: dict = {"decode_slots": slots}
