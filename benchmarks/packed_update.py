@@ -10,7 +10,8 @@
 XLA's buffer assignment (`memory_analysis().temp_size_in_bytes`); `--remat` / `--scan-layers` as in the config.
 `--attention dense` runs a packed buffer's attention dense instead of block by block (`cpu.blocked_attention`,
 what a run does with `cpu_speedups`); `--layers` keeps fewer of a size's layers (a real vocabulary's share of the
-work at a CPU's pace); `--layouts` picks the layouts; `--profile DIR` traces each layout's timed repeats for
+work at a CPU's pace); `--layouts` picks the layouts (``groups``: a packed buffer a group; ``packed``: the buffers a
+run picks); `--profile DIR` traces each layout's timed repeats for
 `trace_summary.py`.
 """
 
@@ -34,8 +35,7 @@ import decode  # noqa: E402
 
 
 def measure(args) -> dict:
-    from grpo_jax import cpu, programs, sharding
-    from grpo_jax.trajectory import packed_length
+    from grpo_jax import cpu, programs, sharding, trajectory
     from grpo_jax.losses import LossConfig
     from grpo_jax.train_step import StepOptions
     from grpo_jax.trajectory import Trajectory
@@ -62,13 +62,17 @@ def measure(args) -> dict:
     options = StepOptions(LossConfig(beta=0.04), 1.0, logps_chunk_size=args.logps_chunk_size, prompt_group_size=G)
     step = programs.jit_train_step(graphdef, optimizer, options, mesh, sharding.tree_shardings(state))
     rows, initial = {}, state
-    buffer_length = {"padded": 0, "packed": packed_length(np.sum(prompt_mask, 1), np.sum(completion_mask, 1), G)}
+    counts = np.sum(prompt_mask, 1), np.sum(completion_mask, 1)
+    packings = {"padded": (0, 0), "groups": (trajectory.packed_length(*counts, G), 0),  # a buffer a group
+                "packed": trajectory.choose_packing(  # as a run packs them (`train.packing: true`)
+                    *counts, G, P, T, trajectory.forward_flops(config), packing=True,
+                    blocked_pairs=cpu.blocked_pairs if args.attention == "blocked" else None)}
     for name in args.layouts:
-        length = buffer_length[name]
+        length, buffers = packings[name]
         state = jax.tree.map(lambda x: x.copy(), initial)  # each layout's first step from the same state (donated)
-        temp = step.lower(state, batch, length).compile().memory_analysis().temp_size_in_bytes
+        temp = step.lower(state, batch, length, buffers).compile().memory_analysis().temp_size_in_bytes
         start = time.perf_counter()
-        state, metrics = step(state, batch, length)
+        state, metrics = step(state, batch, length, buffers)
         loss = float(metrics["loss"])
         first_s = time.perf_counter() - start
         times = []
@@ -76,11 +80,11 @@ def measure(args) -> dict:
               else contextlib.nullcontext()):
             for _ in range(args.repeats):
                 start = time.perf_counter()
-                state, metrics = step(state, batch, length)
+                state, metrics = step(state, batch, length, buffers)
                 jax.block_until_ready(metrics)
                 times.append(time.perf_counter() - start)
-        rows[name] = {"packed_length": length, "first_call_s": first_s, "step_s": statistics.median(times),
-                      "temp_gib": temp / 2 ** 30, "first_loss": loss}
+        rows[name] = {"packed_length": length, "packed_buffers": buffers or B // G, "first_call_s": first_s,
+                      "step_s": statistics.median(times), "temp_gib": temp / 2 ** 30, "first_loss": loss}
         print(json.dumps({name: rows[name]}), flush=True)
     real = int(prompt_lengths[::G].sum() + lengths.sum())
     return {"size": args.size, "layers": config.num_hidden_layers, "vocab_size": config.vocab_size,
@@ -90,14 +94,14 @@ def measure(args) -> dict:
             "scan_layers": args.scan_layers, "real_tokens": real,
             "padded_tokens": int(args.prompts * P + B * T), **rows,
             "packed_over_padded_step": (rows["packed"]["step_s"] / rows["padded"]["step_s"]
-                                        if rows.keys() == {"padded", "packed"} else None),
+                                        if {"padded", "packed"} <= rows.keys() else None),
             "device": str(jax.devices()[0]), "jax_version": jax.__version__}
 
 
 def _layouts(text: str) -> list[str]:
     names = text.split(",")
-    if not names or set(names) - {"padded", "packed"}:
-        raise argparse.ArgumentTypeError(f"{text!r}: give padded, packed or padded,packed")
+    if not names or set(names) - {"padded", "groups", "packed"}:
+        raise argparse.ArgumentTypeError(f"{text!r}: give some of padded, groups, packed, comma-separated")
     return names
 
 
@@ -120,7 +124,8 @@ def main(argv=None) -> dict:
                         help="the Linear layers' weight gradient the CPU switch's way (`cpu.linear_layers`, a run's)")
     parser.add_argument("--logps-chunk-size", type=int, default=0, help="train.logps_chunk_size")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--layouts", default="padded,packed", type=_layouts, help="comma-separated: padded, packed")
+    parser.add_argument("--layouts", default="padded,packed", type=_layouts, help="comma-separated: padded, groups (a "
+                        "packed buffer a group), packed (the buffers a run picks, `trajectory.choose_packing`)")
     parser.add_argument("--profile", metavar="DIR", help="trace each layout's timed repeats into DIR/<layout> "
                         "(read with trace_summary.py)")
     parser.add_argument("--out")

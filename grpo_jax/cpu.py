@@ -125,6 +125,10 @@ def linear_layers(graphdef: nnx.GraphDef, params: nnx.State, on: bool) -> nnx.Gr
 
 ATTENTION_BLOCK = 128  # keys and queries per block of `blocked_attention`
 MIN_BLOCKED_LENGTH = 512  # shorter buffers stay dense: too few blocks to skip
+# the loop's step over a key block costs this share of a computed block's scores even when the block is skipped
+# (scan step, cond, accumulator carry): one buffer of 3,584 slots trained in 6.7 s, two of 1,792 in 5.0 s (small,
+# 32 rows of 16 + ~100 tokens, Intel Xeon AVX-512, benchmarks/packed_update.py)
+BLOCK_VISIT = 0.4
 
 
 def blocked_attention(q_BxTxKxGxDh, k_BxKxTxDh, v_BxKxTxDh, mask_BxTxT):
@@ -177,30 +181,42 @@ def blocked_attention(q_BxTxKxGxDh, k_BxKxTxDh, v_BxKxTxDh, mask_BxTxT):
     return out_nxBxKxGxbxDh.transpose(1, 2, 3, 0, 4, 5).reshape(B, K, G, T, Dh)
 
 
-def blocked_pairs(prompt_tokens_R, branch_tokens_RxG, length: int) -> int | None:
-    """The (query, key) pairs `blocked_attention` computes for each buffer of a packed layout (host counts: each
-    buffer's shared prompt tokens, then its branches' tokens), None when the dense path runs: the blocks that some
-    buffer needs (any query of one sees any key of the other), times the block's area. Mirrors its ``needed``."""
+def blocked_pairs(prompt_tokens_R, branch_tokens_RxG, length: int, buffers: int = 0) -> int | None:
+    """The (query, key) pairs `blocked_attention` costs for a packed layout's buffers (host counts: each group's
+    shared prompt tokens, then its branches' tokens; groups one after another in ``buffers`` buffers, 0: one a
+    group), None when the dense path runs: the blocks that some buffer needs (any query of one sees any key of the
+    other; mirrors its ``needed``) times the block's area and the buffers, plus `BLOCK_VISIT` of a block's area
+    for each of the n x n steps of its loop."""
     b = math.gcd(length, ATTENTION_BLOCK)
     if length < MIN_BLOCKED_LENGTH or b < 64:
         return None
     n = length // b
+    prompts_R, branches_RxG = np.asarray(prompt_tokens_R), np.asarray(branch_tokens_RxG)
+    K = buffers or len(prompts_R)
     needed_nxn = np.zeros((n, n), bool)
     lower_nxn = np.tril(np.ones((n, n), bool))
-    for prompt, branches in zip(np.asarray(prompt_tokens_R), np.asarray(branch_tokens_RxG)):
-        starts = prompt + np.concatenate([[0], np.cumsum(branches)[:-1]])
-        segments = [(0, prompt)] + [(s, s + size) for s, size in zip(starts, branches) if size]
-        for i, (lo, hi) in enumerate(segments):
-            if hi <= lo:
-                continue
-            span = np.zeros(n, bool)
-            span[lo // b:(hi - 1) // b + 1] = True
-            needed_nxn |= span[:, None] & span[None, :] & lower_nxn  # causal inside the segment
-            if i and prompt:  # a branch sees the whole prompt
-                prompt_span = np.zeros(n, bool)
-                prompt_span[:(prompt - 1) // b + 1] = True
-                needed_nxn |= span[:, None] & prompt_span[None, :]
-    return int(needed_nxn.sum()) * b * b
+
+    def span(lo, hi):  # the blocks slots lo .. hi - 1 fall in
+        out = np.zeros(n, bool)
+        out[lo // b:(hi - 1) // b + 1] = True
+        return out
+
+    for group in range(len(prompts_R)):
+        if group % (len(prompts_R) // K) == 0:
+            offset = 0  # a new buffer
+        prompt, branches = int(prompts_R[group]), branches_RxG[group]
+        starts = offset + prompt + np.concatenate([[0], np.cumsum(branches)[:-1]])
+        prompt_span = span(offset, offset + prompt) if prompt else None
+        if prompt:
+            needed_nxn |= prompt_span[:, None] & prompt_span[None, :] & lower_nxn  # causal inside the prompt
+        for start, size in zip(starts, branches):
+            if size:
+                branch = span(start, start + size)
+                needed_nxn |= branch[:, None] & branch[None, :] & lower_nxn
+                if prompt:  # a branch sees its whole prompt
+                    needed_nxn |= branch[:, None] & prompt_span[None, :]
+        offset += prompt + int(np.sum(branches))
+    return int(needed_nxn.sum()) * b * b * K + int(BLOCK_VISIT * n * n * b * b)
 
 
 def packed_attention(graphdef: nnx.GraphDef, params: nnx.State, on: bool) -> nnx.GraphDef:

@@ -55,21 +55,23 @@ def _logps_of_hidden(graphdef, params, hidden_NxCxD, ids_NxC, *, temperature: fl
 
 def completion_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT,
                      *, temperature: float, with_entropy: bool = False, chunk_size: int = 0,
-                     prompt_group_size: int = 1, packed_length: int = 0):
+                     prompt_group_size: int = 1, packed_length: int = 0, packed_buffers: int = 0):
     """Log-probs [B, T] (float32) of the completion tokens, and entropies [B, T] or None.
 
     logps[b, t] = log softmax(logits / temperature)[completion_ids[b, t]] over the full vocabulary, at the slot that
     predicts token t of row b, the model seeing prompt ++ completion (masks ``prompt_mask ++ completion_mask``,
     positions from them). The layout (`trajectory.layout`): ``packed_length`` L > 0 (`trajectory.packed_length` of
-    these rows, or more) packs each group of ``prompt_group_size`` rows (or each row, G = 1) into one buffer of L
-    slots; else G > 1 runs each group's prompt once (rows g*G .. g*G + G - 1 share it, the `data.repeat_groups`
-    order); else every row runs on its own. Same result in each, up to float rounding. ``chunk_size > 0`` unembeds
-    ``chunk_size`` rows of T slots at a time with ``lax.map`` so the float32 logits never exist at once, in the
-    forward or (chunks rematerialised) the backward pass. Masked positions hold finite junk; callers mask.
+    these rows, or more) packs the groups of ``prompt_group_size`` rows (or the rows, G = 1) one after another into
+    ``packed_buffers`` buffers of L slots (0: one a group); else G > 1 runs each group's prompt once (rows g*G ..
+    g*G + G - 1 share it, the `data.repeat_groups` order); else every row runs on its own. Same result in each, up
+    to float rounding. ``chunk_size > 0`` unembeds ``chunk_size`` rows of T slots at a time with ``lax.map`` so the
+    float32 logits never exist at once, in the forward or (chunks rematerialised) the backward pass. Masked
+    positions hold finite junk; callers mask.
     """
     B, T = completion_ids_BxT.shape
     layout = trajectory.layout(prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT,
                                group_size=prompt_group_size, packed_length=packed_length,
+                               packed_buffers=packed_buffers,
                                sliding_window=model_config(graphdef, params).sliding_window)
     prefix = None
     if layout.prefix is not None:

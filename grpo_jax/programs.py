@@ -97,13 +97,15 @@ class RefApartStep:
     jitted: Any  # jitted (state without ref, ref_params, batch) -> (state, metrics)
     sync: bool
 
-    def __call__(self, state, batch, packed_length=0):
-        new_state, metrics = self.jitted(state._replace(ref_params=None), state.ref_params, batch, packed_length)
+    def __call__(self, state, batch, packed_length=0, packed_buffers=0):
+        new_state, metrics = self.jitted(state._replace(ref_params=None), state.ref_params, batch, packed_length,
+                                         packed_buffers)
         return (new_state if self.sync else new_state._replace(ref_params=state.ref_params)), metrics
 
-    def lower(self, state, batch, packed_length=0):
+    def lower(self, state, batch, packed_length=0, packed_buffers=0):
         """The jitted program lowered for these arguments (memory analysis, HLO)."""
-        return self.jitted.lower(state._replace(ref_params=None), state.ref_params, batch, packed_length)
+        return self.jitted.lower(state._replace(ref_params=None), state.ref_params, batch, packed_length,
+                                 packed_buffers)
 
     def _cache_size(self) -> int:
         return self.jitted._cache_size()
@@ -112,7 +114,8 @@ class RefApartStep:
 def jit_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, options: StepOptions,
                    mesh: Mesh, state_sharding):
     """`train_step` over the mesh: state in `state_sharding` (in and out) and donated, batch rows split over
-    the data axes, metrics replicated: `fn(state, batch, packed_length=0)`, the last static (`train_step`).
+    the data axes, metrics replicated: `fn(state, batch, packed_length=0, packed_buffers=0)`, the last two static
+    (`train_step`).
 
     `state_sharding`: `sharding.state_shardings(mesh, abstract_state)` or `sharding.tree_shardings(state)`.
     A reference in host memory (`train.offload_ref_params`) runs as a `RefApartStep`.
@@ -122,25 +125,25 @@ def jit_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
     step = functools.partial(train_step, graphdef, optimizer, options, mesh=mesh, ref_device_sharding=ref_device)
     if ref_device is None:
         return jax.jit(step, in_shardings=(state_sharding, rows), out_shardings=(state_sharding, replicated),
-                       donate_argnums=0, static_argnums=2)
+                       donate_argnums=0, static_argnums=(2, 3))
     sync = options.ref_sync.sync_ref_model
     no_ref = state_sharding._replace(ref_params=None)
 
-    def split_step(state, ref_params, batch, packed_length=0):
-        new_state, metrics = step(state._replace(ref_params=ref_params), batch, packed_length)
+    def split_step(state, ref_params, batch, packed_length=0, packed_buffers=0):
+        new_state, metrics = step(state._replace(ref_params=ref_params), batch, packed_length, packed_buffers)
         return new_state._replace(ref_params=new_state.ref_params if sync else None), metrics
 
     jitted = jax.jit(split_step, in_shardings=(no_ref, state_sharding.ref_params, rows),
                      out_shardings=(state_sharding if sync else no_ref, replicated), donate_argnums=0,
-                     static_argnums=3)
+                     static_argnums=(3, 4))
     return RefApartStep(jitted, sync)
 
 
 def jit_logps(graphdef: nnx.GraphDef, mesh: Mesh, *, temperature: float, chunk_size: int = 0,
               params_sharding=None, prompt_group_size: int = 1):
     """Per-token log-probs of completions under some params (old policy or reference), rows sharded:
-    `fn(params, prompt_ids, prompt_mask, completion_ids, completion_mask, packed_length=0)`, the last static
-    (`logprobs.completion_logps`; one compilation per length).
+    `fn(params, prompt_ids, prompt_mask, completion_ids, completion_mask, packed_length=0, packed_buffers=0)`, the
+    last two static (`logprobs.completion_logps`; one compilation per packing).
 
     `prompt_group_size` G > 1: rows come in groups of G sharing a prompt (`trajectory.layout`).
     `params_sharding`: the params' shardings (`sharding.param_shardings`); a reference in host memory is
@@ -149,16 +152,17 @@ def jit_logps(graphdef: nnx.GraphDef, mesh: Mesh, *, temperature: float, chunk_s
     rows = sharding.row_sharded(mesh)
     on_device = None if params_sharding is None else _on_device(params_sharding)
 
-    def logps(params, prompt_ids, prompt_mask, completion_ids, completion_mask, packed_length=0):
+    def logps(params, prompt_ids, prompt_mask, completion_ids, completion_mask, packed_length=0, packed_buffers=0):
         if on_device is not None:
             params = jax.device_put(params, on_device)
         out, _ = completion_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                   temperature=temperature, chunk_size=chunk_size,
-                                  prompt_group_size=prompt_group_size, packed_length=packed_length)
+                                  prompt_group_size=prompt_group_size, packed_length=packed_length,
+                                  packed_buffers=packed_buffers)
         return out
 
     return jax.jit(logps, in_shardings=(params_sharding, rows, rows, rows, rows), out_shardings=rows,
-                   static_argnums=5)
+                   static_argnums=(5, 6))
 
 
 def host_advantages(**options):

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from grpo_jax import cpu, data, rewards, rounds, stream, trajectory
+from grpo_jax import cpu, data, rewards, rounds, sharding, stream, trajectory
 from grpo_jax.reporting import completion_rows, plain
 from grpo_jax.run import Run
 from grpo_jax.state import TrainState
@@ -130,13 +130,17 @@ def _counts(prompt_mask: np.ndarray, completion_mask: np.ndarray) -> np.ndarray:
     return np.stack([np.sum(prompt_mask, axis=1), np.sum(completion_mask, axis=1)], axis=1).astype(np.int32)
 
 
-def _packed_length(run: Run, counts_Nx2: np.ndarray, group_size: int) -> int:
-    """The packed buffer length of these rows' forwards, or 0 for the static layout: `train.packing`, or when it is
-    null whichever layout costs fewer FLOPs (`trajectory.choose_packed_length`)."""
+def _packing(run: Run, counts_Nx2: np.ndarray, group_size: int, micro_batches: int = 1) -> tuple[int, int]:
+    """(packed buffer length, buffers a micro-batch) of these rows' forwards, (0, 0) for the static layout:
+    `train.packing`, or when it is null whichever layout costs fewer FLOPs (`trajectory.choose_packing`).
+    ``micro_batches`` M: the rows are split as `train_step` splits them (micro-batch m takes rows m, m + M, ...)."""
     cfg = run.config
-    return trajectory.choose_packed_length(
+    M = micro_batches
+    counts_Nx2 = np.concatenate([counts_Nx2[m::M] for m in range(M)])  # micro-batch order
+    return trajectory.choose_packing(
         counts_Nx2[:, 0], counts_Nx2[:, 1], group_size, cfg.data.max_prompt_length, cfg.sampling.max_completion_length,
-        trajectory.forward_flops(cfg.model), packing=cfg.train.packing,
+        trajectory.forward_flops(cfg.model), packing=cfg.train.packing, micro_batches=M,
+        shards=sharding.num_row_shards(run.mesh),
         blocked_pairs=cpu.blocked_pairs if cpu.enabled(cfg.cpu_speedups) else None)
 
 
@@ -145,8 +149,8 @@ def _dispatch_logps(run: Run, state: TrainState, params, rows: Trajectory, count
     needs none. In float32 the sampler's log-probs are the old policy's (same params, full-vocabulary
     log-softmax at the temperature) up to rounding: no forward pass for them."""
     cfg, tc = run.config, run.config.train
-    packed = _packed_length(run, counts_Nx2, run.round_prompt_group_size)
-    args = (rows.prompt_ids, rows.prompt_mask, rows.completion_ids, rows.completion_mask, packed)
+    args = (rows.prompt_ids, rows.prompt_mask, rows.completion_ids, rows.completion_mask,
+            *_packing(run, counts_Nx2, run.round_prompt_group_size))
     ref = None if run.programs.ref_logps is None else run.programs.ref_logps(state.reference_params, *args)
     old = None
     if tc.needs_old_logps:
@@ -294,10 +298,11 @@ def run_steps(run: Run, state: TrainState, round_batch: RoundBatch, *, until: in
         step_rows = rb.step_rows[position]
         # a step of all the round's rows in order (one step per round) takes them as they are, without a gather
         in_order = len(step_rows) == num_rows and np.array_equal(step_rows, np.arange(num_rows))
-        packed = _packed_length(run, rb.token_counts[step_rows], run.step_prompt_group_size)
+        length, buffers = _packing(run, rb.token_counts[step_rows], run.step_prompt_group_size,
+                                   run.config.train.gradient_accumulation_steps)
         rows = rb.rows if in_order else run.programs.take(rb.rows, step_rows)
-        state, metrics = run.programs.step(state, rows, packed)
-        pending.append({**metrics, "packed_length": packed})
+        state, metrics = run.programs.step(state, rows, length, buffers)
+        pending.append({**metrics, "packed_length": length})
         position += 1
         unchecked += 1
         if max_skipped is not None and unchecked > max_skipped:  # these steps alone could pass the limit

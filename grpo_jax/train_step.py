@@ -78,7 +78,8 @@ def _micro_batches(batch: Trajectory, num_micro: int, mesh: Mesh | None) -> Traj
 
 
 def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, options: StepOptions,
-               state: TrainState, batch: Trajectory, packed_length: int = 0, mesh: Mesh | None = None,
+               state: TrainState, batch: Trajectory, packed_length: int = 0, packed_buffers: int = 0,
+               mesh: Mesh | None = None,
                ref_device_sharding=None) -> tuple[TrainState, dict]:
     """Accumulates the GRPO loss gradient over micro-batches and applies one optimizer update.
 
@@ -87,8 +88,9 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     optimizer sees float32 gradients and params (float32 moments whatever `model.param_dtype`); the update is
     cast back to the params' dtype. With LoRA adapters only they are differentiated and updated
     (`lora.split_trainable`): the base gets no gradient, no optimizer state and no update.
-    `packed_length` > 0 runs each micro-batch's groups (rows one by one when `prompt_group_size` is 1) as packed
-    buffers of that many tokens (`logprobs.completion_logps`; the rows' `trajectory.packed_length` or more).
+    `packed_length` > 0 runs each micro-batch's groups (rows one by one when `prompt_group_size` is 1) packed into
+    `packed_buffers` buffers of that many tokens (0: one a group; `logprobs.completion_logps`;
+    `trajectory.choose_packing` picks both).
     `ref_device_sharding`: device-memory shardings of a reference kept in host memory, used to bring it over
     when TR-DPO mixing needs it.
     """
@@ -102,7 +104,8 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
         logps_BxT, entropy_BxT = completion_logps(
             graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.completion_ids, micro.completion_mask,
             temperature=options.temperature, with_entropy=True, chunk_size=options.logps_chunk_size,
-            prompt_group_size=options.prompt_group_size, packed_length=packed_length)
+            prompt_group_size=options.prompt_group_size, packed_length=packed_length,
+            packed_buffers=packed_buffers)
         # the entropy carries gradient only for the entropy bonus (compute_loss differentiates through what it gets)
         entropies_BxT = entropy_BxT if options.loss.entropy_coef != 0.0 else jax.lax.stop_gradient(entropy_BxT)
         sampler = micro.sampler_per_token_logps if options.use_sampler_logps else None

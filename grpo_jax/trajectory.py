@@ -10,12 +10,14 @@ and the old / reference log-probs; `train_step.train_step` takes it as its batch
 (`positions`): a completion token at index t sits at position (real prompt tokens) + t.
 
 A `Layout` is how rows run through the model for their log-probs (`logprobs.completion_logps`): ``padded`` (each row
-alone), ``shared`` (each group's prompt once) or ``packed`` (each group one buffer of its real tokens); `layout`
-builds it from the rows' arrays, `packed_need` says how long a packed buffer must be.
+alone), ``shared`` (each group's prompt once) or ``packed`` (groups' real tokens one after another in a few
+buffers); `layout` builds it from the rows' arrays, `packed_need` says how long a packed buffer must be and
+`choose_packing` picks the layout with the fewest forward FLOPs.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -62,21 +64,28 @@ class Layout(NamedTuple):
     prefix: tuple | None = None  # (ids, positions, mask) [B / G, Pp] shared by each group's buffers, or None
 
 
-def packed_need(prompt_tokens_B, completion_tokens_B, group_size: int) -> int:
-    """Slots the longest packed buffer of these rows needs (host arrays of real token counts): a group's prompt less
-    its last token, then per row that token again and the row's completion. 0 for no rows."""
-    if len(prompt_tokens_B) == 0:
-        return 0
+def _group_needs(prompt_tokens_B, completion_tokens_B, group_size: int) -> np.ndarray:
+    """[R] slots each group takes in a packed buffer: its prompt less the last token, then per row that token again
+    and the row's completion."""
     prompt_R = np.asarray(prompt_tokens_B)[::group_size]
     completions_R = np.asarray(completion_tokens_B).reshape(-1, group_size).sum(1)
-    return int((prompt_R - 1 + group_size + completions_R).max())
+    return prompt_R - 1 + group_size + completions_R
 
 
-def packed_length(prompt_tokens_B, completion_tokens_B, group_size: int) -> int:
-    """The buffer length of the packed layout for rows of these real prompt and
-    completion token counts (host arrays), rounded up to 4 lengths an octave (at most 1/4 padding; few lengths, so
+def packed_need(prompt_tokens_B, completion_tokens_B, group_size: int, buffers: int = 0) -> int:
+    """Slots the longest packed buffer of these rows needs (host arrays of real token counts), ``buffers`` buffers
+    each holding consecutive groups (0: one group a buffer). 0 for no rows."""
+    if len(prompt_tokens_B) == 0:
+        return 0
+    needs_R = _group_needs(prompt_tokens_B, completion_tokens_B, group_size)
+    return int(needs_R.reshape(buffers or len(needs_R), -1).sum(1).max())
+
+
+def packed_length(prompt_tokens_B, completion_tokens_B, group_size: int, buffers: int = 0) -> int:
+    """The buffer length of the packed layout for rows of these real prompt and completion token counts (host
+    arrays; ``buffers`` as `packed_need`), rounded up to 4 lengths an octave (at most 1/4 padding; few lengths, so
     few compilations). 0 for no rows."""
-    need = packed_need(prompt_tokens_B, completion_tokens_B, group_size)
+    need = packed_need(prompt_tokens_B, completion_tokens_B, group_size, buffers)
     if need == 0:
         return 0
     need = max(need, 16)
@@ -85,9 +94,10 @@ def packed_length(prompt_tokens_B, completion_tokens_B, group_size: int) -> int:
 
 
 def layout(prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT, *, group_size: int = 1,
-           packed_length: int = 0, sliding_window: int | None = None) -> Layout:
-    """The rows' `Layout`: ``packed_length`` > 0 packed (G = ``group_size`` rows a buffer); else G > 1 shared
-    (each group's prompt a prefix); else padded."""
+           packed_length: int = 0, packed_buffers: int = 0, sliding_window: int | None = None) -> Layout:
+    """The rows' `Layout`: ``packed_length`` > 0 packed (groups of G = ``group_size`` rows, one after another in
+    ``packed_buffers`` buffers of that length; 0: one buffer a group); else G > 1 shared (each group's prompt a
+    prefix); else padded."""
     B, P = prompt_ids_BxP.shape
     T = completion_ids_BxT.shape[1]
     G = group_size
@@ -97,8 +107,8 @@ def layout(prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_
     mask_BxS = jnp.concatenate([prompt_mask_BxP, completion_mask_BxT], axis=1).astype(jnp.int32)
     identity_BxT = jnp.arange(B * T, dtype=jnp.int32).reshape(B, T)
     if packed_length:
-        return _packed(prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT, G, packed_length,
-                       sliding_window)
+        return _packed(prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT, G, packed_buffers,
+                       packed_length, sliding_window)
     positions_BxS = jnp.maximum(jnp.cumsum(mask_BxS, axis=1) - 1, 0)  # left padding: cumsum(mask) - 1
     if G == 1:  # slot P - 1 + t predicts token t
         ids_BxS = jnp.concatenate([prompt_ids_BxP, completion_ids_BxT], axis=1)
@@ -113,42 +123,62 @@ def layout(prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_
                   prefix)
 
 
-def _packed(prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT, G: int, L: int,
+def _packed(prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT, G: int, K: int, L: int,
             sliding_window: int | None) -> Layout:
-    """Each group of G rows as one buffer of L slots: [its prompt but the last token | per row: that token, then the
-    row's completion | padding]. A row's branch sees the shared prompt and itself, never another row's branch;
-    padding is never run. Positions: prompt token j at j, a branch's copy of the last prompt token at p - 1, its
-    completion token t at p + t."""
-    B, P = prompt_ids_BxP.shape
-    T = completion_ids_BxT.shape[1]
-    R = B // G
-    p_R = jnp.sum(prompt_mask_BxP[::G], axis=1).astype(jnp.int32)
-    n_RxG = jnp.sum(completion_mask_BxT, axis=1).astype(jnp.int32).reshape(R, G)
-    size_RxG = n_RxG + 1  # a branch: the copied last prompt token and the completion
-    start_RxG = (p_R - 1)[:, None] + jnp.cumsum(size_RxG, axis=1) - size_RxG  # where each branch starts
+    """K buffers of L slots (0: one a group), each holding its share of the groups one after another. Rows split
+    into K runs of consecutive rows: a mesh that splits rows (K a multiple of its shards) keeps each buffer's rows
+    on one device."""
+    B, T = completion_ids_BxT.shape
+    K = K or B // G
+    if not isinstance(K, int) or K < 1 or (B // G) % K:
+        raise ValueError(f"packed_buffers={K!r} must be a positive integer dividing the {B // G} groups")
+    split = lambda x: x.reshape(K, B // K, *x.shape[1:])  # noqa: E731
+    pack = functools.partial(_pack_buffer, G=G, L=L, sliding_window=sliding_window)
+    ids_KxL, positions_KxL, visible_KxLxL, next_KxL, source_KxNxT = jax.vmap(pack)(
+        split(prompt_ids_BxP), split(prompt_mask_BxP), split(completion_ids_BxT), split(completion_mask_BxT))
+    source_BxT = (source_KxNxT + (jnp.arange(K, dtype=jnp.int32) * L)[:, None, None]).reshape(B, T)
+    return Layout(ids_KxL, positions_KxL, visible_KxLxL, next_KxL, source_BxT, (0, L))
+
+
+def _pack_buffer(prompt_ids_NxP, prompt_mask_NxP, completion_ids_NxT, completion_mask_NxT, *, G: int, L: int,
+                 sliding_window: int | None):
+    """One buffer of L slots: per group of G rows [its prompt but the last token | per row: that token, then the
+    row's completion], group after group, then padding. A row's branch sees its group's prompt and itself, never
+    another row's branch or another group; padding is never run. Positions: prompt token j at j, a branch's copy
+    of the last prompt token at p - 1, its completion token t at p + t. Returns ids, positions, visible [L, L],
+    next ids [L] and source [N, T] (the slot predicting each completion token)."""
+    N, P = prompt_ids_NxP.shape
+    T = completion_ids_NxT.shape[1]
+    R = N // G
+    p_R = jnp.sum(prompt_mask_NxP[::G], axis=1).astype(jnp.int32)
+    size_RxG = jnp.sum(completion_mask_NxT, axis=1).astype(jnp.int32).reshape(R, G) + 1  # copied token + completion
+    need_R = p_R - 1 + jnp.sum(size_RxG, axis=1)
+    group_start_R = jnp.cumsum(need_R) - need_R
+    start_RxG = (group_start_R + p_R - 1)[:, None] + jnp.cumsum(size_RxG, axis=1) - size_RxG  # each branch's slot
     i_L = jnp.arange(L)
-    # the last branch starting at or before a slot (0: the shared prompt)
-    branch_RxL = jnp.where(i_L[None] < (p_R - 1)[:, None], 0,
-                           jnp.sum(start_RxG[:, None, :] <= i_L[None, :, None], axis=2))
-    valid_RxL = i_L[None] < (p_R - 1 + jnp.sum(size_RxG, axis=1))[:, None]
-    g_RxL = jnp.maximum(branch_RxL - 1, 0)
-    t_RxL = i_L[None] - jnp.take_along_axis(start_RxG, g_RxL, axis=1)  # index in the branch (0: the prompt's last)
-    # gathers inside each group's rows ([R, G, ...]): a mesh that splits rows keeps whole groups on one device
-    branch_ids_RxGx1T = jnp.concatenate([prompt_ids_BxP[:, P - 1:], completion_ids_BxT], axis=1).reshape(R, G, T + 1)
-    branch_tok_RxL = branch_ids_RxGx1T[jnp.arange(R)[:, None], g_RxL, jnp.clip(t_RxL, 0, T)]
-    next_tok_RxL = branch_ids_RxGx1T[jnp.arange(R)[:, None], g_RxL, jnp.clip(t_RxL + 1, 0, T)]
-    prompt_tok_RxL = jnp.take_along_axis(prompt_ids_BxP[::G], jnp.clip(P - p_R[:, None] + i_L[None], 0, P - 1), axis=1)
-    in_prompt = branch_RxL == 0
-    ids_RxL = jnp.where(~valid_RxL, 0, jnp.where(in_prompt, prompt_tok_RxL, branch_tok_RxL))
-    positions_RxL = jnp.where(~valid_RxL, 0, jnp.where(in_prompt, i_L[None], p_R[:, None] - 1 + t_RxL))
-    # padding sees nothing (its blocks are skipped, `cpu.blocked_attention`); a token sees the prompt and its branch
-    visible_RxLxL = ((i_L[None, None, :] <= i_L[None, :, None]) & valid_RxL[:, None, :] & valid_RxL[:, :, None]
-                     & ((branch_RxL[:, None, :] == 0) | (branch_RxL[:, None, :] == branch_RxL[:, :, None])))
+    r_L = jnp.clip(jnp.sum(group_start_R[None] <= i_L[:, None], axis=1) - 1, 0, R - 1)  # each slot's group
+    j_L = i_L - group_start_R[r_L]  # the slot's index in its group
+    p_L, start_LxG = p_R[r_L], start_RxG[r_L]
+    valid_L = i_L < jnp.sum(need_R)
+    # the last branch starting at or before a slot (0: the group's prompt)
+    branch_L = jnp.where(j_L < p_L - 1, 0, jnp.sum(start_LxG <= i_L[:, None], axis=1))
+    g_L = jnp.maximum(branch_L - 1, 0)
+    t_L = i_L - jnp.take_along_axis(start_LxG, g_L[:, None], axis=1)[:, 0]  # index in the branch (0: prompt's last)
+    branch_ids_RxGx1T = jnp.concatenate([prompt_ids_NxP[:, P - 1:], completion_ids_NxT], axis=1).reshape(R, G, T + 1)
+    branch_tok_L = branch_ids_RxGx1T[r_L, g_L, jnp.clip(t_L, 0, T)]
+    next_tok_L = branch_ids_RxGx1T[r_L, g_L, jnp.clip(t_L + 1, 0, T)]
+    prompt_tok_L = prompt_ids_NxP[::G][r_L, jnp.clip(P - p_L + j_L, 0, P - 1)]
+    in_prompt = branch_L == 0
+    ids_L = jnp.where(~valid_L, 0, jnp.where(in_prompt, prompt_tok_L, branch_tok_L))
+    positions_L = jnp.where(~valid_L, 0, jnp.where(in_prompt, j_L, p_L - 1 + t_L))
+    # padding sees nothing (its blocks are skipped, `cpu.blocked_attention`); a token sees its group's prompt and
+    # its own branch
+    visible_LxL = ((i_L[None] <= i_L[:, None]) & valid_L[None] & valid_L[:, None] & (r_L[None] == r_L[:, None])
+                   & ((branch_L[None] == 0) | (branch_L[None] == branch_L[:, None])))
     if sliding_window is not None:
-        visible_RxLxL &= positions_RxL[:, :, None] - positions_RxL[:, None, :] < sliding_window
-    source_BxT = (jnp.arange(R)[:, None, None] * L + start_RxG[:, :, None] + jnp.arange(T)).reshape(B, T)
-    return Layout(ids_RxL, positions_RxL, visible_RxLxL, jnp.where(valid_RxL, next_tok_RxL, 0),
-                  jnp.minimum(source_BxT, R * L - 1).astype(jnp.int32), (0, L))
+        visible_LxL &= positions_L[:, None] - positions_L[None] < sliding_window
+    source_NxT = jnp.minimum(start_RxG.reshape(N, 1) + jnp.arange(T), L - 1).astype(jnp.int32)
+    return ids_L, positions_L, visible_LxL, jnp.where(valid_L, next_tok_L, 0), source_NxT
 
 
 def forward_flops(config) -> tuple[float, float]:
@@ -160,12 +190,14 @@ def forward_flops(config) -> tuple[float, float]:
 
 
 def layout_flops(prompt_tokens_B, completion_tokens_B, group_size: int, P: int, T: int, flops: tuple[float, float],
-                 *, packed_length: int = 0, blocked_pairs=None) -> float:
-    """The forward FLOPs of these rows' log-prob pass in a layout (host counts; ``flops``: `forward_flops`): the
-    static layout (padded when G = 1, else shared) or packed buffers of ``packed_length`` slots. Every slot of a
-    buffer runs the matmuls; attention computes every (query, key) score XLA is given, masked or not, except that
-    ``blocked_pairs(prompt tokens [R], branch tokens [R, G], length)`` (`cpu.blocked_pairs`, None: dense) gives a
-    packed buffer's."""
+                 *, packed_length: int = 0, packed_buffers: int = 0, micro_batches: int = 1,
+                 blocked_pairs=None) -> float:
+    """The forward FLOPs of these rows' log-prob pass in a layout (host counts, rows in micro-batch order:
+    ``micro_batches`` runs of consecutive rows; ``flops``: `forward_flops`): the static layout (padded when G = 1,
+    else shared) or ``packed_buffers`` buffers a micro-batch (0: one a group) of ``packed_length`` slots. Every slot
+    of a buffer runs the matmuls; attention computes every (query, key) score XLA is given, masked or not, except
+    that ``blocked_pairs(prompt tokens [R], branch tokens [R, G], length, buffers)`` (`cpu.blocked_pairs`, None:
+    dense) gives a packed call's."""
     per_token, per_pair = flops
     B, G = len(prompt_tokens_B), group_size
     R = B // G
@@ -173,25 +205,41 @@ def layout_flops(prompt_tokens_B, completion_tokens_B, group_size: int, P: int, 
         if G == 1:
             return B * (P + T) * per_token + B * (P + T) ** 2 * per_pair
         return (R * P + B * T) * per_token + (R * P * P + B * T * (P + T)) * per_pair
-    L = packed_length
-    pairs = None
+    L, M = packed_length, micro_batches
+    K = packed_buffers or R // M
+    pairs = M * K * L * L
     if blocked_pairs is not None:
-        branches_RxG = np.asarray(completion_tokens_B).reshape(R, G) + 1  # the copied last prompt token too
-        pairs = blocked_pairs(np.asarray(prompt_tokens_B)[::G] - 1, branches_RxG, L)
-    return R * L * per_token + R * (L * L if pairs is None else pairs) * per_pair
+        prompt_MxRm = (np.asarray(prompt_tokens_B)[::G] - 1).reshape(M, -1)
+        branches_MxRmxG = np.asarray(completion_tokens_B).reshape(M, -1, G) + 1  # the copied last prompt token too
+        blocked = [blocked_pairs(prompt, branches, L, K) for prompt, branches in zip(prompt_MxRm, branches_MxRmxG)]
+        pairs = pairs if None in blocked else sum(blocked)
+    return M * K * L * per_token + pairs * per_pair
 
 
-def choose_packed_length(prompt_tokens_B, completion_tokens_B, group_size: int, P: int, T: int,
-                         flops: tuple[float, float], *, packing: bool | None, blocked_pairs=None) -> int:
-    """`train.packing` resolved for these rows: the packed buffer length (`packed_length`), or 0 for the static
-    layout (shared prompts when G > 1, else padded). ``packing`` None chooses whichever `layout_flops` says costs
-    less: packing runs no padding, but a dense buffer's attention grows with the square of its length."""
+def choose_packing(prompt_tokens_B, completion_tokens_B, group_size: int, P: int, T: int, flops: tuple[float, float],
+                   *, packing: bool | None, micro_batches: int = 1, shards: int = 1,
+                   blocked_pairs=None) -> tuple[int, int]:
+    """`train.packing` resolved for these rows (in micro-batch order, as `layout_flops`): (buffer length, buffers a
+    micro-batch), or (0, 0) for the static layout (shared prompts when G > 1, else padded). The buffer counts tried
+    are the multiples of ``shards`` (devices splitting a micro-batch's rows) that divide its groups; the one with
+    the fewest `layout_flops` wins, and ``packing`` None also weighs the static layout: packing runs no padding,
+    and fewer, longer buffers pad less, but a dense buffer's attention grows with the square of its length. A
+    buffer's [L, L] mask stays within the larger of 256 MiB and one buffer a group's."""
     if packing is False or len(prompt_tokens_B) == 0:
-        return 0
-    L = packed_length(prompt_tokens_B, completion_tokens_B, group_size)
+        return 0, 0
+    M = micro_batches
+    R_m = len(prompt_tokens_B) // group_size // M
+    counts = [K for K in range(shards, R_m + 1, shards) if R_m % K == 0] or [R_m]
+    one_a_group = packed_length(prompt_tokens_B, completion_tokens_B, group_size)
+    budget = max(R_m * one_a_group ** 2, 1 << 28)
+    best, best_flops = (one_a_group, R_m), float("inf")
+    for K in counts:
+        L = packed_length(prompt_tokens_B, completion_tokens_B, group_size, M * K)
+        cost = layout_flops(prompt_tokens_B, completion_tokens_B, group_size, P, T, flops, packed_length=L,
+                            packed_buffers=K, micro_batches=M, blocked_pairs=blocked_pairs)
+        if K * L * L <= budget and cost < best_flops:
+            best, best_flops = (L, K), cost
     if packing:
-        return L
+        return best
     static = layout_flops(prompt_tokens_B, completion_tokens_B, group_size, P, T, flops)
-    packed = layout_flops(prompt_tokens_B, completion_tokens_B, group_size, P, T, flops, packed_length=L,
-                          blocked_pairs=blocked_pairs)
-    return L if packed < static else 0
+    return best if best_flops < static else (0, 0)

@@ -174,36 +174,38 @@ def test_chunked_backward_never_holds_the_whole_batch_logits():
     assert temp_bytes(1) < logits_bytes / 2
 
 
-@pytest.mark.parametrize("group", [1, 2])
-def test_packed_forward_matches_naive_reference(tiny_model, group):
-    # a completion masked away entirely (row 2 keeps 1 token; zero it) sits in its buffer as an empty branch
+@pytest.mark.parametrize("group, buffers", [(1, 0), (2, 0), (1, 1), (1, 2), (2, 1)])
+def test_packed_forward_matches_naive_reference(tiny_model, group, buffers):
+    # a completion masked away entirely (row 2 keeps 1 token; zero it) sits in its buffer as an empty branch;
+    # buffers > 0 hold several groups one after another
     _, graphdef, params = tiny_model
     mask = COMPLETION_MASK.copy()
     mask[2] = 0
     rows = (*GROUPED[:3], mask)
-    length = packed_length(np.sum(rows[1], 1), np.sum(mask, 1), group)
+    length = packed_length(np.sum(rows[1], 1), np.sum(mask, 1), group, buffers)
     assert length < rows[0].shape[1] * (4 // group) + mask.size  # shorter than the padded rows
     logps, entropy = completion_logps(graphdef, params, *rows, temperature=0.8, with_entropy=True,
-                                      prompt_group_size=group, packed_length=length)
+                                      prompt_group_size=group, packed_length=length, packed_buffers=buffers)
     ref_logps, ref_entropy = naive(graphdef, params, 0.8, *rows)
     real = mask == 1
     np.testing.assert_allclose(np.asarray(logps)[real], ref_logps[real], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(entropy)[real], ref_entropy[real], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("group, chunk_size", [(1, 0), (2, 0), (2, 3)])
-def test_packed_forward_gradients_equal_the_padded_ones(tiny_model, group, chunk_size):
+@pytest.mark.parametrize("group, chunk_size, buffers", [(1, 0, 0), (2, 0, 0), (2, 3, 0), (2, 3, 1), (1, 0, 2)])
+def test_packed_forward_gradients_equal_the_padded_ones(tiny_model, group, chunk_size, buffers):
     _, graphdef, params = tiny_model
     weights = jnp.asarray(np.random.default_rng(2).normal(size=COMPLETION_IDS.shape), jnp.float32)
 
     def objective(p, length):
         logps, entropy = completion_logps(graphdef, p, *GROUPED, temperature=0.7, with_entropy=True,
-                                          chunk_size=chunk_size, prompt_group_size=group, packed_length=length)
+                                          chunk_size=chunk_size, prompt_group_size=group, packed_length=length,
+                                          packed_buffers=buffers)
         return jnp.sum((logps + 0.1 * entropy) * weights * COMPLETION_MASK)
 
     grad_fn = jax.jit(jax.value_and_grad(objective), static_argnums=1)
     (padded, g_padded), (packed, g_packed) = grad_fn(params, 0), grad_fn(params, packed_length(
-        np.sum(GROUPED[1], 1), np.sum(COMPLETION_MASK, 1), group))
+        np.sum(GROUPED[1], 1), np.sum(COMPLETION_MASK, 1), group, buffers))
     np.testing.assert_allclose(packed, padded, atol=1e-5, rtol=1e-6)
     # float32 rounding at each leaf's scale: the packed sums run in another order (AVX-512 rounds them apart more)
     for a, b in zip(jax.tree.leaves(g_packed), jax.tree.leaves(g_padded)):

@@ -83,7 +83,7 @@ def one_device_mesh():
 
 
 def run_step(tiny_model_config, mesh, loss_config, grad_accum=1, batch_seed=0, group_size=1, prompt_group_size=1,
-             packing=False):
+             packing=False, buffers=0):
     graphdef, optimizer, state = setup(tiny_model_config, mesh, beta=loss_config.beta, adam=False)
     batch = make_batch(graphdef, state.params, seed=batch_seed, beta=loss_config.beta, group_size=group_size)
     options = _options(loss_config, temperature=1.0, gradient_accumulation_steps=grad_accum,
@@ -91,8 +91,10 @@ def run_step(tiny_model_config, mesh, loss_config, grad_accum=1, batch_seed=0, g
     step = jit_train_step(graphdef, optimizer, options, mesh, sharding.tree_shardings(state))
     length = 0
     if packing:
-        length = packed_length(np.sum(batch.prompt_mask, 1), np.sum(batch.completion_mask, 1), prompt_group_size)
-    new_state, metrics = step(state, batch, length)
+        counts = [np.concatenate([np.sum(m, 1)[i::grad_accum] for i in range(grad_accum)])  # micro-batch order
+                  for m in (batch.prompt_mask, batch.completion_mask)]
+        length = packed_length(*counts, prompt_group_size, buffers * grad_accum)
+    new_state, metrics = step(state, batch, length, buffers)
     return jax.device_get((new_state, metrics))
 
 
@@ -212,19 +214,20 @@ def test_sharded_step_equals_single_device(tiny_model_config, shape):
                  state.params, single_state.params)
 
 
-@pytest.mark.parametrize("shape, packing, grad_accum", [(None, False, 1), ((8, 1, 1), False, 1),
-                                                        ((2, 2, 2), False, 1), (None, True, 1), ((2, 2, 2), True, 1),
-                                                        (None, "rows", 2)])
-def test_shared_prompt_step_equals_per_row_step(tiny_model_config, shape, packing, grad_accum):
-    # rows in groups of 2 sharing a prompt: one prompt forward per group, or one packed buffer per group (or per
-    # row, micro-batched), gives the per-row step's loss and update
+@pytest.mark.parametrize("shape, packing, grad_accum, buffers", [
+    (None, False, 1, 0), ((8, 1, 1), False, 1, 0), ((2, 2, 2), False, 1, 0), (None, True, 1, 0),
+    ((2, 2, 2), True, 1, 0), (None, "rows", 2, 0), (None, True, 1, 1), ((2, 2, 2), True, 1, 4), (None, "rows", 2, 1)])
+def test_shared_prompt_step_equals_per_row_step(tiny_model_config, shape, packing, grad_accum, buffers):
+    # rows in groups of 2 sharing a prompt: one prompt forward per group, or packed buffers of one group each (or
+    # one row each, micro-batched) or of several, gives the per-row step's loss and update
     if shape is not None and len(jax.devices()) < 8:
         pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
     mesh = one_device_mesh() if shape is None else sharding.make_mesh(*shape)
     loss_config = LossConfig(loss_type="dapo", entropy_coef=0.01)
     per_row, per_row_metrics = run_step(tiny_model_config, mesh, loss_config, group_size=2, grad_accum=grad_accum)
     shared, shared_metrics = run_step(tiny_model_config, mesh, loss_config, group_size=2, grad_accum=grad_accum,
-                                      prompt_group_size=1 if packing == "rows" else 2, packing=bool(packing))
+                                      prompt_group_size=1 if packing == "rows" else 2, packing=bool(packing),
+                                      buffers=buffers)
     for k in ("loss", "grad_norm", "entropy", "kl"):
         np.testing.assert_allclose(shared_metrics[k], per_row_metrics[k], rtol=1e-5, atol=1e-7, err_msg=k)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), shared.params,

@@ -31,10 +31,13 @@ def test_positions_follow_the_masks():
     np.testing.assert_array_equal(completion, whole[:, P:])
 
 
-@pytest.mark.parametrize("group, packed", [(1, 0), (G, 0), (G, 256), (1, 64)])
-def test_the_cost_model_charges_each_layout_what_its_arrays_run(group, packed):
+@pytest.mark.parametrize("group, packing, buffers", [(1, False, 0), (G, False, 0), (G, True, 0), (1, True, 0),
+                                                     (G, True, 1), (1, True, 3), (1, True, 4)])
+def test_the_cost_model_charges_each_layout_what_its_arrays_run(group, packing, buffers):
     """Tokens: every buffer slot (and prefix slot); pairs: every score XLA computes for the layout's masks."""
-    layout = _layout(group_size=group, packed_length=packed)
+    packed = trajectory.packed_length(PROMPT_TOKENS, COMPLETION_TOKENS, group, buffers) if packing else 0
+    layout = _layout(group_size=group, packed_length=packed, packed_buffers=buffers)
+    assert layout.ids.shape[0] == ((buffers or B // group) if packing else B)
     tokens = layout.ids.size + (0 if layout.prefix is None else layout.prefix[0].size)
     if layout.mask.ndim == 3:  # a whole mask: [R, L, L] scores
         pairs = layout.mask.size
@@ -42,13 +45,46 @@ def test_the_cost_model_charges_each_layout_what_its_arrays_run(group, packed):
         pairs = layout.ids.size * layout.mask.shape[1] + (0 if layout.prefix is None else
                                                           layout.prefix[0].shape[0] * layout.prefix[0].shape[1] ** 2)
     want = tokens * FLOPS[0] + pairs * FLOPS[1]
-    got = trajectory.layout_flops(PROMPT_TOKENS, COMPLETION_TOKENS, group, P, T, FLOPS, packed_length=packed)
+    got = trajectory.layout_flops(PROMPT_TOKENS, COMPLETION_TOKENS, group, P, T, FLOPS, packed_length=packed,
+                                  packed_buffers=buffers)
     assert got == want
-    assert packed == 0 or packed >= trajectory.packed_need(PROMPT_TOKENS, COMPLETION_TOKENS, group)
+    assert packed == 0 or packed >= trajectory.packed_need(PROMPT_TOKENS, COMPLETION_TOKENS, group, buffers)
+
+
+@pytest.mark.parametrize("buffers", [0, 1, 3])
+def test_packed_buffers_hold_each_row_once_and_nothing_else(buffers):
+    """Naive: each row's prompt ++ completion, read back out of the buffers through the layout's own ids, positions
+    and masks: the slots `source` names hold the row's tokens at their positions and predict its completion, and a
+    slot sees exactly its row's tokens up to itself."""
+    L = trajectory.packed_length(PROMPT_TOKENS, COMPLETION_TOKENS, G, buffers)
+    prompt_ids = np.repeat(PROMPT_IDS[::G], G, axis=0)  # a group's rows share its prompt
+    layout = trajectory.layout(prompt_ids, PROMPT_MASK, COMPLETION_IDS, COMPLETION_MASK, group_size=G,
+                               packed_length=L, packed_buffers=buffers)
+    ids, positions, mask = (np.asarray(x) for x in (layout.ids, layout.positions, layout.mask))
+    next_ids, source = np.asarray(layout.next_ids).reshape(-1), np.asarray(layout.source)
+    for b in range(B):
+        p, n = PROMPT_TOKENS[b], COMPLETION_TOKENS[b]
+        row = np.concatenate([prompt_ids[b, P - p:], COMPLETION_IDS[b, :n]])
+        slots = source[b, :max(n, 1)]  # the row's last prompt token, then its completion tokens but the last
+        buffer, slots = slots[0] // L, slots % L
+        assert np.all(source[b, :max(n, 1)] // L == buffer)
+        np.testing.assert_array_equal(positions[buffer, slots], p - 1 + np.arange(len(slots)))
+        np.testing.assert_array_equal(ids[buffer, slots], row[p - 1:p - 1 + len(slots)])
+        np.testing.assert_array_equal(next_ids[buffer * L + slots[:n]], COMPLETION_IDS[b, :n])
+        for slot in slots:  # a slot sees its row up to itself, each token once
+            seen = np.flatnonzero(mask[buffer, slot])
+            order = np.argsort(positions[buffer, seen])
+            np.testing.assert_array_equal(positions[buffer, seen][order], np.arange(positions[buffer, slot] + 1))
+            np.testing.assert_array_equal(ids[buffer, seen][order], row[:positions[buffer, slot] + 1])
+    want = 0  # nothing else is seen: per group its prompt's causal triangle, per row its prompt and own triangle
+    for p, n_G in zip(PROMPT_TOKENS[::G], COMPLETION_TOKENS.reshape(-1, G)):
+        want += (p - 1) * p // 2 + sum((n + 1) * (p - 1) + (n + 1) * (n + 2) // 2 for n in n_G)
+    assert mask.sum() == want
 
 
 def test_the_cpu_block_count_is_the_blocked_attentions_own():
-    """`cpu.blocked_pairs` from host counts == the blocks `blocked_attention` finds needed in the real masks."""
+    """`cpu.blocked_pairs` from host counts == the blocks `blocked_attention` finds needed in the real masks (and
+    its loop's steps)."""
     prompt = np.repeat(rng.integers(40, 300, 3), 4)
     completion = rng.integers(0, 200, 12)
     L = trajectory.packed_length(prompt, completion, 4)
@@ -60,19 +96,40 @@ def test_the_cpu_block_count_is_the_blocked_attentions_own():
     n = L // b
     needed = np.asarray(layout.mask).reshape(3, n, b, n, b).any(axis=(0, 2, 4))
     branches = completion.reshape(3, 4) + 1
-    assert cpu.blocked_pairs(prompt[::4] - 1, branches, L) == needed.sum() * b * b
+    visits = int(cpu.BLOCK_VISIT * n * n * b * b)  # the loop's steps, skipped blocks too
+    assert cpu.blocked_pairs(prompt[::4] - 1, branches, L) == needed.sum() * b * b * 3 + visits
     assert needed.sum() < n * n  # branches skip each other's blocks
     assert cpu.blocked_pairs(prompt[::4] - 1, branches, 256) is None  # short buffers stay dense
+    L = trajectory.packed_length(prompt, completion, 4, buffers=1)  # the three groups in one buffer
+    layout = trajectory.layout(ids, mask, np.zeros((12, 200), np.int32), cmask, group_size=4, packed_length=L,
+                               packed_buffers=1)
+    n = L // b
+    needed = np.asarray(layout.mask).reshape(n, b, n, b).any(axis=(1, 3))
+    visits = int(cpu.BLOCK_VISIT * n * n * b * b)
+    assert cpu.blocked_pairs(prompt[::4] - 1, branches, L, buffers=1) == needed.sum() * b * b + visits
 
 
 def test_packing_is_chosen_when_it_costs_less_or_as_configured():
+    """Naive: every buffer count that splits the groups evenly over the shards, costed one by one."""
     args = (PROMPT_TOKENS, COMPLETION_TOKENS, G, P, T)
-    L = trajectory.packed_length(PROMPT_TOKENS, COMPLETION_TOKENS, G)
-    assert trajectory.choose_packed_length(*args, FLOPS, packing=False) == 0
-    assert trajectory.choose_packed_length(*args, FLOPS, packing=True) == L
-    packed = trajectory.layout_flops(*args, FLOPS, packed_length=L)
+
+    def cheapest(flops, shards=1):
+        options = [(trajectory.layout_flops(*args, flops, packed_length=trajectory.packed_length(*args[:3], K),
+                                            packed_buffers=K), (trajectory.packed_length(*args[:3], K), K))
+                   for K in range(1, R + 1) if R % K == 0 and K % shards == 0]
+        return min(options)
+
+    assert trajectory.choose_packing(*args, FLOPS, packing=False) == (0, 0)
+    assert trajectory.choose_packing(*args, FLOPS, packing=True) == cheapest(FLOPS)[1]
     static = trajectory.layout_flops(*args, FLOPS)
-    assert trajectory.choose_packed_length(*args, FLOPS, packing=None) == (L if packed < static else 0)
-    # matmuls dominate: dropping the padding wins; attention dominates: dense packed buffers lose to shared prompts
-    assert trajectory.choose_packed_length(*args, (1e6, 1.0), packing=None) == L
-    assert trajectory.choose_packed_length(*args, (1.0, 1e6), packing=None) == 0
+    flops, packed = cheapest(FLOPS)
+    assert trajectory.choose_packing(*args, FLOPS, packing=None) == (packed if flops < static else (0, 0))
+    # matmuls dominate: one buffer, the least padding; dense attention dominates: the static layout with shared
+    # prompts; the shards bound the buffers from below
+    assert trajectory.choose_packing(*args, (1e6, 1.0), packing=None) == (trajectory.packed_length(*args[:3], 1), 1)
+    assert trajectory.choose_packing(*args, (1.0, 1e6), packing=True) == cheapest((1.0, 1e6))[1]
+    assert trajectory.choose_packing(*args, (1.0, 1e6), packing=None) == (0, 0)
+    assert trajectory.choose_packing(*args, (1e6, 1.0), packing=True, shards=3)[1] == 3
+    # micro-batches: rows in micro-batch order, buffers counted per micro-batch
+    two = trajectory.choose_packing(*args, (1e6, 1.0), packing=True, micro_batches=3, shards=1)
+    assert two == (trajectory.packed_length(*args[:3], 3), 1)
