@@ -125,10 +125,13 @@ def linear_layers(graphdef: nnx.GraphDef, params: nnx.State, on: bool) -> nnx.Gr
 
 ATTENTION_BLOCK = 128  # keys and queries per block of `blocked_attention`
 MIN_BLOCKED_LENGTH = 512  # shorter buffers stay dense: too few blocks to skip
-# the loop's step over a key block costs this share of a computed block's scores even when the block is skipped
-# (scan step, cond, accumulator carry): one buffer of 3,584 slots trained in 6.7 s, two of 1,792 in 5.0 s (small,
-# 32 rows of 16 + ~100 tokens, Intel Xeon AVX-512, benchmarks/packed_update.py)
-BLOCK_VISIT = 0.4
+# `blocked_attention`'s time in matmul FLOPs (the cost model's unit, `trajectory.layout_flops`): a score pair it
+# computes costs BLOCK_PAIR_COST times a dense product's FLOP, and each of the loop's n x n steps over a key block,
+# skipped or not (scan step, cond, carry), BLOCK_VISIT blocks' worth. Least squares over six packed updates (small,
+# 4 x 8 rows of 16 or 64-512 + ~100 tokens, 1-4 buffers; Intel Xeon AVX-512, benchmarks/packed_update.py),
+# each predicted within 6 %
+BLOCK_PAIR_COST = 7.7
+BLOCK_VISIT = 1.2
 
 
 def blocked_attention(q_BxTxKxGxDh, k_BxKxTxDh, v_BxKxTxDh, mask_BxTxT):
@@ -182,11 +185,11 @@ def blocked_attention(q_BxTxKxGxDh, k_BxKxTxDh, v_BxKxTxDh, mask_BxTxT):
 
 
 def blocked_pairs(prompt_tokens_R, branch_tokens_RxG, length: int, buffers: int = 0) -> int | None:
-    """The (query, key) pairs `blocked_attention` costs for a packed layout's buffers (host counts: each group's
-    shared prompt tokens, then its branches' tokens; groups one after another in ``buffers`` buffers, 0: one a
-    group), None when the dense path runs: the blocks that some buffer needs (any query of one sees any key of the
-    other; mirrors its ``needed``) times the block's area and the buffers, plus `BLOCK_VISIT` of a block's area
-    for each of the n x n steps of its loop."""
+    """What `blocked_attention` costs for a packed layout's buffers, in (query, key) pairs at a dense product's
+    pace (host counts: each group's shared prompt tokens, then its branches' tokens; groups one after another in
+    ``buffers`` buffers, 0: one a group), None when the dense path runs: the blocks that some buffer needs (any
+    query of one sees any key of the other; mirrors its ``needed``) times the block's area and the buffers, at
+    `BLOCK_PAIR_COST`, plus `BLOCK_VISIT` blocks for each of the n x n steps of its loop."""
     b = math.gcd(length, ATTENTION_BLOCK)
     if length < MIN_BLOCKED_LENGTH or b < 64:
         return None
@@ -216,7 +219,7 @@ def blocked_pairs(prompt_tokens_R, branch_tokens_RxG, length: int, buffers: int 
                 if prompt:  # a branch sees its whole prompt
                     needed_nxn |= branch[:, None] & prompt_span[None, :]
         offset += prompt + int(np.sum(branches))
-    return int(needed_nxn.sum()) * b * b * K + int(BLOCK_VISIT * n * n * b * b)
+    return int(BLOCK_PAIR_COST * needed_nxn.sum() * b * b * K + BLOCK_VISIT * n * n * b * b)
 
 
 def packed_attention(graphdef: nnx.GraphDef, params: nnx.State, on: bool) -> nnx.GraphDef:

@@ -96,8 +96,10 @@ def test_the_cpu_block_count_is_the_blocked_attentions_own():
     n = L // b
     needed = np.asarray(layout.mask).reshape(3, n, b, n, b).any(axis=(0, 2, 4))
     branches = completion.reshape(3, 4) + 1
-    visits = int(cpu.BLOCK_VISIT * n * n * b * b)  # the loop's steps, skipped blocks too
-    assert cpu.blocked_pairs(prompt[::4] - 1, branches, L) == needed.sum() * b * b * 3 + visits
+    def cost(blocks, buffers):  # the blocks computed in each buffer, and the loop's steps (skipped blocks too)
+        return int(cpu.BLOCK_PAIR_COST * blocks * b * b * buffers + cpu.BLOCK_VISIT * n * n * b * b)
+
+    assert cpu.blocked_pairs(prompt[::4] - 1, branches, L) == cost(needed.sum(), 3)
     assert needed.sum() < n * n  # branches skip each other's blocks
     assert cpu.blocked_pairs(prompt[::4] - 1, branches, 256) is None  # short buffers stay dense
     L = trajectory.packed_length(prompt, completion, 4, buffers=1)  # the three groups in one buffer
@@ -105,8 +107,7 @@ def test_the_cpu_block_count_is_the_blocked_attentions_own():
                                packed_buffers=1)
     n = L // b
     needed = np.asarray(layout.mask).reshape(n, b, n, b).any(axis=(1, 3))
-    visits = int(cpu.BLOCK_VISIT * n * n * b * b)
-    assert cpu.blocked_pairs(prompt[::4] - 1, branches, L, buffers=1) == needed.sum() * b * b + visits
+    assert cpu.blocked_pairs(prompt[::4] - 1, branches, L, buffers=1) == cost(needed.sum(), 1)
 
 
 def test_packing_is_chosen_when_it_costs_less_or_as_configured():
