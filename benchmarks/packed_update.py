@@ -66,6 +66,7 @@ def measure(args) -> dict:
     packings = {"padded": (0, 0), "groups": (trajectory.packed_length(*counts, G), 0),  # a buffer a group
                 "packed": trajectory.choose_packing(  # as a run packs them (`train.packing: true`)
                     *counts, G, P, T, trajectory.forward_flops(config), packing=True,
+                    dense_pair_cost=cpu.DENSE_PAIR_COST if args.attention == "blocked" else 1.0,
                     blocked_pairs=cpu.blocked_pairs if args.attention == "blocked" else None)}
     for name in args.layouts:
         length, buffers = packings[name]

@@ -132,6 +132,9 @@ MIN_BLOCKED_LENGTH = 512  # shorter buffers stay dense: too few blocks to skip
 # each predicted within 6 %
 BLOCK_PAIR_COST = 7.7
 BLOCK_VISIT = 1.2
+# a dense attention score pair's time in matmul FLOPs (masking, softmax): 6.1 and 6.0 in the shared-prompt
+# layout's updates of the same rows
+DENSE_PAIR_COST = 6.0
 
 
 def blocked_attention(q_BxTxKxGxDh, k_BxKxTxDh, v_BxKxTxDh, mask_BxTxT):

@@ -137,11 +137,12 @@ def _packing(run: Run, counts_Nx2: np.ndarray, group_size: int, micro_batches: i
     cfg = run.config
     M = micro_batches
     counts_Nx2 = np.concatenate([counts_Nx2[m::M] for m in range(M)])  # micro-batch order
+    on_cpu = cpu.enabled(cfg.cpu_speedups)
     return trajectory.choose_packing(
         counts_Nx2[:, 0], counts_Nx2[:, 1], group_size, cfg.data.max_prompt_length, cfg.sampling.max_completion_length,
         trajectory.forward_flops(cfg.model), packing=cfg.train.packing, micro_batches=M,
-        shards=sharding.num_row_shards(run.mesh),
-        blocked_pairs=cpu.blocked_pairs if cpu.enabled(cfg.cpu_speedups) else None)
+        shards=sharding.num_row_shards(run.mesh), dense_pair_cost=cpu.DENSE_PAIR_COST if on_cpu else 1.0,
+        blocked_pairs=cpu.blocked_pairs if on_cpu else None)
 
 
 def _dispatch_logps(run: Run, state: TrainState, params, rows: Trajectory, counts_Nx2: np.ndarray):

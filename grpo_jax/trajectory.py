@@ -191,23 +191,24 @@ def forward_flops(config) -> tuple[float, float]:
 
 def layout_flops(prompt_tokens_B, completion_tokens_B, group_size: int, P: int, T: int, flops: tuple[float, float],
                  *, packed_length: int = 0, packed_buffers: int = 0, micro_batches: int = 1,
-                 blocked_pairs=None) -> float:
+                 dense_pair_cost: float = 1.0, blocked_pairs=None) -> float:
     """The forward FLOPs of these rows' log-prob pass in a layout (host counts, rows in micro-batch order:
     ``micro_batches`` runs of consecutive rows; ``flops``: `forward_flops`): the static layout (padded when G = 1,
     else shared) or ``packed_buffers`` buffers a micro-batch (0: one a group) of ``packed_length`` slots. Every slot
-    of a buffer runs the matmuls; attention computes every (query, key) score XLA is given, masked or not, except
-    that ``blocked_pairs(prompt tokens [R], branch tokens [R, G], length, buffers)`` (`cpu.blocked_pairs`, None:
-    dense) gives a packed call's."""
+    of a buffer runs the matmuls; attention computes every (query, key) score XLA is given, masked or not, each at
+    ``dense_pair_cost`` times a matmul FLOP's time (`cpu.DENSE_PAIR_COST` on the CPU), except that
+    ``blocked_pairs(prompt tokens [R], branch tokens [R, G], length, buffers)`` (`cpu.blocked_pairs`, None: dense)
+    gives a packed call's, priced."""
     per_token, per_pair = flops
     B, G = len(prompt_tokens_B), group_size
     R = B // G
     if not packed_length:
         if G == 1:
-            return B * (P + T) * per_token + B * (P + T) ** 2 * per_pair
-        return (R * P + B * T) * per_token + (R * P * P + B * T * (P + T)) * per_pair
+            return B * (P + T) * per_token + B * (P + T) ** 2 * per_pair * dense_pair_cost
+        return (R * P + B * T) * per_token + (R * P * P + B * T * (P + T)) * per_pair * dense_pair_cost
     L, M = packed_length, micro_batches
     K = packed_buffers or R // M
-    pairs = M * K * L * L
+    pairs = M * K * L * L * dense_pair_cost
     if blocked_pairs is not None:
         prompt_MxRm = (np.asarray(prompt_tokens_B)[::G] - 1).reshape(M, -1)
         branches_MxRmxG = np.asarray(completion_tokens_B).reshape(M, -1, G) + 1  # the copied last prompt token too
@@ -218,7 +219,7 @@ def layout_flops(prompt_tokens_B, completion_tokens_B, group_size: int, P: int, 
 
 def choose_packing(prompt_tokens_B, completion_tokens_B, group_size: int, P: int, T: int, flops: tuple[float, float],
                    *, packing: bool | None, micro_batches: int = 1, shards: int = 1,
-                   blocked_pairs=None) -> tuple[int, int]:
+                   dense_pair_cost: float = 1.0, blocked_pairs=None) -> tuple[int, int]:
     """`train.packing` resolved for these rows (in micro-batch order, as `layout_flops`): (buffer length, buffers a
     micro-batch), or (0, 0) for the static layout (shared prompts when G > 1, else padded). The buffer counts tried
     are the multiples of ``shards`` (devices splitting a micro-batch's rows) that divide its groups; the one with
@@ -236,10 +237,12 @@ def choose_packing(prompt_tokens_B, completion_tokens_B, group_size: int, P: int
     for K in counts:
         L = packed_length(prompt_tokens_B, completion_tokens_B, group_size, M * K)
         cost = layout_flops(prompt_tokens_B, completion_tokens_B, group_size, P, T, flops, packed_length=L,
-                            packed_buffers=K, micro_batches=M, blocked_pairs=blocked_pairs)
+                            packed_buffers=K, micro_batches=M, dense_pair_cost=dense_pair_cost,
+                            blocked_pairs=blocked_pairs)
         if K * L * L <= budget and cost < best_flops:
             best, best_flops = (L, K), cost
     if packing:
         return best
-    static = layout_flops(prompt_tokens_B, completion_tokens_B, group_size, P, T, flops)
+    static = layout_flops(prompt_tokens_B, completion_tokens_B, group_size, P, T, flops,
+                          dense_pair_cost=dense_pair_cost)
     return best if best_flops < static else (0, 0)

@@ -31,10 +31,12 @@ def test_positions_follow_the_masks():
     np.testing.assert_array_equal(completion, whole[:, P:])
 
 
-@pytest.mark.parametrize("group, packing, buffers", [(1, False, 0), (G, False, 0), (G, True, 0), (1, True, 0),
-                                                     (G, True, 1), (1, True, 3), (1, True, 4)])
-def test_the_cost_model_charges_each_layout_what_its_arrays_run(group, packing, buffers):
-    """Tokens: every buffer slot (and prefix slot); pairs: every score XLA computes for the layout's masks."""
+@pytest.mark.parametrize("group, packing, buffers, pair_cost", [
+    (1, False, 0, 1.0), (G, False, 0, 1.0), (G, True, 0, 1.0), (1, True, 0, 1.0), (G, True, 1, 1.0), (1, True, 3, 1.0),
+    (1, True, 4, 1.0), (G, False, 0, 6.0), (G, True, 1, 6.0)])
+def test_the_cost_model_charges_each_layout_what_its_arrays_run(group, packing, buffers, pair_cost):
+    """Tokens: every buffer slot (and prefix slot); pairs: every score XLA computes for the layout's masks, each
+    at ``pair_cost`` matmul FLOPs."""
     packed = trajectory.packed_length(PROMPT_TOKENS, COMPLETION_TOKENS, group, buffers) if packing else 0
     layout = _layout(group_size=group, packed_length=packed, packed_buffers=buffers)
     assert layout.ids.shape[0] == ((buffers or B // group) if packing else B)
@@ -44,9 +46,9 @@ def test_the_cost_model_charges_each_layout_what_its_arrays_run(group, packing, 
     else:  # each buffer slot against the prefix and buffer slots; the prefix against itself
         pairs = layout.ids.size * layout.mask.shape[1] + (0 if layout.prefix is None else
                                                           layout.prefix[0].shape[0] * layout.prefix[0].shape[1] ** 2)
-    want = tokens * FLOPS[0] + pairs * FLOPS[1]
+    want = tokens * FLOPS[0] + pairs * FLOPS[1] * pair_cost
     got = trajectory.layout_flops(PROMPT_TOKENS, COMPLETION_TOKENS, group, P, T, FLOPS, packed_length=packed,
-                                  packed_buffers=buffers)
+                                  packed_buffers=buffers, dense_pair_cost=pair_cost)
     assert got == want
     assert packed == 0 or packed >= trajectory.packed_need(PROMPT_TOKENS, COMPLETION_TOKENS, group, buffers)
 
