@@ -243,6 +243,8 @@ def test_packed_length_is_the_longest_group_rounded_to_four_steps_an_octave():
     # groups (5 - 1) + 2 + 3 + 5 = 14 and (1 - 1) + 2 + 1 + 4 = 7 -> 14, at least 16
     assert packed_length(np.sum(prompt_mask, 1), np.sum(COMPLETION_MASK, 1), 2) == 16
     assert packed_length(np.sum(prompt_mask, 1), np.sum(COMPLETION_MASK, 1), 1) == 16  # rows alone: 10 at most
+    # both groups in one buffer: 14 + 7 = 21 slots, steps of 4 between 16 and 32
+    assert packed_length(np.sum(prompt_mask, 1), np.sum(COMPLETION_MASK, 1), 2, buffers=1) == 24
     wide = np.ones((2, 300), np.int32)
     assert packed_length(wide[:, 0], wide.sum(1), 2) == 640  # 602 slots: steps of 128 between 512 and 1024
     assert packed_length(wide[:, 0], wide[:, :255].sum(1), 1) == 256
