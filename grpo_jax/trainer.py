@@ -45,6 +45,20 @@ def _arrays(round_batch: RoundBatch | None) -> dict:
     return {**rows, "token_counts": round_batch.token_counts, "step_rows": round_batch.step_rows}
 
 
+def saved_rows(arrays: dict) -> tuple[Trajectory, np.ndarray]:
+    """A checkpoint's round rows (host arrays by field name) and their [N, 2] real prompt / completion tokens. A
+    round saved before trajectories (no ``loss_mask``) trained and attended its ``completion_mask`` alike: it
+    becomes both masks, one turn a row."""
+    if "loss_mask" not in arrays:
+        mask = arrays["completion_mask"]
+        arrays = {"sampler_per_token_logps": np.zeros(mask.shape, np.float32), **arrays, "loss_mask": mask,
+                  "turns": np.where(mask == 1, 0, -1).astype(np.int32), "is_truncated": np.zeros(len(mask), bool)}
+    counts = arrays.get("token_counts")
+    if counts is None:
+        counts = np.stack([np.sum(arrays["prompt_mask"], 1), np.sum(arrays["completion_mask"], 1)], 1).astype(np.int32)
+    return Trajectory(**{k: arrays.get(k) for k in Trajectory._fields}), counts
+
+
 def _restore(run: Run, state: TrainState, data_state: data.DataState, mngr):
     """Continues a run from its newest valid checkpoint: (state, data position, round batch, round index, history,
     eval before)."""
@@ -56,9 +70,9 @@ def _restore(run: Run, state: TrainState, data_state: data.DataState, mngr):
     data_state = data.DataState(**{"seed": run.config.seed, **meta["data"]})  # older runs saved no seed
     round_batch = None
     if meta["buffer"] is not None:
-        rows = sharding.shard_global_rows(Trajectory(**{k: arrays.get(k) for k in Trajectory._fields}), run.mesh)
-        round_batch = RoundBatch(rows=rows, token_counts=arrays["token_counts"], step_rows=arrays["step_rows"],
-                                 **meta["buffer"])
+        rows, counts = saved_rows(arrays)
+        round_batch = RoundBatch(rows=sharding.shard_global_rows(rows, run.mesh), token_counts=counts,
+                                 step_rows=arrays["step_rows"], **meta["buffer"])
     where = "" if round_batch is None else f", inside round {round_batch.round_index} ({round_batch.position} " \
         f"of its {len(round_batch.step_rows)} steps done)"
     print(f"grpo_jax: resuming from checkpoint {mngr.directory / str(step)} at step {step}{where}")

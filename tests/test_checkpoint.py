@@ -230,6 +230,32 @@ def test_resume_refuses_a_changed_config_and_names_the_keys(tmp_path):
         trainer.build(changed)
     assert "max_steps" not in str(e.value).split("Use the saved")[0]
     assert "eval.num_examples" not in str(e.value).split("Use the saved")[0]
+    # the decode slots are a speed choice (a row's tokens do not depend on them): a run saved with 0 resumes
+    saved = to_dict(load_config(None, [f"output_dir={tmp_path}", *TINY, "sampling.max_batch_rows=0"]))
+    checkpoint.check_compatible(saved, to_dict(load_config(None, [f"output_dir={tmp_path}", *TINY])))
+
+
+def test_a_round_saved_before_trajectories_resumes_as_it_trained():
+    """A round buffer of the old `Batch` fields: its completion_mask was attention and loss alike, so it becomes
+    both; token counts come from the masks. A current buffer passes through unchanged."""
+    rng = np.random.default_rng(0)
+    prompt_mask = np.ones((4, 3), np.int32)
+    mask = (np.arange(5)[None] < np.array([[5], [2], [0], [3]])).astype(np.int32)
+    old = {"prompt_ids": rng.integers(0, 9, (4, 3)), "prompt_mask": prompt_mask,
+           "completion_ids": rng.integers(0, 9, (4, 5)), "completion_mask": mask,
+           "advantages": rng.normal(size=4).astype(np.float32), "ref_per_token_logps": np.zeros((4, 5), np.float32),
+           "step_rows": np.arange(4)[None]}
+    rows, counts = trainer.saved_rows(old)
+    np.testing.assert_array_equal(rows.loss_mask, mask)
+    np.testing.assert_array_equal(rows.completion_mask, mask)
+    np.testing.assert_array_equal(rows.turns, np.where(mask == 1, 0, -1))
+    np.testing.assert_array_equal(counts, [[3, 5], [3, 2], [3, 0], [3, 3]])
+    assert rows.old_per_token_logps is None and rows.sampler_per_token_logps.shape == (4, 5)
+    current = {**rows._asdict(), "token_counts": counts + 1}  # saved counts are kept as saved
+    again, kept = trainer.saved_rows({k: v for k, v in current.items() if v is not None})
+    np.testing.assert_array_equal(kept, counts + 1)
+    for a, b in zip(again, rows):
+        assert (a is None and b is None) or np.array_equal(a, b)
 
 
 def test_resume_false_on_a_non_empty_output_dir_is_an_error(tmp_path):
