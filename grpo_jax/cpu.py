@@ -14,15 +14,15 @@
   which glibc would otherwise mmap and unmap per call, page-faulting the working set in again every time.
 
 The tokens and sampler log-probs are those of the default path (`decoder`'s in-loop noise and ``jnp.argmax``)
-bit for bit, whatever the chunks; tests check it. The Linear
-weight gradients are the same products summed in another order: equal up to float rounding.
+bit for bit, whatever the chunks; tests check it. The Linear weight gradients are the same products summed in
+another order: equal up to float rounding.
 """
 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import ctypes.util
+import dataclasses
 import math
 import os
 import sys
@@ -212,15 +212,12 @@ def blocked_pairs(prompt_tokens_R, branch_tokens_RxG, length: int, buffers: int 
             offset = 0  # a new buffer
         prompt, branches = int(prompts_R[group]), branches_RxG[group]
         starts = offset + prompt + np.concatenate([[0], np.cumsum(branches)[:-1]])
-        prompt_span = span(offset, offset + prompt) if prompt else None
-        if prompt:
-            needed_nxn |= prompt_span[:, None] & prompt_span[None, :] & lower_nxn  # causal inside the prompt
+        prompt_span = span(offset, offset + prompt) if prompt else np.zeros(n, bool)
+        needed_nxn |= prompt_span[:, None] & prompt_span[None, :] & lower_nxn  # causal inside the prompt
         for start, size in zip(starts, branches):
             if size:
                 branch = span(start, start + size)
-                needed_nxn |= branch[:, None] & branch[None, :] & lower_nxn
-                if prompt:  # a branch sees its whole prompt
-                    needed_nxn |= branch[:, None] & prompt_span[None, :]
+                needed_nxn |= branch[:, None] & (branch[None, :] & lower_nxn | prompt_span[None, :])  # and its prompt
         offset += prompt + int(np.sum(branches))
     return int(BLOCK_PAIR_COST * needed_nxn.sum() * b * b * K + BLOCK_VISIT * n * n * b * b)
 
