@@ -9,9 +9,12 @@ and gives the first N rows a slot, drawing their first tokens from their prompts
 steps inside one ``lax.while_loop``: each feeds every decoding slot's last token and draws its next one; a slot whose
 row has ended takes the next waiting row (its prompt's keys/values copied in, its first token drawn) in the same
 step. N = B is a static batch (no row waits); fewer slots than rows is continuous batching. A row ends at EOS or
-after T tokens; with ``pause_at_eos`` (multi-turn) EOS only pauses it, keeping its slot: the host then `append`s
-tokens from outside (a tool's result: prefilled, not sampled, ``loss_mask`` 0) and the row decodes on, or `retire`s
-it. `trajectory` gives the rows, as far as they got, as a `trajectory.Trajectory`.
+after T tokens. With ``pause_at_eos`` (multi-turn) EOS pauses the row and frees its slot, as a scheduler preempts a
+request that waits on the outside: the host `append`s tokens from outside (a tool's result: not sampled,
+``loss_mask`` 0), and at the next step with a free slot the row is admitted again (before any new row) with its
+prompt's keys/values and its completion so far run through the model in one pass, then decodes on; or the host
+`retire`s it. Re-running the completion, not keeping it, makes a row's numbers the same whatever slot, timing or
+slot count it had. `trajectory` gives the rows, as far as they got, as a `trajectory.Trajectory`.
 
 Row b draws token t with the noise `sampling.row_noise(key, row_offset + b, t)`: a row's tokens are a function of
 (params, its prompt and earlier tokens, key, its row in the call), the same for any slot count, chunking (a chunk's
@@ -34,6 +37,7 @@ from grpo_jax.sampling import draw, row_noise
 from grpo_jax.trajectory import Trajectory
 
 SEGMENTS = 16  # `advance(segment=True)` returns after about 1 / SEGMENTS of the call's groups end (at least one)
+READMIT_ROWS = 8  # rows admitted again after `append` in one decode step, at most (the pass is [8, T] tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +50,7 @@ class DecodeOptions:
     greedy: bool = False  # arg-max tokens (their log-probs still at the temperature)
     group_size: int = 1  # G: rows g*G .. g*G + G - 1 share a prompt (`data.repeat_groups`), prefilled once
     num_slots: int = 0  # N rows decode at once; 0: every row (a static batch)
-    pause_at_eos: bool = False  # EOS pauses a row for `append` / `retire` instead of ending it (multi-turn)
+    pause_at_eos: bool = False  # EOS pauses a row (its slot freed) for `append` / `retire` (multi-turn)
     noise_ahead: bool = False  # draw every row's noise of every step in `start` (`cpu.py`: one draw, not T)
     argmax: Callable | None = None  # arg-max of the last axis (`cpu.argmax_last_axis`); None: jnp.argmax
     cache_sharding: Any = None  # the slots' KV cache layout over a mesh (`sharding.cache_sharding`); None: XLA's
@@ -74,7 +78,8 @@ class Decoding(NamedTuple):
     length: jax.Array  # [B] tokens in the completion so far
     turn: jax.Array  # [B] the row's current turn
     ended: jax.Array  # [B] bool: the row is over (EOS without pause_at_eos, T tokens, or retired)
-    paused: jax.Array  # [B] bool: the row sampled EOS with pause_at_eos and holds its slot for `append`
+    paused: jax.Array  # [B] bool: the row sampled EOS with pause_at_eos and waits for `append` or `retire`
+    ready: jax.Array  # [B] bool: tokens were appended to the row, which waits to be admitted again
     at_eos: jax.Array  # [B] bool: the row's last token is a sampled EOS (not truncated)
     next_row: jax.Array  # [] the first row still waiting for a slot
     steps: jax.Array  # [] decode steps run (forward passes of the N slots)
@@ -105,7 +110,7 @@ def _admit(d: Decoding, logits_NxV, group_size: int, options: DecodeOptions):
     B, P = d.prompt_mask.shape
     free_N = _free(d)
     new_row_N = d.next_row + jnp.cumsum(free_N) - 1
-    admit_N = free_N & (new_row_N < B)
+    admit_N = free_N & (new_row_N < B) & ~jnp.any(d.ready)  # rows appended to go first: their groups end sooner
     row_N = jnp.where(admit_N, new_row_N, jnp.where(free_N, B, d.slot_row))
     safe_N = jnp.minimum(row_N, B - 1)
     group_N = safe_N // group_size
@@ -149,10 +154,12 @@ def _sample(d: Decoding, logits_NxV, options: DecodeOptions, in_step: bool = Fal
         flag = lambda x_B, v_N: x_B.at[at].set(v_N, mode="drop")  # noqa: E731
     eos_N = jnp.isin(tokens_N, jnp.asarray(options.eos_token_ids, jnp.int32))
     full_N = t_N + 1 >= T
-    pause_N = eos_N & ~full_N if options.pause_at_eos else jnp.zeros_like(eos_N)
-    end_N = full_N | (eos_N & ~pause_N)
+    # a turn that ends on the last token pauses too: the host reads its tool calls (TRL runs them, then rolls back)
+    pause_N = eos_N if options.pause_at_eos else jnp.zeros_like(eos_N)
+    end_N = (full_N | eos_N) & ~pause_N
     return d._replace(
         live=live_N & ~end_N & ~pause_N, pending=jnp.where(live_N, tokens_N, d.pending),
+        slot_row=jnp.where(live_N & pause_N, B, d.slot_row),
         tokens=write(d.tokens, tokens_N), sampled=write(d.sampled, jnp.ones_like(tokens_N)),
         logps=write(d.logps, logp_N), turns=write(d.turns, d.turn[rows_N]), length=flag(d.length, t_N + 1),
         ended=flag(d.ended, end_N), paused=flag(d.paused, pause_N), at_eos=flag(d.at_eos, eos_N))
@@ -198,7 +205,8 @@ def start(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options: Decod
         tokens=jnp.full((B, T), options.pad_token_id, jnp.int32), sampled=jnp.zeros((B, T), jnp.int32),
         logps=jnp.zeros((B, T), jnp.float32), turns=jnp.full((B, T), -1, jnp.int32),
         length=jnp.zeros((B,), jnp.int32), turn=jnp.zeros((B,), jnp.int32), ended=jnp.zeros((B,), bool),
-        paused=jnp.zeros((B,), bool), at_eos=jnp.zeros((B,), bool), next_row=jnp.zeros((), jnp.int32),
+        paused=jnp.zeros((B,), bool), ready=jnp.zeros((B,), bool), at_eos=jnp.zeros((B,), bool),
+        next_row=jnp.zeros((), jnp.int32),
         steps=jnp.zeros((), jnp.int32))
     return _sample(*_admit(d, jnp.zeros((N, V), logits_RxV.dtype), options.group_size, options), options)
 
@@ -206,6 +214,34 @@ def start(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options: Decod
 def finished_groups(ended_B, group_size: int):
     """How many groups of ``group_size`` rows have every row over."""
     return jnp.sum(jnp.all(ended_B.reshape(-1, group_size), axis=1))
+
+
+def _readmit(graphdef, params, d: Decoding, options: DecodeOptions, layers, rope) -> Decoding:
+    """Up to `READMIT_ROWS` rows with appended tokens take free slots: their prompts' keys/values copied in and
+    their completions but the last token run through the model in one pass; the last is the slot's pending token."""
+    B, P = d.prompt_mask.shape
+    N, T = d.slot_row.shape[0], d.tokens.shape[1]
+    K = min(N, READMIT_ROWS)
+    rows_K = jnp.nonzero(d.ready, size=K, fill_value=B)[0]
+    slots_K = jnp.nonzero(_free(d), size=K, fill_value=N)[0]
+    valid_K = (rows_K < B) & (slots_K < N)
+    row_K = jnp.minimum(rows_K, B - 1)
+    length_K = d.length[row_K]
+    t_T = jnp.arange(T)
+    mask_KxS = jnp.concatenate([d.prompt_mask[row_K].astype(d.cache_mask.dtype),
+                                (t_T[None] < length_K[:, None] - 1).astype(d.cache_mask.dtype)], axis=1)
+    positions_KxT = jnp.sum(d.prompt_mask[row_K], axis=1, dtype=jnp.int32)[:, None] + t_T[None]
+    cache_K = jax.tree.map(lambda c_NxKxSxDh, p_RxKxPxDh: jnp.zeros((K,) + c_NxKxSxDh.shape[1:], c_NxKxSxDh.dtype)
+                           .at[:, :, :P].set(p_RxKxPxDh[row_K // options.group_size]), d.cache, d.prompt_kv)
+    _, cache_K = forward(graphdef, params, d.tokens[row_K], positions_KxT, mask_KxS, cache_K, P, layers=layers,
+                         rope=rope)
+    into = jnp.where(valid_K, slots_K, N)  # N: dropped
+    cache = jax.tree.map(lambda c, new: c.at[into].set(new, mode="drop"), d.cache, cache_K)
+    return d._replace(
+        cache=_constrain(cache, options), cache_mask=d.cache_mask.at[into].set(mask_KxS, mode="drop"),
+        slot_row=d.slot_row.at[into].set(row_K, mode="drop"), live=d.live.at[into].set(True, mode="drop"),
+        pending=d.pending.at[into].set(d.tokens[row_K, jnp.maximum(length_K - 1, 0)], mode="drop"),
+        ready=d.ready.at[jnp.where(valid_K, row_K, B)].set(False, mode="drop"))
 
 
 def advance(graphdef, params, decoding: Decoding, options: DecodeOptions, *, segment: bool = False) -> Decoding:
@@ -225,6 +261,9 @@ def advance(graphdef, params, decoding: Decoding, options: DecodeOptions, *, seg
     in_step = decoding.slot_row.shape[0] == B and not options.pause_at_eos
 
     def body(d: Decoding) -> Decoding:
+        if options.pause_at_eos:
+            d = jax.lax.cond(jnp.any(d.ready) & jnp.any(_free(d)),
+                             lambda d: _readmit(graphdef, params, d, options, layers, rope), lambda d: d, d)
         rows_N = jnp.minimum(d.slot_row, B - 1)
         if in_step:
             at_N = P + d.steps
@@ -246,7 +285,7 @@ def advance(graphdef, params, decoding: Decoding, options: DecodeOptions, *, seg
         return d._replace(steps=d.steps + 1)
 
     def cond(d: Decoding):
-        return jnp.any(d.live) | ((d.next_row < B) & jnp.any(_free(d)))
+        return jnp.any(d.live) | (((d.next_row < B) | jnp.any(d.ready)) & jnp.any(_free(d)))
 
     if segment:
         target = finished_groups(decoding.ended, G) + max(1, B // G // SEGMENTS)
@@ -257,61 +296,34 @@ def advance(graphdef, params, decoding: Decoding, options: DecodeOptions, *, seg
     return jax.lax.while_loop(cond, body, decoding)
 
 
-def append(graphdef, params, decoding: Decoding, rows_M, tokens_MxA, counts_M, options: DecodeOptions) -> Decoding:
+def append(decoding: Decoding, rows_M, tokens_MxA, counts_M) -> Decoding:
     """Paused rows ``rows_M`` (-1: no row) get ``counts_M`` tokens from outside (``tokens_MxA[m, :count]``; a row
-    takes at most what fits in T) and decode on. The tokens are prefilled into the row's slot after its last
-    sampled token, not sampled: ``loss_mask`` 0, a turn of their own with the turn that follows. A row they fill to
-    T tokens is over (truncated): a caller that must not cut a tool's result retires the row instead."""
-    B, P = decoding.prompt_mask.shape
-    T = options.sampling.max_completion_length
+    takes at most what fits in T) after their last sampled token: not sampled (``loss_mask`` 0), in the turn they
+    follow; the next turn is the row's next. The row is admitted again at the next decode step with a free slot
+    (`advance`). A row they fill to T tokens is over (truncated): a caller that must not cut a tool's result
+    retires the row instead."""
+    B, T = decoding.tokens.shape
     M, A = tokens_MxA.shape
-    S = P + T
-    params = compute_dtype_params(graphdef, params)
     valid_M = rows_M >= 0
     row_M = jnp.where(valid_M, rows_M, 0)
-    slot_M = jnp.argmax(decoding.slot_row[None, :] == row_M[:, None], axis=1)
-    valid_M &= decoding.paused[row_M] & (decoding.slot_row[slot_M] == row_M)
+    valid_M &= decoding.paused[row_M]
     t_M = decoding.length[row_M]
     count_M = jnp.where(valid_M, jnp.clip(counts_M, 0, T - t_M), 0)
-    i_A = jnp.arange(A)
-    # the pending token (the turn's EOS) and all but the last appended one go through the model now; the last is
-    # the new pending token, fed by the next decode step
-    feed_MxA = jnp.concatenate([decoding.pending[slot_M][:, None], tokens_MxA[:, :A - 1]], axis=1)
-    real_MxA = i_A[None] < count_M[:, None]
-    feed_MxA = jnp.where(real_MxA, feed_MxA, options.pad_token_id)
-    at_M = P + t_M - 1
-    # A spare cache slots: a row near T writes its padded inputs there instead of being clamped back over its tokens
-    cache_M = jax.tree.map(lambda c_NxKxSxDh: jnp.pad(c_NxKxSxDh[slot_M], ((0, 0), (0, 0), (0, A), (0, 0))),
-                           decoding.cache)
-    mask_MxS = jnp.pad(decoding.cache_mask[slot_M], ((0, 0), (0, A)))
-    slots_MxA = at_M[:, None] + i_A[None]
-    mask_MxS = mask_MxS.at[jnp.arange(M)[:, None], slots_MxA].max(real_MxA.astype(mask_MxS.dtype))
-    prompt_len_M = jnp.sum(decoding.prompt_mask[row_M], axis=1, dtype=jnp.int32)
-    positions_MxA = jnp.minimum(prompt_len_M[:, None] + t_M[:, None] - 1 + i_A[None], S - 1)  # padding: finite RoPE
-    _, cache_M = forward(graphdef, params, feed_MxA, positions_MxA, mask_MxS, cache_M, at_M,
-                         layers=layer_params(graphdef, params), rope=rotary_tables(model_config(graphdef, params), S))
-    into = jnp.where(valid_M & (count_M > 0), slot_M, decoding.slot_row.shape[0])  # N: dropped
-    cache = jax.tree.map(lambda c, new: c.at[into].set(new[:, :, :S], mode="drop"), decoding.cache, cache_M)
-    cache_mask = decoding.cache_mask.at[into].set(mask_MxS[:, :S], mode="drop")
-    # the appended tokens at completion indices t .. t + count - 1 of their rows
-    row_at = jnp.where(real_MxA, row_M[:, None], B)
-    t_at = t_M[:, None] + i_A[None]
+    real_MxA = jnp.arange(A)[None] < count_M[:, None]
+    row_at = jnp.where(real_MxA, row_M[:, None], B)  # B: dropped
+    t_at = t_M[:, None] + jnp.arange(A)[None]
     put = lambda x_BxT, v: x_BxT.at[row_at, t_at].set(v, mode="drop")  # noqa: E731
-    last_M = jnp.take_along_axis(tokens_MxA, jnp.maximum(count_M - 1, 0)[:, None], axis=1)[:, 0]
     resumed_M = valid_M & (count_M > 0)
     full_M = t_M + count_M >= T
     rows_at = jnp.where(resumed_M, row_M, B)
     flag = lambda x_B, v_M: x_B.at[rows_at].set(v_M, mode="drop")  # noqa: E731
-    live = decoding.live.at[jnp.where(resumed_M, slot_M, decoding.slot_row.shape[0])].set(~full_M, mode="drop")
     return decoding._replace(
-        cache=_constrain(cache, options), cache_mask=cache_mask, live=live,
-        pending=decoding.pending.at[jnp.where(resumed_M, slot_M, decoding.slot_row.shape[0])].set(last_M, mode="drop"),
         tokens=put(decoding.tokens, tokens_MxA), sampled=put(decoding.sampled, jnp.zeros_like(tokens_MxA)),
         logps=put(decoding.logps, jnp.zeros(tokens_MxA.shape, jnp.float32)),
         turns=put(decoding.turns, jnp.broadcast_to(decoding.turn[row_M][:, None], tokens_MxA.shape)),
         length=flag(decoding.length, t_M + count_M), turn=flag(decoding.turn, decoding.turn[row_M] + 1),
         paused=flag(decoding.paused, jnp.zeros_like(resumed_M)), ended=flag(decoding.ended, full_M),
-        at_eos=flag(decoding.at_eos, jnp.zeros_like(resumed_M)))
+        ready=flag(decoding.ready, ~full_M), at_eos=flag(decoding.at_eos, jnp.zeros_like(resumed_M)))
 
 
 def retire(decoding: Decoding, rows_M) -> Decoding:
@@ -320,7 +332,8 @@ def retire(decoding: Decoding, rows_M) -> Decoding:
     at = jnp.where(rows_M >= 0, rows_M, B)
     held_N = jnp.isin(decoding.slot_row, jnp.where(rows_M >= 0, rows_M, -1))
     return decoding._replace(ended=decoding.ended.at[at].set(True, mode="drop"),
-                             paused=decoding.paused.at[at].set(False, mode="drop"), live=decoding.live & ~held_N)
+                             paused=decoding.paused.at[at].set(False, mode="drop"),
+                             ready=decoding.ready.at[at].set(False, mode="drop"), live=decoding.live & ~held_N)
 
 
 def trajectory(decoding: Decoding) -> Trajectory:

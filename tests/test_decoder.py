@@ -6,6 +6,7 @@ decoder's cache, refills and appended tokens must give its arg-max, its draws an
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -306,7 +307,7 @@ def _multi_turn(model, slots, greedy, eos, appended, key=5):
         make_decoder(model, eos=eos, max_completion_length=14, temperature=0.8).options(4, 4, greedy),
         pause_at_eos=True, num_slots=slots)
     start, advance = jax.jit(decoder.start, static_argnums=5), jax.jit(decoder.advance, static_argnums=3)
-    append = jax.jit(decoder.append, static_argnums=6)
+    append = jax.jit(decoder.append)
     d = advance(graphdef, params, start(graphdef, params, PROMPT_IDS, PROMPT_MASK, jax.random.key(key), options),
                 options)
     given = set()
@@ -317,7 +318,7 @@ def _multi_turn(model, slots, greedy, eos, appended, key=5):
         given.update(paused)
         rows = np.array(paused + [-1] * (4 - len(paused)), np.int32)
         tokens = np.tile(np.asarray(appended, np.int32), (4, 1))
-        d = append(graphdef, params, d, rows, tokens, np.full(4, len(appended), np.int32), options)
+        d = append(d, rows, tokens, np.full(4, len(appended), np.int32))
         d = advance(graphdef, params, d, options)
     # rows that paused a second time are retired: their rollouts end there
     return jax.device_get(decoder.trajectory(jax.jit(decoder.retire)(d, np.arange(4, dtype=np.int32)))), given
@@ -327,7 +328,7 @@ def _multi_turn(model, slots, greedy, eos, appended, key=5):
 def test_appended_tokens_are_seen_not_sampled_and_the_row_decodes_on_as_if_they_were_its_prompt(tiny_model, slots):
     """A greedy row that pauses at EOS, gets [9, 10, 11] from outside, and decodes on: its tokens equal a no-cache
     forward's arg-max over prompt ++ turn 1 ++ [9, 10, 11]; the appended tokens have loss mask 0 and the turn of
-    the turn before them; rows waiting for a slot (2 slots) do not disturb paused rows holding theirs."""
+    the turn before them; a paused row gives its slot to waiting rows (2 slots) and is admitted again after."""
     raw = greedy_reference(tiny_model, 14)
     row, t = next((r, t) for r in range(len(raw)) for t in range(2, 6) if raw[r, t] not in raw[r, :t])
     eos = (int(raw[row, t]),)
@@ -356,7 +357,7 @@ def test_appended_tokens_are_seen_not_sampled_and_the_row_decodes_on_as_if_they_
 
 def test_sampled_tokens_after_appended_ones_have_the_teacher_forced_log_probs(tiny_model):
     """Sampling across turns: every sampled token's log-prob equals a plain forward over the whole trajectory
-    (the cache after `append` holds exactly the prompt, the sampled and the appended tokens)."""
+    (a row admitted again after `append` holds exactly the prompt, the sampled and the appended tokens)."""
     _, graphdef, params = tiny_model
     out, paused = _multi_turn(tiny_model, 3, False, (2, 5, 6), [9, 10, 11, 12])
     assert paused and np.any(out.turns == 1)
@@ -376,9 +377,53 @@ def test_appended_tokens_that_fill_the_completion_end_the_row_truncated(tiny_mod
     d = decoder.advance(graphdef, params, decoder.start(graphdef, params, PROMPT_IDS, PROMPT_MASK,
                                                         jax.random.key(0), options), options)
     assert bool(d.paused[0]) and int(d.length[0]) == 2
-    d = decoder.append(graphdef, params, d, np.array([0, -1, -1, -1], np.int32),
-                       np.full((4, 8), 9, np.int32), np.full(4, 8, np.int32), options)  # 8 tokens, room for 4
+    d = decoder.append(d, np.array([0, -1, -1, -1], np.int32), np.full((4, 8), 9, np.int32),
+                       np.full(4, 8, np.int32))  # 8 tokens, room for 4
     out = jax.device_get(decoder.trajectory(d))
     assert out.completion_ids[0].tolist() == raw[0, :2].tolist() + [9] * 4
     assert bool(d.ended[0]) and not bool(d.paused[0]) and out.is_truncated[0]
     assert out.loss_mask[0].tolist() == [1, 1, 0, 0, 0, 0]
+
+
+def _late_appends(model, slots, delay):
+    """`_multi_turn` with each paused row's tokens appended only after ``delay`` more decode segments, as a slow
+    tool would return them."""
+    _, graphdef, params = model
+    options = dataclasses.replace(
+        make_decoder(model, eos=(2, 5, 6), max_completion_length=14, temperature=0.8).options(4, 4, False),
+        pause_at_eos=True, num_slots=slots)
+    start = jax.jit(decoder.start, static_argnums=5)
+    advance = jax.jit(functools.partial(decoder.advance, segment=True), static_argnums=3)
+    d = start(graphdef, params, PROMPT_IDS, PROMPT_MASK, jax.random.key(5), options)
+    waiting, given = {}, set()
+    for _ in range(64):
+        d = advance(graphdef, params, d, options)
+        for r in np.flatnonzero(np.asarray(d.paused)):
+            if int(r) not in given and int(r) not in waiting:
+                waiting[int(r)] = delay
+        due = [r for r, left in waiting.items() if left == 0]
+        waiting = {r: left - 1 for r, left in waiting.items() if left > 0}
+        if due:
+            given.update(due)
+            rows = np.array(due + [-1] * (4 - len(due)), np.int32)
+            d = decoder.append(d, rows, np.tile(np.array([9, 10, 11], np.int32), (4, 1)), np.full(4, 3, np.int32))
+        retire = [int(r) for r in np.flatnonzero(np.asarray(d.paused)) if int(r) in given and int(r) not in due]
+        if retire:
+            d = decoder.retire(d, np.array(retire + [-1] * (4 - len(retire)), np.int32))
+        if bool(np.all(np.asarray(d.ended))):
+            break
+    return jax.device_get(decoder.trajectory(d))
+
+
+def test_multi_turn_rows_do_not_depend_on_when_their_tools_return(tiny_model):
+    """A paused row frees its slot and is run again in one pass when admitted again: its tokens and log-probs are
+    the same bit for bit however late its tokens come (tool timing), and its tokens for any slot count."""
+    now = _late_appends(tiny_model, 2, 0)
+    assert np.any(now.turns == 1)
+    for late in (_late_appends(tiny_model, 2, 1), _late_appends(tiny_model, 2, 3)):
+        np.testing.assert_array_equal(late.completion_ids, now.completion_ids)
+        np.testing.assert_array_equal(late.sampler_per_token_logps, now.sampler_per_token_logps)
+        np.testing.assert_array_equal(late.loss_mask, now.loss_mask)
+    wide = _late_appends(tiny_model, 4, 2)
+    np.testing.assert_array_equal(wide.completion_ids, now.completion_ids)
+    np.testing.assert_allclose(wide.sampler_per_token_logps, now.sampler_per_token_logps, atol=1e-6)
