@@ -21,7 +21,7 @@ from collections import Counter
 import jax
 import numpy as np
 
-from grpo_jax import data, rewards, sharding, stream
+from grpo_jax import data, multiturn, rewards, sharding, stream
 
 EVAL_STREAM = 0x6576616C  # "eval", folded into the seed's key: a stream the training key never meets
 
@@ -78,28 +78,45 @@ def eval_key(seed: int):
 
 
 def _generate(run, decoder, params, n: int, key, greedy: bool):
-    """n completions of every held-out prompt: (texts, rewards_NxF, completion_mask), N = P x n group-major."""
+    """n completions of every held-out prompt: (texts, rewards_NxF, completion_mask), N = P x n group-major. With
+    tools the rows run their turns as in training (no journal: evaluation may call a tool again) and a text is
+    the last assistant message."""
     cfg, rows = run.config, run.eval_rows
     num_prompts, shards = len(rows), sharding.num_row_shards(run.mesh)
     padded = num_prompts
     while (padded * n) % shards:  # whole prompts, repeated until the rows split over the devices
         padded += 1
-    ids, mask, _ = data.tokenize_prompts(run.tokenizer, [rows[i % num_prompts]["prompt"] for i in range(padded)],
-                                         cfg.data.max_prompt_length, truncation="left")
-    ids, mask = np.repeat(ids, n, axis=0), np.repeat(mask, n, axis=0)
-    completion_ids, completion_mask = np.zeros((len(ids), cfg.sampling.max_completion_length), np.int32), None
+    chosen = [rows[i % num_prompts] for i in range(padded)]
+    tooling = run.tooling
+    ids, mask, _ = data.tokenize_prompts(run.tokenizer, [r["prompt"] for r in chosen], cfg.data.max_prompt_length,
+                                         truncation="left", tools=tooling and [tooling.schemas(r) for r in chosen],
+                                         chat_template=tooling and tooling.chat_template)
+    columns = {k: [r.get(k) for r in chosen] for k in dict.fromkeys(k for r in chosen for k in r) if k != "prompt"}
+    batch = data.repeat_groups(data.PromptBatch(ids, mask, [r["prompt"] for r in chosen], columns, 0), n)
+    batch, turns, environments = multiturn.setup(tooling, run.tokenizer, batch, None, n)
+    completion_ids = np.zeros((len(batch.prompt_ids), cfg.sampling.max_completion_length), np.int32)
     completion_mask = np.zeros_like(completion_ids)
-    for piece in stream.decode(decoder, params, ids, mask, key, greedy=greedy, group_size=n):
+    messages = [None] * len(completion_ids)
+    for piece in stream.decode(decoder, params, batch.prompt_ids, batch.prompt_mask, key, greedy=greedy,
+                               group_size=n, turns=turns):
         completion_ids[piece.rows], completion_mask[piece.rows] = piece.completion_ids, piece.completion_mask
-    completion_ids, completion_mask = completion_ids[:num_prompts * n], completion_mask[:num_prompts * n]
+        for row, completion in zip(piece.rows, piece.completions or ()):
+            messages[row] = completion
+    N = num_prompts * n
+    completion_ids, completion_mask, messages = completion_ids[:N], completion_mask[:N], messages[:N]
     # as the training rounds hand them to reward functions: EOS kept in the ids, padding removed
     token_ids = [row[:length] for row, length in zip(completion_ids.tolist(), completion_mask.sum(axis=1))]
-    texts = run.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
-    columns = {k: [r.get(k) for r in rows for _ in range(n)] for k in dict.fromkeys(k for r in rows for k in r)
-               if k != "prompt"}
+    columns = {k: v[:N] for k, v in batch.columns.items()}
     columns["completion_ids"] = token_ids
-    prompts = [r["prompt"] for r in rows for _ in range(n)]
-    scores = rewards.score_completions(run.eval_reward_fns, *data.reward_inputs(prompts, texts), columns)
+    prompts = batch.prompts[:N]
+    context = {} if environments is None else {"environments": environments[:N]}
+    if turns is None:
+        texts = run.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
+        inputs = data.reward_inputs(prompts, texts)
+    else:
+        texts = [next((m["content"] for m in reversed(c) if m["role"] == "assistant"), "") for c in messages]
+        inputs = prompts, messages
+    scores = rewards.score_completions(run.eval_reward_fns, *inputs, columns, context)
     return texts, scores, completion_mask
 
 

@@ -277,10 +277,13 @@ def score_completions(
 
 def score_steps(reward_fns: Sequence[tuple[str, Callable]], weights_F: Sequence[float], prompts: list[str],
                 completions: list[str], columns: dict[str, list], lengths_N: Sequence[int],
-                context: dict | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                context: dict | None = None, turn_ends: list | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Process supervision: every function returns, per completion, a list of (end_token_index, reward) steps.
 
     The index is the 0-based completion-token position of the step's last token, in [0, len(completion_ids)).
+    Multi-turn rows (``turn_ends``: each row's turns' last-token indices) may instead get one reward per turn, a
+    list of numbers as long as the row's turns: turn k is the step ending at ``turn_ends[i][k]``.
     None (for a completion, or as a step's reward) means unscored. Steps of several functions are merged,
     each reward times its function's weight. Returns (rewards_NxF: each function's step-reward sum per
     completion (NaN if it scored none), for the metrics; step_rewards_NxS (NaN = padding) and
@@ -298,6 +301,12 @@ def score_steps(reward_fns: Sequence[tuple[str, Callable]], weights_F: Sequence[
                 raise ValueError(f"reward function '{name}' returned {type(row).__name__} at index {i}: process "
                                  "supervision needs a list of (end_token_index, reward) steps per completion")
             total = []
+            if turn_ends is not None and row and all(v is None or isinstance(v, (int, float, np.number)) for v in row):
+                if len(row) != len(turn_ends[i]):
+                    raise ValueError(f"reward function '{name}' returned {len(row)} turn rewards at index {i} for a "
+                                     f"rollout of {len(turn_ends[i])} turns: give one per turn (or (index, reward) "
+                                     "steps)")
+                row = list(zip(turn_ends[i], row))
             for step in row:
                 if not (isinstance(step, Sequence) and len(step) == 2):
                     raise ValueError(f"reward function '{name}' returned step {step!r} at index {i}: each step "

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from grpo_jax import cpu, data, rewards, rounds, sharding, stream, trajectory
+from grpo_jax import cpu, data, multiturn, rewards, rounds, sharding, stream, trajectory
 from grpo_jax.reporting import completion_rows, plain
 from grpo_jax.run import Run
 from grpo_jax.state import TrainState
@@ -81,28 +81,45 @@ def _reward_metrics(rewards_NxF, r_N, std_N, names, num_generations: int) -> dic
 
 
 def _weights(run: Run) -> np.ndarray:
-    return np.asarray(run.config.reward.weights or [1.0] * len(run.reward_fns), np.float32)
+    """TRL's reward_weights, and 1 for each environment's `get_reward` after them (as TRL adds it)."""
+    weights = list(run.config.reward.weights or [])
+    return np.asarray(weights + [1.0] * (len(run.reward_fns) - len(weights)), np.float32)
 
 
-def _score(run: Run, batch: data.PromptBatch, piece: stream.Piece, context: dict, log: rewards.RewardLog) -> tuple:
+def _score(run: Run, batch: data.PromptBatch, piece: stream.Piece, context: dict, log: rewards.RewardLog,
+           environments: list | None = None) -> tuple:
     """The reward functions on the host over one piece's rows: (rewards_NxF, process supervision's (step rewards,
     step end indices) or None). ``context``: TRL's `trainer_state` (`_reward_context`); what the functions log
-    goes to ``log`` at the piece's rows."""
+    goes to ``log`` at the piece's rows. Multi-turn rows give their message lists as completions (TRL's) and the
+    rows' ``environments``; a function may then score each turn (`rewards.score_steps`)."""
     rows = piece.rows
     columns = {k: [v[i] for i in rows] for k, v in batch.columns.items()}
     piece_log = rewards.RewardLog()
     context = {**context, "log_metric": piece_log.log_metric, "log_extra": piece_log.log_extra}
-    completions = decode(run.tokenizer, piece.completion_ids, piece.completion_mask)
+    if environments is not None:
+        context["environments"] = [environments[i] for i in rows]
     columns = _columns(columns, piece.completion_ids, piece.completion_mask)
-    inputs = data.reward_inputs([batch.prompts[i] for i in rows], completions)
+    if piece.completions is not None:
+        inputs = [batch.prompts[i] for i in rows], piece.completions
+    else:
+        inputs = data.reward_inputs([batch.prompts[i] for i in rows],
+                                    decode(run.tokenizer, piece.completion_ids, piece.completion_mask))
     steps = None
     if run.config.train.advantage_estimator == "process":
         lengths = piece.completion_mask.sum(axis=1)
-        rewards_NxF, *steps = rewards.score_steps(run.reward_fns, _weights(run), *inputs, columns, lengths, context)
+        turn_ends = None if piece.loss_mask is None else [_turn_ends(m) for m in piece.loss_mask]
+        rewards_NxF, *steps = rewards.score_steps(run.reward_fns, _weights(run), *inputs, columns, lengths, context,
+                                                  turn_ends=turn_ends)
     else:
         rewards_NxF = rewards.score_completions(run.reward_fns, *inputs, columns, context)
     log.add(piece_log, rows, len(batch.prompts))
     return rewards_NxF, steps
+
+
+def _turn_ends(loss_mask_T: np.ndarray) -> list[int]:
+    """The completion index of each policy turn's last token: where a run of trained tokens ends."""
+    m = np.asarray(loss_mask_T).astype(bool)
+    return np.flatnonzero(m & ~np.append(m[1:], False)).tolist()
 
 
 def _draw(batch: data.PromptBatch, pieces: list, scores: list) -> rounds.Draw:
@@ -111,10 +128,14 @@ def _draw(batch: data.PromptBatch, pieces: list, scores: list) -> rounds.Draw:
     ids, mask = np.zeros((N, T), np.int32), np.zeros((N, T), np.int32)
     truncated = np.zeros(N, bool)
     rewards_NxF = np.full((N, scores[0][0].shape[1]), np.nan, np.float32)
+    multi = pieces[0].loss_mask is not None
+    loss_mask, tool_counts = (np.zeros((N, T), np.int32), np.zeros((N, 4), np.int32)) if multi else (None, None)
     for piece, (r_NxF, _) in zip(pieces, scores):
         ids[piece.rows], mask[piece.rows], truncated[piece.rows] = (piece.completion_ids, piece.completion_mask,
                                                                       piece.is_truncated)
         rewards_NxF[piece.rows] = r_NxF
+        if multi:
+            loss_mask[piece.rows], tool_counts[piece.rows] = piece.loss_mask, piece.tool_counts
     steps = {}
     if scores[0][1] is not None:  # process supervision: each piece's steps padded to the most of any row
         S = max(step_rewards.shape[1] for _, (step_rewards, _) in scores)
@@ -122,7 +143,8 @@ def _draw(batch: data.PromptBatch, pieces: list, scores: list) -> rounds.Draw:
         for piece, (_, (step_rewards, ends)) in zip(pieces, scores):
             steps["step_rewards"][piece.rows, :step_rewards.shape[1]] = step_rewards
             steps["step_end_indices"][piece.rows, :ends.shape[1]] = ends
-    return rounds.Draw(batch.prompts, batch.columns, ids, mask, truncated, rewards_NxF, batch.num_truncated, **steps)
+    return rounds.Draw(batch.prompts, batch.columns, ids, mask, truncated, rewards_NxF, batch.num_truncated, **steps,
+                       loss_mask=loss_mask, tool_counts=tool_counts)
 
 
 def _counts(prompt_mask: np.ndarray, completion_mask: np.ndarray) -> np.ndarray:
@@ -166,17 +188,24 @@ def _reward_context(run: Run, state: TrainState, data_state: data.DataState) -> 
     return {"trainer_state": rewards.trainer_state(int(state.step), run.config.max_steps, epoch)}
 
 
+def _journal(run: Run, round_index: int, pass_index: int):
+    """Where a sampling pass's tool results are kept as they arrive (`multiturn.Journal`)."""
+    return run.output_dir / "tool_calls" / f"round-{round_index}-pass-{pass_index}.jsonl"
+
+
 def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBatch, key, seconds: dict,
-                      context: dict, log: rewards.RewardLog, *, logps: bool, slots: int = 0):
+                      context: dict, log: rewards.RewardLog, *, logps: bool, slots: int = 0,
+                      turns: multiturn.Turns | None = None, environments: list | None = None):
     """One sampling pass, each group scored on the host as soon as it has ended while the devices decode the others.
     With ``logps`` the reference / old log-probs are queued on the devices as soon as the last rows are decoded,
-    before the host scores them. ``slots``: the decoding call's (`stream.plan_slots`). Adds the pass's `sample` time
+    before the host scores them. ``slots``: the decoding call's (`stream.plan_slots`); ``turns`` and
+    ``environments``: multi-turn rows' (`multiturn.setup`). Adds the pass's `sample` time
     (until its last rows reach the host), `score` time (host scoring after that) and `decode_steps` to ``seconds``.
     Returns (the rows on the devices, `rounds.Draw`, (ref, old) or None)."""
     timer = time.perf_counter()
     pieces, scores, rows, queued = [], [], None, None
     for piece in stream.decode(run.programs.decoder, params, batch.prompt_ids, batch.prompt_mask, key,
-                               group_size=run.config.train.num_generations, slots=slots):
+                               group_size=run.config.train.num_generations, slots=slots, turns=turns):
         if piece.trajectory is not None:  # decoding is over: every row's tokens are on the host
             rows = piece.trajectory
             seconds["decode_steps"] = seconds.get("decode_steps", 0) + piece.decode_steps
@@ -188,7 +217,7 @@ def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBat
             seconds["sample"] = seconds.get("sample", 0.0) + time.perf_counter() - timer
             timer = time.perf_counter()
         pieces.append(piece)
-        scores.append(_score(run, batch, piece, context, log))
+        scores.append(_score(run, batch, piece, context, log, environments))
     draw = _draw(batch, pieces, scores)
     seconds["score"] = seconds.get("score", 0.0) + time.perf_counter() - timer
     return rows, draw, queued
@@ -204,8 +233,11 @@ def _dynamic_sampling_passes(run: Run, state: TrainState, params, data_state: da
     while not (rounds.is_full(passes, tc.prompts_per_round) or len(passes.draws) >= tc.max_num_gen_batches):
         batch, data_state = data.next_batch(run.dataset, data_state, tc.prompts_per_round)
         batch = data.repeat_groups(batch, tc.num_generations)
+        batch, turns, environments = multiturn.setup(run.tooling, run.tokenizer, batch,
+                                                     _journal(run, round_index, len(passes.draws)), tc.num_generations)
         key = run.programs.sample_key(state.key, round_index, len(passes.draws))
-        rows, draw, _ = _sample_and_score(run, state, params, batch, key, seconds, context, log, logps=False)
+        rows, draw, _ = _sample_and_score(run, state, params, batch, key, seconds, context, log, logps=False,
+                                          turns=turns, environments=environments)
         trajectories.append(rows)
         prompt_masks.append(batch.prompt_mask)
         timer = time.perf_counter()
@@ -247,14 +279,16 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
     else:
         batch, data_state = data.next_batch(run.dataset, data_state, tc.prompts_per_round)
         batch = data.repeat_groups(batch, tc.num_generations)
+        batch, turns, environments = multiturn.setup(run.tooling, run.tokenizer, batch, _journal(run, round_index, 0),
+                                                     tc.num_generations)
         key = run.programs.sample_key(state.key, round_index, 0)
         rows, draw, (ref, old) = _sample_and_score(run, state, params, batch, key, seconds, context, log, logps=True,
-                                                   slots=slots)
+                                                   slots=slots, turns=turns, environments=environments)
         counts, sampling_metrics = _counts(batch.prompt_mask, draw.completion_mask), {}
 
     timer = time.perf_counter()
-    mask = rounds.mask_truncated(draw.completion_mask, draw.is_truncated) if tc.mask_truncated_completions \
-        else draw.completion_mask
+    mask = rounds.mask_truncated(draw.trained_mask, draw.is_truncated) if tc.mask_truncated_completions \
+        else draw.trained_mask
     advantages, r_N, std_N = run.programs.advantages(draw.rewards, _weights(run), mask,
                                                      *rounds.pad_steps(draw, mask.shape[1]))
     rows = run.programs.rows(rows, advantages, old, ref)
@@ -267,7 +301,8 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
 
     names = [name for name, _ in run.reward_fns]
     metrics = {**_reward_metrics(draw.rewards, r_N, std_N, names, tc.num_generations),
-               **_completion_metrics(draw.completion_mask, draw.is_truncated),
+               **_completion_metrics(draw.trained_mask, draw.is_truncated),
+               **(multiturn.metrics(draw.tool_counts) if draw.tool_counts is not None else {}),
                "prompts/num_truncated": draw.num_prompts_truncated, **sampling_metrics, **log.metric_means()}
     completions = None
     if cfg.log_completions:

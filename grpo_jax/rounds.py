@@ -37,6 +37,13 @@ class Draw(NamedTuple):
     num_prompts_truncated: int = 0
     step_rewards: np.ndarray | None = None  # [N, S] weighted step rewards (process supervision), NaN padding
     step_end_indices: np.ndarray | None = None  # [N, S] their end-token indices, -1 padding
+    loss_mask: np.ndarray | None = None  # [N, T] multi-turn: the tokens the policy sampled (None: completion_mask)
+    tool_counts: np.ndarray | None = None  # [N, 4] multi-turn: calls, failures, malformed turns, turns
+
+    @property
+    def trained_mask(self) -> np.ndarray:
+        """[N, T] the tokens the loss trains (TRL's completion_mask x tool_mask)."""
+        return self.completion_mask if self.loss_mask is None else self.loss_mask
 
 
 def mask_truncated(mask_NxT, is_truncated_N):
@@ -118,6 +125,7 @@ def finalize(state: DynamicSamplingState, num_groups: int, num_generations: int)
     columns = {key: [state.draws[d].columns.get(key, [None] * (r + 1))[r] for d, r in rows] for key in keys}
     round_ = Draw(prompts=[state.draws[d].prompts[r] for d, r in rows], columns=columns,
                   **{f: gather(f) for f in ("completion_ids", "completion_mask", "is_truncated", "rewards")},
+                  **{f: gather(f) for f in ("loss_mask", "tool_counts") if getattr(state.draws[0], f) is not None},
                   num_prompts_truncated=sum(d.num_prompts_truncated for d in state.draws), **steps)
     sizes = np.cumsum([0] + [len(d.prompts) for d in state.draws])
     drawn = len(state.kept) + len(state.spare)

@@ -23,7 +23,8 @@ from flax import nnx
 from jax.sharding import Mesh
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from grpo_jax import checkpoint, cpu, data, lock, programs, reward_model, rewards, sharding, sources, task
+from grpo_jax import (checkpoint, cpu, data, lock, programs, reward_model, rewards, sharding, sources, task, tool_task,
+                      tools)
 from grpo_jax.config import Config, to_dict
 from grpo_jax.config.sections import SOFT_OVERLONG
 from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, lora, peft_io, resolve_config
@@ -54,6 +55,7 @@ class Run:
     step_prompt_group_size: int = 1  # > 1: a step takes the round's rows in order (whole groups, shared prompts)
     round_prompt_group_size: int = 1  # > 1: the round's log-prob passes share each group's prompt
     resuming: bool = False  # output_dir holds this run already: `train` continues from its newest checkpoint
+    tooling: tools.Tooling | None = None  # tools and environments of multi-turn rollouts (None: one turn a row)
     output_lock: lock.RunLock = dataclasses.field(default_factory=lock.RunLock)  # held; `train` releases it
 
     @property
@@ -109,22 +111,29 @@ def _saved_config(output_dir: Path, config: Config) -> tuple[dict, dict]:
     return saved, to_dict(dataclasses.replace(config, model=model, data=data_config))
 
 
-def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_dataset=None):
-    """The tokenizer, the training prompts tokenized (`data.Dataset`, left-padded to the run's prompt length L) and
-    the held-out rows (`grpo_jax.sources`): from files or datasets (or those given from Python), or the embedded
-    task written to files."""
+def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_dataset=None, tool_specs=(),
+               environment_factory=None):
+    """The tokenizer, the training prompts tokenized (`data.Dataset`, left-padded to the run's prompt length L), the
+    held-out rows (`grpo_jax.sources`) and the run's `tools.Tooling`: from files or datasets (or those given from
+    Python), or the embedded task written to files. Prompts are rendered with their rows' tools."""
     tokenizer_dir = config.data.tokenizer_path or config.model.path  # a model folder holds its tokenizer
     given_data = config.data.path is not None or train_dataset is not None
     if not given_data:
+        module = tool_task if config.data.task == "lookup" else task
         if tokenizer_dir is None:
             tokenizer_dir = output_dir / "tokenizer"
-            task.build_tokenizer(tokenizer_dir)
+            module.build_tokenizer(tokenizer_dir)
         d = config.data
-        train_rows = task.make_examples(d.task, d.task_num_train, config.seed, d.task_min_len, d.task_max_len)
-        eval_rows = task.make_examples(d.task, config.eval.num_examples, config.seed + 1_000_003,
-                                       d.task_min_len, d.task_max_len)
-        seen = {r["prompt"] for r in train_rows}
-        eval_rows = [r for r in eval_rows if r["prompt"] not in seen] or eval_rows  # held out where possible
+        if module is tool_task:
+            train_rows = tool_task.make_examples(d.task_num_train, config.seed, d.task_min_len, d.task_max_len)
+            eval_rows = tool_task.make_examples(config.eval.num_examples, config.seed + 1_000_003, d.task_min_len,
+                                                d.task_max_len)
+        else:
+            train_rows = task.make_examples(d.task, d.task_num_train, config.seed, d.task_min_len, d.task_max_len)
+            eval_rows = task.make_examples(d.task, config.eval.num_examples, config.seed + 1_000_003,
+                                           d.task_min_len, d.task_max_len)
+            seen = {r["prompt"] for r in train_rows}
+            eval_rows = [r for r in eval_rows if r["prompt"] not in seen] or eval_rows  # held out where possible
         (output_dir / "data").mkdir(exist_ok=True)
         task.write_jsonl(output_dir / "data" / "train.jsonl", train_rows)
         if eval_rows:
@@ -160,18 +169,36 @@ def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_datase
     if config.model.vocab_size is not None and len(tokenizer) > config.model.vocab_size:
         raise ValueError(f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
                          f"{len(tokenizer)} tokens ({tokenizer_dir}): raise model.vocab_size or leave it unset")
+    tooling = tools.build(tool_specs, environment_factory, tokenizer, timeout=config.sampling.tool_timeout,
+                          max_iterations=config.sampling.max_tool_calling_iterations,
+                          max_model_len=config.model.max_position_embeddings)
+    train_tools = eval_tools = template = None
+    if tooling is not None:
+        train_tools = _row_tools(tooling, train_rows, train_where)
+        eval_tools = _row_tools(tooling, eval_rows, eval_where)
+        template = tooling.chat_template
     # every row is checked before the first step: a bad one fails now, naming its line, not halfway through
     limit, truncation = config.data.max_prompt_length, config.data.truncation
     tokens, offsets = data.check_prompts(train_where, data.prompt_column(train_rows), train_lines, tokenizer, limit,
-                                         truncation)
+                                         truncation, tools=train_tools, chat_template=template)
     lengths = np.diff(offsets)
     if len(eval_rows):
         _, eval_offsets = data.check_prompts(eval_where, data.prompt_column(eval_rows), eval_lines, tokenizer, limit,
-                                             "left")
+                                             "left", tools=eval_tools, chat_template=template)
         lengths = np.concatenate([lengths, np.diff(eval_offsets)])
     length = _prompt_length(limit, lengths)
     dataset = data.Dataset(train_rows, tokens, offsets, length, tokenizer.pad_token_id)
-    return tokenizer, tokenizer_dir, dataset, list(eval_rows)
+    return tokenizer, tokenizer_dir, dataset, list(eval_rows), tooling
+
+
+def _row_tools(tooling: tools.Tooling, rows, where) -> list:
+    """Each row's tools (its environment's with a dict of factories); rows must be conversations, as TRL's tool
+    loop reads messages."""
+    prompts = data.prompt_column(rows)
+    if len(prompts) and not data.is_conversational(prompts[0]):
+        raise ValueError(f"{where}: tools and environments need conversational prompts (lists of "
+                         "{\"role\", \"content\"} messages), as TRL's tool loop does: the prompts are strings")
+    return [tooling.schemas(row) for row in (rows if isinstance(rows, list) else rows.to_list())]
 
 
 PROMPT_LENGTH_MULTIPLE = 16  # data.max_prompt_length: null rounds the longest prompt up to this
@@ -279,14 +306,16 @@ def check_inputs(config: Config, *, reward_funcs=None, train_dataset=None, eval_
 
 
 def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None, eval_dataset=None,
-          reward_funcs: Sequence[Callable | str] | None = None) -> tuple[Run, TrainState]:
+          reward_funcs: Sequence[Callable | str] | None = None, tools: Sequence[Callable | str] | None = None,
+          environment_factory=None) -> tuple[Run, TrainState]:
     """Resolves data, rewards, mesh, optimizer and the initial train state; builds the device programs.
 
     `loss_fn` replaces `grpo_jax.losses.compute_loss` in the train step (same signature; see
     `grpo_jax.train_step`): the hook for a custom loss variant. As TRL's GRPOTrainer takes them,
     `train_dataset` / `eval_dataset` (a `datasets.Dataset` or a list of dicts) replace `data.path` / `eval.path`,
-    and `reward_funcs` (callables, or 'module:function' paths) replaces `reward.functions`. None of these is part
-    of `config.yaml`: a resumed run must be given them again.
+    and `reward_funcs` (callables, or 'module:function' paths) replaces `reward.functions`; `tools` and
+    `environment_factory` replace the config's. None of these is part of `config.yaml`: a resumed run must be given
+    them again.
     An `output_dir` holding a run is checked against its config.yaml (`checkpoint.check_compatible`). The run
     holds `output_dir`'s lock (`Run.output_lock`; a ValueError names the process holding it already) until
     `run.output_lock.release()`, which `train` calls at its end.
@@ -294,8 +323,11 @@ def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None
     check_inputs(config, reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset)
     programs.use_compilation_cache(config.compilation_cache_dir)
     output_dir, resuming, held = _output_dir(config)
+    tool_specs = config.tools if tools is None else tuple(tools)
+    factories = config.environment_factory if environment_factory is None else environment_factory
     try:
-        return _build(config, output_dir, resuming, held, loss_fn, train_dataset, eval_dataset, reward_funcs)
+        return _build(config, output_dir, resuming, held, loss_fn, train_dataset, eval_dataset, reward_funcs,
+                      tool_specs, factories)
     except BaseException:
         if not resuming and jax.process_index() == 0:
             _remove_setup_files(output_dir)
@@ -316,7 +348,7 @@ def _remove_setup_files(output_dir: Path) -> None:
 
 
 def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock, loss_fn: Callable | None,
-           train_dataset, eval_dataset, reward_funcs) -> tuple[Run, TrainState]:
+           train_dataset, eval_dataset, reward_funcs, tool_specs, factories) -> tuple[Run, TrainState]:
     speedups = cpu.enabled(config.cpu_speedups)
     if speedups:
         cpu.configure_host_allocator(config.host_allocator)  # before the first jitted call allocates
@@ -327,7 +359,8 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     model_config = resolve_config(config.model)
     model_config = dataclasses.replace(model_config, lora=peft_io.resolve_lora(model_config.lora))
     config = dataclasses.replace(config, model=model_config)
-    tokenizer, tokenizer_dir, dataset, eval_rows = _load_data(config, output_dir, train_dataset, eval_dataset)
+    tokenizer, tokenizer_dir, dataset, eval_rows, tooling = _load_data(config, output_dir, train_dataset,
+                                                                       eval_dataset, tool_specs, factories)
     config = dataclasses.replace(config, data=dataclasses.replace(config.data,
                                                                   max_prompt_length=dataset.max_prompt_length))
     if config.model.vocab_size is None:
@@ -338,6 +371,7 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     if config.reward.weights is not None and len(config.reward.weights) != len(reward_fns):
         raise ValueError(f"reward.weights has {len(config.reward.weights)} entries for the {len(reward_fns)} "
                          "reward_funcs: give one weight per function")
+    reward_fns += tools.env_rewards(tooling)  # weight 1 each (`rollout._weights`), named after the class
     eval_reward_fns = _resolve_rewards(config, config.eval.reward_functions, mesh)
     # a reward function that fails on its first call does so now, not after the sampler compiled
     where = "train_dataset" if train_dataset is not None else config.data.path or "the embedded task"
@@ -362,7 +396,12 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
             params = lora.join(programs.init_adapters(config.model, config.seed, shardings), params)
         graphdef, state = model.graphdef, programs.state_from_params(params, optimizer, **state_options)
     graphdef = cpu.packed_attention(cpu.linear_layers(graphdef, state.params, speedups), state.params, speedups)
-    eos_ids = eos_token_ids(config.model.path, tokenizer) if config.model.path else (tokenizer.eos_token_id,)
+    if config.model.path:
+        eos_ids = eos_token_ids(config.model.path, tokenizer)
+    elif config.data.path is None and config.data.task == "lookup":  # a turn also ends at its tool call
+        eos_ids = tool_task.stop_token_ids(tokenizer)
+    else:
+        eos_ids = (tokenizer.eos_token_id,)
     loss_config = dataclasses.replace(config.loss, max_completion_length=config.sampling.max_completion_length)
     round_group, step_group = prompt_group_sizes(config, mesh)
     options = StepOptions(loss=loss_config, temperature=config.sampling.temperature,
@@ -391,5 +430,5 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
               dataset=dataset, eval_rows=eval_rows, reward_fns=reward_fns, eval_reward_fns=eval_reward_fns,
               mesh=mesh, graphdef=graphdef, schedule=schedule, programs=run_programs,
               step_prompt_group_size=step_group, round_prompt_group_size=round_group, resuming=resuming,
-              output_lock=held)
+              output_lock=held, tooling=tooling)
     return run, state

@@ -11,6 +11,7 @@ decoding its rows from a thread of its own (`cpu.host_chunks`).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import queue
 from collections.abc import Callable, Iterator
@@ -19,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from grpo_jax import sharding
+from grpo_jax import multiturn, sharding
 from grpo_jax.trajectory import Trajectory
 
 
@@ -32,10 +33,13 @@ class Piece(NamedTuple):
     is_truncated: np.ndarray  # [n] bool
     trajectory: Trajectory | None = None  # the call's rows on the devices, with the piece that finishes the call
     decode_steps: int = 0  # with the piece that finishes the call: its decode steps (the longest chunk's)
+    loss_mask: np.ndarray | None = None  # [n, T] multi-turn: the tokens the policy sampled (None: completion_mask)
+    completions: list | None = None  # multi-turn: each row's messages after its prompt, as TRL's `completions`
+    tool_counts: np.ndarray | None = None  # [n, 4] multi-turn: calls, failures, malformed turns, turns
 
 
 def _piece(rows: np.ndarray, view, offset: int) -> Piece:
-    ended_B, length_B, at_eos_B, tokens_BxT, steps = view
+    ended_B, length_B, at_eos_B, tokens_BxT, steps = view[:5]
     mask = (np.arange(tokens_BxT.shape[1])[None] < length_B[rows, None]).astype(np.int32)
     steps = int(steps) if ended_B.all() else 0  # the call's steps come with its last rows
     return Piece(rows + offset, tokens_BxT[rows], mask, ~at_eos_B[rows], decode_steps=steps)
@@ -91,18 +95,25 @@ def _merged(calls: list[Callable[[], Iterator]], pool) -> Iterator:
 
 
 def decode(decoder, params, prompt_ids_BxP, prompt_mask_BxP, key, *, greedy: bool = False,
-           group_size: int = 1, slots: int = 0) -> Iterator[Piece]:
+           group_size: int = 1, slots: int = 0, turns: multiturn.Turns | None = None) -> Iterator[Piece]:
     """A decoding call of ``decoder`` (`programs.Decoder`) over host prompt rows (every process's, the same): its
     `Piece`s, whole groups of ``group_size`` rows as they finish; the last carries the call's `Trajectory`.
-    ``slots``: the call's decode slots (`plan_slots`; 0: `sampling.max_batch_rows`)."""
+    ``slots``: the call's decode slots (`plan_slots`; 0: `sampling.max_batch_rows`). With ``turns`` the rows call
+    tools between turns (`multiturn.chunk`)."""
     B = len(prompt_ids_BxP)
     k = decoder.chunks(B, group_size)
     rows = B // k
     options = decoder.options(rows, B, greedy, slots)
     parts = [decoder.place((prompt_ids_BxP, prompt_mask_BxP))] if k == 1 else [
         (prompt_ids_BxP[i * rows:(i + 1) * rows], prompt_mask_BxP[i * rows:(i + 1) * rows]) for i in range(k)]
-    calls = [lambda i=i: _chunk(decoder, params, *parts[i], key, i * rows, options, group_size) for i in range(k)]
-    if k == 1 and (not options.num_slots or options.num_slots >= rows):  # one static batch: inline
+    if turns is not None:
+        options = dataclasses.replace(options, pause_at_eos=True)
+        calls = [lambda i=i: multiturn.chunk(
+            decoder, params, *parts[i], key, i * rows, options, group_size,
+            dataclasses.replace(turns, episodes=turns.episodes[i * rows:(i + 1) * rows])) for i in range(k)]
+    else:
+        calls = [lambda i=i: _chunk(decoder, params, *parts[i], key, i * rows, options, group_size) for i in range(k)]
+    if k == 1 and turns is None and (not options.num_slots or options.num_slots >= rows):  # a static batch: inline
         yield from _events(((0, event) for event in calls[0]()), decoder, B, k)
         return
     # segments and chunks are queued from threads of their own, so the devices never wait for the host

@@ -80,19 +80,20 @@ def _restore(run: Run, state: TrainState, data_state: data.DataState, mngr):
 
 
 def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | None = None, train_dataset=None,
-          eval_dataset=None, reward_funcs: list | None = None) -> dict:
+          eval_dataset=None, reward_funcs: list | None = None, tools: list | None = None,
+          environment_factory=None) -> dict:
     """Runs GRPO as configured and returns a summary (eval before/after, skipped steps, output_dir).
 
     Continues the run in `output_dir` from its newest checkpoint when there is one (`resume`). Saves every
     `save_steps` steps and at the end, then exports the policy to `output_dir/final/`. On SIGTERM/SIGINT it
     finishes the step, saves, and raises `preemption.Preempted`; any other exception during training saves the
     last good state first and raises `preemption.RunFailed` saying what failed (`preemption.failed`).
-    `loss_fn`: a custom loss with `compute_loss`'s signature, used instead of it; `train_dataset`, `eval_dataset`
-    and `reward_funcs` as TRL's GRPOTrainer takes them (see `build`). The run holds
+    `loss_fn`: a custom loss with `compute_loss`'s signature, used instead of it; `train_dataset`, `eval_dataset`,
+    `reward_funcs`, `tools` and `environment_factory` as TRL's GRPOTrainer takes them (see `build`). The run holds
     `output_dir`'s lock (one writer per run) until it returns.
     """
     run, state = build(config, loss_fn=loss_fn, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                       reward_funcs=reward_funcs)
+                       reward_funcs=reward_funcs, tools=tools, environment_factory=environment_factory)
     try:
         return _train(config, run, state, show_progress)
     except (preemption.Preempted, preemption.RunFailed):
@@ -103,6 +104,8 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
         # outside the loop (evaluation, summary, final export): a full or read-only disk gets the same one message
         raise preemption.failed(error, run.output_dir, checkpoint.nbytes(state, run.keep_ref)) from error
     finally:
+        if run.tooling is not None:
+            run.tooling.toolbox.close()
         run.output_lock.release()
 
 

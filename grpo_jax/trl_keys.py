@@ -22,7 +22,8 @@ ALIASES = {
         "lr_scheduler_type", "mask_truncated_completions", "max_grad_norm", "multi_objective_aggregation",
         "num_generations", "num_iterations", "ref_model_mixup_alpha", "ref_model_sync_steps", "scale_rewards",
         "steps_per_generation", "sync_ref_model", "warmup_steps", "weight_decay")},
-    **{name: f"sampling.{name}" for name in ("max_completion_length", "min_p", "temperature", "top_k", "top_p")},
+    **{name: f"sampling.{name}" for name in (
+        "max_completion_length", "max_tool_calling_iterations", "min_p", "temperature", "top_k", "top_p")},
     "reward_weights": "reward.weights",
     "max_prompt_length": "data.max_prompt_length",
     "model_name_or_path": "model.path",

@@ -45,6 +45,8 @@ class Config:
     cpu_speedups: bool | None = None  # XLA:CPU speed-ups (grpo_jax.cpu), same numbers; None: on when backend is cpu
     host_allocator: str = "retain"  # with cpu_speedups: retain keeps freed blocks in glibc; system: leave malloc
     compilation_cache_dir: str | None = "~/.cache/grpo_jax/jax"  # JAX's persistent compilation cache; None: off
+    tools: tuple[str, ...] = ()  # TRL's tools: 'module:function' the policy may call between turns
+    environment_factory: str | dict | None = None  # TRL's: 'module:Class', one per rollout, or {name: 'module:Class'}
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
@@ -70,6 +72,13 @@ class Config:
                f"cpu_speedups={self.cpu_speedups!r} must be true, false or null (null: on when jax's backend is cpu)")
         check(self.host_allocator in HOST_ALLOCATORS, f"host_allocator={self.host_allocator!r} is not supported: "
                f"use one of {', '.join(HOST_ALLOCATORS)}")
+        check(all(isinstance(t, str) and ":" in t for t in self.tools),
+              f"tools={list(self.tools)}: list each tool as 'module:function'")
+        factories = self.environment_factory
+        check(factories is None or (isinstance(factories, str) and ":" in factories) or (isinstance(factories, dict)
+              and factories and all(isinstance(v, str) and ":" in v for v in factories.values())),
+            f"environment_factory={factories!r}: give 'module:Class', or a mapping of environment names (a row's "
+            "'environment' column) to 'module:Class'")
         check(self.save_total_limit is None or self.save_total_limit >= 1,
                f"save_total_limit={self.save_total_limit} must be >= 1, or null to keep every checkpoint")
         check(self.loss.loss_type != "dr_grpo" or self.loss.max_completion_length

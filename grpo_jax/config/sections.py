@@ -36,7 +36,7 @@ class DataConfig:
     split: str = "train"  # the split of a save_to_disk DatasetDict or a cached dataset id
     config_name: str | None = None  # a cached dataset's configuration (datasets' `name`)
     tokenizer_path: str | None = None  # Hugging Face tokenizer folder; None: model.path's, else the built-in one
-    task: str = "reverse"  # embedded task when path is None: reverse, sort, add
+    task: str = "reverse"  # embedded task when path is None: reverse, sort, add; lookup (multi-turn, a tool)
     task_min_len: int = 3
     task_max_len: int = 4
     task_num_train: int = 2000
@@ -44,8 +44,9 @@ class DataConfig:
     truncation: str = "left"  # left: keep the last tokens (warned once); error: refuse long prompts
 
     def __post_init__(self):
-        check(self.task in ("reverse", "sort", "add"),
-               f"data.task={self.task!r} is unknown: use reverse, sort or add (or set data.path to a JSONL file)")
+        check(self.task in ("reverse", "sort", "add", "lookup"),
+               f"data.task={self.task!r} is unknown: use reverse, sort, add or lookup (or set data.path to a JSONL "
+               "file)")
         check(1 <= self.task_min_len <= self.task_max_len,
                f"data.task_min_len={self.task_min_len}, data.task_max_len={self.task_max_len}: "
                "need 1 <= task_min_len <= task_max_len")
@@ -67,7 +68,11 @@ class SamplingConfig:
     ``max_batch_rows`` (grpo_jax only) N > 0 fewer than a call's rows: continuous batching (`grpo_jax.decoder`),
     N rows decode at once and a row that ends hands its slot to the next waiting row. The tokens do not depend on
     it. 0: every row of the call decodes at once until the longest ends. None: chosen round by round from the
-    measured time of a decode step (`stream.plan_slots`)."""
+    measured time of a decode step (`stream.plan_slots`).
+
+    With tools (`Config.tools`, `Config.environment_factory`) a completion holds every turn and its tool results,
+    all within ``max_completion_length``; ``max_tool_calling_iterations`` (TRL's) caps a rollout's rounds of tool
+    calls (None: no cap) and ``tool_timeout`` (grpo_jax) a call's seconds, past which its result is an error."""
 
     max_completion_length: int = 8
     temperature: float = 1.0
@@ -76,6 +81,8 @@ class SamplingConfig:
     min_p: float = 0.0
     host_threads: int = 0
     max_batch_rows: int | None = None
+    max_tool_calling_iterations: int | None = None
+    tool_timeout: float = 60.0
 
     def __post_init__(self):
         if not isinstance(self.max_completion_length, int) or self.max_completion_length < 1:
@@ -92,6 +99,9 @@ class SamplingConfig:
         if self.max_batch_rows is not None and (not isinstance(self.max_batch_rows, int) or self.max_batch_rows < 0):
             raise ValueError(f"sampling.max_batch_rows={self.max_batch_rows!r} must be an integer >= 0 (0: all of a "
                              "call's rows decode at once)")
+        check(self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 0,
+              f"sampling.max_tool_calling_iterations={self.max_tool_calling_iterations} must be >= 0, or null (no cap)")
+        check(self.tool_timeout > 0, f"sampling.tool_timeout={self.tool_timeout} must be > 0 seconds")
         if not isinstance(self.host_threads, int) or self.host_threads < 0:
             raise ValueError(f"sampling.host_threads={self.host_threads!r} must be an integer >= 0 (0: one per CPU "
                              "core on CPU, 1 elsewhere)")

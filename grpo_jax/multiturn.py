@@ -1,0 +1,270 @@
+"""Multi-turn rollouts: a decoding call whose rows call tools between their turns, TRL 1.16's `_tool_call_loop`
+token for token, with the devices decoding other rows while tools run.
+
+A row's turn ends at EOS (`decoder` with ``pause_at_eos``: the row frees its slot). The host parses the turn
+(`tools.parse_turn`); its tool calls go to the `tools.Toolbox` and the host goes on driving the decoder. When a
+turn's results are back they are rendered (`tools.suffix_ids`) and appended to the row, which is admitted again at
+the next free slot; a row whose turn calls nothing, whose results would overflow ``max_completion_length`` (or the
+model's context; TRL rolls them back) or that used ``max_tool_calling_iterations`` rounds is retired. Each
+post-tool turn decodes only the budget left, where TRL decodes a full ``max_completion_length`` and cuts it.
+
+Every turn's results are written to a `Journal` as they arrive: a pass sampled again after a restart (its tokens
+are the same: `decoder` draws each row's tokens with its own noise) reads them back instead of calling the tools
+again, so tools with side effects run once and the resumed run equals the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from grpo_jax import sharding, tools
+
+
+@dataclasses.dataclass
+class Episode:
+    """One row's conversation after its prompt, on the host: what TRL's `completions` holds for it and its counts."""
+
+    prompt_ids: list  # the row's real prompt tokens
+    tools: dict  # name -> callable: the tools this row may call
+    schemas: list  # the same tools, for the response parser
+    messages: list = dataclasses.field(default_factory=list)  # assistant and tool messages, TRL's `completions[i]`
+    start: int = 0  # the completion index where the current turn began
+    parsed: bool = False  # the current turn was parsed (it paused)
+    appended: list = dataclasses.field(default_factory=list)  # (start, end) of each appended result, completion indices
+    rounds: int = 0  # tool rounds done
+    calls: int = 0
+    failures: int = 0
+    malformed: int = 0  # turns the response parser could not read (TRL: plain text, not counted)
+
+    def turns(self) -> int:
+        return sum(m["role"] == "assistant" for m in self.messages)
+
+
+class Journal:
+    """Tool results of one sampling pass by (row, round), appended to a JSONL file as they arrive and read back
+    when the pass is sampled again: a call whose turn asks the same again is not run twice."""
+
+    def __init__(self, path: Path | None):
+        self.path, self._lock, self._seen = path, threading.Lock(), {}
+        if path is not None and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by the stop: that call runs again
+                    continue
+                self._seen[(entry["row"], entry["round"])] = entry
+
+    def get(self, row: int, round_: int, calls: list) -> tools.Results | None:
+        entry = self._seen.get((row, round_))
+        if entry is None or entry["calls"] != json.loads(json.dumps(calls, default=str)):
+            return None
+        return tools.Results(entry["messages"], entry["num_calls"], entry["failures"])
+
+    def put(self, row: int, round_: int, calls: list, results: tools.Results) -> None:
+        if self.path is None:
+            return
+        entry = {"row": row, "round": round_, "calls": calls, "messages": results.messages,
+                 "num_calls": results.calls, "failures": results.failures}
+        line = json.dumps(entry, default=str) + "\n"
+        with self._lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())  # on disk before the result is used: a stop after it never calls again
+            self._seen[(row, round_)] = json.loads(line)
+
+
+@dataclasses.dataclass(frozen=True)
+class Turns:
+    """What a multi-turn decoding call needs beside the decoder: its rows' episodes and how to run and render tools."""
+
+    tokenizer: object
+    episodes: list  # Episode per row of the call
+    toolbox: tools.Toolbox
+    journal: Journal
+    max_iterations: int | None = None  # TRL's max_tool_calling_iterations; None: no limit
+    max_model_len: int | None = None  # the model's context (max_position_embeddings); None: no limit
+    chat_template: str | None = None
+    template_kwargs: dict = dataclasses.field(default_factory=dict)
+
+
+def _parse(turns: Turns, b: int, tokens_T: np.ndarray, length: int) -> dict:
+    """Row ``b``'s current turn as an assistant message (its counts kept)."""
+    ep = turns.episodes[b]
+    message, malformed = tools.parse_turn(turns.tokenizer, tokens_T[ep.start:length].tolist(),
+                                          ep.prompt_ids + tokens_T[:ep.start].tolist(), ep.schemas)
+    ep.malformed += malformed
+    ep.messages.append(message)
+    ep.parsed = True
+    return message
+
+
+def _results(turns: Turns, row: int, b: int, calls: list) -> tuple[concurrent.futures.Future, bool]:
+    """(a future of row ``b``'s turn's results, whether they come from the journal)."""
+    ep = turns.episodes[b]
+    saved = turns.journal.get(row, ep.rounds, calls)
+    if saved is None:
+        return turns.toolbox.submit(calls, ep.tools), False
+    future = concurrent.futures.Future()
+    future.set_result(saved)
+    return future, True
+
+
+def _padded(rows: list, width: int) -> np.ndarray:
+    return np.array(rows + [-1] * (width - len(rows)), np.int32)
+
+
+def _bucket(n: int) -> int:
+    """Appended tokens are padded to a power of two: few compiled shapes of `decoder.append`."""
+    return 1 << max(3, (n - 1).bit_length())
+
+
+def chunk(decoder, params, ids, mask, key, offset: int, options, group_size: int, turns: Turns) -> Iterator:
+    """One program's rows (from row ``offset`` of the call) decoded over their turns: their `stream.Piece`s as
+    whole groups end, the call's `Trajectory` before the last. ``options`` with ``pause_at_eos``."""
+    from grpo_jax.stream import Piece
+
+    B, T = len(ids), options.sampling.max_completion_length
+    decoding = decoder.start(params, ids, mask, key, np.int32(offset), options)
+    waiting: dict = {}  # row -> future of its turn's tools.Results
+    seen_R = np.zeros(B // group_size, bool)
+    while True:
+        decoding, view = decoder.advance(params, decoding, options, True)
+        ended, length, at_eos, tokens, steps, paused = sharding.to_host(view)
+        retire, give = [], []
+        for b in np.flatnonzero(paused):
+            if b in waiting:
+                continue
+            ep = turns.episodes[b]
+            calls = _parse(turns, b, tokens[b], int(length[b])).get("tool_calls")
+            if calls and (turns.max_iterations is None or ep.rounds < turns.max_iterations):
+                waiting[b] = (calls, *_results(turns, offset + int(b), b, calls))
+            else:
+                retire.append(int(b))
+        if waiting and not retire and not np.any(~ended & ~paused):  # nothing to decode until a tool returns
+            concurrent.futures.wait([f for _, f, _ in waiting.values()],
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        for b in [b for b, (_, f, _) in waiting.items() if f.done()]:
+            calls, future, replayed = waiting.pop(b)
+            results = future.result()
+            ep = turns.episodes[b]
+            if not replayed:  # on disk before it is used
+                turns.journal.put(offset + int(b), ep.rounds, calls, results)
+            ep.calls, ep.failures = ep.calls + results.calls, ep.failures + results.failures
+            suffix = tools.suffix_ids(turns.tokenizer, results.messages, turns.chat_template, **turns.template_kwargs)
+            n = int(length[b])
+            total = len(ep.prompt_ids) + n + len(suffix)
+            if n + len(suffix) > T or (turns.max_model_len is not None and total >= turns.max_model_len):
+                retire.append(int(b))  # TRL rolls the results back: the rollout ends after the calling turn
+                continue
+            ep.messages += results.messages
+            ep.appended.append((n, n + len(suffix)))
+            ep.start, ep.parsed, ep.rounds = n + len(suffix), False, ep.rounds + 1
+            give.append((int(b), suffix))
+        if retire:
+            decoding = decoder.retire(decoding, _padded(retire, B))
+        if give:
+            width = _bucket(max(len(s) for _, s in give))
+            tokens_MxA = np.zeros((B, width), np.int32)
+            for m, (_, suffix) in enumerate(give):
+                tokens_MxA[m, :len(suffix)] = suffix
+            decoding = decoder.append(decoding, _padded([b for b, _ in give], B), tokens_MxA,
+                                      _padded([len(s) for _, s in give], B))
+        done_R = ended.reshape(-1, group_size).all(axis=1)
+        new_R = done_R & ~seen_R
+        if done_R.all():
+            yield decoder.trajectory(decoding)
+        if new_R.any():
+            rows = np.flatnonzero(np.repeat(new_R, group_size))
+            yield _piece(Piece, turns, rows, offset, tokens, length, at_eos, int(steps) if done_R.all() else 0)
+            seen_R = done_R
+        if done_R.all():
+            return
+
+
+def _piece(Piece, turns: Turns, rows: np.ndarray, offset: int, tokens, length, at_eos, steps: int):
+    """Finished rows as a `stream.Piece`: their tokens, masks (the appended results attended, not trained), TRL's
+    completion messages and tool counts [n, 4] (calls, failures, malformed turns, turns)."""
+    T = tokens.shape[1]
+    mask = (np.arange(T)[None] < length[rows, None]).astype(np.int32)
+    loss_mask = mask.copy()
+    completions, counts = [], np.zeros((len(rows), 4), np.int32)
+    for i, b in enumerate(rows):
+        ep = turns.episodes[b]
+        if not ep.parsed and length[b] > ep.start:  # a last turn cut at T tokens (TRL parses it too)
+            _parse(turns, b, tokens[b], int(length[b]))
+        for start, end in ep.appended:
+            loss_mask[i, start:end] = 0
+        completions.append(ep.messages)
+        counts[i] = ep.calls, ep.failures, ep.malformed, ep.turns()
+    return Piece(rows + offset, tokens[rows], mask, ~at_eos[rows], decode_steps=steps, loss_mask=loss_mask,
+                 completions=completions, tool_counts=counts)
+
+
+def metrics(counts_Nx4: np.ndarray) -> dict:
+    """TRL's tool metrics over a round's rows, and grpo_jax's: malformed calls per rollout (TRL counts them as
+    nothing) and turns per rollout."""
+    calls, failures, malformed, turns = counts_Nx4.sum(axis=0)
+    n = len(counts_Nx4)
+    return {"tools/call_frequency": calls / n, "tools/failure_frequency": failures / calls if calls else 0.0,
+            "tools/malformed_frequency": malformed / n, "tools/turns_per_rollout": turns / n}
+
+
+def make_turns(tokenizer, rows_tools: list, prompt_ids: list, toolbox: tools.Toolbox, journal: Journal,
+               **options) -> Turns:
+    """`Turns` of a call whose row b may call ``rows_tools[b]`` (callables) after its prompt ``prompt_ids[b]``."""
+    episodes = [Episode(list(p), tools.tool_dict(t), list(t)) for p, t in zip(prompt_ids, rows_tools)]
+    return Turns(tokenizer, episodes, toolbox, journal, **options)
+
+
+
+def setup(tooling: tools.Tooling | None, tokenizer, batch, journal: Path | None, group_size: int):
+    """A sampling pass's rows (`data.PromptBatch`, G rows a prompt) made ready for their tools: each row's
+    environment drawn from the pool and reset with its row (TRL: the returned string is appended to the last user
+    message, and the prompts are tokenized again), and the pass's `Turns`. Returns (batch, Turns or None,
+    environments or None)."""
+    from grpo_jax import data
+
+    if tooling is None:
+        return batch, None, None
+    rows = [{"prompt": prompt, **{k: v[i] for k, v in batch.columns.items()}} for i, prompt in enumerate(batch.prompts)]
+    environments = tooling.environments(rows)
+    prompts = list(batch.prompts)
+    if environments is not None:
+        multi = None not in tooling.factories
+        observations = [env.reset(**({k: v for k, v in row.items() if k != "environment"} if multi else row))
+                        for env, row in zip(environments, rows)]
+        if any(o is not None for o in observations):
+            prompts = [p if o is None else p[:-1] + [{**p[-1], "content": p[-1]["content"] + str(o)}]
+                       for p, o in zip(prompts, observations)]
+            _check_groups(prompts, group_size)
+            ids, mask, _ = data.tokenize_prompts(tokenizer, prompts, batch.prompt_ids.shape[1], "left",
+                                                 [tooling.schemas(r) for r in rows], tooling.chat_template)
+            batch = batch._replace(prompt_ids=ids, prompt_mask=mask, prompts=prompts)
+    row_tools = [list(tooling.tools) + (tools.methods(env) if environments else []) for env in
+                 (environments or [None] * len(rows))]
+    prompt_ids = [ids[m == 1].tolist() for ids, m in zip(batch.prompt_ids, batch.prompt_mask)]
+    turns = make_turns(tokenizer, row_tools, prompt_ids, tooling.toolbox, Journal(journal),
+                       max_iterations=tooling.max_iterations, max_model_len=tooling.max_model_len,
+                       chat_template=tooling.chat_template)
+    return batch, turns, environments
+
+
+def _check_groups(prompts: list, group_size: int) -> None:
+    """Rows of one prompt must stay one prompt after their environments' resets: the decoder prefills a group's
+    prompt once."""
+    for g in range(0, len(prompts), group_size):
+        for i in range(g + 1, g + group_size):
+            if prompts[i] != prompts[g]:
+                raise ValueError(f"environment reset returned different observations for rows {g} and {i} of one "
+                                 "prompt's group: grpo_jax prefills a group's prompt once, so reset(**row) must "
+                                 "return the same text for the same row (seed any randomness from the row)")

@@ -1,0 +1,328 @@
+"""Tools and environments of multi-turn rollouts, as TRL 1.16's GRPOTrainer defines them (`_tool_call_loop`).
+
+A tool is a Python function (sync or async) with type hints and a Google-style docstring: the chat template renders
+its JSON schema into the prompt. An environment is a class: one instance per rollout, `reset(**row)` before the
+rollout (a returned string is appended to the last user message), its public methods are that rollout's tools, and
+an optional `get_reward()` is one more reward function (weight 1, named after the class). A dict of factories picks
+one per row by the row's ``environment`` column.
+
+A turn's tool calls are parsed from its tokens with the tokenizer's response parser (`parse_turn`, TRL's
+`parse_response`); every call runs (`Toolbox.run`: async tools awaited together, sync ones on a thread pool, each
+under ``timeout``) and its result, ``str(result)``, becomes a tool message; `suffix_ids` renders the messages with
+the chat template exactly as TRL's `_get_tool_suffix_ids` does, tokens appended after the turn's own end.
+An unknown tool or one that raises (or times out) gives ``{"error": "..."}`` as its message and counts as a
+failure, as in TRL; a call the parser cannot read leaves the turn plain text, as in TRL, but is counted
+(``malformed``), which TRL does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import concurrent.futures
+import inspect
+import json
+import threading
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from grpo_jax.rewards import is_async_callable, resolve_reward_fn
+
+RESERVED = ("reset", "get_reward")  # an environment's methods that are not tools
+
+
+def resolve(spec: str | Callable) -> Callable:
+    """A tool or environment factory: a callable as it is, a 'module:name' path imported."""
+    if callable(spec):
+        return spec
+    return resolve_reward_fn(spec)
+
+
+def environment_factories(spec) -> dict | None:
+    """TRL's ``environment_factory`` as {name: factory} ({None: factory} for one), or None."""
+    if spec is None:
+        return None
+    if isinstance(spec, dict):
+        return {name: resolve(factory) for name, factory in spec.items()}
+    return {None: resolve(spec)}
+
+
+def methods(environment) -> list[Callable]:
+    """An environment instance's tools: its public methods but `reset` and `get_reward` (listed on the class, as TRL
+    does, so properties are not evaluated)."""
+    return [getattr(environment, name) for name, _ in inspect.getmembers(type(environment), inspect.isfunction)
+            if name not in RESERVED and not name.startswith("_")]
+
+
+def check_environment(name, environment) -> None:
+    """An environment must define `reset` (TRL's check), named in the error."""
+    if not callable(getattr(type(environment), "reset", None)):
+        raise ValueError(f"environment_factory{'' if name is None else f'[{name!r}]'} made a "
+                         f"{type(environment).__name__} without a reset method: TRL environments define "
+                         "reset(self, **row) (returning None or a string appended to the prompt)")
+
+
+def _validate_calls(calls) -> None:
+    """TRL's `_validate_tool_calls`: every call names a function; missing arguments become {}."""
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise ValueError("tool_calls must be a list or None.")
+    for call in calls:
+        if not isinstance(call, dict):
+            raise ValueError("a tool call must be a dict")
+        fn = call["function"] if "function" in call else call
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError("a tool call must name its function")
+        if fn.get("arguments") is None:
+            fn["arguments"] = {}
+
+
+def parse_turn(tokenizer, ids: Sequence[int], prefix: Sequence[int] | None, tools: list) -> tuple[dict, bool]:
+    """(the turn as an assistant message, whether it failed to parse): TRL 1.16's `parse_response` (a turn that does
+    not parse is its text, special tokens skipped), and the flag TRL does not keep. Needs the tokenizer's
+    ``response_template`` (or legacy ``response_schema``)."""
+    try:
+        if getattr(tokenizer, "response_template", None) is not None and prefix is not None:
+            parsed = tokenizer.parse_response(list(ids), prefix=list(prefix), tools=tools or None)
+        else:
+            parsed = tokenizer.parse_response(list(ids))
+        if parsed is None:
+            raise ValueError("parse_response returned None")
+        if isinstance(parsed.get("content"), str):
+            parsed["content"] = parsed["content"].removesuffix(tokenizer.eos_token)
+        if not parsed.get("content"):
+            parsed["content"] = ""
+        if "tool_calls" in parsed:
+            _validate_calls(parsed["tool_calls"])
+        return parsed, False
+    except (ValueError, TypeError):
+        return {"role": "assistant", "content": tokenizer.decode(list(ids), skip_special_tokens=True)}, True
+
+
+def suffix_ids(tokenizer, tool_messages: list[dict], chat_template: str | None = None, **template_kwargs) -> list:
+    """The tokens that follow a turn's end to carry its tool messages and open the next assistant turn: TRL's
+    `_get_tool_suffix_ids` (a dummy conversation rendered with and without them, the shorter cut after its last EOS,
+    so the suffix starts just after the model's own end-of-turn token)."""
+    call = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
+    dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": call}]
+    render = dict(tokenize=True, chat_template=chat_template, return_dict=False, **template_kwargs)
+    prefix = tokenizer.apply_chat_template(dummy, add_generation_prompt=False, **render)
+    full = tokenizer.apply_chat_template(dummy + tool_messages, add_generation_prompt=True, **render)
+    eos = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
+    if eos:
+        prefix = prefix[:eos[-1] + 1]
+    if list(full[:len(prefix)]) != list(prefix):
+        raise ValueError("the chat template is not prefix-preserving for tool messages: the conversation before them "
+                         "renders differently once they follow (TRL's `get_training_chat_template` gives a training "
+                         "template for the known families; set the tokenizer's chat_template to it)")
+    return list(full[len(prefix):])
+
+
+class Results(NamedTuple):
+    """One turn's tool calls, run: the tool messages in TRL's order and the counts."""
+
+    messages: list  # [{"role": "tool", "name", "content"}]: sync calls in call order, then async ones (TRL)
+    calls: int
+    failures: int
+
+
+def _error(e: BaseException) -> dict:
+    return {"error": str(e)}
+
+
+class Toolbox:
+    """Runs tool calls off the decoding thread: sync tools on a thread pool, async ones on one event loop thread,
+    each call under ``timeout`` seconds (past it the call's message is an error; a sync tool's thread is left to
+    finish on its own, as Python cannot stop it). `submit` returns a future of `Results`."""
+
+    def __init__(self, timeout: float, workers: int = 32):
+        self.timeout = timeout
+        # turns and calls on pools of their own: a turn waits on its calls, so one pool could fill with waiting turns
+        self._turns = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="grpo_jax-turn")
+        self._calls = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="grpo_jax-tool")
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="grpo_jax-tools-async", daemon=True).start()
+
+    def close(self) -> None:
+        self._turns.shutdown(wait=False, cancel_futures=True)
+        self._calls.shutdown(wait=False, cancel_futures=True)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+    def submit(self, calls: list[dict], tools: dict[str, Callable]) -> concurrent.futures.Future:
+        """Runs one turn's ``calls`` against ``tools`` (name -> callable) and gives their `Results`."""
+        return self._turns.submit(self._run, calls, tools)
+
+    def _call_sync(self, fn: Callable, arguments: dict):
+        try:
+            return self._calls.submit(fn, **arguments).result(timeout=self.timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"tool {fn.__name__!r} did not return within {self.timeout:g} s") from None
+
+    def _run(self, calls: list[dict], tools: dict[str, Callable]) -> Results:
+        sync, pending = [], []
+        failures = 0
+        for call in calls:
+            if call.get("type") != "function":
+                failures += 1
+                sync.append((call.get("name", "unknown"),
+                             {"error": f"Unsupported tool call type: {call.get('type')}"}))
+                continue
+            name, arguments = call["function"]["name"], call["function"]["arguments"]
+            fn = tools.get(name)
+            try:
+                if fn is None:
+                    raise ValueError(f"Tool {name} not found.")
+                if not isinstance(arguments, dict):
+                    raise TypeError(f"{name}() arguments must be an object, got {json.dumps(arguments)}")
+                if is_async_callable(fn):
+                    pending.append((name, fn, arguments))
+                else:
+                    sync.append((name, self._call_sync(fn, arguments)))
+            except Exception as e:  # noqa: BLE001 - TRL: a failing tool is part of the episode
+                failures += 1
+                sync.append((name, _error(e)))
+        if pending:
+            async def gather():
+                return await asyncio.gather(*(asyncio.wait_for(fn(**args), self.timeout) for _, fn, args in pending),
+                                            return_exceptions=True)
+
+            outs = asyncio.run_coroutine_threadsafe(gather(), self._loop).result()
+            for (name, fn, _), out in zip(pending, outs):
+                if isinstance(out, asyncio.TimeoutError | TimeoutError):
+                    out = TimeoutError(f"tool {name!r} did not return within {self.timeout:g} s")
+                if isinstance(out, BaseException):
+                    failures += 1
+                    out = _error(out)
+                sync.append((name, out))
+        messages = [{"role": "tool", "name": name, "content": out if isinstance(out, list) else str(out)}
+                    for name, out in sync]
+        return Results(messages, len(calls), failures)
+
+
+def tool_dict(tools: Sequence[Callable]) -> dict[str, Callable]:
+    """Tools by the name the model calls them (their ``__name__``)."""
+    return {fn.__name__: fn for fn in tools}
+
+
+def reward_of(environment_type: type) -> Callable:
+    """An environment class's `get_reward` as a TRL reward function over the rollouts' ``environments`` (None for
+    rollouts of other environments), as TRL adds it."""
+    if inspect.iscoroutinefunction(environment_type.get_reward):
+        async def get_reward(environments, **kwargs):
+            return [await e.get_reward() if type(e) is environment_type else None for e in environments]
+    else:
+        def get_reward(environments, **kwargs):
+            return [e.get_reward() if type(e) is environment_type else None for e in environments]
+    get_reward.__name__ = environment_type.__name__
+    return get_reward
+
+
+
+def _parser_and_template(tokenizer) -> str | None:
+    """Sets TRL's response parser on a tokenizer of a known family that has none (`add_response_schema`) and returns
+    the chat template multi-turn rendering needs: None (the tokenizer's) where it is prefix-preserving, else TRL's
+    training template for it (`get_training_chat_template`), as TRL's GRPOTrainer does."""
+    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+        try:
+            from trl.chat_template_utils import add_response_schema
+        except ImportError:
+            raise ValueError("tools need the tokenizer's response parser (its response_template) to read tool calls, "
+                             "and this tokenizer has none: set tokenizer.response_template (transformers' response "
+                             "parsing docs) and save it with the tokenizer, or `pip install trl`, whose "
+                             "add_response_schema knows the Qwen, Llama 3, Gemma 4, GPT-OSS ... templates") from None
+        try:
+            add_response_schema(tokenizer)
+        except ValueError as e:
+            raise ValueError(f"tools: {e}") from e
+    try:
+        suffix_ids(tokenizer, [{"role": "tool", "name": "dummy", "content": "dummy"}])
+        return None
+    except ValueError:
+        try:
+            from trl.chat_template_utils import get_training_chat_template
+        except ImportError:
+            raise ValueError("tools: the tokenizer's chat template is not prefix-preserving (an earlier turn renders "
+                             "differently once a tool message follows): `pip install trl` for its training templates "
+                             "of the known families, or set a prefix-preserving chat_template") from None
+        return get_training_chat_template(tokenizer)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Tooling:
+    """A run's tools and environments, built once (`build`): the standalone tools, the environment factories with
+    each one's tools (from a probe instance, as TRL renders the schemas), a pool of instances reused round after
+    round (reset before every rollout), the `Toolbox` and the chat template multi-turn rendering uses."""
+
+    tools: tuple  # standalone tools (callables)
+    factories: dict | None  # {environment name (None: the one): factory}
+    env_tools: dict  # {environment name: its probe instance's methods}
+    pool: dict  # {environment name: [instances]}
+    toolbox: Toolbox
+    chat_template: str | None
+    max_iterations: int | None
+    max_model_len: int | None
+
+    def environment_name(self, row: dict):
+        if self.factories is None or None in self.factories:
+            return None
+        name = row.get("environment")
+        if name not in self.factories:
+            raise ValueError(f"a row has environment={name!r}, which is not among environment_factory's "
+                             f"{sorted(self.factories)}: fix the row's 'environment' column or add that environment")
+        return name
+
+    def schemas(self, row: dict) -> list:
+        """The tools a row's prompt is rendered with (its environment's methods after the standalone tools)."""
+        if self.factories is None:
+            return list(self.tools)
+        return list(self.tools) + self.env_tools[self.environment_name(row)]
+
+    def environments(self, rows: list) -> list | None:
+        """One pooled instance per row (more made when a batch needs more of one environment), or None."""
+        if self.factories is None:
+            return None
+        out, cursor = [], {}
+        for row in rows:
+            name = self.environment_name(row)
+            pool = self.pool.setdefault(name, [])
+            index = cursor.get(name, 0)
+            if index == len(pool):
+                pool.append(self.factories[name]())
+                check_environment(name, pool[-1])
+            cursor[name] = index + 1
+            out.append(pool[index])
+        return out
+
+
+def build(tool_specs, factory_spec, tokenizer, *, timeout: float, max_iterations: int | None,
+          max_model_len: int | None) -> Tooling | None:
+    """A run's `Tooling` from TRL's ``tools`` and ``environment_factory`` (paths or objects); None without either.
+    Probes one instance of each environment (a missing `reset` is an error naming it)."""
+    factories = environment_factories(factory_spec)
+    if not tool_specs and factories is None:
+        return None
+    standalone = []
+    for spec in tool_specs:
+        try:
+            standalone.append(resolve(spec))
+        except ValueError as e:
+            raise ValueError(f"tools: {e}") from e
+    env_tools, pool = {}, {}
+    for name, factory in (factories or {}).items():
+        instance = factory()
+        check_environment(name, instance)
+        env_tools[name], pool[name] = methods(instance), [instance]
+    return Tooling(tuple(standalone), factories, env_tools, pool, Toolbox(timeout), _parser_and_template(tokenizer),
+                   max_iterations, max_model_len)
+
+
+def env_rewards(tooling: Tooling | None) -> list[tuple[str, Callable]]:
+    """(name, reward function) of each environment class with a `get_reward` (once a class), as TRL adds them."""
+    seen, out = [], []
+    for instances in (tooling.pool.values() if tooling is not None else ()):
+        kind = type(instances[0])
+        if callable(getattr(kind, "get_reward", None)) and kind not in seen:
+            seen.append(kind)
+            out.append((kind.__name__, reward_of(kind)))
+    return out
