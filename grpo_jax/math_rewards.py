@@ -16,8 +16,12 @@ _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
 
 
 def _text(completion) -> str:
-    """Completion text from a string or a TRL conversational completion ``[{"role", "content"}]``."""
-    return completion if isinstance(completion, str) else completion[-1]["content"]
+    """Completion text from a string or a TRL conversational completion ``[{"role", "content"}, ...]``: its last
+    assistant message (a multi-turn rollout's answer, not a tool's result)."""
+    if isinstance(completion, str):
+        return completion
+    answers = [m for m in completion if m.get("role") == "assistant"] or completion
+    return answers[-1].get("content") or ""
 
 
 def last_boxed(text: str) -> str | None:

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,12 +35,13 @@ class Episode:
 
     prompt_ids: list  # the row's real prompt tokens
     tools: dict  # name -> callable: the tools this row may call
-    schemas: list  # the same tools, for the response parser
+    schemas: list  # their JSON schemas, for the response parser
     messages: list = dataclasses.field(default_factory=list)  # assistant and tool messages, TRL's `completions[i]`
     start: int = 0  # the completion index where the current turn began
     parsed: bool = False  # the current turn was parsed (it paused)
     appended: list = dataclasses.field(default_factory=list)  # (start, end) of each appended result, completion indices
     rounds: int = 0  # tool rounds done
+    done: bool = False  # retired by the host
     calls: int = 0
     failures: int = 0
     malformed: int = 0  # turns the response parser could not read (TRL: plain text, not counted)
@@ -95,13 +97,16 @@ class Turns:
     max_model_len: int | None = None  # the model's context (max_position_embeddings); None: no limit
     chat_template: str | None = None
     template_kwargs: dict = dataclasses.field(default_factory=dict)
+    template: object = None  # the tokenizer's response template, compiled (`tools.compiled_template`)
+    suffix_cache: dict = dataclasses.field(default_factory=dict)  # `tools.suffix_ids`'s renderings by tool name
+    waits: list = dataclasses.field(default_factory=list)  # seconds each chunk's devices sat idle waiting on tools
 
 
 def _parse(turns: Turns, b: int, tokens_T: np.ndarray, length: int) -> dict:
     """Row ``b``'s current turn as an assistant message (its counts kept)."""
     ep = turns.episodes[b]
     message, malformed = tools.parse_turn(turns.tokenizer, tokens_T[ep.start:length].tolist(),
-                                          ep.prompt_ids + tokens_T[:ep.start].tolist(), ep.schemas)
+                                          ep.prompt_ids + tokens_T[:ep.start].tolist(), ep.schemas, turns.template)
     ep.malformed += malformed
     ep.messages.append(message)
     ep.parsed = True
@@ -130,29 +135,37 @@ def _bucket(n: int) -> int:
 
 def chunk(decoder, params, ids, mask, key, offset: int, options, group_size: int, turns: Turns) -> Iterator:
     """One program's rows (from row ``offset`` of the call) decoded over their turns: their `stream.Piece`s as
-    whole groups end, the call's `Trajectory` before the last. ``options`` with ``pause_at_eos``."""
+    whole groups end, the call's `Trajectory` before the last. ``options`` with ``pause_at_eos``.
+
+    Each segment is queued before the host reads the one before it, so the devices decode live rows while the host
+    parses turns and renders results; what the host does (retire, append) goes after the queued segment, and the
+    view it reads is one segment old (a row's tokens do not depend on when it is admitted again)."""
     from grpo_jax.stream import Piece
 
     B, T = len(ids), options.sampling.max_completion_length
-    decoding = decoder.start(params, ids, mask, key, np.int32(offset), options)
-    waiting: dict = {}  # row -> future of its turn's tools.Results
+    decoding, view = decoder.advance(params, decoder.start(params, ids, mask, key, np.int32(offset), options),
+                                     options, True)
+    waiting: dict = {}  # row -> (its calls, future of its tools.Results, read from the journal)
     seen_R = np.zeros(B // group_size, bool)
+    gave = False  # rows were appended after the segment now being read: the devices have work the view misses
     while True:
-        decoding, view = decoder.advance(params, decoding, options, True)
+        decoding, ahead = decoder.advance(params, decoding, options, True)
         ended, length, at_eos, tokens, steps, paused = sharding.to_host(view)
         retire, give = [], []
         for b in np.flatnonzero(paused):
-            if b in waiting:
-                continue
             ep = turns.episodes[b]
+            if b in waiting or ep.done or ep.parsed or length[b] <= ep.start:  # handled, or a pause already over
+                continue
             calls = _parse(turns, b, tokens[b], int(length[b])).get("tool_calls")
             if calls and (turns.max_iterations is None or ep.rounds < turns.max_iterations):
                 waiting[b] = (calls, *_results(turns, offset + int(b), b, calls))
             else:
                 retire.append(int(b))
-        if waiting and not retire and not np.any(~ended & ~paused):  # nothing to decode until a tool returns
+        if waiting and not retire and not gave and not np.any(~ended & ~paused):  # idle until a tool returns
+            timer = time.perf_counter()
             concurrent.futures.wait([f for _, f, _ in waiting.values()],
                                     return_when=concurrent.futures.FIRST_COMPLETED)
+            turns.waits.append(time.perf_counter() - timer)
         for b in [b for b, (_, f, _) in waiting.items() if f.done()]:
             calls, future, replayed = waiting.pop(b)
             results = future.result()
@@ -160,7 +173,8 @@ def chunk(decoder, params, ids, mask, key, offset: int, options, group_size: int
             if not replayed:  # on disk before it is used
                 turns.journal.put(offset + int(b), ep.rounds, calls, results)
             ep.calls, ep.failures = ep.calls + results.calls, ep.failures + results.failures
-            suffix = tools.suffix_ids(turns.tokenizer, results.messages, turns.chat_template, **turns.template_kwargs)
+            suffix = tools.suffix_ids(turns.tokenizer, results.messages, turns.chat_template, turns.suffix_cache,
+                                      **turns.template_kwargs)
             n = int(length[b])
             total = len(ep.prompt_ids) + n + len(suffix)
             if n + len(suffix) > T or (turns.max_model_len is not None and total >= turns.max_model_len):
@@ -170,6 +184,8 @@ def chunk(decoder, params, ids, mask, key, offset: int, options, group_size: int
             ep.appended.append((n, n + len(suffix)))
             ep.start, ep.parsed, ep.rounds = n + len(suffix), False, ep.rounds + 1
             give.append((int(b), suffix))
+        for b in retire:
+            turns.episodes[b].done = True
         if retire:
             decoding = decoder.retire(decoding, _padded(retire, B))
         if give:
@@ -179,6 +195,7 @@ def chunk(decoder, params, ids, mask, key, offset: int, options, group_size: int
                 tokens_MxA[m, :len(suffix)] = suffix
             decoding = decoder.append(decoding, _padded([b for b, _ in give], B), tokens_MxA,
                                       _padded([len(s) for _, s in give], B))
+        gave = bool(give)
         done_R = ended.reshape(-1, group_size).all(axis=1)
         new_R = done_R & ~seen_R
         if done_R.all():
@@ -189,6 +206,7 @@ def chunk(decoder, params, ids, mask, key, offset: int, options, group_size: int
             seen_R = done_R
         if done_R.all():
             return
+        view = ahead
 
 
 def _piece(Piece, turns: Turns, rows: np.ndarray, offset: int, tokens, length, at_eos, steps: int):
@@ -222,8 +240,8 @@ def metrics(counts_Nx4: np.ndarray) -> dict:
 def make_turns(tokenizer, rows_tools: list, prompt_ids: list, toolbox: tools.Toolbox, journal: Journal,
                **options) -> Turns:
     """`Turns` of a call whose row b may call ``rows_tools[b]`` (callables) after its prompt ``prompt_ids[b]``."""
-    episodes = [Episode(list(p), tools.tool_dict(t), list(t)) for p, t in zip(prompt_ids, rows_tools)]
-    return Turns(tokenizer, episodes, toolbox, journal, **options)
+    episodes = [Episode(list(p), tools.tool_dict(t), tools.json_schemas(t)) for p, t in zip(prompt_ids, rows_tools)]
+    return Turns(tokenizer, episodes, toolbox, journal, template=tools.compiled_template(tokenizer), **options)
 
 
 
@@ -241,7 +259,7 @@ def setup(tooling: tools.Tooling | None, tokenizer, batch, journal: Path | None,
     prompts = list(batch.prompts)
     if environments is not None:
         multi = None not in tooling.factories
-        observations = [env.reset(**({k: v for k, v in row.items() if k != "environment"} if multi else row))
+        observations = [_reset(env, {k: v for k, v in row.items() if k != "environment"} if multi else row)
                         for env, row in zip(environments, rows)]
         if any(o is not None for o in observations):
             prompts = [p if o is None else p[:-1] + [{**p[-1], "content": p[-1]["content"] + str(o)}]
@@ -257,6 +275,14 @@ def setup(tooling: tools.Tooling | None, tokenizer, batch, journal: Path | None,
                        max_iterations=tooling.max_iterations, max_model_len=tooling.max_model_len,
                        chat_template=tooling.chat_template)
     return batch, turns, environments
+
+
+def _reset(environment, row: dict):
+    try:
+        return environment.reset(**row)
+    except Exception as e:
+        raise RuntimeError(f"{type(environment).__name__}.reset raised {type(e).__name__}: {e} (on a row with "
+                           f"columns {sorted(row)})") from e
 
 
 def _check_groups(prompts: list, group_size: int) -> None:

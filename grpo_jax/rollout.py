@@ -220,6 +220,8 @@ def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBat
         scores.append(_score(run, batch, piece, context, log, environments))
     draw = _draw(batch, pieces, scores)
     seconds["score"] = seconds.get("score", 0.0) + time.perf_counter() - timer
+    if turns is not None:  # the time a chunk's devices had nothing to decode until a tool returned
+        seconds["tool_wait"] = seconds.get("tool_wait", 0.0) + sum(turns.waits)
     return rows, draw, queued
 
 

@@ -110,7 +110,8 @@ def decode(decoder, params, prompt_ids_BxP, prompt_mask_BxP, key, *, greedy: boo
         options = dataclasses.replace(options, pause_at_eos=True)
         calls = [lambda i=i: multiturn.chunk(
             decoder, params, *parts[i], key, i * rows, options, group_size,
-            dataclasses.replace(turns, episodes=turns.episodes[i * rows:(i + 1) * rows])) for i in range(k)]
+            dataclasses.replace(turns, episodes=turns.episodes[i * rows:(i + 1) * rows], waits=turns.waits))
+            for i in range(k)]
     else:
         calls = [lambda i=i: _chunk(decoder, params, *parts[i], key, i * rows, options, group_size) for i in range(k)]
     if k == 1 and turns is None and (not options.num_slots or options.num_slots >= rows):  # a static batch: inline

@@ -54,6 +54,16 @@ def methods(environment) -> list[Callable]:
             if name not in RESERVED and not name.startswith("_")]
 
 
+def make_environment(name, factory):
+    """One instance from an environment factory; what it raises becomes an error naming it."""
+    try:
+        return factory()
+    except Exception as e:
+        where = "environment_factory" if name is None else f"environment_factory[{name!r}]"
+        raise RuntimeError(f"{where} ({getattr(factory, '__qualname__', factory)!s}) raised {type(e).__name__}: "
+                           f"{e}") from e
+
+
 def check_environment(name, environment) -> None:
     """An environment must define `reset` (TRL's check), named in the error."""
     if not callable(getattr(type(environment), "reset", None)):
@@ -78,13 +88,41 @@ def _validate_calls(calls) -> None:
             fn["arguments"] = {}
 
 
-def parse_turn(tokenizer, ids: Sequence[int], prefix: Sequence[int] | None, tools: list) -> tuple[dict, bool]:
+def compiled_template(tokenizer):
+    """The tokenizer's ``response_template`` compiled once (transformers compiles it on every `parse_response`
+    call otherwise), or None (a legacy ``response_schema``)."""
+    template = getattr(tokenizer, "response_template", None)
+    if template is None:
+        return None
+    from transformers.utils.chat_parsing.response_templates import load_response_template
+    return load_response_template(template)
+
+
+_SCHEMAS: dict = {}
+
+
+def json_schemas(fns: Sequence[Callable]) -> list[dict]:
+    """The tools' JSON schemas (transformers' `get_json_schema`), each function's once: the parser types a call's
+    arguments with them."""
+    from transformers.utils import get_json_schema
+
+    out = []
+    for fn in fns:
+        key = getattr(fn, "__func__", fn)  # an environment's bound methods share their class's function
+        if key not in _SCHEMAS:
+            _SCHEMAS[key] = get_json_schema(fn)
+        out.append(_SCHEMAS[key])
+    return out
+
+
+def parse_turn(tokenizer, ids: Sequence[int], prefix: Sequence[int] | None, tools: list,
+               template=None) -> tuple[dict, bool]:
     """(the turn as an assistant message, whether it failed to parse): TRL 1.16's `parse_response` (a turn that does
     not parse is its text, special tokens skipped), and the flag TRL does not keep. Needs the tokenizer's
-    ``response_template`` (or legacy ``response_schema``)."""
+    ``response_template`` (``template``: it compiled, `compiled_template`) or legacy ``response_schema``."""
     try:
         if getattr(tokenizer, "response_template", None) is not None and prefix is not None:
-            parsed = tokenizer.parse_response(list(ids), prefix=list(prefix), tools=tools or None)
+            parsed = tokenizer.parse_response(list(ids), template, prefix=list(prefix), tools=tools or None)
         else:
             parsed = tokenizer.parse_response(list(ids))
         if parsed is None:
@@ -100,14 +138,21 @@ def parse_turn(tokenizer, ids: Sequence[int], prefix: Sequence[int] | None, tool
         return {"role": "assistant", "content": tokenizer.decode(list(ids), skip_special_tokens=True)}, True
 
 
-def suffix_ids(tokenizer, tool_messages: list[dict], chat_template: str | None = None, **template_kwargs) -> list:
+def suffix_ids(tokenizer, tool_messages: list[dict], chat_template: str | None = None, cache: dict | None = None,
+               **template_kwargs) -> list:
     """The tokens that follow a turn's end to carry its tool messages and open the next assistant turn: TRL's
     `_get_tool_suffix_ids` (a dummy conversation rendered with and without them, the shorter cut after its last EOS,
-    so the suffix starts just after the model's own end-of-turn token)."""
+    so the suffix starts just after the model's own end-of-turn token). ``cache`` keeps the dummy's rendering by
+    tool name."""
     call = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
     dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": call}]
     render = dict(tokenize=True, chat_template=chat_template, return_dict=False, **template_kwargs)
-    prefix = tokenizer.apply_chat_template(dummy, add_generation_prompt=False, **render)
+    name = tool_messages[0]["name"]
+    prefix = None if cache is None else cache.get(name)
+    if prefix is None:
+        prefix = tokenizer.apply_chat_template(dummy, add_generation_prompt=False, **render)
+        if cache is not None:
+            cache[name] = prefix
     full = tokenizer.apply_chat_template(dummy + tool_messages, add_generation_prompt=True, **render)
     eos = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
     if eos:
@@ -288,7 +333,7 @@ class Tooling:
             pool = self.pool.setdefault(name, [])
             index = cursor.get(name, 0)
             if index == len(pool):
-                pool.append(self.factories[name]())
+                pool.append(make_environment(name, self.factories[name]))
                 check_environment(name, pool[-1])
             cursor[name] = index + 1
             out.append(pool[index])
@@ -310,7 +355,7 @@ def build(tool_specs, factory_spec, tokenizer, *, timeout: float, max_iterations
             raise ValueError(f"tools: {e}") from e
     env_tools, pool = {}, {}
     for name, factory in (factories or {}).items():
-        instance = factory()
+        instance = make_environment(name, factory)
         check_environment(name, instance)
         env_tools[name], pool[name] = methods(instance), [instance]
     return Tooling(tuple(standalone), factories, env_tools, pool, Toolbox(timeout), _parser_and_template(tokenizer),

@@ -39,3 +39,13 @@ def test_accuracy_uses_math_verify_when_installed():
     pytest.importorskip("math_verify")
     completions = [[{"role": "assistant", "content": r"\boxed{\frac{1}{3}}"}], r"\boxed{\frac{1}{2}}"]
     assert math_rewards.accuracy(None, completions, answer=[r"\frac{1}{3}", r"\frac{1}{3}"]) == [1.0, 0.0]
+
+
+def test_a_multi_turn_completion_is_scored_by_its_last_assistant_message():
+    """Tool results are not the answer: a rollout's text is its last assistant turn, even when a tool message ends it."""
+    from grpo_jax.math_rewards import _text
+
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "python"}}]}
+    assert _text([call, {"role": "tool", "name": "python", "content": "42"},
+                  {"role": "assistant", "content": "\\boxed{42}"}]) == "\\boxed{42}"
+    assert _text([call, {"role": "tool", "name": "python", "content": "42"}]) == ""

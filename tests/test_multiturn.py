@@ -233,3 +233,56 @@ def test_a_pass_sampled_again_reads_its_results_from_the_journal_and_calls_nothi
     other = [[ids(tok, call("counted", a=5, b=4)), ids(tok, "20<|im_end|>")]] * 2
     ours(tok, [PROMPT] * 2, other, [counted], T=96, journal=tmp_path / "j.jsonl", group_size=2)
     assert len(calls) == 4  # a turn that asks something else is called anew
+
+
+def test_a_scripted_multi_turn_batch_trains_as_a_naive_per_row_loss(tok):
+    """TRL's tool mask (zeros over the results) is the loss mask, and the batch's GRPO gradient (padded rows through
+    `completion_logps` and `compute_loss`) equals a naive one: each row alone, unpadded, through a plain forward,
+    -(A_i / |m_i|) sum_t m_it logp_it averaged over the rows."""
+    import jax
+    import jax.numpy as jnp
+
+    from grpo_jax.logprobs import completion_logps
+    from grpo_jax.losses import LossConfig, compute_loss
+    from grpo_jax.models import ModelConfig, forward, init_model, positions_from_mask, unembed
+
+    turns = [[ids(tok, call("multiply", a=3, b=4)), ids(tok, "12<|im_end|>")], [ids(tok, "12<|im_end|>")],
+             [ids(tok, call("nope", x=1)), ids(tok, "no<|im_end|>")]]
+    prompts = [PROMPT] * 3
+    mine, _ = ours(tok, prompts, turns, [multiply], T=96)
+    theirs = trl_tool_loop(tok, prompts, turns, [multiply], max_completion_length=96)
+    P, T = max(len(m["prompt_ids"]) for m in mine), max(len(m["completion_ids"]) for m in mine)
+    prompt_ids, prompt_mask = np.zeros((3, P), np.int32), np.zeros((3, P), np.int32)
+    completion_ids, completion_mask, loss_mask = (np.zeros((3, T), np.int32) for _ in range(3))
+    for i, (m, t) in enumerate(zip(mine, theirs)):
+        p, c = m["prompt_ids"], m["completion_ids"]
+        prompt_ids[i, P - len(p):], prompt_mask[i, P - len(p):] = p, 1
+        completion_ids[i, :len(c)], completion_mask[i, :len(c)], loss_mask[i, :len(c)] = c, 1, t["tool_mask"]
+    assert [loss_mask[i, :len(m["tool_mask"])].tolist() for i, m in enumerate(mine)] == [m["tool_mask"] for m in mine]
+    graphdef, params = init_model(ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+                                  seed=0)
+    advantages = jnp.array([1.0, -0.5, 0.25])
+
+    def batched(params):
+        logps, _ = completion_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                    temperature=1.0)
+        return compute_loss(logps, None, None, advantages, loss_mask, config=LossConfig(beta=0.0, loss_type="grpo"))[0]
+
+    def naive(params):
+        total = 0.0
+        for i, m in enumerate(mine):
+            row = jnp.array([m["prompt_ids"] + m["completion_ids"]], jnp.int32)
+            ones = jnp.ones_like(row)
+            hidden, _ = forward(graphdef, params, row, positions_from_mask(ones), ones)
+            logits = unembed(graphdef, params, hidden)[0, len(m["prompt_ids"]) - 1:-1]
+            logps = jax.nn.log_softmax(logits.astype(jnp.float32))[jnp.arange(len(m["completion_ids"])),
+                                                                    jnp.array(m["completion_ids"])]
+            mask = jnp.array(m["tool_mask"], jnp.float32)
+            total += -advantages[i] * jnp.sum(mask * jnp.exp(logps - jax.lax.stop_gradient(logps))) / mask.sum()
+        return total / len(mine)
+
+    want, got = jax.grad(naive)(params), jax.grad(batched)(params)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-6)
+    assert any(np.abs(np.asarray(a)).max() > 1e-4 for a in jax.tree.leaves(want))

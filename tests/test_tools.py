@@ -1,0 +1,144 @@
+"""Tools and environments (grpo_jax/tools.py): calls run with TRL's failure semantics and a timeout, environments and
+paths fail with errors naming them, per-turn rewards become process-supervision steps at the turns' ends."""
+
+import asyncio
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from grpo_jax import rewards, tool_task, tools
+from grpo_jax.config import load_config
+from grpo_jax.rollout import _turn_ends
+
+
+def double(x: int) -> int:
+    """Doubles.
+
+    Args:
+        x: A number.
+    """
+    return 2 * x
+
+
+async def later(x: int) -> int:
+    """Returns x after a moment.
+
+    Args:
+        x: A number.
+    """
+    await asyncio.sleep(0.01)
+    return x
+
+
+async def stuck(x: int) -> int:
+    """Never returns in time.
+
+    Args:
+        x: A number.
+    """
+    await asyncio.sleep(5)
+    return x
+
+
+def call(name, **arguments):
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def test_a_turns_calls_run_with_trls_order_failures_and_a_timeout():
+    box = tools.Toolbox(timeout=0.3)
+    fns = tools.tool_dict([double, later, stuck])
+    start = time.perf_counter()
+    out = box.submit([call("later", x=1), call("double", x=4), call("missing"), call("stuck", x=1),
+                      {"type": "code", "name": "x"}], fns).result()
+    box.close()
+    assert time.perf_counter() - start < 2.0
+    assert [(m["name"], m["content"]) for m in out.messages] == [
+        ("double", "8"), ("missing", "{'error': 'Tool missing not found.'}"),
+        ("x", "{'error': 'Unsupported tool call type: code'}"), ("later", "1"),
+        ("stuck", "{'error': \"tool 'stuck' did not return within 0.3 s\"}")]
+    assert (out.calls, out.failures) == (5, 3)
+
+
+class NoReset:
+    def act(self) -> str:
+        """Acts."""
+        return "x"
+
+
+class Broken:
+    def __init__(self):
+        raise OSError("no sandbox")
+
+
+class Picky(tool_task.LookupEnv):
+    def reset(self, **row):
+        raise KeyError("answer")
+
+
+def test_environments_and_tool_paths_fail_with_errors_naming_them():
+    tok = tool_task.build_tokenizer()
+    build = dict(timeout=1.0, max_iterations=None, max_model_len=None)
+    with pytest.raises(ValueError, match="environment_factory made a NoReset without a reset method"):
+        tools.build((), NoReset, tok, **build)
+    with pytest.raises(RuntimeError, match=r"environment_factory\['box'\] \(Broken\) raised OSError: no sandbox"):
+        tools.build((), {"box": Broken}, tok, **build)
+    with pytest.raises(ValueError, match="tools: .*no_such_module"):
+        tools.build(("no_such_module:f",), None, tok, **build)
+    tooling = tools.build((), {"a": tool_task.LookupEnv}, tok, **build)
+    with pytest.raises(ValueError, match=r"environment='b', which is not among environment_factory's \['a'\]"):
+        tooling.environments([{"environment": "b"}])
+    assert [m.__name__ for m in tooling.schemas({"environment": "a"})] == ["lookup"]
+    assert tools.env_rewards(tooling) == []
+
+
+def test_a_reset_that_raises_names_the_environment():
+    from grpo_jax import data, multiturn
+
+    tok = tool_task.build_tokenizer()
+    tooling = tools.build((), Picky, tok, timeout=1.0, max_iterations=None, max_model_len=None)
+    rows = tool_task.make_examples(2, seed=0)
+    batch = data.PromptBatch(np.zeros((2, 4), np.int32), np.ones((2, 4), np.int32), [r["prompt"] for r in rows],
+                             {"answer": [r["answer"] for r in rows]}, 0)
+    with pytest.raises(RuntimeError, match=r"Picky.reset raised KeyError: 'answer' \(on a row with columns"):
+        multiturn.setup(tooling, tok, batch, None, 1)
+
+
+def test_a_tokenizer_without_a_response_parser_needs_one(monkeypatch):
+    tok = tool_task.build_tokenizer()
+    tok.response_template = None
+    monkeypatch.setitem(sys.modules, "trl.chat_template_utils", None)  # as if trl were not installed
+    with pytest.raises(ValueError, match="tools need the tokenizer's response parser"):
+        tools.build((double,), None, tok, timeout=1.0, max_iterations=None, max_model_len=None)
+
+
+def test_config_keys_check_their_shape():
+    config = load_config(None, ["tools=[m:f]", "environment_factory={a: m:A}", "max_tool_calling_iterations=2"])
+    assert (config.tools, config.environment_factory, config.sampling.max_tool_calling_iterations) == (
+        ("m:f",), {"a": "m:A"}, 2)
+    with pytest.raises(ValueError, match="list each tool as 'module:function'"):
+        load_config(None, ["tools=[f]"])
+    with pytest.raises(ValueError, match="environment_factory="):
+        load_config(None, ["environment_factory=Env"])
+    with pytest.raises(ValueError, match="sampling.tool_timeout=0.0 must be > 0"):
+        load_config(None, ["sampling.tool_timeout=0"])
+
+
+def test_one_reward_per_turn_is_a_process_step_at_each_turns_end():
+    """Turn k of a rollout ends at its k-th run of trained tokens; a function's [r_1, .., r_K] become the steps
+    (end_k, r_k); a list of the wrong length is an error naming the function."""
+    loss_mask = np.array([[1, 1, 0, 0, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0, 0]])
+    ends = [_turn_ends(m) for m in loss_mask]
+    assert ends == [[1, 6], [2]]
+
+    def per_turn(prompts, completions, **kwargs):
+        return [[0.5, 1.0], [0.25]]
+
+    _, step_rewards, step_ends = rewards.score_steps([("per_turn", per_turn)], [2.0], ["p"] * 2, [[], []], {},
+                                                     [8, 3], turn_ends=ends)
+    np.testing.assert_array_equal(step_ends, [[1, 6], [2, -1]])
+    np.testing.assert_allclose(step_rewards, [[1.0, 2.0], [0.5, np.nan]])
+    with pytest.raises(ValueError, match="'short' returned 1 turn rewards at index 0 for a rollout of 2 turns"):
+        rewards.score_steps([("short", lambda prompts, completions, **kw: [[1.0], [1.0]])], [1.0], ["p"] * 2,
+                            [[], []], {}, [8, 3], turn_ends=ends)
