@@ -95,7 +95,7 @@ def _saved_config(output_dir: Path, config: Config) -> tuple[dict, dict]:
     `config`; when config.yaml was deleted, the config of the newest checkpoint (whose model section is resolved)
     and `config` resolved the same way (`model.path`'s architecture, the vocabulary size the run found)."""
     if (output_dir / "config.yaml").is_file():
-        return yaml.safe_load((output_dir / "config.yaml").read_text()), to_dict(config)
+        return _with_defaults(yaml.safe_load((output_dir / "config.yaml").read_text())), to_dict(config)
     saved = checkpoint.saved_config(output_dir)
     if saved is None:
         raise ValueError(f"output_dir={str(output_dir)!r} has checkpoints but neither its config.yaml nor any "
@@ -108,7 +108,19 @@ def _saved_config(output_dir: Path, config: Config) -> tuple[dict, dict]:
     if data_config.max_prompt_length is None:  # fitted to the data: the saved run's value
         data_config = dataclasses.replace(data_config,
                                           max_prompt_length=saved.get("data", {}).get("max_prompt_length"))
-    return saved, to_dict(dataclasses.replace(config, model=model, data=data_config))
+    return _with_defaults(saved), to_dict(dataclasses.replace(config, model=model, data=data_config))
+
+
+def _with_defaults(saved: dict, defaults: dict | None = None) -> dict:
+    """A saved config with the keys added since it was written at their defaults (which is what it ran with)."""
+    defaults = to_dict(Config()) if defaults is None else defaults
+    out = dict(saved)
+    for key, value in defaults.items():
+        if key not in out:
+            out[key] = value
+        elif isinstance(value, dict) and isinstance(out[key], dict):
+            out[key] = _with_defaults(out[key], value)
+    return out
 
 
 def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_dataset=None, tool_specs=(),

@@ -177,21 +177,18 @@ def _error(e: BaseException) -> dict:
 
 
 class Toolbox:
-    """Runs tool calls off the decoding thread: sync tools on a thread pool, async ones on one event loop thread,
-    each call under ``timeout`` seconds (past it the call's message is an error; a sync tool's thread is left to
-    finish on its own, as Python cannot stop it). `submit` returns a future of `Results`."""
+    """Runs tool calls off the decoding thread: each sync call on a daemon thread of its own, async ones on one
+    event loop thread, each call under ``timeout`` seconds (past it the call's message is an error; a sync tool's
+    thread is left to finish on its own, as Python cannot stop it). `submit` returns a future of `Results`."""
 
     def __init__(self, timeout: float, workers: int = 32):
         self.timeout = timeout
-        # turns and calls on pools of their own: a turn waits on its calls, so one pool could fill with waiting turns
         self._turns = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="grpo_jax-turn")
-        self._calls = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="grpo_jax-tool")
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="grpo_jax-tools-async", daemon=True).start()
 
     def close(self) -> None:
         self._turns.shutdown(wait=False, cancel_futures=True)
-        self._calls.shutdown(wait=False, cancel_futures=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
 
     def submit(self, calls: list[dict], tools: dict[str, Callable]) -> concurrent.futures.Future:
@@ -199,8 +196,19 @@ class Toolbox:
         return self._turns.submit(self._run, calls, tools)
 
     def _call_sync(self, fn: Callable, arguments: dict):
+        # a daemon thread of its own: a call that never returns is abandoned, and cannot hold the process at exit
+        # (a pool's workers are joined then)
+        future = concurrent.futures.Future()
+
+        def run():
+            try:
+                future.set_result(fn(**arguments))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting turn
+                future.set_exception(e)
+
+        threading.Thread(target=run, name=f"grpo_jax-tool-{getattr(fn, '__name__', 'tool')}", daemon=True).start()
         try:
-            return self._calls.submit(fn, **arguments).result(timeout=self.timeout)
+            return future.result(timeout=self.timeout)
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"tool {fn.__name__!r} did not return within {self.timeout:g} s") from None
 

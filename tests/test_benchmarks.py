@@ -165,3 +165,21 @@ def test_packed_update_runs_fewer_tokens_for_the_same_loss():
                               "--repeats", "1", "--layouts", "packed", "--layers", "1", "--attention", "dense"])
     assert (one["layers"], one["attention"], one["packed_over_padded_step"]) == (1, "dense", None)
     assert "padded" not in one and one["packed"]["packed_length"] == packed["packed_length"]
+
+
+def test_tool_rounds_grpo_jax_and_trl_one_round(tmp_path):
+    """Multi-turn rounds with a slow tool, both libraries, one timed round each: the tool is called and counted."""
+    pytest.importorskip("trl")
+    import tool_rounds
+
+    out = tmp_path / "result.json"
+    result = tool_rounds.main(["--size", "tiny", "--warmup", "1", "--rounds", "1", "--latency", "0.01",
+                               "--max-completion-length", "16", "--async-tool", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    for impl in ("grpo_jax", "trl"):
+        r = result[impl]
+        assert len(r["rounds"]) == 1 and r["round_s"] > 0 and r["sample_s"] > 0, impl
+        assert 1 <= r["turns_per_rollout"] <= 1 + 3 and 0 <= r["idle_fraction"] < 1, impl
+        assert r["calls"] > 0 and r["tool_call_s"] >= 0.01 * r["calls"], impl  # a random model calls about half
+    assert result["grpo_jax"]["chunks"] >= 1 and result["grpo_jax"]["tool_wait_s"] >= 0
+    assert result["ratio_grpo_jax_over_trl"]["round"] == result["grpo_jax"]["round_s"] / result["trl"]["round_s"]

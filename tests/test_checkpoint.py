@@ -430,3 +430,17 @@ def test_one_writer_per_output_dir(tmp_path):
                 trainer.build(load_config(None, [f"output_dir={readonly}", *TINY]))
         finally:
             subprocess.run(["umount", "-l", str(readonly)], check=False)
+
+
+def test_a_run_saved_before_a_key_existed_resumes_with_that_keys_default(tmp_path):
+    """config.yaml of an older version lacks the keys added since (tools, sampling.tool_timeout, ...): it ran with
+    their defaults, so a resume with the defaults is allowed and one that sets them is refused, naming them."""
+    from grpo_jax.run import _saved_config
+
+    old = to_dict(load_config(None, [f"output_dir={tmp_path}", *TINY]))
+    del old["tools"], old["environment_factory"], old["sampling"]["tool_timeout"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    checkpoint.check_compatible(*_saved_config(tmp_path, load_config(None, [f"output_dir={tmp_path}", *TINY])))
+    with pytest.raises(ValueError, match=r"tools: saved \[\], now \['m:f'\]"):
+        checkpoint.check_compatible(*_saved_config(tmp_path, load_config(None, [f"output_dir={tmp_path}", *TINY,
+                                                                              "tools=[m:f]"])))

@@ -211,7 +211,8 @@ def flaky_accuracy(prompts, completions, answer, trainer_state, **kwargs):
 TOOL_RUN = ["data.task=lookup", "data.task_num_train=64", "environment_factory=tests.test_tool_task:CountingEnv",
             "reward.functions=[tests.test_tool_task:flaky_accuracy]", "sampling.max_completion_length=12",
             "sampling.max_tool_calling_iterations=1", "train.train_batch_size=8", "train.num_generations=4",
-            "eval.num_examples=0", "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1",
+            "eval.num_examples=4", "eval.reward_functions=[grpo_jax.tool_task:answer_accuracy]",
+            "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1",
             "train.learning_rate=3e-3", "max_steps=4", "save_steps=0"]
 
 
@@ -229,7 +230,8 @@ def test_a_run_stopped_after_a_rounds_tools_resumes_bitwise_without_calling_them
     run = lambda out: trainer.train(load_config(None, [f"output_dir={out}", *TOOL_RUN]), show_progress=False)  # noqa
 
     calls.update(lookup=0, raise_at_step=None)
-    run(tmp_path / "whole")
+    summary = run(tmp_path / "whole")
+    assert "answer_accuracy" in summary["eval_after"]  # held-out rows run their turns too
     whole_calls = calls["lookup"]
     assert whole_calls > 0
 

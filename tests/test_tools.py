@@ -142,3 +142,19 @@ def test_one_reward_per_turn_is_a_process_step_at_each_turns_end():
     with pytest.raises(ValueError, match="'short' returned 1 turn rewards at index 0 for a rollout of 2 turns"):
         rewards.score_steps([("short", lambda prompts, completions, **kw: [[1.0], [1.0]])], [1.0], ["p"] * 2,
                             [[], []], {}, [8, 3], turn_ends=ends)
+
+
+def test_a_tool_that_never_returns_holds_neither_the_run_nor_the_process_exit():
+    import subprocess
+
+    script = ("import time\nfrom grpo_jax.tools import Toolbox\n"
+              "def hang(x: int) -> int:\n    time.sleep(600)\n"
+              "box = Toolbox(timeout=0.2)\n"
+              "out = box.submit([{'type': 'function', 'function': {'name': 'hang', 'arguments': {'x': 1}}}], "
+              "{'hang': hang}).result()\n"
+              "box.close()\nprint(out.messages[0]['content'])\n")
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "did not return within 0.2 s" in result.stdout
+    assert time.perf_counter() - start < 20
