@@ -40,6 +40,7 @@ class Episode:
     start: int = 0  # the completion index where the current turn began
     parsed: bool = False  # the current turn was parsed (it paused)
     appended: list = dataclasses.field(default_factory=list)  # (start, end) of each appended result, completion indices
+    replayable: frozenset = frozenset()  # names of the standalone tools (a journal gives back their outcomes)
     rounds: int = 0  # tool rounds done
     done: bool = False  # retired by the host
     calls: int = 0
@@ -64,17 +65,17 @@ class Journal:
                     continue
                 self._seen[(entry["row"], entry["round"])] = entry
 
-    def get(self, row: int, round_: int, calls: list) -> tools.Results | None:
+    def get(self, row: int, round_: int, calls: list) -> list | None:
+        """The recorded outcomes of row ``row``'s round ``round_`` of calls, if it asked for the same ``calls``."""
         entry = self._seen.get((row, round_))
         if entry is None or entry["calls"] != json.loads(json.dumps(calls, default=str)):
             return None
-        return tools.Results(entry["messages"], entry["num_calls"], entry["failures"])
+        return entry["outcomes"]
 
     def put(self, row: int, round_: int, calls: list, results: tools.Results) -> None:
         if self.path is None:
             return
-        entry = {"row": row, "round": round_, "calls": calls, "messages": results.messages,
-                 "num_calls": results.calls, "failures": results.failures}
+        entry = {"row": row, "round": round_, "calls": calls, "outcomes": results.outcomes}
         line = json.dumps(entry, default=str) + "\n"
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -114,14 +115,12 @@ def _parse(turns: Turns, b: int, tokens_T: np.ndarray, length: int) -> dict:
 
 
 def _results(turns: Turns, row: int, b: int, calls: list) -> tuple[concurrent.futures.Future, bool]:
-    """(a future of row ``b``'s turn's results, whether they come from the journal)."""
+    """(a future of row ``b``'s turn's results, whether the journal had them). A standalone tool's recorded outcome
+    is given back without calling it; an environment's methods run again (its state is the rollout's, rebuilt by
+    `reset`)."""
     ep = turns.episodes[b]
     saved = turns.journal.get(row, ep.rounds, calls)
-    if saved is None:
-        return turns.toolbox.submit(calls, ep.tools), False
-    future = concurrent.futures.Future()
-    future.set_result(saved)
-    return future, True
+    return turns.toolbox.submit(calls, ep.tools, saved, ep.replayable), saved is not None
 
 
 def _padded(rows: list, width: int) -> np.ndarray:
@@ -238,11 +237,13 @@ def metrics(counts_Nx4: np.ndarray) -> dict:
 
 
 def make_turns(tokenizer, rows_tools: list, prompt_ids: list, toolbox: tools.Toolbox, journal: Journal,
-               **options) -> Turns:
-    """`Turns` of a call whose row b may call ``rows_tools[b]`` (callables) after its prompt ``prompt_ids[b]``."""
-    episodes = [Episode(list(p), tools.tool_dict(t), tools.json_schemas(t)) for p, t in zip(prompt_ids, rows_tools)]
+               replayable=None, **options) -> Turns:
+    """`Turns` of a call whose row b may call ``rows_tools[b]`` (callables) after its prompt ``prompt_ids[b]``;
+    ``replayable``: the names of those whose journalled outcomes are given back on a second sampling (None: all)."""
+    episodes = [Episode(list(p), tools.tool_dict(t), tools.json_schemas(t),
+                        replayable=frozenset(fn.__name__ for fn in t) if replayable is None else frozenset(replayable))
+                for p, t in zip(prompt_ids, rows_tools)]
     return Turns(tokenizer, episodes, toolbox, journal, template=tools.compiled_template(tokenizer), **options)
-
 
 
 def setup(tooling: tools.Tooling | None, tokenizer, batch, journal: Path | None, group_size: int):
@@ -272,6 +273,7 @@ def setup(tooling: tools.Tooling | None, tokenizer, batch, journal: Path | None,
                  (environments or [None] * len(rows))]
     prompt_ids = [ids[m == 1].tolist() for ids, m in zip(batch.prompt_ids, batch.prompt_mask)]
     turns = make_turns(tokenizer, row_tools, prompt_ids, tooling.toolbox, Journal(journal),
+                       replayable=[fn.__name__ for fn in tooling.tools],
                        max_iterations=tooling.max_iterations, max_model_len=tooling.max_model_len,
                        chat_template=tooling.chat_template)
     return batch, turns, environments

@@ -386,7 +386,6 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     if config.reward.weights is not None and len(config.reward.weights) != len(reward_fns):
         raise ValueError(f"reward.weights has {len(config.reward.weights)} entries for the {len(reward_fns)} "
                          "reward_funcs: give one weight per function")
-    reward_fns += tools.env_rewards(tooling)  # weight 1 each (`rollout._weights`), named after the class
     eval_reward_fns = _resolve_rewards(config, config.eval.reward_functions, mesh)
     # a reward function that fails on its first call does so now, not after the sampler compiled
     where = "train_dataset" if train_dataset is not None else config.data.path or "the embedded task"
@@ -394,6 +393,9 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
                              tokenizer.eos_token_id, where=where, process=config.train.advantage_estimator == "process")
     rewards.check_reward_fns(eval_reward_fns, eval_rows[:2], tokenizer.eos_token_id,
                              where="eval_dataset" if eval_dataset is not None else config.eval.path or where)
+    # environments' get_reward, weight 1 each (`rollout._weights`), named after the class; they need the rollouts'
+    # environments, so the empty-completion check above does not call them
+    reward_fns += tools.env_rewards(tooling)
     sharding.check_rows(tc.train_batch_size // tc.gradient_accumulation_steps, mesh,
                         "train.train_batch_size / train.gradient_accumulation_steps")
     schedule, optimizer = optimizer_from_config(tc, config.max_steps)

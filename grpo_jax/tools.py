@@ -165,11 +165,30 @@ def suffix_ids(tokenizer, tool_messages: list[dict], chat_template: str | None =
 
 
 class Results(NamedTuple):
-    """One turn's tool calls, run: the tool messages in TRL's order and the counts."""
+    """One turn's tool calls, run: the tool messages in TRL's order, the counts, and each call's outcome in call
+    order (what a replay gives back)."""
 
     messages: list  # [{"role": "tool", "name", "content"}]: sync calls in call order, then async ones (TRL)
     calls: int
     failures: int
+    outcomes: list = []  # per call: ["ok", content] or ["error", message]
+
+
+def _replayer(fn: Callable, outcome: list) -> Callable:
+    """A stand-in for ``fn`` that gives its recorded outcome (sync or async as ``fn`` is: TRL orders by it)."""
+    def give():
+        if outcome[0] == "error":
+            raise RuntimeError(outcome[1])
+        return outcome[1]
+
+    if is_async_callable(fn):
+        async def replay(**arguments):
+            return give()
+    else:
+        def replay(**arguments):
+            return give()
+    replay.__name__ = getattr(fn, "__name__", "tool")
+    return replay
 
 
 def _error(e: BaseException) -> dict:
@@ -191,9 +210,11 @@ class Toolbox:
         self._turns.shutdown(wait=False, cancel_futures=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
 
-    def submit(self, calls: list[dict], tools: dict[str, Callable]) -> concurrent.futures.Future:
-        """Runs one turn's ``calls`` against ``tools`` (name -> callable) and gives their `Results`."""
-        return self._turns.submit(self._run, calls, tools)
+    def submit(self, calls: list[dict], tools: dict[str, Callable], replay: list | None = None,
+               replayed: frozenset = frozenset()) -> concurrent.futures.Future:
+        """Runs one turn's ``calls`` against ``tools`` (name -> callable) and gives their `Results`. Calls of the
+        tools named in ``replayed`` give ``replay``'s outcome at their index (`Results.outcomes`) instead."""
+        return self._turns.submit(self._run, calls, tools, replay, replayed)
 
     def _call_sync(self, fn: Callable, arguments: dict):
         # a daemon thread of its own: a call that never returns is abandoned, and cannot hold the process at exit
@@ -212,13 +233,13 @@ class Toolbox:
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"tool {fn.__name__!r} did not return within {self.timeout:g} s") from None
 
-    def _run(self, calls: list[dict], tools: dict[str, Callable]) -> Results:
-        sync, pending = [], []
-        failures = 0
-        for call in calls:
+    def _run(self, calls: list[dict], tools: dict[str, Callable], replay, replayed) -> Results:
+        done, pending = [], []  # (call index, name, result or {"error": ...}); async calls wait in pending
+        failed = set()  # indices of the calls that failed
+        for i, call in enumerate(calls):
             if call.get("type") != "function":
-                failures += 1
-                sync.append((call.get("name", "unknown"),
+                failed.add(i)
+                done.append((i, call.get("name", "unknown"),
                              {"error": f"Unsupported tool call type: {call.get('type')}"}))
                 continue
             name, arguments = call["function"]["name"], call["function"]["arguments"]
@@ -228,29 +249,35 @@ class Toolbox:
                     raise ValueError(f"Tool {name} not found.")
                 if not isinstance(arguments, dict):
                     raise TypeError(f"{name}() arguments must be an object, got {json.dumps(arguments)}")
+                if replay is not None and name in replayed:
+                    fn = _replayer(fn, replay[i])
                 if is_async_callable(fn):
-                    pending.append((name, fn, arguments))
+                    pending.append((i, name, fn, arguments))
                 else:
-                    sync.append((name, self._call_sync(fn, arguments)))
+                    done.append((i, name, fn(**arguments) if name in replayed and replay is not None
+                                 else self._call_sync(fn, arguments)))
             except Exception as e:  # noqa: BLE001 - TRL: a failing tool is part of the episode
-                failures += 1
-                sync.append((name, _error(e)))
+                failed.add(i)
+                done.append((i, name, _error(e)))
         if pending:
             async def gather():
-                return await asyncio.gather(*(asyncio.wait_for(fn(**args), self.timeout) for _, fn, args in pending),
-                                            return_exceptions=True)
+                return await asyncio.gather(*(asyncio.wait_for(fn(**args), self.timeout)
+                                              for _, _, fn, args in pending), return_exceptions=True)
 
             outs = asyncio.run_coroutine_threadsafe(gather(), self._loop).result()
-            for (name, fn, _), out in zip(pending, outs):
+            for (i, name, _, _), out in zip(pending, outs):
                 if isinstance(out, asyncio.TimeoutError | TimeoutError):
                     out = TimeoutError(f"tool {name!r} did not return within {self.timeout:g} s")
                 if isinstance(out, BaseException):
-                    failures += 1
+                    failed.add(i)
                     out = _error(out)
-                sync.append((name, out))
-        messages = [{"role": "tool", "name": name, "content": out if isinstance(out, list) else str(out)}
-                    for name, out in sync]
-        return Results(messages, len(calls), failures)
+                done.append((i, name, out))
+        messages, outcomes = [], [None] * len(calls)
+        for i, name, out in done:
+            content = out if isinstance(out, list) else str(out)
+            messages.append({"role": "tool", "name": name, "content": content})
+            outcomes[i] = ["error", out["error"]] if i in failed else ["ok", content]
+        return Results(messages, len(calls), len(failed), outcomes)
 
 
 def tool_dict(tools: Sequence[Callable]) -> dict[str, Callable]:

@@ -186,8 +186,22 @@ def test_tool_use_hand_computed():
 CALLS = {"lookup": 0, "raise_at_step": None}
 
 
+def lookup() -> str:
+    """Look up the value stored under the key in the question (a standalone tool with a side effect: it counts).
+
+    Returns:
+        The value, a string of digits.
+    """
+    CALLS["lookup"] += 1
+    return "123"
+
+
 class CountingEnv(tool_task.LookupEnv):
-    """LookupEnv whose tool counts its calls (a tool with a side effect)."""
+    """LookupEnv whose tool counts its calls, and which scores its own rollouts from its state."""
+
+    def reset(self, **row):
+        self.called = 0
+        return super().reset(**row)
 
     def lookup(self) -> str:
         """Look up the value stored under the key in the question.
@@ -196,7 +210,11 @@ class CountingEnv(tool_task.LookupEnv):
             The value, a string of digits.
         """
         CALLS["lookup"] += 1
+        self.called += 1
         return super().lookup()
+
+    def get_reward(self) -> float:
+        return 0.1 * min(self.called, 1)
 
 
 def flaky_accuracy(prompts, completions, answer, trainer_state, **kwargs):
@@ -208,18 +226,22 @@ def flaky_accuracy(prompts, completions, answer, trainer_state, **kwargs):
     return tool_task.answer_accuracy(prompts, completions, answer)
 
 
-TOOL_RUN = ["data.task=lookup", "data.task_num_train=64", "environment_factory=tests.test_tool_task:CountingEnv",
-            "reward.functions=[tests.test_tool_task:flaky_accuracy]", "sampling.max_completion_length=12",
+TOOL_RUN = ["data.task=lookup", "data.task_num_train=64", "reward.functions=[tests.test_tool_task:flaky_accuracy]",
+            "sampling.max_completion_length=12",
             "sampling.max_tool_calling_iterations=1", "train.train_batch_size=8", "train.num_generations=4",
             "eval.num_examples=4", "eval.reward_functions=[grpo_jax.tool_task:answer_accuracy]",
             "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1",
             "train.learning_rate=3e-3", "max_steps=4", "save_steps=0"]
 
 
-def test_a_run_stopped_after_a_rounds_tools_resumes_bitwise_without_calling_them_again(tmp_path):
+@pytest.mark.parametrize("source", ["tools=[tests.test_tool_task:lookup]",
+                                    "environment_factory=tests.test_tool_task:CountingEnv"],
+                         ids=["tool", "environment"])
+def test_a_run_stopped_after_a_rounds_tools_resumes_bitwise_without_calling_them_again(tmp_path, source):
     """The reward fails while round 3 is scored, after its tools ran: the state after step 2 is saved; the rerun
-    samples round 3 again, reads its tool results from the journal (no call is made twice) and ends as the run
-    that never stopped, bit for bit."""
+    samples round 3 again and ends as the run that never stopped, bit for bit. A standalone tool's results come
+    from the journal (it is not called twice); an environment's methods run again on the reset instance, whose
+    state (here its get_reward) they rebuild."""
     import importlib
 
     from grpo_jax.config import load_config
@@ -227,7 +249,8 @@ def test_a_run_stopped_after_a_rounds_tools_resumes_bitwise_without_calling_them
     from tests.test_checkpoint import _assert_same_state, _lines, _state
 
     calls = importlib.import_module("tests.test_tool_task").CALLS  # the module the config imports
-    run = lambda out: trainer.train(load_config(None, [f"output_dir={out}", *TOOL_RUN]), show_progress=False)  # noqa
+    run = lambda out: trainer.train(load_config(None, [f"output_dir={out}", *TOOL_RUN, source]),  # noqa: E731
+                                    show_progress=False)
 
     calls.update(lookup=0, raise_at_step=None)
     summary = run(tmp_path / "whole")
@@ -240,8 +263,12 @@ def test_a_run_stopped_after_a_rounds_tools_resumes_bitwise_without_calling_them
         run(tmp_path / "split")
     assert sorted(p.name for p in (tmp_path / "split" / "tool_calls").iterdir())[-1] == "round-2-pass-0.jsonl"
     run(tmp_path / "split")
-    assert calls["lookup"] == whole_calls
+    if source.startswith("tools"):
+        assert calls["lookup"] == whole_calls
+    else:
+        assert calls["lookup"] > whole_calls
     assert _lines(tmp_path / "split") == _lines(tmp_path / "whole")
     _assert_same_state(_state(tmp_path / "split")[0], _state(tmp_path / "whole")[0])
-    line = _lines(tmp_path / "whole")[-1]
+    line = [line for line in _lines(tmp_path / "whole") if "loss" in line][-1]  # the last step's, not an eval's
     assert {"tools/call_frequency", "tools/failure_frequency", "tools/turns_per_rollout"} <= set(line)
+    assert ("rewards/CountingEnv/mean" in line) == source.startswith("environment")

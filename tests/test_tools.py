@@ -158,3 +158,30 @@ def test_a_tool_that_never_returns_holds_neither_the_run_nor_the_process_exit():
     assert result.returncode == 0, result.stderr
     assert "did not return within 0.2 s" in result.stdout
     assert time.perf_counter() - start < 20
+
+
+class Scored(tool_task.LookupEnv):
+    """An environment that owns its reward."""
+
+    def get_reward(self) -> float:
+        return float(len(self._answer))
+
+
+class AsyncScored(tool_task.LookupEnv):
+    async def get_reward(self) -> float:
+        return 2.0
+
+
+def test_an_environments_get_reward_is_one_more_reward_named_after_its_class():
+    """As TRL adds it: once per class, scoring only rollouts of exactly that class (None for the others), async ones
+    awaited; `rewards.score_completions` passes it the rollouts' environments."""
+    tok = tool_task.build_tokenizer()
+    tooling = tools.build((), {"a": Scored, "b": tool_task.LookupEnv, "c": Scored, "d": AsyncScored}, tok,
+                          timeout=1.0, max_iterations=None, max_model_len=None)
+    funcs = tools.env_rewards(tooling)
+    assert [name for name, _ in funcs] == ["Scored", "AsyncScored"]
+    envs = tooling.environments([{"environment": n} for n in "abd"])
+    for env, answer in zip(envs, ["123", "45", "6"]):
+        env.reset(answer=answer)
+    got = rewards.score_completions(funcs, ["p"] * 3, ["c"] * 3, {}, {"environments": envs})
+    np.testing.assert_array_equal(got, [[3.0, np.nan], [np.nan, np.nan], [np.nan, 2.0]])
