@@ -18,7 +18,7 @@ main thread (an async tool is awaited row by row as well), so it decodes nothing
 The libraries' rounds alternate (warm-up rounds first, discarded), so both see a shared machine's load alike.
 
 Prints JSON: per library the median round and phases, tool calls a round and their summed seconds, turns a rollout,
-the idle fraction (grpo_jax: tool_wait / round, and per decoding chunk; TRL: tool seconds / round), the load average
+the idle fraction (grpo_jax: tool_wait / round, a chunk's mean; TRL: tool seconds / round), the load average
 before and after; grpo_jax / TRL; `lscpu`'s model.
 """
 
@@ -205,9 +205,8 @@ def summary(records: list[dict], info: dict, warmup: int) -> dict:
     """Medians (each key on its own) of the rounds after ``warmup``, the idle fraction, and the rounds."""
     rounds = records[warmup:]
     out = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-    if "tool_wait_s" in out:  # grpo_jax: chunks waiting on tools with nothing to decode, summed over chunks
-        out.update(idle_fraction=out["tool_wait_s"] / out["round_s"],
-                   idle_fraction_per_chunk=out["tool_wait_s"] / (info["chunks"] * out["round_s"]))
+    if "tool_wait_s" in out:  # grpo_jax: a decoding chunk waiting on tools with nothing to decode (chunks' mean)
+        out.update(idle_fraction=out["tool_wait_s"] / out["round_s"])
     else:  # TRL: its main thread runs the tools one after another, decoding nothing meanwhile
         out.update(idle_fraction=out["tool_call_s"] / out["round_s"])
     return {**out, **info, "first_rounds_s": [r["round_s"] for r in records[:warmup]], "rounds": rounds}

@@ -9,12 +9,13 @@ and gives the first N rows a slot, drawing their first tokens from their prompts
 steps inside one ``lax.while_loop``: each feeds every decoding slot's last token and draws its next one; a slot whose
 row has ended takes the next waiting row (its prompt's keys/values copied in, its first token drawn) in the same
 step. N = B is a static batch (no row waits); fewer slots than rows is continuous batching. A row ends at EOS or
-after T tokens. With ``pause_at_eos`` (multi-turn) EOS pauses the row and frees its slot, as a scheduler preempts a
-request that waits on the outside: the host `append`s tokens from outside (a tool's result: not sampled,
-``loss_mask`` 0), and at the next step with a free slot the row is admitted again (before any new row) with its
-prompt's keys/values and its completion so far run through the model in one pass, then decodes on; or the host
-`retire`s it. Re-running the completion, not keeping it, makes a row's numbers the same whatever slot, timing or
-slot count it had. `trajectory` gives the rows, as far as they got, as a `trajectory.Trajectory`.
+after T tokens. With ``pause_at_eos`` (multi-turn) EOS pauses the row for the host, which `append`s tokens from
+outside (a tool's result: not sampled, ``loss_mask`` 0) or `retire`s it. With a slot for every row the row keeps
+its slot and the appended tokens run into it. With fewer slots a paused row gives its slot up, as a scheduler
+preempts a request that waits on the outside, and after `append` it is admitted again at the next step with a free
+slot (before any new row), its prompt's keys/values copied in and its completion so far run through the model in
+one pass. Either way a row's numbers do not depend on when the host appends. `trajectory` gives the rows, as far as
+they got, as a `trajectory.Trajectory`.
 
 Row b draws token t with the noise `sampling.row_noise(key, row_offset + b, t)`: a row's tokens are a function of
 (params, its prompt and earlier tokens, key, its row in the call), the same for any slot count, chunking (a chunk's
@@ -157,9 +158,10 @@ def _sample(d: Decoding, logits_NxV, options: DecodeOptions, in_step: bool = Fal
     # a turn that ends on the last token pauses too: the host reads its tool calls (TRL runs them, then rolls back)
     pause_N = eos_N if options.pause_at_eos else jnp.zeros_like(eos_N)
     end_N = (full_N | eos_N) & ~pause_N
+    park = d.slot_row.shape[0] < B  # rows wait for slots: a paused row gives its slot up
     return d._replace(
         live=live_N & ~end_N & ~pause_N, pending=jnp.where(live_N, tokens_N, d.pending),
-        slot_row=jnp.where(live_N & pause_N, B, d.slot_row),
+        slot_row=jnp.where(live_N & pause_N, B, d.slot_row) if park else d.slot_row,
         tokens=write(d.tokens, tokens_N), sampled=write(d.sampled, jnp.ones_like(tokens_N)),
         logps=write(d.logps, logp_N), turns=write(d.turns, d.turn[rows_N]), length=flag(d.length, t_N + 1),
         ended=flag(d.ended, end_N), paused=flag(d.paused, pause_N), at_eos=flag(d.at_eos, eos_N))
@@ -261,7 +263,7 @@ def advance(graphdef, params, decoding: Decoding, options: DecodeOptions, *, seg
     in_step = decoding.slot_row.shape[0] == B and not options.pause_at_eos
 
     def body(d: Decoding) -> Decoding:
-        if options.pause_at_eos:
+        if options.pause_at_eos and decoding.slot_row.shape[0] < B:  # parked rows to admit again
             d = jax.lax.cond(jnp.any(d.ready) & jnp.any(_free(d)),
                              lambda d: _readmit(graphdef, params, d, options, layers, rope), lambda d: d, d)
         rows_N = jnp.minimum(d.slot_row, B - 1)
@@ -296,34 +298,64 @@ def advance(graphdef, params, decoding: Decoding, options: DecodeOptions, *, seg
     return jax.lax.while_loop(cond, body, decoding)
 
 
-def append(decoding: Decoding, rows_M, tokens_MxA, counts_M) -> Decoding:
+def append(graphdef, params, decoding: Decoding, rows_M, tokens_MxA, counts_M, options: DecodeOptions) -> Decoding:
     """Paused rows ``rows_M`` (-1: no row) get ``counts_M`` tokens from outside (``tokens_MxA[m, :count]``; a row
     takes at most what fits in T) after their last sampled token: not sampled (``loss_mask`` 0), in the turn they
-    follow; the next turn is the row's next. The row is admitted again at the next decode step with a free slot
-    (`advance`). A row they fill to T tokens is over (truncated): a caller that must not cut a tool's result
-    retires the row instead."""
-    B, T = decoding.tokens.shape
+    follow; the next turn is the row's next. With a slot for every row the row kept its slot and the tokens are run
+    into it now ([M, A] tokens: a row's numbers depend on its own A only, so give rows of one A bucket together in
+    calls of fixed M); with fewer slots the row is admitted again at the next decode step with a free slot
+    (`advance`). A row they fill to T tokens is over (truncated): a caller that must not cut a tool's result retires
+    the row instead."""
+    B, P = decoding.prompt_mask.shape
+    T = options.sampling.max_completion_length
     M, A = tokens_MxA.shape
+    N = decoding.slot_row.shape[0]
     valid_M = rows_M >= 0
     row_M = jnp.where(valid_M, rows_M, 0)
     valid_M &= decoding.paused[row_M]
     t_M = decoding.length[row_M]
     count_M = jnp.where(valid_M, jnp.clip(counts_M, 0, T - t_M), 0)
-    real_MxA = jnp.arange(A)[None] < count_M[:, None]
-    row_at = jnp.where(real_MxA, row_M[:, None], B)  # B: dropped
-    t_at = t_M[:, None] + jnp.arange(A)[None]
-    put = lambda x_BxT, v: x_BxT.at[row_at, t_at].set(v, mode="drop")  # noqa: E731
+    i_A = jnp.arange(A)
+    real_MxA = i_A[None] < count_M[:, None]
     resumed_M = valid_M & (count_M > 0)
     full_M = t_M + count_M >= T
+    d = decoding
+    if N == B:  # the row holds its slot: run the turn's EOS and all but the last token in, the last is pending
+        S = P + T
+        params = compute_dtype_params(graphdef, params)
+        slot_M = jnp.argmax(d.slot_row[None, :] == row_M[:, None], axis=1)
+        feed_MxA = jnp.concatenate([d.pending[slot_M][:, None], tokens_MxA[:, :A - 1]], axis=1)
+        feed_MxA = jnp.where(real_MxA, feed_MxA, options.pad_token_id)
+        at_M = P + t_M - 1
+        # A spare cache slots: a row near T writes its padded inputs there, not back over its tokens
+        cache_M = jax.tree.map(lambda c_NxKxSxDh: jnp.pad(c_NxKxSxDh[slot_M], ((0, 0), (0, 0), (0, A), (0, 0))),
+                               d.cache)
+        mask_MxS = jnp.pad(d.cache_mask[slot_M], ((0, 0), (0, A)))
+        mask_MxS = mask_MxS.at[jnp.arange(M)[:, None], at_M[:, None] + i_A[None]].max(real_MxA.astype(mask_MxS.dtype))
+        prompt_len_M = jnp.sum(d.prompt_mask[row_M], axis=1, dtype=jnp.int32)
+        positions_MxA = jnp.minimum(prompt_len_M[:, None] + t_M[:, None] - 1 + i_A[None], S - 1)  # finite RoPE
+        rope = rotary_tables(model_config(graphdef, params), S)
+        _, cache_M = forward(graphdef, params, feed_MxA, positions_MxA, mask_MxS, cache_M, at_M,
+                             layers=layer_params(graphdef, params), rope=rope)
+        into = jnp.where(resumed_M, slot_M, N)  # N: dropped
+        last_M = jnp.take_along_axis(tokens_MxA, jnp.maximum(count_M - 1, 0)[:, None], axis=1)[:, 0]
+        d = d._replace(cache=_constrain(jax.tree.map(lambda c, new: c.at[into].set(new[:, :, :S], mode="drop"),
+                                                     d.cache, cache_M), options),
+                       cache_mask=d.cache_mask.at[into].set(mask_MxS[:, :S], mode="drop"),
+                       live=d.live.at[into].set(~full_M, mode="drop"), pending=d.pending.at[into].set(last_M,
+                                                                                                    mode="drop"))
+    row_at = jnp.where(real_MxA, row_M[:, None], B)  # B: dropped
+    t_at = t_M[:, None] + i_A[None]
+    put = lambda x_BxT, v: x_BxT.at[row_at, t_at].set(v, mode="drop")  # noqa: E731
     rows_at = jnp.where(resumed_M, row_M, B)
     flag = lambda x_B, v_M: x_B.at[rows_at].set(v_M, mode="drop")  # noqa: E731
-    return decoding._replace(
-        tokens=put(decoding.tokens, tokens_MxA), sampled=put(decoding.sampled, jnp.zeros_like(tokens_MxA)),
-        logps=put(decoding.logps, jnp.zeros(tokens_MxA.shape, jnp.float32)),
-        turns=put(decoding.turns, jnp.broadcast_to(decoding.turn[row_M][:, None], tokens_MxA.shape)),
-        length=flag(decoding.length, t_M + count_M), turn=flag(decoding.turn, decoding.turn[row_M] + 1),
-        paused=flag(decoding.paused, jnp.zeros_like(resumed_M)), ended=flag(decoding.ended, full_M),
-        ready=flag(decoding.ready, ~full_M), at_eos=flag(decoding.at_eos, jnp.zeros_like(resumed_M)))
+    return d._replace(
+        tokens=put(d.tokens, tokens_MxA), sampled=put(d.sampled, jnp.zeros_like(tokens_MxA)),
+        logps=put(d.logps, jnp.zeros(tokens_MxA.shape, jnp.float32)),
+        turns=put(d.turns, jnp.broadcast_to(d.turn[row_M][:, None], tokens_MxA.shape)),
+        length=flag(d.length, t_M + count_M), turn=flag(d.turn, d.turn[row_M] + 1),
+        paused=flag(d.paused, jnp.zeros_like(resumed_M)), ended=flag(d.ended, full_M),
+        ready=flag(d.ready, ~full_M & (N < B)), at_eos=flag(d.at_eos, jnp.zeros_like(resumed_M)))
 
 
 def retire(decoding: Decoding, rows_M) -> Decoding:

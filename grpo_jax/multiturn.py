@@ -119,8 +119,13 @@ def _results(turns: Turns, row: int, b: int, calls: list) -> tuple[concurrent.fu
     is given back without calling it; an environment's methods run again (its state is the rollout's, rebuilt by
     `reset`)."""
     ep = turns.episodes[b]
-    saved = turns.journal.get(row, ep.rounds, calls)
-    return turns.toolbox.submit(calls, ep.tools, saved, ep.replayable), saved is not None
+    round_ = ep.rounds
+    saved = turns.journal.get(row, round_, calls)
+    record = None if saved is not None else (lambda results: turns.journal.put(row, round_, calls, results))
+    return turns.toolbox.submit(calls, ep.tools, saved, ep.replayable, record), saved is not None
+
+
+APPEND_ROWS = 8  # rows a `decoder.append` call takes: a fixed shape, so a row's numbers do not depend on its company
 
 
 def _padded(rows: list, width: int) -> np.ndarray:
@@ -167,10 +172,8 @@ def chunk(decoder, params, ids, mask, key, offset: int, options, group_size: int
             turns.waits.append(time.perf_counter() - timer)
         for b in [b for b, (_, f, _) in waiting.items() if f.done()]:
             calls, future, replayed = waiting.pop(b)
-            results = future.result()
+            results = future.result()  # journalled by the tool thread before it resolved
             ep = turns.episodes[b]
-            if not replayed:  # on disk before it is used
-                turns.journal.put(offset + int(b), ep.rounds, calls, results)
             ep.calls, ep.failures = ep.calls + results.calls, ep.failures + results.failures
             suffix = tools.suffix_ids(turns.tokenizer, results.messages, turns.chat_template, turns.suffix_cache,
                                       **turns.template_kwargs)
@@ -187,13 +190,15 @@ def chunk(decoder, params, ids, mask, key, offset: int, options, group_size: int
             turns.episodes[b].done = True
         if retire:
             decoding = decoder.retire(decoding, _padded(retire, B))
-        if give:
-            width = _bucket(max(len(s) for _, s in give))
-            tokens_MxA = np.zeros((B, width), np.int32)
-            for m, (_, suffix) in enumerate(give):
-                tokens_MxA[m, :len(suffix)] = suffix
-            decoding = decoder.append(decoding, _padded([b for b, _ in give], B), tokens_MxA,
-                                      _padded([len(s) for _, s in give], B))
+        for width in sorted({_bucket(len(s)) for _, s in give}):  # a row's numbers: its own bucket's shape only
+            same = [(b, s) for b, s in give if _bucket(len(s)) == width]
+            for i in range(0, len(same), APPEND_ROWS):
+                part = same[i:i + APPEND_ROWS]
+                tokens_MxA = np.zeros((APPEND_ROWS, width), np.int32)
+                for m, (_, suffix) in enumerate(part):
+                    tokens_MxA[m, :len(suffix)] = suffix
+                decoding = decoder.append(params, decoding, _padded([b for b, _ in part], APPEND_ROWS), tokens_MxA,
+                                          _padded([len(s) for _, s in part], APPEND_ROWS), options)
         gave = bool(give)
         done_R = ended.reshape(-1, group_size).all(axis=1)
         new_R = done_R & ~seen_R

@@ -222,7 +222,7 @@ class Decoder(NamedTuple):
     - `start(params, prompt_ids, prompt_mask, key, row_offset, options) -> Decoding`
     - `advance(params, decoding, options, segment) -> (Decoding, view)`, the decoding donated; ``view`` (ended,
       length, at_eos [B], tokens [B, T], decode steps, paused [B]) is what the host reads between segments
-    - `append(decoding, rows, tokens, counts)`, `retire(decoding, rows)`: multi-turn rows
+    - `append(params, decoding, rows, tokens, counts, options)`, `retire(decoding, rows)`: multi-turn rows
     - `trajectory(decoding) -> Trajectory`; `concat(trajectories)` joins host-thread chunks' rows
     - `options(rows, total_rows, greedy, slots=0) -> DecodeOptions` of a call (or chunk) of ``rows`` rows; ``slots``
       the call's slot count (`stream.plan_slots`), 0: `sampling.max_batch_rows`'s
@@ -285,6 +285,9 @@ def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingCo
         decoding = decoder.advance(*merged(params), decoding, options, segment=segment)
         return decoding, _view(decoding)
 
+    def append(params, decoding, rows_M, tokens_MxA, counts_M, options):
+        return decoder.append(*merged(params), decoding, rows_M, tokens_MxA, counts_M, options)
+
     def chunks(num_rows: int, group_size: int) -> int:
         return cpu.host_chunks(config.host_threads, mesh, num_rows, group_size) if cpu_speedups else 1
 
@@ -293,8 +296,8 @@ def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingCo
         generate=jax.jit(generate, static_argnums=5, in_shardings=in_shardings, out_shardings=(rows, None)),
         start=jax.jit(start, static_argnums=5, in_shardings=in_shardings),
         advance=jax.jit(advance, static_argnums=(2, 3), donate_argnums=1, in_shardings=(params_sharding, None)),
-        append=jax.jit(lambda d, rows_M, tokens_MxA, counts_M: decoder.append(d, rows_M, tokens_MxA, counts_M),
-                       donate_argnums=0),
+        append=jax.jit(append, static_argnums=5, donate_argnums=1,
+                       in_shardings=(params_sharding, None, replicated, replicated, replicated)),
         # closures, not the module's functions: a jitted function's compilations are counted (and kept) per function
         retire=jax.jit(lambda d, rows_M: decoder.retire(d, rows_M), donate_argnums=0),
         trajectory=jax.jit(lambda d: decoder.trajectory(d), out_shardings=rows),

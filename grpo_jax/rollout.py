@@ -220,8 +220,9 @@ def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBat
         scores.append(_score(run, batch, piece, context, log, environments))
     draw = _draw(batch, pieces, scores)
     seconds["score"] = seconds.get("score", 0.0) + time.perf_counter() - timer
-    if turns is not None:  # the time a chunk's devices had nothing to decode until a tool returned
-        seconds["tool_wait"] = seconds.get("tool_wait", 0.0) + sum(turns.waits)
+    if turns is not None:  # the time a decoding chunk had nothing to decode until a tool returned, chunks' mean
+        chunks = run.programs.decoder.chunks(len(batch.prompt_ids), run.config.train.num_generations)
+        seconds["tool_wait"] = seconds.get("tool_wait", 0.0) + sum(turns.waits) / chunks
     return rows, draw, queued
 
 

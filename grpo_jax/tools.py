@@ -211,10 +211,18 @@ class Toolbox:
         self._loop.call_soon_threadsafe(self._loop.stop)
 
     def submit(self, calls: list[dict], tools: dict[str, Callable], replay: list | None = None,
-               replayed: frozenset = frozenset()) -> concurrent.futures.Future:
+               replayed: frozenset = frozenset(), record: Callable | None = None) -> concurrent.futures.Future:
         """Runs one turn's ``calls`` against ``tools`` (name -> callable) and gives their `Results`. Calls of the
-        tools named in ``replayed`` give ``replay``'s outcome at their index (`Results.outcomes`) instead."""
-        return self._turns.submit(self._run, calls, tools, replay, replayed)
+        tools named in ``replayed`` give ``replay``'s outcome at their index (`Results.outcomes`) instead.
+        ``record(results)`` runs on the turn's thread before the future resolves (the journal: off the decoding
+        thread, on disk before the results are used)."""
+        def run():
+            results = self._run(calls, tools, replay, replayed)
+            if record is not None:
+                record(results)
+            return results
+
+        return self._turns.submit(run)
 
     def _call_sync(self, fn: Callable, arguments: dict):
         # a daemon thread of its own: a call that never returns is abandoned, and cannot hold the process at exit

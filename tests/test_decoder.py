@@ -307,7 +307,7 @@ def _multi_turn(model, slots, greedy, eos, appended, key=5):
         make_decoder(model, eos=eos, max_completion_length=14, temperature=0.8).options(4, 4, greedy),
         pause_at_eos=True, num_slots=slots)
     start, advance = jax.jit(decoder.start, static_argnums=5), jax.jit(decoder.advance, static_argnums=3)
-    append = jax.jit(decoder.append)
+    append = jax.jit(decoder.append, static_argnums=6)
     d = advance(graphdef, params, start(graphdef, params, PROMPT_IDS, PROMPT_MASK, jax.random.key(key), options),
                 options)
     given = set()
@@ -318,7 +318,7 @@ def _multi_turn(model, slots, greedy, eos, appended, key=5):
         given.update(paused)
         rows = np.array(paused + [-1] * (4 - len(paused)), np.int32)
         tokens = np.tile(np.asarray(appended, np.int32), (4, 1))
-        d = append(d, rows, tokens, np.full(4, len(appended), np.int32))
+        d = append(graphdef, params, d, rows, tokens, np.full(4, len(appended), np.int32), options)
         d = advance(graphdef, params, d, options)
     # rows that paused a second time are retired: their rollouts end there
     return jax.device_get(decoder.trajectory(jax.jit(decoder.retire)(d, np.arange(4, dtype=np.int32)))), given
@@ -377,8 +377,8 @@ def test_appended_tokens_that_fill_the_completion_end_the_row_truncated(tiny_mod
     d = decoder.advance(graphdef, params, decoder.start(graphdef, params, PROMPT_IDS, PROMPT_MASK,
                                                         jax.random.key(0), options), options)
     assert bool(d.paused[0]) and int(d.length[0]) == 2
-    d = decoder.append(d, np.array([0, -1, -1, -1], np.int32), np.full((4, 8), 9, np.int32),
-                       np.full(4, 8, np.int32))  # 8 tokens, room for 4
+    d = decoder.append(graphdef, params, d, np.array([0, -1, -1, -1], np.int32), np.full((4, 8), 9, np.int32),
+                       np.full(4, 8, np.int32), options)  # 8 tokens, room for 4
     out = jax.device_get(decoder.trajectory(d))
     assert out.completion_ids[0].tolist() == raw[0, :2].tolist() + [9] * 4
     assert bool(d.ended[0]) and not bool(d.paused[0]) and out.is_truncated[0]
@@ -406,7 +406,8 @@ def _late_appends(model, slots, delay):
         if due:
             given.update(due)
             rows = np.array(due + [-1] * (4 - len(due)), np.int32)
-            d = decoder.append(d, rows, np.tile(np.array([9, 10, 11], np.int32), (4, 1)), np.full(4, 3, np.int32))
+            d = decoder.append(graphdef, params, d, rows, np.tile(np.array([9, 10, 11], np.int32), (4, 1)),
+                               np.full(4, 3, np.int32), options)
         retire = [int(r) for r in np.flatnonzero(np.asarray(d.paused)) if int(r) in given and int(r) not in due]
         if retire:
             d = decoder.retire(d, np.array(retire + [-1] * (4 - len(retire)), np.int32))
@@ -416,14 +417,17 @@ def _late_appends(model, slots, delay):
 
 
 def test_multi_turn_rows_do_not_depend_on_when_their_tools_return(tiny_model):
-    """A paused row frees its slot and is run again in one pass when admitted again: its tokens and log-probs are
-    the same bit for bit however late its tokens come (tool timing), and its tokens for any slot count."""
-    now = _late_appends(tiny_model, 2, 0)
-    assert np.any(now.turns == 1)
-    for late in (_late_appends(tiny_model, 2, 1), _late_appends(tiny_model, 2, 3)):
-        np.testing.assert_array_equal(late.completion_ids, now.completion_ids)
-        np.testing.assert_array_equal(late.sampler_per_token_logps, now.sampler_per_token_logps)
-        np.testing.assert_array_equal(late.loss_mask, now.loss_mask)
-    wide = _late_appends(tiny_model, 4, 2)
-    np.testing.assert_array_equal(wide.completion_ids, now.completion_ids)
-    np.testing.assert_allclose(wide.sampler_per_token_logps, now.sampler_per_token_logps, atol=1e-6)
+    """A paused row's tokens and log-probs are the same bit for bit however late its tokens come (tool timing):
+    with fewer slots than rows (2) it frees its slot and is run again in one pass when admitted again; with a slot
+    each (4) it keeps its slot and the tokens run into it. Between the two, the same tokens."""
+    runs = {}
+    for slots in (2, 4):
+        now = _late_appends(tiny_model, slots, 0)
+        assert np.any(now.turns == 1)
+        for late in (_late_appends(tiny_model, slots, 1), _late_appends(tiny_model, slots, 3)):
+            np.testing.assert_array_equal(late.completion_ids, now.completion_ids)
+            np.testing.assert_array_equal(late.sampler_per_token_logps, now.sampler_per_token_logps)
+            np.testing.assert_array_equal(late.loss_mask, now.loss_mask)
+        runs[slots] = now
+    np.testing.assert_array_equal(runs[4].completion_ids, runs[2].completion_ids)
+    np.testing.assert_allclose(runs[4].sampler_per_token_logps, runs[2].sampler_per_token_logps, atol=1e-6)

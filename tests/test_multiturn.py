@@ -83,7 +83,7 @@ class ScriptedDecoder:
             d.steps += len(turn)
         return d, (d.ended.copy(), d.length.copy(), d.at_eos.copy(), d.tokens.copy(), d.steps, d.paused.copy())
 
-    def append(self, d, rows, tokens, counts):
+    def append(self, params, d, rows, tokens, counts, options):
         for b, row_tokens, count in zip(rows, tokens, counts):
             if b < 0 or not d.paused[b]:
                 continue
