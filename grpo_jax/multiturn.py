@@ -1,16 +1,19 @@
 """Multi-turn rollouts: a decoding call whose rows call tools between their turns, TRL 1.16's `_tool_call_loop`
 token for token, with the devices decoding other rows while tools run.
 
-A row's turn ends at EOS (`decoder` with ``pause_at_eos``: the row frees its slot). The host parses the turn
-(`tools.parse_turn`); its tool calls go to the `tools.Toolbox` and the host goes on driving the decoder. When a
-turn's results are back they are rendered (`tools.suffix_ids`) and appended to the row, which is admitted again at
-the next free slot; a row whose turn calls nothing, whose results would overflow ``max_completion_length`` (or the
-model's context; TRL rolls them back) or that used ``max_tool_calling_iterations`` rounds is retired. Each
-post-tool turn decodes only the budget left, where TRL decodes a full ``max_completion_length`` and cuts it.
+A row's turn ends at EOS (`decoder` with ``pause_at_eos``). The host parses the turn (`tools.parse_turn`); its tool
+calls go to the `toolbox.Toolbox` and the host goes on driving the decoder. When a turn's results are back they are
+rendered (`tools.suffix_ids`) and appended to the row (`decoder.append`: into its slot, or admitted again at the
+next free one when rows wait for slots); a row whose turn calls nothing, whose results would overflow
+``max_completion_length`` (or the model's context; TRL rolls them back) or that used ``max_tool_calling_iterations``
+rounds is retired. Each post-tool turn decodes only the budget left, where TRL decodes a full
+``max_completion_length`` and cuts it.
 
-Every turn's results are written to a `Journal` as they arrive: a pass sampled again after a restart (its tokens
-are the same: `decoder` draws each row's tokens with its own noise) reads them back instead of calling the tools
-again, so tools with side effects run once and the resumed run equals the uninterrupted one.
+Every turn's outcomes are written to a `Journal` as they arrive: a pass sampled again after a restart (its tokens
+are the same: `decoder` draws each row's tokens with its own noise, whenever its tools return) gets a standalone
+tool's recorded outcome back instead of calling it again, so tools with side effects run once; an environment's
+methods run again on the freshly reset instance, whose state they rebuild. The resumed run equals the uninterrupted
+one.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from grpo_jax import sharding, tools
+from grpo_jax.toolbox import Results, Toolbox
 
 
 @dataclasses.dataclass
@@ -72,7 +76,7 @@ class Journal:
             return None
         return entry["outcomes"]
 
-    def put(self, row: int, round_: int, calls: list, results: tools.Results) -> None:
+    def put(self, row: int, round_: int, calls: list, results: Results) -> None:
         if self.path is None:
             return
         entry = {"row": row, "round": round_, "calls": calls, "outcomes": results.outcomes}
@@ -92,7 +96,7 @@ class Turns:
 
     tokenizer: object
     episodes: list  # Episode per row of the call
-    toolbox: tools.Toolbox
+    toolbox: Toolbox
     journal: Journal
     max_iterations: int | None = None  # TRL's max_tool_calling_iterations; None: no limit
     max_model_len: int | None = None  # the model's context (max_position_embeddings); None: no limit
@@ -149,7 +153,7 @@ def chunk(decoder, params, ids, mask, key, offset: int, options, group_size: int
     B, T = len(ids), options.sampling.max_completion_length
     decoding, view = decoder.advance(params, decoder.start(params, ids, mask, key, np.int32(offset), options),
                                      options, True)
-    waiting: dict = {}  # row -> (its calls, future of its tools.Results, read from the journal)
+    waiting: dict = {}  # row -> (its calls, future of its toolbox.Results, read from the journal)
     seen_R = np.zeros(B // group_size, bool)
     gave = False  # rows were appended after the segment now being read: the devices have work the view misses
     while True:
@@ -241,7 +245,7 @@ def metrics(counts_Nx4: np.ndarray) -> dict:
             "tools/malformed_frequency": malformed / n, "tools/turns_per_rollout": turns / n}
 
 
-def make_turns(tokenizer, rows_tools: list, prompt_ids: list, toolbox: tools.Toolbox, journal: Journal,
+def make_turns(tokenizer, rows_tools: list, prompt_ids: list, toolbox: Toolbox, journal: Journal,
                replayable=None, **options) -> Turns:
     """`Turns` of a call whose row b may call ``rows_tools[b]`` (callables) after its prompt ``prompt_ids[b]``;
     ``replayable``: the names of those whose journalled outcomes are given back on a second sampling (None: all)."""

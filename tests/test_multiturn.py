@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from grpo_jax import data, multiturn, tools
+from grpo_jax.toolbox import Toolbox
 
 pytest.importorskip("trl")
 from trl_tools import qwen_tokenizer, trl_tool_loop  # noqa: E402
@@ -119,7 +120,7 @@ def ours(tok, prompts, turns, fns, *, T, max_iterations=None, timeout=5.0, journ
     P = max(map(len, prompt_ids))
     ids_BxP = np.array([[0] * (P - len(p)) + p for p in prompt_ids], np.int32)
     mask_BxP = (np.arange(P)[None] >= P - np.array([len(p) for p in prompt_ids])[:, None]).astype(np.int32)
-    toolbox = tools.Toolbox(timeout)
+    toolbox = Toolbox(timeout)
     turns_ = multiturn.make_turns(tok, [fns] * len(prompts), prompt_ids, toolbox, multiturn.Journal(journal),
                                   max_iterations=max_iterations, chat_template=template)
     options = SimpleNamespace(sampling=SimpleNamespace(max_completion_length=T))

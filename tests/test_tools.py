@@ -1,5 +1,6 @@
-"""Tools and environments (grpo_jax/tools.py): calls run with TRL's failure semantics and a timeout, environments and
-paths fail with errors naming them, per-turn rewards become process-supervision steps at the turns' ends."""
+"""Tools and environments (grpo_jax/tools.py, toolbox.py): calls run with TRL's failure semantics and a timeout,
+environments and paths fail with errors naming them, per-turn rewards become process-supervision steps at the turns'
+ends."""
 
 import asyncio
 import sys
@@ -11,6 +12,7 @@ import pytest
 from grpo_jax import rewards, tool_task, tools
 from grpo_jax.config import load_config
 from grpo_jax.rollout import _turn_ends
+from grpo_jax.toolbox import Toolbox
 
 
 def double(x: int) -> int:
@@ -47,7 +49,7 @@ def call(name, **arguments):
 
 
 def test_a_turns_calls_run_with_trls_order_failures_and_a_timeout():
-    box = tools.Toolbox(timeout=0.3)
+    box = Toolbox(timeout=0.3)
     fns = tools.tool_dict([double, later, stuck])
     start = time.perf_counter()
     out = box.submit([call("later", x=1), call("double", x=4), call("missing"), call("stuck", x=1),
@@ -147,7 +149,7 @@ def test_one_reward_per_turn_is_a_process_step_at_each_turns_end():
 def test_a_tool_that_never_returns_holds_neither_the_run_nor_the_process_exit():
     import subprocess
 
-    script = ("import time\nfrom grpo_jax.tools import Toolbox\n"
+    script = ("import time\nfrom grpo_jax.toolbox import Toolbox\n"
               "def hang(x: int) -> int:\n    time.sleep(600)\n"
               "box = Toolbox(timeout=0.2)\n"
               "out = box.submit([{'type': 'function', 'function': {'name': 'hang', 'arguments': {'x': 1}}}], "
