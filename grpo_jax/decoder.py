@@ -51,7 +51,7 @@ class DecodeOptions:
     greedy: bool = False  # arg-max tokens (their log-probs still at the temperature)
     group_size: int = 1  # G: rows g*G .. g*G + G - 1 share a prompt (`data.repeat_groups`), prefilled once
     num_slots: int = 0  # N rows decode at once; 0: every row (a static batch)
-    pause_at_eos: bool = False  # EOS pauses a row (its slot freed) for `append` / `retire` (multi-turn)
+    pause_at_eos: bool = False  # EOS pauses a row for `append` / `retire` instead of ending it (multi-turn)
     noise_ahead: bool = False  # draw every row's noise of every step in `start` (`cpu.py`: one draw, not T)
     argmax: Callable | None = None  # arg-max of the last axis (`cpu.argmax_last_axis`); None: jnp.argmax
     cache_sharding: Any = None  # the slots' KV cache layout over a mesh (`sharding.cache_sharding`); None: XLA's
