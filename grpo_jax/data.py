@@ -144,6 +144,14 @@ def render_prompt(tokenizer, prompt, tools: list | None = None, chat_template: s
                                          chat_template=chat_template)
 
 
+def completion_text(completion) -> str:
+    """A completion's answer text: a string as it is; of TRL's message list (a multi-turn rollout's assistant and
+    tool messages), its last assistant message's content, not a tool's result."""
+    if isinstance(completion, str):
+        return completion
+    return next((m.get("content") or "" for m in reversed(completion) if m.get("role") == "assistant"), "")
+
+
 def reward_inputs(prompts: list, completions: list[str]) -> tuple[list, list]:
     """(prompts, completions) as TRL's GRPOTrainer hands them to reward functions.
 

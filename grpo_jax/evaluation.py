@@ -114,7 +114,7 @@ def _generate(run, decoder, params, n: int, key, greedy: bool):
         texts = run.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
         inputs = data.reward_inputs(prompts, texts)
     else:
-        texts = [next((m["content"] for m in reversed(c) if m["role"] == "assistant"), "") for c in messages]
+        texts = [data.completion_text(c) for c in messages]
         inputs = prompts, messages
     scores = rewards.score_completions(run.eval_reward_fns, *inputs, columns, context)
     return texts, scores, completion_mask

@@ -12,16 +12,9 @@ import importlib.util
 import re
 from fractions import Fraction
 
+from grpo_jax.data import completion_text
+
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
-
-
-def _text(completion) -> str:
-    """Completion text from a string or a TRL conversational completion ``[{"role", "content"}, ...]``: its last
-    assistant message (a multi-turn rollout's answer, not a tool's result)."""
-    if isinstance(completion, str):
-        return completion
-    answers = [m for m in completion if m.get("role") == "assistant"] or completion
-    return answers[-1].get("content") or ""
 
 
 def last_boxed(text: str) -> str | None:
@@ -68,7 +61,7 @@ def has_math_verify() -> bool:
 
 def accuracy(prompts, completions, answer, **kwargs) -> list[float | None]:
     """1.0 / 0.0 per completion for matching the row's ``answer``; None (skipped) where the answer is None."""
-    texts = [_text(c) for c in completions]
+    texts = [completion_text(c) for c in completions]
     out: list[float | None] = [None] * len(texts)
     rows = [i for i, a in enumerate(answer) if a is not None]
     if has_math_verify():

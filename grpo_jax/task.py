@@ -52,7 +52,7 @@ def build_tokenizer(path: str | os.PathLike | None = None):
     return tokenizer
 
 
-def _digit_string(rng: np.random.Generator, length: int, *, leading_zero: bool) -> str:
+def digit_string(rng: np.random.Generator, length: int, *, leading_zero: bool) -> str:
     """A random string of `length` digits (first digit non-zero unless leading_zero or length == 1)."""
     digits = rng.integers(0, 10, size=length)
     if not leading_zero and length > 1:
@@ -61,20 +61,20 @@ def _digit_string(rng: np.random.Generator, length: int, *, leading_zero: bool) 
 
 
 def _reverse(rng: np.random.Generator, length: int) -> tuple[str, str]:
-    s = _digit_string(rng, length, leading_zero=True)
+    s = digit_string(rng, length, leading_zero=True)
     return f"{s}>", s[::-1]
 
 
 def _sort(rng: np.random.Generator, length: int) -> tuple[str, str]:
-    s = _digit_string(rng, length, leading_zero=True)
+    s = digit_string(rng, length, leading_zero=True)
     return f"{s}^", "".join(sorted(s))
 
 
 def _add(rng: np.random.Generator, length: int) -> tuple[str, str]:
     # `length` is the digit count of the first operand; the second gets its own draw in [1, length].
     b_len = int(rng.integers(1, length + 1))
-    a = _digit_string(rng, length, leading_zero=False)
-    b = _digit_string(rng, b_len, leading_zero=False)
+    a = digit_string(rng, length, leading_zero=False)
+    b = digit_string(rng, b_len, leading_zero=False)
     return f"{a}+{b}=", str(int(a) + int(b))
 
 

@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from grpo_jax.task import EOS_TOKEN, UNK_TOKEN, char_accuracy
+from grpo_jax.data import completion_text
+from grpo_jax.task import EOS_TOKEN, UNK_TOKEN, digit_string, char_accuracy
 
 CALL = '<tool_call>{"name": "lookup", "arguments": {}}</tool_call>'
 TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -103,7 +104,7 @@ def make_examples(n: int, seed: int, min_len: int = 3, max_len: int = 5) -> list
     rows = []
     for _ in range(n):
         key = f"{int(rng.integers(0, 100)):02d}"
-        value = "".join(map(str, rng.integers(0, 10, size=int(rng.integers(min_len, max_len + 1)))))
+        value = digit_string(rng, int(rng.integers(min_len, max_len + 1)), leading_zero=True)
         rows.append({"prompt": [{"role": "user", "content": f"{key}?"}], "key": key, "answer": value})
     return rows
 
@@ -127,17 +128,10 @@ class LookupEnv:
         return self._answer
 
 
-def _last_assistant_content(completion: str | list[dict[str, Any]]) -> str:
-    if isinstance(completion, str):
-        return completion
-    contents = [m.get("content") or "" for m in completion if m.get("role") == "assistant"]
-    return contents[-1] if contents else ""
-
-
 def answer_accuracy(prompts: list, completions: list, answer: list[str], **kwargs) -> list[float]:
     """Per completion: `task.char_accuracy` of the last assistant message's content against the answer."""
     del kwargs
-    return char_accuracy(prompts, [_last_assistant_content(c) for c in completions], answer)
+    return char_accuracy(prompts, [completion_text(c) for c in completions], answer)
 
 
 def tool_use(completions: list, **kwargs) -> list[float]:

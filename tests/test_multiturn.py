@@ -2,7 +2,6 @@
 TRL 1.16's own tool loop's token ids, tool mask, messages and counts (tests/trl_tools.py runs TRL's code); failures,
 timeouts, overflow and the journal each have a case."""
 
-import asyncio
 import time
 from types import SimpleNamespace
 
@@ -13,40 +12,10 @@ from grpo_jax import data, multiturn, tools
 from grpo_jax.toolbox import Toolbox
 
 pytest.importorskip("trl")
-from trl_tools import qwen_tokenizer, trl_tool_loop  # noqa: E402
+from trl_tools import add, explode, multiply, qwen_tokenizer, trl_tool_loop  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "What is 3 times 4?"}]
 CALL = '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call><|im_end|>'
-
-
-def multiply(a: int, b: int) -> int:
-    """Multiplies two integers.
-
-    Args:
-        a: The first factor.
-        b: The second factor.
-    """
-    return a * b
-
-
-def explode(x: int) -> int:
-    """Always fails.
-
-    Args:
-        x: Any integer.
-    """
-    raise RuntimeError("boom")
-
-
-async def add(a: int, b: int) -> int:
-    """Adds two integers.
-
-    Args:
-        a: The first term.
-        b: The second term.
-    """
-    await asyncio.sleep(0.01)
-    return a + b
 
 
 def slow(x: int) -> int:

@@ -4,39 +4,10 @@ import pytest
 
 pytest.importorskip("trl")
 
-from trl_tools import qwen_tokenizer, trl_tool_loop  # noqa: E402
+from trl_tools import add, explode, multiply, qwen_tokenizer, trl_tool_loop  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "What is 3 times 4?"}]
 CALL = '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
-
-
-def multiply(a: int, b: int) -> int:
-    """Multiplies two integers.
-
-    Args:
-        a: The first factor.
-        b: The second factor.
-    """
-    return a * b
-
-
-def explode(x: int) -> int:
-    """Always fails.
-
-    Args:
-        x: Any integer.
-    """
-    raise RuntimeError("boom")
-
-
-async def add(a: int, b: int) -> int:
-    """Adds two integers.
-
-    Args:
-        a: The first term.
-        b: The second term.
-    """
-    return a + b
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ place of ``_generate_single_turn``: ``turns[i]`` are the token-id lists row ``i`
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import inspect
 import sys
@@ -158,3 +159,36 @@ def trl_tool_loop(tokenizer, prompts, turns, tools, *, max_completion_length, ma
             shutdown_event_loop_in_daemon(thread, obj.async_loop)
     return [dict(prompt_ids=list(p), completion_ids=c, tool_mask=m, logprobs=lp, completions=msgs, **counts)
             for p, c, m, lp, msgs in zip(prompt_ids, completion_ids, tool_mask, logprobs, completions)]
+
+
+# example tools of the tool-loop tests (tests/test_trl_tools.py, tests/test_multiturn.py)
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiplies two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    return a * b
+
+
+def explode(x: int) -> int:
+    """Always fails.
+
+    Args:
+        x: Any integer.
+    """
+    raise RuntimeError("boom")
+
+
+async def add(a: int, b: int) -> int:
+    """Adds two integers.
+
+    Args:
+        a: The first term.
+        b: The second term.
+    """
+    await asyncio.sleep(0.01)
+    return a + b
