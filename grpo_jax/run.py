@@ -25,7 +25,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from grpo_jax import (checkpoint, cpu, data, lock, programs, reward_model, rewards, sharding, sources, task, tool_task,
                       tools)
-from grpo_jax.config import Config, to_dict
+from grpo_jax.config import Config, to_dict, with_defaults
 from grpo_jax.config.sections import SOFT_OVERLONG
 from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, lora, peft_io, resolve_config
 from grpo_jax.state import TrainState, optimizer_from_config
@@ -95,7 +95,7 @@ def _saved_config(output_dir: Path, config: Config) -> tuple[dict, dict]:
     `config`; when config.yaml was deleted, the config of the newest checkpoint (whose model section is resolved)
     and `config` resolved the same way (`model.path`'s architecture, the vocabulary size the run found)."""
     if (output_dir / "config.yaml").is_file():
-        return _with_defaults(yaml.safe_load((output_dir / "config.yaml").read_text())), to_dict(config)
+        return with_defaults(yaml.safe_load((output_dir / "config.yaml").read_text())), to_dict(config)
     saved = checkpoint.saved_config(output_dir)
     if saved is None:
         raise ValueError(f"output_dir={str(output_dir)!r} has checkpoints but neither its config.yaml nor any "
@@ -108,19 +108,7 @@ def _saved_config(output_dir: Path, config: Config) -> tuple[dict, dict]:
     if data_config.max_prompt_length is None:  # fitted to the data: the saved run's value
         data_config = dataclasses.replace(data_config,
                                           max_prompt_length=saved.get("data", {}).get("max_prompt_length"))
-    return _with_defaults(saved), to_dict(dataclasses.replace(config, model=model, data=data_config))
-
-
-def _with_defaults(saved: dict, defaults: dict | None = None) -> dict:
-    """A saved config with the keys added since it was written at their defaults (which is what it ran with)."""
-    defaults = to_dict(Config()) if defaults is None else defaults
-    out = dict(saved)
-    for key, value in defaults.items():
-        if key not in out:
-            out[key] = value
-        elif isinstance(value, dict) and isinstance(out[key], dict):
-            out[key] = _with_defaults(out[key], value)
-    return out
+    return with_defaults(saved), to_dict(dataclasses.replace(config, model=model, data=data_config))
 
 
 def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_dataset=None, tool_specs=(),
@@ -131,21 +119,17 @@ def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_datase
     tokenizer_dir = config.data.tokenizer_path or config.model.path  # a model folder holds its tokenizer
     given_data = config.data.path is not None or train_dataset is not None
     if not given_data:
-        module = tool_task if config.data.task == "lookup" else task
+        d = config.data
+        lookup = d.task == "lookup"  # the multi-turn task: its own tokenizer and rows (`tool_task`)
         if tokenizer_dir is None:
             tokenizer_dir = output_dir / "tokenizer"
-            module.build_tokenizer(tokenizer_dir)
-        d = config.data
-        if module is tool_task:
-            train_rows = tool_task.make_examples(d.task_num_train, config.seed, d.task_min_len, d.task_max_len)
-            eval_rows = tool_task.make_examples(config.eval.num_examples, config.seed + 1_000_003, d.task_min_len,
-                                                d.task_max_len)
-        else:
-            train_rows = task.make_examples(d.task, d.task_num_train, config.seed, d.task_min_len, d.task_max_len)
-            eval_rows = task.make_examples(d.task, config.eval.num_examples, config.seed + 1_000_003,
-                                           d.task_min_len, d.task_max_len)
+            (tool_task if lookup else task).build_tokenizer(tokenizer_dir)
+        make = tool_task.make_examples if lookup else functools.partial(task.make_examples, d.task)
+        train_rows = make(d.task_num_train, config.seed, d.task_min_len, d.task_max_len)
+        eval_rows = make(config.eval.num_examples, config.seed + 1_000_003, d.task_min_len, d.task_max_len)
+        if not lookup:  # held out where possible (a lookup row's value is drawn per row: nothing to hold out)
             seen = {r["prompt"] for r in train_rows}
-            eval_rows = [r for r in eval_rows if r["prompt"] not in seen] or eval_rows  # held out where possible
+            eval_rows = [r for r in eval_rows if r["prompt"] not in seen] or eval_rows
         (output_dir / "data").mkdir(exist_ok=True)
         task.write_jsonl(output_dir / "data" / "train.jsonl", train_rows)
         if eval_rows:
@@ -189,8 +173,8 @@ def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_datase
         raise ValueError("tools / environment_factory with several processes: every process decodes every row, so "
                          "each would call every tool; run one process (one host's devices), or no tools")
     if tooling is not None:
-        train_tools = _row_tools(tooling, train_rows, train_where)
-        eval_tools = _row_tools(tooling, eval_rows, eval_where)
+        train_tools = tooling.row_schemas(train_rows, train_where)
+        eval_tools = tooling.row_schemas(eval_rows, eval_where)
         template = tooling.chat_template
     # every row is checked before the first step: a bad one fails now, naming its line, not halfway through
     limit, truncation = config.data.max_prompt_length, config.data.truncation
@@ -204,16 +188,6 @@ def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_datase
     length = _prompt_length(limit, lengths)
     dataset = data.Dataset(train_rows, tokens, offsets, length, tokenizer.pad_token_id)
     return tokenizer, tokenizer_dir, dataset, list(eval_rows), tooling
-
-
-def _row_tools(tooling: tools.Tooling, rows, where) -> list:
-    """Each row's tools (its environment's with a dict of factories); rows must be conversations, as TRL's tool
-    loop reads messages."""
-    prompts = data.prompt_column(rows)
-    if len(prompts) and not data.is_conversational(prompts[0]):
-        raise ValueError(f"{where}: tools and environments need conversational prompts (lists of "
-                         "{\"role\", \"content\"} messages), as TRL's tool loop does: the prompts are strings")
-    return [tooling.schemas(row) for row in (rows if isinstance(rows, list) else rows.to_list())]
 
 
 PROMPT_LENGTH_MULTIPLE = 16  # data.max_prompt_length: null rounds the longest prompt up to this

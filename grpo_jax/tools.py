@@ -236,6 +236,15 @@ class Tooling:
             return list(self.tools)
         return list(self.tools) + self.env_tools[self.environment_name(row)]
 
+    def row_schemas(self, rows, where) -> list:
+        """`schemas` of every row (a list of dicts or a `datasets.Dataset`); the prompts must be conversations, as
+        TRL's tool loop reads messages (a ValueError names ``where`` they come from)."""
+        rows = rows if isinstance(rows, list) else rows.to_list()
+        if rows and not isinstance(rows[0]["prompt"], list):
+            raise ValueError(f"{where}: tools and environments need conversational prompts (lists of "
+                             '{"role", "content"} messages), as TRL\'s tool loop does: the prompts are strings')
+        return [self.schemas(row) for row in rows]
+
     def environments(self, rows: list) -> list | None:
         """One pooled instance per row (more made when a batch needs more of one environment), or None."""
         if self.factories is None:

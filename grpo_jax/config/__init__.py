@@ -25,7 +25,7 @@ from grpo_jax.distributed import DistributedConfig
 
 __all__ = ["Config", "DataConfig", "DistributedConfig", "EvalConfig", "LoRAConfig", "LossConfig", "MeshConfig",
            "ModelConfig", "RefSyncConfig", "RewardConfig", "SamplingConfig", "TrainConfig", "apply_overrides",
-           "from_dict", "load_config", "recipes", "to_dict"]
+           "from_dict", "load_config", "recipes", "to_dict", "with_defaults"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +112,19 @@ def to_dict(config: Any) -> dict:
             return [plain(v) for v in x]
         return x
     return plain(config)
+
+
+def with_defaults(saved: dict, defaults: dict | None = None) -> dict:
+    """A saved config (plain data) with the keys added since it was written at their defaults, which is what it ran
+    with: a resume compares like with like (`checkpoint.check_compatible`)."""
+    defaults = to_dict(Config()) if defaults is None else defaults
+    out = dict(saved)
+    for key, value in defaults.items():
+        if key not in out:
+            out[key] = value
+        elif isinstance(value, dict) and isinstance(out[key], dict):
+            out[key] = with_defaults(out[key], value)
+    return out
 
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
