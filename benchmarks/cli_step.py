@@ -90,7 +90,7 @@ def run_cli(model: str, prompts: Path, s: grpo_step.Setting, *, steps: int, warm
             "command": " ".join(command)}
 
 
-def run_trl(model: str, prompts: Path, s: grpo_step.Setting, *, steps: int, warmup: int) -> dict:
+def run_trl(model: str, prompts: Path, s: grpo_step.Setting, *, steps: int, warmup: int, bf16: bool = False) -> dict:
     """TRL 1.16 in a child process (`grpo_step.py --impl trl`), the same setting and prompts."""
     out = Path(tempfile.mkdtemp(prefix="trl_cli_")) / "trl.json"
     command = [sys.executable, str(Path(__file__).parent / "grpo_step.py"), "--impl", "trl", "--model", model,
@@ -99,10 +99,13 @@ def run_trl(model: str, prompts: Path, s: grpo_step.Setting, *, steps: int, warm
                "--out", str(out)]
     if s.prompt_length_max:
         command += ["--prompt-length-max", str(s.prompt_length_max)]
+    if bf16:
+        command += ["--trl-bf16"]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL,
                    env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     trl = json.loads(out.read_text())["trl"]
-    return {k: trl[k] for k in ("step_s", *(f"{p}_s" for p in grpo_step.PHASES), "mean_completion_tokens")}
+    return {k: trl[k] for k in ("step_s", *(f"{p}_s" for p in grpo_step.PHASES), "mean_completion_tokens",
+                                "torch_device", "bf16")}
 
 
 def main(argv=None) -> dict:
@@ -118,8 +121,12 @@ def main(argv=None) -> dict:
                         help="prompts written for the run; 4 gives both libraries the same prompts every step")
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                         help="another grpo-jax override (repeatable)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="bfloat16 compute over float32 weights: model.dtype=bfloat16 here, bf16=True in TRL")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args(argv)
+    if args.bf16:
+        args.extra = ["model.dtype=bfloat16", *args.extra]
     s = grpo_step.Setting(max_completion_length=args.max_completion_length, prompt_length=args.prompt_length,
                           prompt_length_max=args.prompt_length_max)
     prompts = Path(tempfile.mkdtemp(prefix="cli_prompts_")) / "prompts.jsonl"
@@ -130,7 +137,7 @@ def main(argv=None) -> dict:
     if args.impl in ("both", "grpo_jax"):
         result["grpo_jax"] = run_cli(args.model, prompts, s, steps=args.steps, warmup=args.warmup, extra=args.extra)
     if args.impl in ("both", "trl"):
-        result["trl"] = run_trl(args.model, prompts, s, steps=args.steps, warmup=args.warmup)
+        result["trl"] = run_trl(args.model, prompts, s, steps=args.steps, warmup=args.warmup, bf16=args.bf16)
     if args.impl == "both":
         result["ratio"] = result["grpo_jax"]["step_s"] / result["trl"]["step_s"]
         result["ratio_per_completion_token"] = (result["ratio"] * result["trl"]["mean_completion_tokens"]

@@ -128,10 +128,13 @@ def matmul_peak(backend: str, dtype: str = "float32", n: int = 2048, repeats: in
     """Measured matmul FLOP/s: best of `repeats` timed n x n x n products (jax or torch)."""
     if backend == "torch":
         import torch
-        a = torch.randn(n, n, dtype=getattr(torch, dtype))
-        b = torch.randn(n, n, dtype=getattr(torch, dtype))
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # where TRL trains (`use_cpu` below)
+        a = torch.randn(n, n, dtype=getattr(torch, dtype), device=device)
+        b = torch.randn(n, n, dtype=getattr(torch, dtype), device=device)
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         torch.mm(a, b)
-        best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+        sync()
+        best = min(_timed(lambda: (torch.mm(a, b), sync())) for _ in range(repeats))
     else:
         import jax
         import jax.numpy as jnp
@@ -289,9 +292,10 @@ class _PhaseTimer:
 
 
 def run_trl(model_dir: str, prompts: Path, s: Setting, *, steps: int, warmup: int, threads: int = 2,
-            lora_rank: int = 0) -> dict:
-    """TRL 1.16 GRPOTrainer with timers around generation, rewards, no-grad log-probs and the whole step.
-    ``lora_rank`` > 0: TRL's `peft_config` with PEFT adapters of that rank on all linear layers (alpha 2r).
+            lora_rank: int = 0, bf16: bool = False) -> dict:
+    """TRL 1.16 GRPOTrainer with timers around generation, rewards, no-grad log-probs and the whole step, on the GPU
+    when torch sees one. ``lora_rank`` > 0: TRL's `peft_config` with PEFT adapters of that rank on all linear layers
+    (alpha 2r). ``bf16``: TRL's `bf16=True` (bfloat16 autocast over float32 weights, as `model.dtype=bfloat16`).
 
     sample = `_generate`; score = the rest of `_generate_and_score_completions` (rewards, advantages, decoding)
     minus logps; logps = `_get_per_token_logps_and_entropies` under no_grad (reference; old when needed);
@@ -311,7 +315,7 @@ def run_trl(model_dir: str, prompts: Path, s: Setting, *, steps: int, warmup: in
         num_generations=s.num_generations, max_completion_length=s.max_completion_length,
         temperature=s.temperature, beta=s.beta, learning_rate=s.learning_rate, loss_type=s.loss_type,
         max_steps=warmup + steps, logging_steps=1, report_to="none",
-        use_cpu=True, bf16=False, fp16=False, save_strategy="no", seed=s.seed, disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(), bf16=bf16, fp16=False, save_strategy="no", seed=s.seed, disable_tqdm=True,
         dataloader_num_workers=0)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     peft_config = None
@@ -350,12 +354,13 @@ def run_trl(model_dir: str, prompts: Path, s: Setting, *, steps: int, warmup: in
     total_s = time.perf_counter() - start
     timed = records[warmup:]
     arch = architecture(model_dir, None)
-    peak = matmul_peak("torch", "float32")
+    peak = matmul_peak("torch", "bfloat16" if bf16 else "float32")
     out = _summary(timed, sum(r["step"] for r in records[:warmup]), step_flops(arch, _mean_prompt(s)), peak,
                    tokens[warmup:])
     out["compile_s"] = 0.0  # eager PyTorch: nothing is compiled
     out.update(train_total_s=total_s, matmul_peak_flops_per_s=peak, torch_threads=threads,
-               torch_version=torch.__version__, trl_version=trl.__version__, peak_rss_mib=_peak_rss_mib())
+               torch_version=torch.__version__, trl_version=trl.__version__, peak_rss_mib=_peak_rss_mib(),
+               torch_device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", bf16=bf16)
     return out
 
 
@@ -382,6 +387,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--dtype", default="float32", help="grpo_jax model.dtype (compute)")
     parser.add_argument("--param-dtype", default=None, help="grpo_jax model.param_dtype (storage)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--trl-bf16", action="store_true", help="TRL's bf16=True (with --dtype bfloat16 for grpo_jax)")
     parser.add_argument("--prompts-per-step", type=int, default=4)
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--max-completion-length", type=int, default=32)
@@ -437,7 +443,7 @@ def main(argv=None) -> dict:
                                           overrides=lora + tuple(args.overrides), profile_dir=args.profile)
     if args.impl in ("both", "trl"):
         result["trl"] = run_trl(args.model, prompts, s, steps=args.steps, warmup=args.warmup, threads=args.threads,
-                                lora_rank=args.lora)
+                                lora_rank=args.lora, bf16=args.trl_bf16)
     if args.impl == "both":
         result["ratio_grpo_jax_over_trl"] = ratios(result["grpo_jax"], result["trl"])
         # the device's peak: the faster library's measured matmul; both fractions against it

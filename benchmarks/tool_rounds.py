@@ -160,7 +160,8 @@ def trl_side(folder: Path, rows: list, env: type, args) -> tuple[Callable[[int],
     config = trl.GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="tool_rounds_trl_"), per_device_train_batch_size=PROMPTS * GENERATIONS,
         num_generations=GENERATIONS, max_completion_length=args.max_completion_length,
-        max_tool_calling_iterations=args.max_tool_calling_iterations, beta=args.beta, use_cpu=True,
+        max_tool_calling_iterations=args.max_tool_calling_iterations, beta=args.beta,
+        use_cpu=not torch.cuda.is_available(),
         report_to="none", save_strategy="no", bf16=False, fp16=False, seed=args.seed, disable_tqdm=True,
         dataloader_num_workers=0, max_steps=1)
     trainer = trl.GRPOTrainer(model=str(folder), reward_funcs=tool_task.answer_accuracy, args=config,
