@@ -315,8 +315,8 @@ def run_trl(model_dir: str, prompts: Path, s: Setting, *, steps: int, warmup: in
         num_generations=s.num_generations, max_completion_length=s.max_completion_length,
         temperature=s.temperature, beta=s.beta, learning_rate=s.learning_rate, loss_type=s.loss_type,
         max_steps=warmup + steps, logging_steps=1, report_to="none",
-        use_cpu=not torch.cuda.is_available(), bf16=bf16, fp16=False, save_strategy="no", seed=s.seed, disable_tqdm=True,
-        dataloader_num_workers=0)
+        use_cpu=not torch.cuda.is_available(), bf16=bf16, fp16=False, save_strategy="no", seed=s.seed,
+        disable_tqdm=True, dataloader_num_workers=0)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     peft_config = None
     if lora_rank:

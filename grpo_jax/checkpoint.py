@@ -35,6 +35,7 @@ TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's temporary step folders: `<step>.
 UNHASHED = (CHECKSUMS, "_CHECKPOINT_METADATA")  # orbax rewrites its step metadata (timestamps) at the rename
 # top-level and section keys that may change between a run and its resume (dotted; "eval" covers the section)
 RESUMABLE_KEYS = ("output_dir", "max_steps", "logging_steps", "save_steps", "save_total_limit", "resume",
+                  "resume_from_checkpoint",
                   "cpu_speedups", "host_allocator", "compilation_cache_dir", "eval", "train.max_nonfinite_steps",
                   "sampling.host_threads", "sampling.max_batch_rows", "sampling.tool_timeout", "report_to",
                   "log_completions", "num_completions_to_print")

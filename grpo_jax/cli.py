@@ -90,12 +90,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = _train_parser()
     args = parser.parse_intermixed_args(argv)
 
+    from grpo_jax import preemption
     from grpo_jax.config import load_config
 
+    preemption.Console.install()  # a console that goes away (Ctrl-C on `| tee`) must not stop the stop's save
+    preemption.COMMAND = ["grpo-jax", *argv]
     try:
         config = load_config(args.config, args.overrides)
     except ValueError as e:
         parser.exit(2, f"grpo-jax: config error: {e}\n")
+    try:
+        return _train(config, args.no_progress)
+    except KeyboardInterrupt:  # outside the loop, whose steps a SIGINT saves: starting, or the final export
+        print("grpo-jax: interrupted outside the training steps: none was lost (a stop during training saves "
+              "them first); run the same command again to start or resume", file=sys.stderr)
+        return 130
+
+
+def _train(config, no_progress: bool) -> int:
     from grpo_jax.distributed import initialize
 
     initialize(config.distributed)  # before any computation: every process of a multi-host run joins here
@@ -104,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_storage_logs()
     try:
-        train(config, show_progress=not args.no_progress)
+        train(config, show_progress=not no_progress)
     except Preempted as e:
         print(f"grpo-jax: {e}", file=sys.stderr)
         return e.exit_code

@@ -1,18 +1,21 @@
 """How a run stops early without losing its steps: preemption, and failures.
 
-SIGTERM/SIGINT finish the current optimizer step, save a checkpoint, then stop the run: `PreemptionGuard`
+SIGTERM/SIGINT/SIGHUP finish the current optimizer step, save a checkpoint, then stop the run: `PreemptionGuard`
 turns the first signal into a flag the round loop polls between steps (a second one exits at once);
 `Preempted` is what `train` raises after that checkpoint is written, with the exit code of the signal. Any
-other exception during training (a reward function, the data, a device) saves the last good state the same way
-and surfaces as `RunFailed`, whose message names what failed, where, and the checkpoint a rerun resumes from;
-`storage_error` tells a full or read-only disk, where no save is attempted, apart.
+other exception during training (a reward function, the data, a tracker, a device; `SystemExit` too) saves the
+last good state the same way and surfaces as `RunFailed`, whose message names what failed, where, and the
+checkpoint a rerun resumes from; `storage_error` tells a full or read-only disk, where no save is attempted, apart.
+`Console` keeps a console whose reader is gone (a closed pipe) from stopping any of this.
 """
 
 from __future__ import annotations
 
 import errno
+import io
 import logging
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -23,15 +26,28 @@ from pathlib import Path
 
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 STORAGE_TEXTS = ("No space left on device", "Disk quota exceeded", "Read-only file system")
+# the terminal closing (an ssh session dropping) stops a run as a scheduler's SIGTERM does
+SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
+COMMAND: list[str] | None = None  # the command line that started the run, when it is `grpo-jax` (`cli.main`)
+
+
+def again(output_dir: Path, named: bool = True) -> str:
+    """How to continue the run in `output_dir`: the same command again, or, where `output_dir` was not given (a
+    new `runs/<task>-<time>/` each start), that command with `output_dir=...` added."""
+    if named:
+        return "run the same command again"
+    if COMMAND is None:
+        return f"set output_dir={str(output_dir)!r} in the config and train again"
+    return f"run the command with output_dir added, {shlex.join([*COMMAND, f'output_dir={output_dir}'])},"
 
 
 class Preempted(Exception):
     """Raised by `train` after a SIGTERM/SIGINT: the step finished and a checkpoint was written."""
 
-    def __init__(self, signum: int, step: int, path: Path):
+    def __init__(self, signum: int, step: int, path: Path, rerun: str = "run the same command again"):
         self.signum, self.step, self.path = signum, step, path
         super().__init__(f"{signal.Signals(signum).name} received: stopped after optimizer step {step} and saved "
-                         f"{path}; run the same command again to resume")
+                         f"{path}; {rerun} to resume")
 
     @property
     def exit_code(self) -> int:
@@ -40,9 +56,9 @@ class Preempted(Exception):
 
 
 class PreemptionGuard:
-    """Context manager: the first SIGTERM/SIGINT sets `requested`; a second one exits the process at once."""
+    """Context manager: the first SIGTERM/SIGINT/SIGHUP sets `requested`; a second one exits the process at once."""
 
-    def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)):
+    def __init__(self, signals: Iterable[int] = SIGNALS):
         self.signals = tuple(signals)
         self.signum: int | None = None
         self._previous: dict = {}
@@ -158,35 +174,100 @@ def stalled(history: list[dict], limit: int) -> str | None:
     return None
 
 
-def resume_note(output_dir: Path) -> str:
-    """Where a rerun of the same command resumes: the newest complete checkpoint on disk."""
+def resume_note(output_dir: Path, named: bool = True) -> str:
+    """Where a rerun resumes: the newest complete checkpoint on disk (`named`: whether output_dir was given)."""
     checkpoints = Path(output_dir) / "checkpoints"  # grpo_jax.checkpoint.CHECKPOINTS (not imported: no jax here)
     steps = [int(p.name) for p in checkpoints.glob("*") if p.name.isdigit()]
     if not steps:
         return "No checkpoint was written yet: running the same command again starts from step 0"
     newest = max(steps)
-    return f"Run the same command again to resume from the newest complete checkpoint, {checkpoints / str(newest)} " \
-           f"(step {newest})"
+    rerun = again(output_dir, named)
+    return f"{rerun[0].upper()}{rerun[1:]} to resume from the newest complete checkpoint, " \
+           f"{checkpoints / str(newest)} (step {newest})"
 
 
-def failed(error: Exception, output_dir: Path, checkpoint_bytes: int, *, state=None, history: list | None = None,
-           saved_step: int = -1, save: Callable[[bool], None] | None = None) -> RunFailed:
+def failed(error: BaseException, output_dir: Path, checkpoint_bytes: int, *, state=None, steps: int | None = None,
+           saved_step: int = -1, save: Callable[[bool], None] | None = None, named: bool = True) -> RunFailed:
     """The `RunFailed` for `error`, after saving the last good `state` with `save(wait)` when it holds steps that
     no checkpoint has (as a SIGTERM would): not when the disk is what failed, when the state was lost with a
-    failed device computation, or when `history` (one metrics line per step) does not match it."""
+    failed device computation, or when `steps` (the optimizer steps the metrics history holds) does not match it.
+    `named`: whether output_dir was given (else the message shows the command that resumes)."""
     storage = storage_error(error)
     if storage is not None:
-        return RunFailed(f"{storage_message(storage, output_dir, checkpoint_bytes)}. {resume_note(output_dir)}")
+        return RunFailed(f"{storage_message(storage, output_dir, checkpoint_bytes)}. "
+                         f"{resume_note(output_dir, named)}")
     import jax
 
     note = ""
     if state is not None and any(x.is_deleted() for x in jax.tree.leaves(state)):
         note = "The state after the last steps could not be saved: a step that did not finish holds its buffers. "
-    elif save is not None and history is not None and max(saved_step, 0) < int(state.step) == len(history):
+    elif save is not None and steps is not None and max(saved_step, 0) < int(state.step) == steps:
         try:
             save(True)
-            note = f"The state after step {int(state.step)} was saved first. "
+            note = f"The state after step {steps} was saved first. "
         except Exception as e:  # noqa: BLE001 - say so; the previous checkpoint stands
-            note = f"Saving step {int(state.step)} failed too ({describe(e)[:300]}). "
-    steps = "" if history is None else f" after optimizer step {len(history)}"
-    return RunFailed(f"training stopped{steps}: {describe(error)}. {note}{resume_note(output_dir)}")
+            note = f"Saving step {steps} failed too ({describe(e)[:300]}). "
+    after = "" if steps is None else f" after optimizer step {steps}"
+    return RunFailed(f"training stopped{after}: {describe(error)}. {note}{resume_note(output_dir, named)}")
+
+
+class Console(io.TextIOBase):
+    """`sys.stdout`/`sys.stderr` for the command line: a write its reader can no longer take (a pipe to a `tee`
+    that Ctrl-C ended, a closed terminal) never raises; it goes to `output_dir/console.log` once `log_to` named
+    the run, so the stop checkpoint and its message survive a console that went away."""
+
+    log: Path | None = None
+
+    def __init__(self, stream):
+        self.stream, self.broken = stream, False
+
+    @classmethod
+    def install(cls) -> None:
+        sys.stdout, sys.stderr = cls(sys.stdout), cls(sys.stderr)
+
+    @classmethod
+    def log_to(cls, output_dir: Path) -> None:
+        cls.log = Path(output_dir) / "console.log"
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:  # flushed at once: a pipe's EPIPE comes at the flush, and then the text is still at hand to log
+                self.stream.write(text)
+                self.stream.flush()
+                return len(text)
+            except (OSError, ValueError):  # EPIPE, EIO, or the stream closed
+                self._break()
+        if Console.log is not None and text:
+            try:
+                with open(Console.log, "a", encoding="utf-8") as f:
+                    f.write(text)
+            except OSError:
+                pass
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                self._break()
+
+    def _break(self) -> None:
+        self.broken = True
+        try:  # the interpreter's last flush of the real stream then finds a sink, not another EPIPE
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def isatty(self) -> bool:
+        return not self.broken and self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self.stream, "encoding", "utf-8")

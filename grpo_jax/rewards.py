@@ -201,18 +201,30 @@ def _outputs(reward_fns, arguments: list[dict]) -> list:
             continue
         try:
             outputs[f] = fn(**args)
-        except Exception as e:
-            raise RuntimeError(f"reward function '{name}' raised {type(e).__name__}: {e}") from e
+        except (Exception, SystemExit) as e:  # sys.exit in a function stops the run with its name, not silently
+            raise _failure(name, e) from e
     if pending:
+        async def guarded(f):
+            try:
+                return await reward_fns[f][1](**arguments[f])
+            except (Exception, SystemExit) as e:  # a SystemExit would end the event loop's thread, not the call
+                return e
+
         async def gather():
-            return await asyncio.gather(*(reward_fns[f][1](**arguments[f]) for f in pending), return_exceptions=True)
+            return await asyncio.gather(*(guarded(f) for f in pending))
 
         for f, out in zip(pending, _Loop.run(gather())):
-            if isinstance(out, Exception):
-                raise RuntimeError(f"reward function '{reward_fns[f][0]}' raised {type(out).__name__}: {out}") \
-                    from out
+            if isinstance(out, BaseException):
+                raise _failure(reward_fns[f][0], out) from out
             outputs[f] = out
     return outputs
+
+
+def _failure(name: str, error: BaseException) -> RuntimeError:
+    if isinstance(error, SystemExit):
+        return RuntimeError(f"reward function '{name}' called sys.exit({error.code!r}): raise an exception (or "
+                            "return None for a completion it cannot score) instead")
+    return RuntimeError(f"reward function '{name}' raised {type(error).__name__}: {error}")
 
 
 def _fresh(value):

@@ -23,8 +23,8 @@ from flax import nnx
 from jax.sharding import Mesh
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from grpo_jax import (checkpoint, cpu, data, lock, programs, reward_model, rewards, sharding, sources, task, tool_task,
-                      tools)
+from grpo_jax import (checkpoint, cpu, data, lock, programs, reward_model, rewards, runs, sharding, sources, task,
+                      tool_task, tools)
 from grpo_jax.config import Config, to_dict, with_defaults
 from grpo_jax.config.sections import SOFT_OVERLONG
 from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, lora, peft_io, resolve_config
@@ -310,6 +310,7 @@ def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None
     `run.output_lock.release()`, which `train` calls at its end.
     """
     check_inputs(config, reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset)
+    config = runs.resolve(config)  # resume_from_checkpoint: the run folder it names or finds, as output_dir
     programs.use_compilation_cache(config.compilation_cache_dir)
     output_dir, resuming, held = _output_dir(config)
     tool_specs = config.tools if tools is None else tuple(tools)

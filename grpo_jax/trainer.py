@@ -15,7 +15,7 @@ import numpy as np
 from grpo_jax import checkpoint, data, export, preemption, sharding, stream
 from grpo_jax.config import Config, to_dict
 from grpo_jax.evaluation import evaluate, short_names
-from grpo_jax.reporting import MetricsWriter, is_eval, plot_run
+from grpo_jax.reporting import MetricsWriter, is_eval, plain, plot_run
 from grpo_jax.rollout import RoundBatch, prepare_round, run_round, run_steps
 from grpo_jax.run import Run, build
 from grpo_jax.state import TrainState
@@ -102,7 +102,8 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
         if preemption.storage_error(error) is None:
             raise
         # outside the loop (evaluation, summary, final export): a full or read-only disk gets the same one message
-        raise preemption.failed(error, run.output_dir, checkpoint.nbytes(state, run.keep_ref)) from error
+        raise preemption.failed(error, run.output_dir, checkpoint.nbytes(state, run.keep_ref),
+                                named=run.config.output_dir is not None) from error
     finally:
         if run.tooling is not None:
             run.tooling.toolbox.close()
@@ -112,6 +113,8 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
 def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> dict:
     """`train` once `build` is done: restore, the round loop with its saves, evaluation and the final export."""
     main = jax.process_index() == 0
+    named = run.config.output_dir is not None  # else a rerun needs output_dir= added (`preemption.again`)
+    preemption.Console.log_to(run.output_dir)
     print(f"grpo_jax: output_dir={run.output_dir}  devices={len(run.mesh.devices.flat)} "
           f"({jax.devices()[0].platform})  mesh={dict(run.mesh.shape)}")
     mngr = checkpoint.manager(run.output_dir, save_total_limit=config.save_total_limit)
@@ -150,8 +153,7 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
                 state, round_batch, lines = run_steps(run, state, round_batch, until=until,
                                                       stop=lambda: guard.requested,
                                                       max_skipped=config.train.max_nonfinite_steps - skipped)
-                for line in lines:
-                    writer.write(line, completions=round_batch.completions)
+                _write(writer, lines, round_batch.completions)
                 step = round_batch.first_step + round_batch.position
                 if round_batch.position == len(round_batch.step_rows):
                     round_batch, round_index = None, round_index + 1
@@ -172,13 +174,15 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
             if step != saved_step:
                 save(wait=True)
             if guard.requested:
-                raise preemption.Preempted(guard.signum, step, mngr.directory / str(step))
+                raise preemption.Preempted(guard.signum, step, mngr.directory / str(step),
+                                           preemption.again(run.output_dir, named))
     except preemption.Preempted:
         raise
-    except Exception as error:
+    except (Exception, SystemExit) as error:  # SystemExit: a library's sys.exit (a tracker's) stops the run alike
         failure = error
         raise preemption.failed(error, run.output_dir, checkpoint.nbytes(state, run.keep_ref, _arrays(round_batch)),
-                                state=state, history=writer.history, saved_step=saved_step, save=save) from error
+                                state=state, steps=sum(not is_eval(h) for h in writer.history),
+                                saved_step=saved_step, save=save, named=named) from error
     finally:
         try:
             mngr.wait_until_finished()
@@ -202,6 +206,19 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
               f"last 10%={summary['reward_last_10pct']:.3f}  plot: {run.output_dir / 'reward.png'}  "
               f"policy ({export.FORMAT_NAMES[fmt]} format): {final}")
     return summary
+
+
+def _write(writer: MetricsWriter, lines: list[dict], completions) -> None:
+    """Each finished step's metrics line, written; when writing one fails (a tracker), the history still gets
+    every line, so the state after those steps can be saved with it (a resume rewrites metrics.jsonl from it)."""
+    written = len(writer.history)
+    try:
+        for line in lines:
+            writer.write(line, completions=completions)
+    except BaseException:
+        del writer.history[written:]
+        writer.history.extend({k: plain(v) for k, v in line.items()} for line in lines)
+        raise
 
 
 def _plan(run: Run, plan: stream.SlotPlan, round_batch: RoundBatch) -> stream.SlotPlan:

@@ -42,6 +42,7 @@ class Config:
     save_steps: int = 500  # checkpoint every N optimizer steps (0: only at the end and on SIGTERM/SIGINT)
     save_total_limit: int | None = 2  # checkpoints kept (oldest deleted first); None: keep all
     resume: bool = True  # continue from output_dir's newest checkpoint; false: a non-empty output_dir is an error
+    resume_from_checkpoint: bool | str | None = None  # TRL's: true / a run folder: continue that run (grpo_jax.runs)
     cpu_speedups: bool | None = None  # XLA:CPU speed-ups (grpo_jax.cpu), same numbers; None: on when backend is cpu
     host_allocator: str = "retain"  # with cpu_speedups: retain keeps freed blocks in glibc; system: leave malloc
     compilation_cache_dir: str | None = "~/.cache/grpo_jax/jax"  # JAX's persistent compilation cache; None: off
@@ -67,6 +68,9 @@ class Config:
         check(self.data.path is None or self.data.tokenizer_path is not None or self.model.path is not None,
                "data.path is set but neither data.tokenizer_path nor model.path is: point one of them at a Hugging "
                "Face folder holding the tokenizer")
+        check(self.resume_from_checkpoint is None or isinstance(self.resume_from_checkpoint, (bool, str)),
+              f"resume_from_checkpoint={self.resume_from_checkpoint!r}: give true (the newest run of this config, or "
+              "output_dir's) or a run folder")
         check(self.save_steps >= 0, f"save_steps={self.save_steps} must be >= 0 (0: save only at the end)")
         check(self.cpu_speedups is None or isinstance(self.cpu_speedups, bool),
                f"cpu_speedups={self.cpu_speedups!r} must be true, false or null (null: on when jax's backend is cpu)")
