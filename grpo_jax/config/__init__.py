@@ -58,6 +58,8 @@ class Config:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self):
+        check(0 <= self.seed < 2**63, f"seed={self.seed} must be in [0, 2**63) (numpy's generators take no negative "
+              "seed)")
         check(self.max_steps >= 1, f"max_steps={self.max_steps} must be >= 1")
         check(self.logging_steps >= 1, f"logging_steps={self.logging_steps} must be >= 1")
         check(all(r in REPORT_TO for r in self.report_to) and len(set(self.report_to)) == len(self.report_to),
