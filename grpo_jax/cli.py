@@ -41,7 +41,9 @@ def flags_as_overrides(argv: list[str]) -> list[str]:
     out, i = [], 0
     while i < len(argv):
         token, i = argv[i], i + 1
-        if not token.startswith("--") or token == "--" or token.split("=", 1)[0] in OWN_FLAGS:
+        if token == "--":  # argparse's end of options: the rest are overrides as written
+            return out + argv[i - 1:]
+        if not token.startswith("--") or token.split("=", 1)[0] in OWN_FLAGS:
             out.append(token)
             continue
         key, eq, value = token[2:].partition("=")

@@ -214,8 +214,9 @@ def layer(values: dict) -> dict:
         raise ValueError(f"config key {name}={values[name]!r} is TRL's: {OFF[name][1]}")
     ignored = [n for n in values if n in IGNORED]
     if ignored:
-        warnings.warn(f"TRL keys ignored (they tune PyTorch's trainer, not this one): {', '.join(ignored)}",
-                      UserWarning, stacklevel=3)
+        # explicit: one line naming the keys, not a line of grpo_jax's source
+        warnings.warn_explicit(f"TRL keys ignored (they tune PyTorch's trainer, not this one): {', '.join(ignored)}",
+                               UserWarning, "grpo-jax config", 0)
     peft_off = values.get("use_peft") is False  # TRL reads its lora_* flags only with use_peft
     given: dict[str, str] = {}
     for name in [n for n in values if n in ALIASES or n in CONVERTED]:
