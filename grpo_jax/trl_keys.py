@@ -78,7 +78,7 @@ def _dtype(value):
 CONVERTED = {
     "report_to": ("report_to", _report_to),  # a string, or "none", as TRL takes it
     "reward_funcs": ("reward.functions", _names),  # GRPOTrainer's argument: 'module:function' paths
-    "scale_rewards": ("train.scale_rewards", lambda v: {True: "group", False: "none"}.get(v, v)),
+    "scale_rewards": ("train.scale_rewards", lambda v: ("group" if v else "none") if isinstance(v, bool) else v),
     "min_p": ("sampling.min_p", lambda v: _unset_or(v, v)),
     "eval_steps": ("eval.steps", lambda v: _unset_or(v, v)),
     "num_generations_eval": ("eval.num_generations", lambda v: _unset_or(v, v)),
