@@ -1,4 +1,5 @@
-"""Command line: `grpo-jax [train] [--config FILE] [section.key=value ...]`, `grpo-jax export` and `grpo-jax verify`.
+"""Command line: `grpo-jax [train] [--config FILE] [section.key=value | --key value ...]`, `grpo-jax export` and
+`grpo-jax verify`.
 
 Parses a config and calls `train`, exports a checkpoint's policy, or checks a run's checkpoints against their
 checksums; no maths here.
@@ -8,7 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+
+OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")  # a `key=value` item, never a flag's value
+OWN_FLAGS = ("--config", "--no-progress", "--help")
 
 
 def _train_parser() -> argparse.ArgumentParser:
@@ -23,8 +28,34 @@ def _train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar: one line every logging_steps steps on stderr instead")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="override any config key, e.g. train.learning_rate=1e-4 loss.beta=0")
+                        help="override any config key, e.g. train.learning_rate=1e-4 loss.beta=0; TRL's style works "
+                        "too: --beta 0.0 --learning_rate=1e-6 --use_peft (a flag alone is true)")
     return parser
+
+
+def flags_as_overrides(argv: list[str]) -> list[str]:
+    """TRL's `--key value`, `--key=value`, `--key v1 v2` (a list) and `--flag` (true) as `key=value` overrides;
+    `--config`, `--no-progress` and `--help` stay the parser's."""
+    import yaml  # here: `grpo-jax --help` stays fast
+
+    out, i = [], 0
+    while i < len(argv):
+        token, i = argv[i], i + 1
+        if token == "--":  # argparse's end of options: the rest are overrides as written
+            return out + argv[i - 1:]
+        if not token.startswith("--") or token.split("=", 1)[0] in OWN_FLAGS:
+            out.append(token)
+            continue
+        key, eq, value = token[2:].partition("=")
+        values = []
+        while not eq and i < len(argv) and not argv[i].startswith("--") and not OVERRIDE.match(argv[i]):
+            values.append(argv[i])
+            i += 1
+        if not eq:  # parsed as YAML when the override is, so each item keeps its type inside a list
+            value = "true" if not values else values[0] if len(values) == 1 else yaml.safe_dump(
+                [yaml.safe_load(v) for v in values], default_flow_style=True, width=2**31).strip()
+        out.append(f"{key.replace('-', '_')}={value}")
+    return out
 
 
 def _export_parser() -> argparse.ArgumentParser:
@@ -88,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "train":
         argv = argv[1:]  # `grpo-jax` alone trains, like `grpo-jax train`
     parser = _train_parser()
-    args = parser.parse_intermixed_args(argv)
+    args = parser.parse_intermixed_args(flags_as_overrides(argv))
 
     from grpo_jax import preemption
     from grpo_jax.config import load_config

@@ -1,15 +1,22 @@
-"""TRL's flat `GRPOConfig` names as config keys: `beta: 0.04` in a YAML file or `beta=0.04` on the command line means
-`loss.beta`. Where TRL's option means what ours does the flat name is an alias of our dotted key; where it means
-something else (a batch counted per device, a ratio of steps) or has no counterpart here, it is refused with the key
-to use instead. Unknown keys get the nearest valid ones suggested. Imports no jax.
+"""TRL's flat names as config keys: `beta: 0.04` in a YAML file or `beta=0.04` on the command line means `loss.beta`.
+
+Every field of TRL 1.16's `GRPOConfig` (its `TrainingArguments` included) and of its `ModelConfig` (the PEFT flags)
+is one of: an alias of our dotted key where it means the same (`ALIASES`), converted to ours where TRL writes the
+value another way (`CONVERTED`: `report_to=tensorboard` is `[tensorboard]`, `bf16=true` is `model.dtype=bfloat16`),
+accepted only at the value that asks for nothing we lack (`OFF`: `use_vllm=false`), refused with the key to use
+(`REFUSED`), or ignored with one warning where it only tunes PyTorch's trainer (`IGNORED`). A TRL name and ours for
+the same option given different values in one file, or on one command line, is refused with both. Imports no jax.
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
+import math
+import warnings
 from typing import Any
 
-# TRL 1.16 GRPOConfig / TrainingArguments name -> our dotted key, where the two mean the same thing
+# TRL 1.16 GRPOConfig / TrainingArguments / ModelConfig name -> our dotted key, where the two mean the same thing
 ALIASES = {
     **{name: f"loss.{name}" for name in (
         "beta", "delta", "entropy_coef", "epsilon", "epsilon_high", "importance_sampling_level", "loss_type",
@@ -20,13 +27,67 @@ ALIASES = {
     **{name: f"train.{name}" for name in (
         "adam_beta1", "adam_beta2", "adam_epsilon", "gradient_accumulation_steps", "learning_rate",
         "lr_scheduler_type", "mask_truncated_completions", "max_grad_norm", "multi_objective_aggregation",
-        "num_generations", "num_iterations", "ref_model_mixup_alpha", "ref_model_sync_steps", "scale_rewards",
+        "num_generations", "num_iterations", "ref_model_mixup_alpha", "ref_model_sync_steps",
         "steps_per_generation", "sync_ref_model", "warmup_steps", "weight_decay")},
     **{name: f"sampling.{name}" for name in (
-        "max_completion_length", "max_tool_calling_iterations", "min_p", "temperature", "top_k", "top_p")},
+        "max_completion_length", "max_tool_calling_iterations", "temperature", "top_k", "top_p")},
     "reward_weights": "reward.weights",
-    "max_prompt_length": "data.max_prompt_length",
+    "max_prompt_length": "data.max_prompt_length",  # TRL < 1.0
     "model_name_or_path": "model.path",
+    "lora_r": "model.lora.rank",
+    "lora_alpha": "model.lora.alpha",
+    "lora_dropout": "model.lora.dropout",
+    "use_rslora": "model.lora.use_rslora",
+}
+LORA_NAMES = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "use_rslora")
+SKIP = object()  # a converter's answer for TRL's "unset" (None): our default stands
+
+
+def _unset_or(value, converted):
+    return SKIP if value is None else converted
+
+
+def _names(value) -> list:
+    """TRL's string-or-list options as a list ('tensorboard' -> ['tensorboard'])."""
+    return [value] if isinstance(value, str) else value
+
+
+def _report_to(value):
+    names = [] if value is None else _names(value)
+    if isinstance(names, list) and "all" in names:
+        raise ValueError("report_to=all (TRL: every installed tracker): list them, e.g. report_to=[jsonl,tensorboard]")
+    return [n for n in names if n != "none"] if isinstance(names, list) else names
+
+
+def _bool(name: str, value, on, off):
+    if value is None:
+        return SKIP
+    if not isinstance(value, bool):
+        raise ValueError(f"config key {name}={value!r} must be true or false")
+    return on if value else off
+
+
+def _dtype(value):
+    if value in (None, "float32", "bfloat16"):
+        return _unset_or(value, value)
+    raise ValueError(f"config key dtype={value!r} (TRL's model dtype): set model.param_dtype (the weights) and "
+                     "model.dtype (the compute), each float32 or bfloat16")
+
+
+# TRL name -> (our dotted key, value as TRL writes it -> ours, or SKIP)
+CONVERTED = {
+    "report_to": ("report_to", _report_to),  # a string, or "none", as TRL takes it
+    "reward_funcs": ("reward.functions", _names),  # GRPOTrainer's argument: 'module:function' paths
+    "scale_rewards": ("train.scale_rewards", lambda v: ("group" if v else "none") if isinstance(v, bool) else v),
+    "min_p": ("sampling.min_p", lambda v: _unset_or(v, v)),
+    "eval_steps": ("eval.steps", lambda v: _unset_or(v, v)),
+    "num_generations_eval": ("eval.num_generations", lambda v: _unset_or(v, v)),
+    "lora_target_modules": ("model.lora.target_modules", lambda v: _unset_or(v, v)),
+    "vllm_importance_sampling_cap": ("loss.vllm_importance_sampling_clip_max", lambda v: _unset_or(v, v)),
+    "bf16": ("model.dtype", lambda v: _bool("bf16", v, "bfloat16", "float32")),
+    "gradient_checkpointing": ("model.remat", lambda v: _bool("gradient_checkpointing", v, "full", "none")),
+    "activation_checkpointing": ("model.remat", lambda v: _bool("activation_checkpointing", v, "full", "none")),
+    "dtype": ("model.param_dtype", _dtype),
 }
 
 # TRL names whose meaning differs here, or that have no counterpart: what to write instead
@@ -37,47 +98,175 @@ REFUSED = {
     "generation_batch_size": "grpo_jax derives it: train.train_batch_size x train.steps_per_generation",
     "num_train_epochs": "grpo_jax runs max_steps optimizer steps: set max_steps",
     "warmup_ratio": "set train.warmup_steps = warmup_ratio x max_steps",
-    "bf16": "set model.dtype=bfloat16 (compute) and, for the weights, model.param_dtype",
-    "fp16": "grpo_jax computes in float32 or bfloat16: set model.dtype=bfloat16",
-    "gradient_checkpointing": "set model.remat=full (or dots)",
-    "use_vllm": "grpo_jax samples with its own jitted sampler: remove the key",
     "dataset_name": "set data.path (a local file, folder or dataset)",
-    "fsdp": "set mesh.fsdp to the number of devices that split the params",
 }
 
+# TRL names accepted only at the values listed (they ask for nothing); any other value is refused with the reason
+OFF = {
+    "use_vllm": ((False,), "grpo_jax samples with its own jitted sampler: remove the key"),
+    "fp16": ((False,), "grpo_jax computes in float32 or bfloat16: set model.dtype=bfloat16"),
+    "fsdp": ((None, "", False), "set mesh.fsdp to the number of devices that split the params"),
+    "fsdp_config": ((None,), "set mesh.fsdp / mesh.tensor"),
+    "deepspeed": ((None,), "grpo_jax shards with its device mesh: set mesh.fsdp / mesh.tensor"),
+    "accelerator_config": ((None,), "grpo_jax shards with its device mesh: set mesh.*"),
+    "parallelism_config": ((None,), "grpo_jax shards with its device mesh: set mesh.data / mesh.fsdp / mesh.tensor"),
+    "optim": (("adamw_torch", "adamw_torch_fused"), "grpo_jax's optimizer is AdamW (optax.adamw): remove the key"),
+    "optim_args": ((None,), "grpo_jax's AdamW takes train.adam_beta1/adam_beta2/adam_epsilon/weight_decay"),
+    "optim_target_modules": ((None,), "grpo_jax's AdamW updates every trained parameter: remove the key"),
+    "lr_scheduler_kwargs": ((None,), "grpo_jax's schedules (train.lr_scheduler_type) take no arguments"),
+    "label_smoothing_factor": ((0, 0.0), "GRPO has no labels to smooth: remove the key"),
+    "bf16_full_eval": ((False,), "evaluation runs in model.dtype: set model.dtype=bfloat16"),
+    "fp16_full_eval": ((False,), "grpo_jax computes in float32 or bfloat16: set model.dtype=bfloat16"),
+    "neftune_noise_alpha": ((None,), "grpo_jax adds no embedding noise: remove the key"),
+    "auto_find_batch_size": ((False,), "TRL's GRPO refuses it too: set train.train_batch_size"),
+    "logging_strategy": (("steps",), "grpo_jax logs every logging_steps optimizer steps: set logging_steps"),
+    "disable_tqdm": ((None, False), "pass --no-progress on the command line (show_progress=False in train())"),
+    "save_strategy": (("steps",), "grpo_jax checkpoints every save_steps steps: set save_steps (0: at the end)"),
+    "push_to_hub": ((False,), "write a Hugging Face folder with `grpo-jax export`, then upload it "
+                              "(`huggingface-cli upload`)"),
+    "log_completions_hub_repo": ((None,), "completions go to completions.jsonl in output_dir (log_completions)"),
+    "load_best_model_at_end": ((False,), "grpo_jax keeps the newest checkpoints (save_total_limit)"),
+    "data_seed": ((None,), "the prompt order follows seed"),
+    "use_cpu": ((False,), "run with the environment variable JAX_PLATFORMS=cpu"),
+    "train_sampling_strategy": (("random",), "grpo_jax shuffles the prompts every epoch (by seed)"),
+    "shuffle_dataset": ((True, None), "grpo_jax always shuffles the prompts (by seed)"),
+    "model_init_kwargs": ((None,), "set model.dtype / model.param_dtype; other loading options do not apply"),
+    "trust_remote_code": ((False,), "grpo_jax runs its own model code (qwen2, llama, qwen3, mistral)"),
+    "router_aux_loss_coef": ((None,), "grpo_jax has no mixture-of-experts models"),
+    "generation_kwargs": ((None,), "set sampling.temperature / top_p / top_k / min_p"),
+    "chat_template_kwargs": ((None,), "grpo_jax renders prompts with the tokenizer's chat template, no arguments"),
+    "repetition_penalty": ((1, 1.0), "grpo_jax's sampler has no repetition penalty: remove the key"),
+    "vllm_structured_outputs_regex": ((None,), "grpo_jax's sampler has no constrained decoding"),
+    "use_adaptive_entropy": ((False,), "grpo_jax's entropy bonus is fixed: set loss.entropy_coef"),
+    "log_unique_prompts": ((False,), "completions.jsonl logs every row (log_completions)"),
+    "model_revision": (("main",), "model.path is a local folder: download the revision first"),
+    "use_dora": ((False,), "grpo_jax's adapters are LoRA only (model.lora)"),
+    "lora_target_parameters": ((None,), "set model.lora.target_modules"),
+    "lora_modules_to_save": ((None,), "grpo_jax trains the adapters only; train without model.lora to train all"),
+    "lora_task_type": (("CAUSAL_LM",), "grpo_jax trains causal language models"),
+    "load_in_8bit": ((False,), "grpo_jax does not quantise: set model.param_dtype=bfloat16 to halve the memory"),
+    "load_in_4bit": ((False,), "grpo_jax does not quantise: set model.param_dtype=bfloat16 to halve the memory"),
+}
 
-def translate(values: dict) -> dict:
-    """`values` (a config's plain data) with its top-level TRL names moved to our dotted keys; a refused name or a
-    key given both ways is a ValueError naming it."""
-    out = {k: v for k, v in values.items() if k not in ALIASES and k not in REFUSED}
-    for name in values:
-        if name in REFUSED:
-            raise ValueError(f"config key {name} is TRL's: {REFUSED[name]}")
-    for name, dotted in ALIASES.items():
-        if name not in values:
-            continue
-        section, _, key = dotted.rpartition(".")
-        target = out.setdefault(section, {}) if section else out
-        if not isinstance(target, dict):
+# TRL names that tune PyTorch's trainer (loaders, DDP, kernels, the Hub, its logging) and change nothing here
+IGNORED = (
+    "average_tokens_across_devices", "tf32", "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs",
+    "torch_compile", "torch_compile_backend", "torch_compile_mode", "use_liger_kernel", "liger_kernel_config",
+    "use_cache", "torch_empty_cache_steps", "logging_first_step", "log_on_each_node", "logging_nan_inf_filter",
+    "include_num_input_tokens_seen", "log_level", "log_level_replica", "run_name", "project", "trackio_space_id",
+    "trackio_bucket_id", "trackio_static_space_id", "eval_strategy", "eval_delay", "per_device_eval_batch_size",
+    "prediction_loss_only", "eval_on_start", "eval_do_concat_batches", "eval_use_gather_object",
+    "eval_accumulation_steps", "include_for_metrics", "batch_eval_metrics", "save_only_model", "save_on_each_node",
+    "enable_jit_checkpoint", "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy", "hub_always_push",
+    "hub_revision", "metric_for_best_model", "greater_is_better", "ignore_data_skip",
+    "restore_callback_states_from_checkpoint", "full_determinism", "dataloader_drop_last", "dataloader_num_workers",
+    "dataloader_pin_memory", "dataloader_persistent_workers", "dataloader_prefetch_factor",
+    "dataloader_multiprocessing_context", "dataloader_in_order", "remove_unused_columns", "label_names",
+    "length_column_name", "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers",
+    "ddp_static_graph", "ddp_backend", "ddp_timeout", "debug", "skip_memory_metrics", "do_train", "do_eval",
+    "do_predict", "local_rank", "disable_dropout", "cast_lm_head_to_fp32", "ds3_gather_for_generation",
+    "pad_to_multiple_of", "cache_implementation", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode",
+    "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
+    "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size", "entropy_coef_min",
+    "entropy_coef_max", "entropy_coef_delta", "entropy_target", "log_multimodal",
+    "use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_transformers_paged",
+    "attn_implementation", "bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage",
+)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values as a file or command line writes them (0 == 0.0; YAML 1.1 reads 1e-6 as a string)."""
+    def number(x):
+        if isinstance(x, bool) or not isinstance(x, (int, float, str)):
+            return None
+        try:
+            return float(x)
+        except ValueError:
+            return None
+    if a == b:
+        return True
+    x, y = number(a), number(b)
+    return x is not None and y is not None and (x == y or math.isnan(x) and math.isnan(y))
+
+
+def _target(out: dict, dotted: str, name: str) -> tuple[dict, str]:
+    """The dict that holds `dotted`'s leaf in `out` (sections made as needed), and the leaf's name."""
+    *sections, leaf = dotted.split(".")
+    node = out
+    for section in sections:
+        node = node.setdefault(section, {})
+        if not isinstance(node, dict):
             raise ValueError(f"config key {name} (TRL's name for {dotted}): {section} is not a section")
-        if key in target:
-            raise ValueError(f"config keys {name} and {dotted} are the same option (TRL's name and ours): give one")
-        target[key] = values[name]
+    return node, leaf
+
+
+def layer(values: dict) -> dict:
+    """One source's values (a file's data, or one command line's) with TRL's names moved to our dotted keys.
+
+    A refused name, or a TRL name and ours (or two TRL names) set to different values, is a ValueError naming
+    both; `use_peft` stays at the top level for `resolve`, once every source is merged. Ignored names warn once.
+    """
+    names = set(ALIASES) | set(CONVERTED) | set(REFUSED) | set(OFF) | set(IGNORED)
+    out = copy.deepcopy({k: v for k, v in values.items() if k not in names or k == "report_to"})
+    for name in [n for n in values if n in REFUSED]:
+        raise ValueError(f"config key {name} is TRL's: {REFUSED[name]}")
+    for name in [n for n in values if n in OFF and not any(_same(values[n], ok) for ok in OFF[n][0])]:
+        raise ValueError(f"config key {name}={values[name]!r} is TRL's: {OFF[name][1]}")
+    ignored = [n for n in values if n in IGNORED]
+    if ignored:
+        # explicit: one line naming the keys, not a line of grpo_jax's source
+        warnings.warn_explicit(f"TRL keys ignored (they tune PyTorch's trainer, not this one): {', '.join(ignored)}",
+                               UserWarning, "grpo-jax config", 0)
+    peft_off = values.get("use_peft") is False  # TRL reads its lora_* flags only with use_peft
+    given: dict[str, str] = {}
+    for name in [n for n in values if n in ALIASES or n in CONVERTED]:
+        if peft_off and name in LORA_NAMES:
+            continue
+        dotted, convert = CONVERTED.get(name, (ALIASES.get(name), None))
+        value = values[name] if convert is None else convert(values[name])
+        if value is SKIP:
+            continue
+        node, leaf = _target(out, dotted, name)
+        if dotted != name and leaf in node and not _same(node[leaf], value):
+            other = given.get(dotted, dotted)
+            shown = values[other] if other in values else node[leaf]
+            raise ValueError(f"config keys {name}={values[name]!r} and {other}={shown!r} set the same option "
+                             f"({dotted}) to different values: give one")
+        node[leaf] = value
+        given[dotted] = name
     return out
 
 
-def dotted(key: str) -> str:
-    """A command-line override's key: TRL's flat name as our dotted key; a refused one is a ValueError."""
-    if key in REFUSED:
-        raise ValueError(f"config key {key} is TRL's: {REFUSED[key]}")
-    return ALIASES.get(key, key)
+def resolve(values: dict) -> dict:
+    """Merged values with TRL's `use_peft` applied: true turns on LoRA with TRL's rank 16 and alpha 32 unless
+    given (`lora_r`, `model.lora.rank`, ...); false refuses adapters given another way."""
+    use_peft = values.pop("use_peft", None)
+    if use_peft is None:
+        return values
+    if not isinstance(use_peft, bool):
+        raise ValueError(f"config key use_peft={use_peft!r} must be true or false")
+    lora, _ = _target(values, "model.lora.rank", "use_peft")
+    if use_peft:
+        if not lora.get("rank") and lora.get("path") is None:
+            lora["rank"] = 16
+        lora.setdefault("alpha", 32.0)
+    elif lora.get("rank") or lora.get("path") is not None:
+        raise ValueError(f"use_peft=false with model.lora.rank={lora.get('rank')!r} / model.lora.path="
+                         f"{lora.get('path')!r}: drop use_peft=false to train adapters, or the adapter keys")
+    return values
+
+
+def translate(values: dict) -> dict:
+    """One source's values (a config built from keywords) with TRL's names as our dotted keys (`layer`, `resolve`)."""
+    return resolve(layer(values))
 
 
 def suggestions(unknown: str, valid: list[str], every_key: list[str]) -> str:
     """' (did you mean X?)' for an unknown key: the nearest names of its section, or keys of other sections with
     the same last part ('train.beta' -> 'loss.beta'); '' when nothing is close."""
     prefix, _, leaf = unknown.rpartition(".")
-    near = difflib.get_close_matches(leaf, list(valid) + ([] if prefix else list(ALIASES)), n=3, cutoff=0.75)
+    trl_names = list(ALIASES) + list(CONVERTED) + ["use_peft"]
+    near = difflib.get_close_matches(leaf, list(valid) + ([] if prefix else trl_names), n=3, cutoff=0.75)
     near = [f"{prefix}.{n}" if prefix else n for n in near]
     near += [k for k in every_key if k.rpartition(".")[2] == leaf and k != unknown and k not in near]
     return f" (did you mean {' or '.join(near[:3])}?)" if near else ""

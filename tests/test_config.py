@@ -103,6 +103,42 @@ def test_validation_errors_name_the_field(overrides, match):
         load_config(None, overrides)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("train.adam_beta1=1.0", "train.adam_beta1=1.0 must be in [0, 1)"),
+    ("train.adam_beta2=-0.1", "train.adam_beta2=-0.1 must be in [0, 1)"),
+    ("train.weight_decay=-0.1", "train.weight_decay=-0.1 must be >= 0"),
+    ("train.adam_epsilon=0", "train.adam_epsilon=0.0 must be > 0"),
+    ("loss.epsilon=1.5", "loss.epsilon=1.5 must be in (0, 1)"),
+    ("loss.epsilon=0", "loss.epsilon=0.0 must be in (0, 1)"),
+    ("loss.epsilon_high=0", "loss.epsilon_high=0.0 must be > 0"),
+    ("loss.sapo_temperature_neg=.nan", "loss.sapo_temperature_neg=nan must be a finite number"),
+    ("sampling.temperature=.inf", "sampling.temperature=inf must be finite and > 0"),
+    ("seed=-1", "seed=-1 must be in [0, 2**63)"),
+])
+def test_ranges_name_the_key_and_the_range(override, message):
+    with pytest.raises(ValueError) as error:
+        load_config(None, [override])
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_range_bounds_and_losses_that_do_not_clip():
+    edges = load_config(None, ["train.adam_beta1=0", "train.adam_beta2=0.999", "train.weight_decay=0",
+                               "loss.epsilon=0.999", "loss.epsilon_high=5", "seed=0"])
+    assert (edges.train.adam_beta1, edges.loss.epsilon, edges.loss.epsilon_high) == (0.0, 0.999, 5.0)
+    assert load_config(None, ["loss.loss_type=sapo", "loss.epsilon=1.5"]).loss.epsilon == 1.5  # sapo never clips
+    with pytest.raises(ValueError, match="loss.epsilon_high=0.0 must be > 0 .cispo caps the ratio"):
+        load_config(None, ["loss.loss_type=cispo", "loss.epsilon_high=0"])
+
+
+def test_a_refused_value_on_the_command_line_is_one_line(capsys, tmp_path):
+    from grpo_jax.cli import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["--no-progress", "train.adam_beta1=1.0", f"output_dir={tmp_path}", "max_steps=1"])
+    err = capsys.readouterr().err
+    assert exit_.value.code != 0 and err.count("\n") == 1, err
+    assert err.startswith("grpo-jax: config error: train.adam_beta1=1.0 must be in [0, 1)"), err
+
+
 @pytest.mark.parametrize("overrides, match", [
     (["reward.functions=[grpo_jax.task:nope]"], "reward.functions: .*'grpo_jax.task:nope'.* no attribute"),
     (["reward.functions=[no_such_module_xyz:f]"], "reward.functions: .*no_such_module_xyz.*could not be imported"),
@@ -176,12 +212,12 @@ def test_trl_flat_names_are_our_dotted_keys(tmp_path):
     assert config == ours
     assert load_config(str(path), ["loss.beta=0.2"]).loss.beta == 0.2  # the command line wins, named either way
     path.write_text("beta: 0.1\nloss:\n  beta: 0.2\n")
-    with pytest.raises(ValueError, match="beta and loss.beta are the same option"):
+    with pytest.raises(ValueError, match=r"beta=0.1 and loss.beta=0.2 set the same option \(loss.beta\)"):
         load_config(str(path))
     with pytest.raises(ValueError, match="per_device_train_batch_size is TRL's: .* set train.train_batch_size = "):
         load_config(None, ["per_device_train_batch_size=8"])
-    with pytest.raises(ValueError, match="bf16 is TRL's: set model.dtype=bfloat16"):
-        load_config(None, ["bf16=true"])
+    with pytest.raises(ValueError, match="fp16=True is TRL's: .* set model.dtype=bfloat16"):
+        load_config(None, ["fp16=true"])
 
 
 @pytest.mark.parametrize("override, hint", [

@@ -59,6 +59,8 @@ class Config:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self):
+        check(0 <= self.seed < 2**63, f"seed={self.seed} must be in [0, 2**63) (numpy's generators take no negative "
+              "seed)")
         check(self.max_steps >= 1, f"max_steps={self.max_steps} must be >= 1")
         check(self.logging_steps >= 1, f"logging_steps={self.logging_steps} must be >= 1")
         check(all(r in REPORT_TO for r in self.report_to) and len(set(self.report_to)) == len(self.report_to),
@@ -217,7 +219,8 @@ def _config_file(path: str) -> Path:
 
 def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Builds a `Config` from an optional YAML file (or packaged recipe name, `recipes()`) and `dotted.key=value`
-    overrides (values parsed as YAML; TRL's flat names allowed, `grpo_jax.trl_keys`)."""
+    overrides (values parsed as YAML; TRL's flat names allowed, `grpo_jax.trl_keys`). The command line wins over
+    the file; within one of them a TRL name and ours set to different values are refused."""
     values: dict = {}
     if path is not None:
         file = _config_file(path)
@@ -226,17 +229,28 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
         except yaml.YAMLError as e:
             raise ValueError(f"config file {path!r} is not valid YAML: {e}") from e
         check(isinstance(values, dict), f"config file {path!r} must hold a mapping of keys")
-    return from_dict(Config, _with_overrides(trl_keys.translate(values), overrides))
+    return from_dict(Config, trl_keys.resolve(_merged(trl_keys.layer(values), _override_layer(overrides))))
 
 
 def apply_overrides(config: Config, overrides: typing.Sequence[str]) -> Config:
     """``config`` with `dotted.key=value` overrides (values parsed as YAML), checked as a file's would be."""
-    return from_dict(Config, _with_overrides(to_dict(config), overrides))
+    return from_dict(Config, trl_keys.resolve(_merged(to_dict(config), _override_layer(overrides))))
 
 
-def _with_overrides(values: dict, overrides: typing.Sequence[str]) -> dict:
+def _override_layer(overrides: typing.Sequence[str]) -> dict:
+    """The command line's `key=value` items as one source's data (a repeated key: the last wins)."""
+    values: dict = {}
     for item in overrides:
         check("=" in item, f"override {item!r} must look like section.key=value, e.g. train.learning_rate=1e-4")
         key, raw = item.split("=", 1)
-        _set_dotted(values, trl_keys.dotted(key.strip()), yaml.safe_load(raw) if raw.strip() else None)
-    return values
+        _set_dotted(values, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    return trl_keys.layer(values)
+
+
+def _merged(base: dict, top: dict) -> dict:
+    """`base` with `top`'s keys over it, section by section."""
+    out = dict(base)
+    for key, value in top.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both else value
+    return out

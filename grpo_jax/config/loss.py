@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from grpo_jax.config.sections import check_interval
+
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 # The loss types whose per-token surrogate is the PPO clipped one (and whose clip ratios TRL logs).
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -58,15 +60,22 @@ class LossConfig:
         choose("vllm_importance_sampling_mode", IS_CORRECTION_MODES)
         if self.beta < 0:
             raise ValueError(f"loss.beta={self.beta} is negative: use beta >= 0 (0 disables the KL term)")
-        for name in ("beta", "epsilon", "entropy_coef"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"loss.{name}={getattr(self, name)} must be a finite number (it would make every "
-                                 "loss NaN or infinite)")
-        if self.epsilon < 0:
-            raise ValueError(f"loss.epsilon={self.epsilon} is negative: use epsilon >= 0 (0.2 is typical)")
-        if self.epsilon_high is not None and self.epsilon_high < 0:
-            raise ValueError(
-                f"loss.epsilon_high={self.epsilon_high} is negative: use epsilon_high >= 0 or None (= epsilon)")
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"loss.{field.name}={value} must be a finite number (it would make every loss NaN or "
+                                 "infinite)")
+        if self.loss_type in CLIPPED_LOSS_TYPES:  # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+            check_interval("loss.epsilon", self.epsilon, "(0, 1)", f"loss_type={self.loss_type} clips the ratio "
+                           "to [1 - epsilon, 1 + epsilon_high]; 0.2 is typical")
+            if self.epsilon_high is not None:
+                check_interval("loss.epsilon_high", self.epsilon_high, "(0, inf)", "the upper clip is 1 + "
+                               "epsilon_high; DAPO uses 0.28, null takes epsilon")
+        elif self.loss_type == "cispo":
+            check_interval("loss.epsilon_high" if self.epsilon_high is not None else "loss.epsilon",
+                           self.epsilon_high_resolved, "(0, inf)", "cispo caps the ratio at epsilon_high, or at "
+                           "epsilon when it is null; 5.0 is typical")
+        check_interval("loss.epsilon", self.epsilon, "[0, inf)", "0.2 is typical")
         if self.delta is not None:
             if self.loss_type not in CLIPPED_LOSS_TYPES:
                 raise ValueError(

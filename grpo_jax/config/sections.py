@@ -18,6 +18,19 @@ def check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def check_interval(where: str, value: float, interval: str, why: str = "") -> None:
+    """A ValueError unless `value` lies in `interval` ("[0, 1)", "(0, inf)": inf bounds are open, so NaN and inf are
+    refused too), naming `where`, the range and `why` the range is what it is."""
+    low, high = (float(bound) for bound in interval[1:-1].split(","))
+    above = value > low if interval[0] == "(" else value >= low
+    below = value < high if interval[-1] == ")" else value <= high
+    wanted = f"in {interval}"
+    if high == math.inf:
+        wanted = ("finite and " if math.isfinite(low) and not math.isfinite(value) else "") + \
+            f"{'>' if interval[0] == '(' else '>='} {interval[1:].split(',')[0]}"
+    check(above and below, f"{where}={value} must be {wanted}" + (f" ({why})" if why else ""))
+
+
 TASK_REWARDS = ("grpo_jax.task:char_accuracy",)
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "process")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -88,8 +101,8 @@ class SamplingConfig:
         if not isinstance(self.max_completion_length, int) or self.max_completion_length < 1:
             raise ValueError(f"sampling.max_completion_length={self.max_completion_length!r} must be an "
                              "integer >= 1")
-        if not self.temperature > 0:
-            raise ValueError(f"sampling.temperature={self.temperature} must be > 0: use greedy=True for argmax")
+        check_interval("sampling.temperature", self.temperature, "(0, inf)",
+                       "logits are divided by it; greedy=True takes the argmax")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"sampling.top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
         if not 0 < self.top_p <= 1:
@@ -212,6 +225,11 @@ class TrainConfig:
             check(math.isfinite(getattr(self, name)),
                    f"train.{name}={getattr(self, name)} must be a finite number (it would make every update NaN)")
         check(self.learning_rate > 0, f"train.learning_rate={self.learning_rate} must be > 0")
+        for name in ("adam_beta1", "adam_beta2"):  # decay rates of Adam's moving averages; 1 never forgets step 0
+            check_interval(f"train.{name}", getattr(self, name), "[0, 1)", "0.9 and 0.999 are usual")
+        check_interval("train.weight_decay", self.weight_decay, "[0, inf)", "AdamW's decoupled decay; 0 disables it")
+        check_interval("train.adam_epsilon", self.adam_epsilon, "(0, inf)",
+                       "it keeps Adam's division by the second moment finite; 1e-8 is usual")
         check(self.lr_scheduler_type in ("constant", "linear", "cosine"),
                f"train.lr_scheduler_type={self.lr_scheduler_type!r}: use constant, linear or cosine")
         check(self.warmup_steps >= 0, f"train.warmup_steps={self.warmup_steps} must be >= 0")
@@ -273,7 +291,7 @@ class EvalConfig:
         check(self.num_examples >= 0, f"eval.num_examples={self.num_examples} must be >= 0")
         check(self.steps >= 0, f"eval.steps={self.steps} must be >= 0 (0: evaluate before and after training only)")
         check(self.num_generations >= 0, f"eval.num_generations={self.num_generations} must be >= 0 (0: greedy only)")
-        check(self.temperature > 0, f"eval.temperature={self.temperature} must be > 0")
+        check_interval("eval.temperature", self.temperature, "(0, inf)", "logits are divided by it")
         if self.pass_at_k is not None:
             check(all(1 <= k <= self.num_generations for k in self.pass_at_k),
                    f"eval.pass_at_k={list(self.pass_at_k)} needs 1 <= k <= eval.num_generations="
