@@ -284,6 +284,10 @@ def check_inputs(config: Config, *, reward_funcs=None, train_dataset=None, eval_
     exist, reward functions and the answer extractor import. Each failure is a one-line ValueError naming the key."""
     if train_dataset is None:
         _check_data_file("data.path", config.data.path)
+    given = "train_dataset" if train_dataset is not None else None if config.data.path is None else "data.path"
+    if given and config.model.path is None and config.model.init != "random":
+        raise ValueError(f"{given} without model.path: set model.path to the Hugging Face model folder to fine-tune, "
+                         "or model.init=random to train a randomly initialised model of the model.* sizes")
     if config.data.tokenizer_path is not None and not Path(config.data.tokenizer_path).is_dir():
         raise ValueError(f"data.tokenizer_path={config.data.tokenizer_path!r} is not a folder: point it at a saved "
                          "tokenizer")
