@@ -25,7 +25,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from grpo_jax import (checkpoint, cpu, data, lock, programs, reward_model, rewards, sharding, sources, task, tool_task,
                       tools)
-from grpo_jax.config import Config, to_dict, with_defaults
+from grpo_jax.config import Config, resolve_defaults, to_dict, with_defaults
 from grpo_jax.config.sections import SOFT_OVERLONG
 from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, lora, peft_io, resolve_config
 from grpo_jax.state import TrainState, optimizer_from_config
@@ -345,6 +345,8 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     speedups = cpu.enabled(config.cpu_speedups)
     if speedups:
         cpu.configure_host_allocator(config.host_allocator)  # before the first jitted call allocates
+    # a null learning rate: the resumed run's, else by model.path; config.yaml records it, so a resume is unchanged
+    config = resolve_defaults(config, _saved_config(output_dir, config)[0] if resuming else None)
     if resuming:
         checkpoint.check_compatible(*_saved_config(output_dir, config))
     given = to_dict(config)  # config.yaml: as given, written once the run has built

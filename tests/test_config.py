@@ -183,6 +183,17 @@ def test_your_data_without_model_path_is_refused_before_anything_is_made(tmp_pat
         load_config(None, ["model.init=pretrained"])
 
 
+def test_the_learning_rate_default_is_trls_for_a_model_folder_and_the_embedded_tasks_own_otherwise():
+    from grpo_jax.config import resolve_defaults
+    rate = lambda *overrides, saved=None: resolve_defaults(load_config(None, overrides), saved).train.learning_rate
+    assert Config().train.learning_rate is None  # resolved when the run is built, then recorded
+    assert rate() == 5e-4 and rate("model.init=random") == 5e-4
+    assert rate("model.path=models/x") == 1e-6  # TRL's default
+    assert rate("model.path=models/x", "train.learning_rate=3e-5") == 3e-5  # given: always wins
+    assert rate("model.path=models/x", saved={"train": {"learning_rate": 5e-4}}) == 5e-4  # a resumed run's
+    assert rate("train.learning_rate=2e-3", saved={"train": {"learning_rate": 5e-4}}) == 2e-3
+
+
 def test_trl_flat_names_are_our_dotted_keys(tmp_path):
     """A TRL user's GRPOConfig names work in a YAML file and on the command line, mean the same option, and are
     refused with the key to use where TRL's meaning differs."""

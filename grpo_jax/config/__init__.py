@@ -25,7 +25,10 @@ from grpo_jax.distributed import DistributedConfig
 
 __all__ = ["Config", "DataConfig", "DistributedConfig", "EvalConfig", "LoRAConfig", "LossConfig", "MeshConfig",
            "ModelConfig", "RefSyncConfig", "RewardConfig", "SamplingConfig", "TrainConfig", "apply_overrides",
-           "from_dict", "load_config", "recipes", "to_dict", "with_defaults"]
+           "from_dict", "load_config", "recipes", "resolve_defaults", "to_dict", "with_defaults"]
+
+PRETRAINED_LEARNING_RATE = 1e-6  # TRL's default, for model.path's weights
+RANDOM_INIT_LEARNING_RATE = 5e-4  # the embedded tasks' random 64-wide model learns in a few hundred steps with it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +104,18 @@ class Config:
         check(self.reward.soft_punish_cache <= self.sampling.max_completion_length,
                f"reward.soft_punish_cache={self.reward.soft_punish_cache} exceeds sampling.max_completion_length="
                f"{self.sampling.max_completion_length}: the punishment zone must fit inside the completion length")
+
+
+def resolve_defaults(config: Config, saved: dict | None = None) -> Config:
+    """`config` with the defaults that depend on other keys filled in, as config.yaml and checkpoints record them: a
+    null train.learning_rate is a resumed run's (`saved`: its config as plain data), else 1e-6 with model.path (TRL's)
+    and 5e-4 for a random model."""
+    if config.train.learning_rate is not None:
+        return config
+    rate = ((saved or {}).get("train") or {}).get("learning_rate")
+    if rate is None:
+        rate = RANDOM_INIT_LEARNING_RATE if config.model.path is None else PRETRAINED_LEARNING_RATE
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, learning_rate=float(rate)))
 
 
 def to_dict(config: Any) -> dict:

@@ -160,7 +160,7 @@ class TrainConfig:
     sync_ref_model: bool = False  # TR-DPO: mix the policy into the reference every ref_model_sync_steps
     ref_model_mixup_alpha: float = 0.6  # 1.0: iterative GRPO (reset the reference to the policy)
     ref_model_sync_steps: int = 512
-    learning_rate: float = 5e-4  # the embedded random-init model; real checkpoints want ~1e-6 (TRL)
+    learning_rate: float | None = None  # None: TRL's 1e-6 with model.path, 5e-4 for a random model (resolve_defaults)
     lr_scheduler_type: str = "constant"  # constant, linear, cosine
     warmup_steps: int = 0
     weight_decay: float = 0.0
@@ -209,9 +209,10 @@ class TrainConfig:
                f"train.ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in (0, 1] (1.0: iterative GRPO)")
         check(self.ref_model_sync_steps >= 1, f"train.ref_model_sync_steps={self.ref_model_sync_steps} must be >= 1")
         for name in ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon"):
-            check(math.isfinite(getattr(self, name)),
+            check(getattr(self, name) is None or math.isfinite(getattr(self, name)),
                    f"train.{name}={getattr(self, name)} must be a finite number (it would make every update NaN)")
-        check(self.learning_rate > 0, f"train.learning_rate={self.learning_rate} must be > 0")
+        check(self.learning_rate is None or self.learning_rate > 0,
+              f"train.learning_rate={self.learning_rate} must be > 0, or null (by model.path: 1e-6, else 5e-4)")
         check(self.lr_scheduler_type in ("constant", "linear", "cosine"),
                f"train.lr_scheduler_type={self.lr_scheduler_type!r}: use constant, linear or cosine")
         check(self.warmup_steps >= 0, f"train.warmup_steps={self.warmup_steps} must be >= 0")
