@@ -200,6 +200,8 @@ def run_grpo_jax(model_dir: str | None, size: str | None, prompts: Path, s: Sett
     if model_dir is not None:  # the folder's weights: both trainers start from the same policy
         model = ModelConfig(path=model_dir, **model_kwargs)
     else:
+        if "init" in fields:  # random weights on the benchmark's prompts, asked for explicitly
+            model_kwargs["init"] = "random"
         model = ModelConfig(vocab_size=arch["vocab_size"], hidden_size=arch["hidden_size"],
                             intermediate_size=arch["intermediate_size"],
                             num_hidden_layers=arch["num_hidden_layers"],

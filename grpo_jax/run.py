@@ -25,7 +25,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from grpo_jax import (checkpoint, cpu, data, lock, programs, reward_model, rewards, runs, sharding, sources, task,
                       tool_task, tools)
-from grpo_jax.config import Config, to_dict, with_defaults
+from grpo_jax.config import Config, resolve_defaults, to_dict, with_defaults
 from grpo_jax.config.sections import SOFT_OVERLONG
 from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, lora, peft_io, resolve_config
 from grpo_jax.state import TrainState, optimizer_from_config
@@ -284,6 +284,10 @@ def check_inputs(config: Config, *, reward_funcs=None, train_dataset=None, eval_
     exist, reward functions and the answer extractor import. Each failure is a one-line ValueError naming the key."""
     if train_dataset is None:
         _check_data_file("data.path", config.data.path)
+    given = "train_dataset" if train_dataset is not None else None if config.data.path is None else "data.path"
+    if given and config.model.path is None and config.model.init != "random":
+        raise ValueError(f"{given} without model.path: set model.path to the Hugging Face model folder to fine-tune, "
+                         "or model.init=random to train a randomly initialised model of the model.* sizes")
     if config.data.tokenizer_path is not None and not Path(config.data.tokenizer_path).is_dir():
         raise ValueError(f"data.tokenizer_path={config.data.tokenizer_path!r} is not a folder: point it at a saved "
                          "tokenizer")
@@ -342,6 +346,8 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     speedups = cpu.enabled(config.cpu_speedups)
     if speedups:
         cpu.configure_host_allocator(config.host_allocator)  # before the first jitted call allocates
+    # a null learning rate: the resumed run's, else by model.path; config.yaml records it, so a resume is unchanged
+    config = resolve_defaults(config, _saved_config(output_dir, config)[0] if resuming else None)
     if resuming:
         checkpoint.check_compatible(*_saved_config(output_dir, config))
     given = to_dict(config)  # config.yaml: as given, written once the run has built

@@ -20,34 +20,33 @@ def _steps(folder: Path) -> list[int]:
     return sorted(int(p.name) for p in (folder / "checkpoints").glob("*") if p.name.isdigit())
 
 
-def _compatible(folder: Path, given: dict) -> bool:
+def _compatible(folder: Path, config) -> bool:
     from grpo_jax.checkpoint import check_compatible
-    from grpo_jax.config import with_defaults
+    from grpo_jax.config import resolve_defaults, to_dict, with_defaults
 
     try:
-        check_compatible(with_defaults(yaml.safe_load((folder / "config.yaml").read_text())), given)
+        saved = with_defaults(yaml.safe_load((folder / "config.yaml").read_text()))
+        check_compatible(saved, to_dict(resolve_defaults(config, saved)))  # as `run.build` compares them
     except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):  # another run's, or unreadable
         return False
     return True
 
 
-def newest_run(given: dict, root: Path = RUNS) -> Path | None:
-    """The newest run folder under `root` with a checkpoint and a config.yaml `given` (plain data) may resume."""
+def newest_run(config, root: Path = RUNS) -> Path | None:
+    """The newest run folder under `root` with a checkpoint and a config.yaml that `config` may resume."""
     folders = [p for p in root.glob("*") if p.is_dir() and _steps(p) and (p / "config.yaml").is_file()]
     folders.sort(key=lambda p: (p / "checkpoints" / str(_steps(p)[-1])).stat().st_mtime, reverse=True)
-    return next((p for p in folders if _compatible(p, given)), None)
+    return next((p for p in folders if _compatible(p, config)), None)
 
 
 def resolve(config):
     """`config` with `output_dir` set to the run `resume_from_checkpoint` names or finds (unchanged when it is unset
     or false); a ValueError names what is missing and the fix."""
-    from grpo_jax.config import to_dict
-
     value = config.resume_from_checkpoint
     if value in (None, False):
         return config
     if value is True and config.output_dir is None:
-        found = newest_run(to_dict(config))
+        found = newest_run(config)
         if found is None:
             raise ValueError(f"resume_from_checkpoint=true: no run under {RUNS}/ has a checkpoint and this config "
                              "(the keys that must stay the same on resume): give its folder as output_dir, or drop "

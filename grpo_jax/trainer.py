@@ -95,7 +95,7 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
     run, state = build(config, loss_fn=loss_fn, train_dataset=train_dataset, eval_dataset=eval_dataset,
                        reward_funcs=reward_funcs, tools=tools, environment_factory=environment_factory)
     try:
-        return _train(config, run, state, show_progress)
+        return _train(run.config, run, state, show_progress)  # its defaults resolved (learning rate)
     except (preemption.Preempted, preemption.RunFailed):
         raise
     except Exception as error:

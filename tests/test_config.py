@@ -186,7 +186,7 @@ def test_prompt_file_without_prompt_column_fails_at_build(tmp_path):
     task.build_tokenizer(tokenizer_dir)
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"question": "12>"}) + "\n")
-    config = load_config(None, [f"data.path={data}", f"data.tokenizer_path={tokenizer_dir}",
+    config = load_config(None, [f"data.path={data}", f"data.tokenizer_path={tokenizer_dir}", "model.init=random",
                                 f"output_dir={tmp_path / 'run'}", "eval.num_examples=0"])
     with pytest.raises(ValueError, match=r"d.jsonl: line 1 has no 'prompt' column"):
         build(config)
@@ -197,6 +197,37 @@ def test_data_path_requires_a_tokenizer(tmp_path):
     data.write_text(json.dumps({"prompt": "12>"}) + "\n")
     with pytest.raises(ValueError, match="neither data.tokenizer_path nor model.path"):
         load_config(None, [f"data.path={data}"])
+
+
+def test_your_data_without_model_path_is_refused_before_anything_is_made(tmp_path, capsys):
+    """A user's data trains a random model only when asked (model.init=random); the embedded tasks need no key."""
+    from grpo_jax import task
+    from grpo_jax.cli import main as cli_main
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "12>"}) + "\n")
+    task.build_tokenizer(tmp_path / "tok")
+    out = tmp_path / "run"
+    assert cli_main([f"output_dir={out}", f"data.path={data}", f"data.tokenizer_path={tmp_path / 'tok'}"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("grpo-jax: data.path without model.path: set model.path") and err.count("\n") == 1, err
+    assert "model.init=random" in err and not out.exists()
+    with pytest.raises(ValueError, match=r"^train_dataset without model.path: .* or model.init=random"):
+        check_inputs(Config(), train_dataset=[{"prompt": "12>"}])
+    check_inputs(load_config(None, ["model.init=random"]), train_dataset=[{"prompt": "12>"}])
+    check_inputs(Config())  # the embedded task
+    with pytest.raises(ValueError, match="model.init='pretrained': use random"):
+        load_config(None, ["model.init=pretrained"])
+
+
+def test_the_learning_rate_default_is_trls_for_a_model_folder_and_the_embedded_tasks_own_otherwise():
+    from grpo_jax.config import resolve_defaults
+    rate = lambda *overrides, saved=None: resolve_defaults(load_config(None, overrides), saved).train.learning_rate
+    assert Config().train.learning_rate is None  # resolved when the run is built, then recorded
+    assert rate() == 5e-4 and rate("model.init=random") == 5e-4
+    assert rate("model.path=models/x") == 1e-6  # TRL's default
+    assert rate("model.path=models/x", "train.learning_rate=3e-5") == 3e-5  # given: always wins
+    assert rate("model.path=models/x", saved={"train": {"learning_rate": 5e-4}}) == 5e-4  # a resumed run's
+    assert rate("train.learning_rate=2e-3", saved={"train": {"learning_rate": 5e-4}}) == 2e-3
 
 
 def test_trl_flat_names_are_our_dotted_keys(tmp_path):

@@ -15,7 +15,7 @@ from grpo_jax.run import _prompt_length, build
 
 ROWS = [{"prompt": f"{i % 10}{(3 * i) % 10}{(7 * i) % 10}>", "answer": f"x{i}"} for i in range(24)]
 QUICK = ["max_steps=2", "train.train_batch_size=16", "train.num_generations=4", "eval.num_examples=0",
-         "sampling.max_completion_length=6"]
+         "sampling.max_completion_length=6", "model.init=random"]
 
 
 def _write_all(folder):

@@ -8,6 +8,7 @@ geometry); what needs the filesystem or the reward modules is checked when the r
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -25,7 +26,10 @@ from grpo_jax.distributed import DistributedConfig
 
 __all__ = ["Config", "DataConfig", "DistributedConfig", "EvalConfig", "LoRAConfig", "LossConfig", "MeshConfig",
            "ModelConfig", "RefSyncConfig", "RewardConfig", "SamplingConfig", "TrainConfig", "apply_overrides",
-           "from_dict", "load_config", "recipes", "to_dict", "with_defaults"]
+           "from_dict", "load_config", "make_config", "recipes", "resolve_defaults", "to_dict", "with_defaults"]
+
+PRETRAINED_LEARNING_RATE = 1e-6  # TRL's default, for model.path's weights
+RANDOM_INIT_LEARNING_RATE = 5e-4  # the embedded tasks' random 64-wide model learns in a few hundred steps with it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +111,18 @@ class Config:
         check(self.reward.soft_punish_cache <= self.sampling.max_completion_length,
                f"reward.soft_punish_cache={self.reward.soft_punish_cache} exceeds sampling.max_completion_length="
                f"{self.sampling.max_completion_length}: the punishment zone must fit inside the completion length")
+
+
+def resolve_defaults(config: Config, saved: dict | None = None) -> Config:
+    """`config` with the defaults that depend on other keys filled in, as config.yaml and checkpoints record them: a
+    null train.learning_rate is a resumed run's (`saved`: its config as plain data), else 1e-6 with model.path (TRL's)
+    and 5e-4 for a random model."""
+    if config.train.learning_rate is not None:
+        return config
+    rate = ((saved or {}).get("train") or {}).get("learning_rate")
+    if rate is None:
+        rate = RANDOM_INIT_LEARNING_RATE if config.model.path is None else PRETRAINED_LEARNING_RATE
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, learning_rate=float(rate)))
 
 
 def to_dict(config: Any) -> dict:
@@ -230,6 +246,26 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
             raise ValueError(f"config file {path!r} is not valid YAML: {e}") from e
         check(isinstance(values, dict), f"config file {path!r} must hold a mapping of keys")
     return from_dict(Config, trl_keys.resolve(_merged(trl_keys.layer(values), _override_layer(overrides))))
+
+
+def make_config(**values: Any) -> Config:
+    """A `Config` from keywords, checked as `load_config` checks a file: sections as mappings (or section configs),
+    our dotted keys, or TRL's flat names, e.g. `make_config(beta=0.0, train={"learning_rate": 1e-6},
+    **{"sampling.temperature": 0.7})`. A key given two ways is a ValueError naming both."""
+    tree: dict = {}
+    for key, value in values.items():
+        if "." not in key:
+            tree[key] = to_dict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+    for key, value in values.items():
+        if "." in key:
+            *sections, leaf = key.split(".")
+            node = tree
+            for name in sections:
+                node = node.setdefault(name, {})
+                check(isinstance(node, dict), f"config key {key}: {name} is not a section")
+            check(leaf not in node, f"config key {key} is given twice (dotted and in its section's mapping): give one")
+            node[leaf] = value
+    return from_dict(Config, trl_keys.translate(tree))
 
 
 def apply_overrides(config: Config, overrides: typing.Sequence[str]) -> Config:

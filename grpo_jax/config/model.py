@@ -100,6 +100,7 @@ class ModelConfig:
     scan_layers: bool = False
     scan_unroll: int = 2  # with scan_layers: decoder layers per scan iteration
     path: str | None = None  # a local Hugging Face model folder; its config.json gives the architecture
+    init: str | None = None  # random: random weights of the sizes above, on any data; None: model.path's (see check)
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)  # adapters trained on the frozen model
 
     def __post_init__(self):
@@ -133,6 +134,10 @@ class ModelConfig:
         check(self.sliding_window is None or (isinstance(self.sliding_window, int) and self.sliding_window >= 1),
                f"model.sliding_window={self.sliding_window!r} must be a positive integer, or null for full "
                "attention")
+        check(self.init in (None, "random"), f"model.init={self.init!r}: use random (random weights of the model.* "
+              "sizes), or null (model.path's weights; a random model only for the embedded tasks)")
+        check(self.init is None or self.path is None, f"model.init=random with model.path={self.path!r}: the weights "
+              "would come from one and be ignored by the other; unset one of them")
         self._check_rope()
 
     def _check_rope(self):

@@ -173,7 +173,7 @@ class TrainConfig:
     sync_ref_model: bool = False  # TR-DPO: mix the policy into the reference every ref_model_sync_steps
     ref_model_mixup_alpha: float = 0.6  # 1.0: iterative GRPO (reset the reference to the policy)
     ref_model_sync_steps: int = 512
-    learning_rate: float = 5e-4  # the embedded random-init model; real checkpoints want ~1e-6 (TRL)
+    learning_rate: float | None = None  # None: TRL's 1e-6 with model.path, 5e-4 for a random model (resolve_defaults)
     lr_scheduler_type: str = "constant"  # constant, linear, cosine
     warmup_steps: int = 0
     weight_decay: float = 0.0
@@ -222,9 +222,10 @@ class TrainConfig:
                f"train.ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in (0, 1] (1.0: iterative GRPO)")
         check(self.ref_model_sync_steps >= 1, f"train.ref_model_sync_steps={self.ref_model_sync_steps} must be >= 1")
         for name in ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon"):
-            check(math.isfinite(getattr(self, name)),
+            check(getattr(self, name) is None or math.isfinite(getattr(self, name)),
                    f"train.{name}={getattr(self, name)} must be a finite number (it would make every update NaN)")
-        check(self.learning_rate > 0, f"train.learning_rate={self.learning_rate} must be > 0")
+        check(self.learning_rate is None or self.learning_rate > 0,
+              f"train.learning_rate={self.learning_rate} must be > 0, or null (by model.path: 1e-6, else 5e-4)")
         for name in ("adam_beta1", "adam_beta2"):  # decay rates of Adam's moving averages; 1 never forgets step 0
             check_interval(f"train.{name}", getattr(self, name), "[0, 1)", "0.9 and 0.999 are usual")
         check_interval("train.weight_decay", self.weight_decay, "[0, inf)", "AdamW's decoupled decay; 0 disables it")

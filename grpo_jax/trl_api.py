@@ -1,0 +1,146 @@
+"""TRL's entry point: a script that imports `GRPOConfig` and `GRPOTrainer` from `grpo_jax` instead of `trl` keeps its
+constructor calls, and `.train()` runs `grpo_jax.trainer.train`. What TRL takes as a Python object that grpo_jax
+cannot use as it is (a transformers model, a tokenizer not saved in a folder, a PEFT option with no counterpart) is
+refused in one line naming what to pass instead. Imports no jax until `.train()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from grpo_jax.config import Config, LoRAConfig, make_config
+
+__all__ = ["GRPOConfig", "GRPOTrainer", "lora_options", "model_folder"]
+
+
+def GRPOConfig(**kwargs: Any) -> Config:  # noqa: N802 - TRL's name for what builds the run's config
+    """TRL's `GRPOConfig(...)` as a grpo_jax `Config`: TRL's flat names (`beta=0.0`, `learning_rate=1e-6`), our dotted
+    keys (`**{"sampling.top_k": 50}`) or sections (`train={...}`), checked as `make_config` checks them."""
+    return make_config(**kwargs)
+
+
+# PEFT's LoraConfig fields with a model.lora counterpart, and their PEFT defaults (a dict leaves some out)
+LORA_KEYS = {"r": ("rank", 8), "lora_alpha": ("alpha", 8), "lora_dropout": ("dropout", 0.0),
+             "target_modules": ("target_modules", None), "use_rslora": ("use_rslora", False),
+             "init_lora_weights": ("init_lora_weights", True)}
+# fields that describe the adapter file or PEFT's runtime, not what is trained: any value does
+LORA_IGNORED = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+                "inference_mode", "runtime_config"}
+PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's target_modules=None for qwen2, qwen3, llama and mistral
+
+
+def lora_options(peft_config: Any) -> dict:
+    """A `peft.LoraConfig` (or a dict of its fields) as `model.lora` keys, PEFT's defaults where a dict leaves a field
+    out. A field grpo_jax cannot honour (DoRA, bias or extra modules trained, per-layer patterns, another task) set
+    away from PEFT's default is a ValueError naming it."""
+    if isinstance(peft_config, Mapping):
+        values, others = dict(peft_config), {k: v for k, v in peft_config.items() if k not in LORA_KEYS}
+    elif dataclasses.is_dataclass(peft_config) and type(peft_config).__name__ == "LoraConfig":
+        values = {name: getattr(peft_config, name) for name in LORA_KEYS}
+        others = {f.name: getattr(peft_config, f.name) for f in dataclasses.fields(peft_config)
+                  if f.name not in LORA_KEYS and getattr(peft_config, f.name) != _default(f)}
+    else:
+        raise ValueError(f"peft_config is a {type(peft_config).__name__}: grpo_jax trains LoRA adapters only; pass a "
+                         "peft.LoraConfig or a dict of its fields (r, lora_alpha, target_modules, ...)")
+    task = str(others.pop("task_type", None) or "CAUSAL_LM")
+    if not task.endswith("CAUSAL_LM"):
+        raise ValueError(f"peft_config.task_type={task!r}: grpo_jax trains causal language models; use CAUSAL_LM")
+    for name, value in others.items():
+        if name not in LORA_IGNORED:
+            raise ValueError(f"peft_config.{name}={value!r} has no counterpart in grpo_jax's LoRA (it honours "
+                             f"{', '.join(LORA_KEYS)}): leave it at PEFT's default")
+    out = {ours: values.get(theirs, default) for theirs, (ours, default) in LORA_KEYS.items()}
+    targets = out["target_modules"]
+    if targets is None:
+        out["target_modules"] = PEFT_DEFAULT_TARGETS
+    elif not isinstance(targets, str):  # PEFT keeps a list as a set: our order, not the set's
+        out["target_modules"] = tuple(sorted(targets))
+    return out
+
+
+def _default(field: dataclasses.Field) -> Any:
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
+def model_folder(model: Any) -> str:
+    """TRL's `model` as a folder: a local Hugging Face model folder, or a model id already in the local Hugging Face
+    cache (never downloaded)."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model is a {type(model).__name__}: grpo_jax reads Hugging Face folders into JAX itself; "
+                         "save it with model.save_pretrained(folder) and pass the folder")
+    path = os.fspath(model)
+    if os.path.isdir(path):
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(repo_id=path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - not cached, or not a repo id: the same advice
+        raise ValueError(f"model={path!r} is neither a folder nor a model id in the local Hugging Face cache: "
+                         f"download it first (`hf download {path} --local-dir models/NAME`) and pass the folder") from e
+
+
+def _tokenizer_folder(processing_class: Any) -> str:
+    """TRL's `processing_class` as a folder: a path, or a tokenizer loaded from a folder, which is read again."""
+    if isinstance(processing_class, (str, os.PathLike)):
+        return os.fspath(processing_class)
+    folder = getattr(processing_class, "name_or_path", None)
+    if not folder or not os.path.isdir(folder):
+        raise ValueError(f"processing_class is a {type(processing_class).__name__} not loaded from a folder: save it "
+                         "with tokenizer.save_pretrained(folder) and pass the folder, or leave it None for the model's")
+    return folder
+
+
+class GRPOTrainer:
+    """TRL's `GRPOTrainer`: the same arguments, `.train()` runs `grpo_jax.trainer.train`.
+
+    `model`: a Hugging Face folder or a cached model id (`model.path`). `reward_funcs`: a function, a
+    'module:function' path, a reward model folder, or a list of them. `args`: a `Config` (`GRPOConfig(...)`; None:
+    the defaults). `train_dataset` / `eval_dataset`: a `datasets.Dataset` or a list of dicts. `peft_config`: a
+    `peft.LoraConfig` or a dict of its fields (`model.lora`). `processing_class`: a tokenizer folder, or a tokenizer
+    loaded from one (`data.tokenizer_path`); None: the model folder's. `.args` is the config the run gets.
+    """
+
+    def __init__(self, model: Any, reward_funcs: Any, args: Config | None = None, train_dataset=None,
+                 eval_dataset=None, peft_config: Any = None, processing_class: Any = None):
+        config = Config() if args is None else args
+        if not isinstance(config, Config):
+            raise ValueError(f"args is a {type(config).__name__}: build it with grpo_jax's GRPOConfig(...), which "
+                             "takes TRL's GRPOConfig keywords")
+        path = model_folder(model)
+        if config.model.path not in (None, path):
+            raise ValueError(f"model={path!r} and args' model.path={config.model.path!r} differ: give the model once")
+        model_config = dataclasses.replace(config.model, path=path)
+        if peft_config is not None:
+            if config.model.lora.enabled:
+                raise ValueError("peft_config and args' model.lora both set adapters: give the LoRA options once")
+            try:
+                model_config = dataclasses.replace(model_config, lora=LoRAConfig(**lora_options(peft_config)))
+            except ValueError as e:
+                raise ValueError(f"peft_config: {e}") from e
+        data_config = config.data
+        if processing_class is not None:
+            folder = _tokenizer_folder(processing_class)
+            if data_config.tokenizer_path not in (None, folder):
+                raise ValueError(f"processing_class={folder!r} and args' data.tokenizer_path="
+                                 f"{data_config.tokenizer_path!r} differ: give the tokenizer once")
+            data_config = dataclasses.replace(data_config, tokenizer_path=None if folder == path else folder)
+        self.args = dataclasses.replace(config, model=model_config, data=data_config)  # checked as a whole again
+        self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+
+    def train(self, resume_from_checkpoint: bool | None = None) -> dict:
+        """Trains (`grpo_jax.trainer.train`) and returns its summary. A run in `args.output_dir` continues from its
+        newest checkpoint (`resume`, on by default: TRL's `resume_from_checkpoint=True`)."""
+        if resume_from_checkpoint not in (None, True):
+            raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r}: grpo_jax continues the run in "
+                             "output_dir from its newest checkpoint; set output_dir to that run's folder instead")
+        from grpo_jax import trainer  # jax and the models: only once training starts
+
+        config = self.args if resume_from_checkpoint is None else dataclasses.replace(self.args, resume=True)
+        return trainer.train(config, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
+                             reward_funcs=self.reward_funcs)
