@@ -39,7 +39,8 @@ def test_a_config_from_keywords_is_the_config_of_the_same_overrides():
                        **{"sampling.temperature": 0.7}) == expected
     assert GRPOConfig(beta=0.0, learning_rate=1e-6, temperature=0.7, num_generations=4,
                       **{"train.train_batch_size": 16}) == expected
-    with pytest.raises(ValueError, match="config keys learning_rate and train.learning_rate are the same option"):
+    with pytest.raises(ValueError, match=r"config keys learning_rate=1e-06 and train.learning_rate=1e-05 set the "
+                                         r"same option \(train.learning_rate\) to different values"):
         make_config(learning_rate=1e-6, train={"learning_rate": 1e-5})
     with pytest.raises(ValueError, match="config key train.learning_rate is given twice"):
         make_config(train={"learning_rate": 1e-6}, **{"train.learning_rate": 1e-5})
