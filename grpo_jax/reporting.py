@@ -210,15 +210,16 @@ def _series(history: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
             np.array([np.nan if h[key] is None else h[key] for h in lines], dtype=float))
 
 
-def plot_rewards(history: list[dict], path: Path, title: str = "GRPO reward") -> None:
-    """Training reward per step and its moving average, with the held-out evaluation's curves, as a PNG."""
+def reward_figure(history: list[dict], title: str = "GRPO reward"):
+    """Training reward per step and its moving average, with the held-out evaluation's curves; the legend right of
+    the axes, where it covers none of them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps, rewards = _series([h for h in history if not is_eval(h)], "reward")
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9.5, 4))
     ax.plot(steps, rewards, lw=0.8, alpha=0.5, label="reward (per step)")
     window = max(1, len(rewards) // 20)
     if len(rewards) >= window > 1:
@@ -233,8 +234,16 @@ def plot_rewards(history: list[dict], path: Path, title: str = "GRPO reward") ->
     ax.set_ylabel("mean reward")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.subplots_adjust(left=0.1, right=0.97, bottom=0.12, top=0.92)  # not tight_layout: a second render
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    fig.subplots_adjust(left=0.08, right=0.7, bottom=0.12, top=0.92)  # not tight_layout: a second render
+    return fig
+
+
+def plot_rewards(history: list[dict], path: Path, title: str = "GRPO reward") -> None:
+    """`reward_figure` as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = reward_figure(history, title)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
