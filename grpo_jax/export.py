@@ -9,7 +9,9 @@ overwritten unless asked to (`overwrite`), and never by a failed export.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -154,6 +156,27 @@ def load_native(path: Path):
     return model_graphdef(model_config), params
 
 
+class _ReadOnlyNotes(logging.Filter):
+    """orbax's notes that a read-only CheckpointManager will not save (three absl WARNING lines an export asks for
+    by opening the run read-only); every other absl record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("CheckpointManagerOptions.read_only=True")
+                    or message.startswith("Given directory is read only"))
+
+
+@contextlib.contextmanager
+def quiet_read_only_notes():
+    """Within it, `_ReadOnlyNotes` drops orbax's read-only notes from the absl logger."""
+    notes, logger = _ReadOnlyNotes(), logging.getLogger("absl")
+    logger.addFilter(notes)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notes)
+
+
 def _step_folder(path: Path) -> tuple[Path, int | None]:
     """(checkpoints folder, step or None for the newest) from an output_dir or one step folder."""
     path = Path(path).absolute()
@@ -181,7 +204,8 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge: bool
 
     directory, step = _step_folder(Path(checkpoint))
     _check_out(Path(out).absolute(), overwrite)
-    mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
+    with quiet_read_only_notes():
+        mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
     steps = [step] if step is not None else sorted(mngr.all_steps(), reverse=True)
     if not steps:
         raise ValueError(f"no checkpoint in {directory}")

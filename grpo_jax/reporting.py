@@ -5,11 +5,12 @@
 
 - `jsonl`: `metrics.jsonl`, the names as they are (`reward`, `eval/pass@1`).
 - `tensorboard`: event files in `output_dir/tensorboard`, written by tensorboardX (no TensorFlow).
-- `wandb`: a Weights & Biases run (`WANDB_PROJECT`, default `grpo_jax`; `WANDB_MODE=offline` keeps it local).
+- `wandb`: a Weights & Biases run (`WANDB_PROJECT`, default `grpo_jax`; `WANDB_MODE=offline` keeps it local; offline
+  too when its server cannot be reached).
 
-TensorBoard and W&B get the names that TRL's Trainer gives them there: `train/reward`, `eval/pass@1`. With
-`log_completions` the round's completions go every `logging_steps` to `completions.jsonl`, the console, a
-TensorBoard text and a W&B table. The two backends are imported only when listed.
+TensorBoard and W&B (`grpo_jax.trackers`) get the names that TRL's Trainer gives them there: `train/reward`,
+`eval/pass@1`. With `log_completions` the round's completions go every `logging_steps` to `completions.jsonl`, the
+console, a TensorBoard text and a W&B table. The two trackers are imported only when listed.
 """
 
 from __future__ import annotations
@@ -19,14 +20,12 @@ import json
 import math
 import os
 import sys
-import uuid
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-
-_MODULES = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb", "wandb")}  # module, extra
+from grpo_jax.trackers import cell, open_tracker
 
 
 def plain(value):
@@ -61,87 +60,6 @@ def completion_rows(prompts: list, completions: list[str], rewards_NxF: np.ndarr
              **{column: plain(values[i]) for column, values in columns.items()}} for i in range(len(completions))]
 
 
-def _text(value) -> str:
-    """A prompt or completion as one string: a conversation's messages by their content."""
-    return value if isinstance(value, str) else "\n".join(str(m.get("content", m)) for m in value)
-
-
-def _cell(value) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.2f}"
-    return _text(value) if isinstance(value, str | list) else str(value)  # log_extra columns hold anything
-
-
-class _TensorBoard:
-    """Scalars and completion tables as TensorBoard event files (tensorboardX's FileWriter), tags kept exact
-    (`eval/pass@1`: SummaryWriter would rewrite the characters TensorFlow node names lack)."""
-
-    def __init__(self, output_dir: Path, purge_step: int | None):
-        from tensorboardX import FileWriter
-        from tensorboardX.proto.event_pb2 import Event, SessionLog
-        from tensorboardX.proto.summary_pb2 import Summary
-        from tensorboardX.summary import text
-
-        self.summary, self.text = Summary, text
-        # one file per part of a run, in order even when two start within the second their names count
-        self.writer = FileWriter(str(output_dir / "tensorboard"), filename_suffix=f".{purge_step or 0:09d}")
-        if purge_step is not None:  # a resumed run: TensorBoard drops the events logged from this step on before
-            self.writer.add_event(Event(step=purge_step, file_version="brain.Event:2"))
-            self.writer.add_event(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
-
-    def scalars(self, metrics: dict, step: int) -> None:
-        values = [self.summary.Value(tag=name, simple_value=float(value)) for name, value in metrics.items()
-                  if isinstance(value, (int, float)) and not isinstance(value, bool)]
-        self.writer.add_summary(self.summary(value=values), step)
-
-    def completions(self, rows: list[dict], step: int) -> None:
-        header = list(rows[0])
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(_cell(row[k]).replace("|", "\\|").replace("\n", "<br>") for k in header) + " |"
-                  for row in rows]
-        self.writer.add_summary(self.text("completions", "\n".join(lines)), step)
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class _WandB:
-    """Scalars and completion tables in a W&B run, resumed with the run (its id kept in output_dir/wandb)."""
-
-    def __init__(self, output_dir: Path, run_config: dict):
-        import wandb
-
-        self.wandb = wandb
-        id_file = output_dir / "wandb" / "run_id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
-        id_file.parent.mkdir(parents=True, exist_ok=True)
-        id_file.write_text(run_id)
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "grpo_jax"), name=output_dir.name,
-                              dir=str(output_dir), config=run_config, id=run_id, resume="allow")
-
-    def scalars(self, metrics: dict, step: int) -> None:
-        self.run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
-
-    def completions(self, rows: list[dict], step: int) -> None:
-        columns = ["step", *rows[0]]
-        data = [[step, *(v if isinstance(v, (int, float)) or v is None else _text(v) for v in row.values())]
-                for row in rows]
-        self.run.log({"completions": self.wandb.Table(columns=columns, data=data)}, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
-
-
-def _backend(name: str, output_dir: Path, purge_step: int | None, run_config: dict):
-    module, extra = _MODULES[name]
-    if importlib.util.find_spec(module) is None:
-        raise ImportError(f"report_to lists {name} but {module} is not installed: pip install -e \".[{extra}]\" "
-                          f"(or pip install {module}), or remove {name} from report_to")
-    return _TensorBoard(output_dir, purge_step) if name == "tensorboard" else _WandB(output_dir, run_config)
-
-
 def print_completions(rows: list[dict], step: int, num: int | None, file=None) -> None:
     """TRL's console table of a round's completions (`num` rows picked by a seeded draw; None: all): with rich
     when installed, else as plain text."""
@@ -160,13 +78,13 @@ def print_completions(rows: list[dict], step: int, num: int | None, file=None) -
             table.add_column(key.capitalize() if key in ("prompt", "completion", "advantage") else key,
                              justify="left" if key in ("prompt", "completion") else "right")
         for row in rows:
-            table.add_row(*(_cell(v) for v in row.values()))
+            table.add_row(*(cell(v) for v in row.values()))
             table.add_section()
         Console(file=file).print(Panel(table, expand=False, title=f"Step {step}", border_style="bold white"))
     else:
         print(f"completions at step {step}:", file=file)
         for row in rows:
-            print("  " + "  ".join(f"{k}={_cell(v)!r}" if k in ("prompt", "completion") else f"{k}={_cell(v)}"
+            print("  " + "  ".join(f"{k}={cell(v)!r}" if k in ("prompt", "completion") else f"{k}={cell(v)}"
                                    for k, v in row.items()), file=file)
 
 
@@ -228,7 +146,7 @@ class MetricsWriter:
                 rows = self.completions_path.read_text().splitlines()
                 _replace(self.completions_path, "".join(r + "\n" for r in rows if _whole(r)
                                                         and json.loads(r)["step"] <= initial_step))
-        self.backends = [_backend(name, output_dir, initial_step + 1 if resumed else None, run_config or {})
+        self.backends = [open_tracker(name, output_dir, initial_step + 1 if resumed else None, run_config or {})
                          for name in report_to if name != "jsonl"] if write_file else []
         self.bar = tqdm(total=max_steps, initial=initial_step, desc="grpo", unit="step", dynamic_ncols=True,
                         disable=not (show_progress and write_file))
@@ -292,15 +210,16 @@ def _series(history: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
             np.array([np.nan if h[key] is None else h[key] for h in lines], dtype=float))
 
 
-def plot_rewards(history: list[dict], path: Path, title: str = "GRPO reward") -> None:
-    """Training reward per step and its moving average, with the held-out evaluation's curves, as a PNG."""
+def reward_figure(history: list[dict], title: str = "GRPO reward"):
+    """Training reward per step and its moving average, with the held-out evaluation's curves; the legend right of
+    the axes, where it covers none of them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps, rewards = _series([h for h in history if not is_eval(h)], "reward")
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9.5, 4))
     ax.plot(steps, rewards, lw=0.8, alpha=0.5, label="reward (per step)")
     window = max(1, len(rewards) // 20)
     if len(rewards) >= window > 1:
@@ -315,8 +234,16 @@ def plot_rewards(history: list[dict], path: Path, title: str = "GRPO reward") ->
     ax.set_ylabel("mean reward")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.subplots_adjust(left=0.1, right=0.97, bottom=0.12, top=0.92)  # not tight_layout: a second render
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    fig.subplots_adjust(left=0.08, right=0.7, bottom=0.12, top=0.92)  # not tight_layout: a second render
+    return fig
+
+
+def plot_rewards(history: list[dict], path: Path, title: str = "GRPO reward") -> None:
+    """`reward_figure` as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = reward_figure(history, title)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -5,8 +5,8 @@ Reward functions follow TRL's GRPOTrainer convention:
 where every dataset column other than "prompt" arrives as a keyword argument (one value per completion) and None
 means "no opinion on this completion" (it becomes NaN and is skipped by the advantage computation). As in TRL,
 `completion_ids` (the token ids of each completion, EOS included, padding removed) arrives as a keyword too, and,
-as TRL 1.16 passes them, to a function that accepts them (by name or `**kwargs`): `trainer_state` (a
-`transformers.TrainerState`: `global_step`, `max_steps`, `epoch`), `log_metric(name, value)` (a scalar averaged over
+as TRL 1.16 passes them, to a function that accepts them (by name or `**kwargs`): `trainer_state` (`TrainerState`,
+transformers' fields: `global_step`, `max_steps`, `epoch`, ...), `log_metric(name, value)` (a scalar averaged over
 the round and logged with its steps' metrics) and `log_extra(column, values)` (a column of the completions table).
 Each function gets its own copy of every argument, so one that edits them in place cannot change what the next
 one scores. `async def` functions are awaited concurrently, on one event loop that lives as long as the process
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -149,10 +150,35 @@ class RewardLog:
         return {name: float(np.mean(values)) for name, values in self.metrics.items() if values}
 
 
-def trainer_state(global_step: int, max_steps: int, epoch: float):
-    """The `trainer_state` TRL passes to reward functions: a `transformers.TrainerState` of the run so far."""
-    from transformers import TrainerState
+@dataclasses.dataclass
+class TrainerState:
+    """`transformers.TrainerState`'s fields and defaults (tests/test_rewards.py keeps them equal) without importing
+    transformers' trainer stack: with torch and peft installed that import costs every run 3-4 s."""
 
+    epoch: float = 0
+    global_step: int = 0
+    max_steps: int = 0
+    logging_steps: int = 500
+    eval_steps: int = 500
+    save_steps: int = 500
+    train_batch_size: int | None = None
+    num_train_epochs: int = 0
+    num_input_tokens_seen: int = 0
+    total_flos: float = 0
+    log_history: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    best_metric: float | None = None
+    best_global_step: int | None = None
+    best_model_checkpoint: str | None = None
+    is_local_process_zero: bool = True
+    is_world_process_zero: bool = True
+    is_hyper_param_search: bool = False
+    trial_name: str | None = None
+    trial_params: dict[str, str | float | int | bool] | None = None
+    stateful_callbacks: dict = dataclasses.field(default_factory=dict)
+
+
+def trainer_state(global_step: int, max_steps: int, epoch: float) -> TrainerState:
+    """The `trainer_state` TRL passes to reward functions: a `TrainerState` of the run so far."""
     return TrainerState(global_step=int(global_step), max_steps=int(max_steps), epoch=float(epoch))
 
 

@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from grpo_jax import (checkpoint, cpu, data, lock, programs, reward_model, rewards, runs, sharding, sources, task,
-                      tool_task, tools)
+                      tool_task, tools, trackers)
 from grpo_jax.config import Config, resolve_defaults, to_dict, with_defaults
 from grpo_jax.config.sections import SOFT_OVERLONG
 from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, lora, peft_io, resolve_config
@@ -281,7 +281,9 @@ def _check_data_file(key: str, path: str | None) -> None:
 
 def check_inputs(config: Config, *, reward_funcs=None, train_dataset=None, eval_dataset=None) -> None:
     """What a config names outside itself, checked before anything is built: data files and the tokenizer folder
-    exist, reward functions and the answer extractor import. Each failure is a one-line ValueError naming the key."""
+    exist, reward functions and the answer extractor import, report_to's packages are installed. Each failure is a
+    one-line ValueError naming the key."""
+    trackers.check_installed(config.report_to)
     if train_dataset is None:
         _check_data_file("data.path", config.data.path)
     given = "train_dataset" if train_dataset is not None else None if config.data.path is None else "data.path"

@@ -1,5 +1,9 @@
 """Export: `grpo-jax export` of a checkpoint writes the params it holds (Hugging Face or native format)."""
 
+import logging
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -7,7 +11,7 @@ import pytest
 
 from grpo_jax import export
 from grpo_jax.cli import main as cli_main
-from tests.test_checkpoint import _flat, _train
+from tests.test_checkpoint import ROOT, _flat, _train
 
 
 def test_export_round_trip(tmp_path, capsys):
@@ -71,3 +75,18 @@ def test_a_failed_export_leaves_the_folder_as_it_was(tmp_path, tiny_model, monke
     bad = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(np.nan) if x.ndim else x, params)
     with pytest.raises(ValueError, match="hold NaN or inf"):
         export.export_policy(graphdef, config, bad, tmp_path / "new")
+
+
+def test_export_prints_no_read_only_notes(tmp_path, caplog):
+    """`grpo-jax export` opens the run read-only on purpose: orbax's three absl notes saying so are dropped, and
+    only they (another absl warning still shows)."""
+    _train(tmp_path / "run", "max_steps=1")
+    result = subprocess.run([sys.executable, "-m", "grpo_jax", "export", "--checkpoint", str(tmp_path / "run"),
+                             "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert result.stdout == f"grpo-jax export: step 1 written to {tmp_path / 'out'} in Hugging Face format\n"
+    with caplog.at_level(logging.WARNING, logger="absl"), export.quiet_read_only_notes():
+        logging.getLogger("absl").warning("Given directory is read only=%s", tmp_path)
+        logging.getLogger("absl").warning("CheckpointManagerOptions.read_only=True, setting create=False.")
+        logging.getLogger("absl").warning("Given directory is not writable")
+    assert [r.getMessage() for r in caplog.records] == ["Given directory is not writable"]

@@ -1,5 +1,9 @@
 """Math accuracy reward: answer extraction, the fallback comparison, TRL's completion format, None answers."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from grpo_jax import math_rewards
@@ -49,3 +53,22 @@ def test_a_multi_turn_completion_is_scored_by_its_last_assistant_message():
     assert _text([call, {"role": "tool", "name": "python", "content": "42"},
                   {"role": "assistant", "content": "\\boxed{42}"}]) == "\\boxed{42}"
     assert _text([call, {"role": "tool", "name": "python", "content": "42"}]) == ""
+
+
+def test_math_verify_scores_as_trl_and_needs_no_trl():
+    """The same scores as TRL's accuracy_reward (symbolic equality, units, an unparseable answer skipped), and with
+    TRL hidden too: `pip install -e ".[math]"` installs math-verify without it."""
+    pytest.importorskip("math_verify")
+    texts = [r"\boxed{(x+1)^2}", r"so \boxed{\frac{1}{2}}", "0.5", r"\boxed{3\text{ cm}}", r"$\boxed{-7}$", "none",
+             r"\boxed{2}", r"\boxed{\sqrt{2}/2}"]
+    answers = ["$x^2+2x+1$", "0.5", "1/2", "3", "-7", "4", "not math at all ?!", r"$\frac{1}{\sqrt{2}}$"]
+    scores = math_rewards.math_verify_accuracy(texts, answers)
+    assert scores == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, None, 1.0]  # symbolic, units dropped, "0.5" not in LaTeX
+    assert [math_rewards.fallback_accuracy(t, a) for t, a in zip(texts, answers)][:4] == [0.0, 1.0, 1.0, 0.0]
+    script = ("import sys; sys.modules['trl'] = None; from grpo_jax import math_rewards; "
+              "print(math_rewards.accuracy(None, [r'\\boxed{(x+1)^2}'], answer=['$x^2+2x+1$']))")
+    result = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.splitlines()[-1] == "[1.0]", result.stderr
+    trl_rewards = pytest.importorskip("trl.rewards")
+    assert scores == trl_rewards.accuracy_reward([[{"role": "assistant", "content": t}] for t in texts], answers)

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from grpo_jax.reporting import MetricsWriter, completion_rows, print_completions
+from grpo_jax.reporting import MetricsWriter, completion_rows, plot_rewards, print_completions, reward_figure
 
 
 def _scalars(logdir) -> dict:
@@ -74,3 +74,22 @@ def test_completion_tables(tmp_path, capsys):
     assert "Step 2" in out and out.count("│ 1") + out.count("│ 2>") == 1  # one row of the two printed
     print_completions(rows, 7, None)
     assert "x|y" in capsys.readouterr().out
+
+
+def test_the_reward_plot_legend_covers_no_curve(tmp_path):
+    """Every curve of a run with a long evaluation is named in a legend that lies outside the axes (so over no
+    curve) and inside the figure; plot_rewards writes it as a PNG."""
+    history = [{"step": s, "reward": s / 40} for s in range(1, 41)]
+    names = ("greedy/exact_match", "greedy/char_accuracy", "pass@1", "pass@4", "pass@8", "maj@8",
+             "rewards/exact_match/mean", "rewards/char_accuracy/mean")
+    history += [{"step": s, **{f"eval/{k}": s / 50 for k in names}} for s in (0, 20, 40)]
+    fig = reward_figure(history)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    legend, axes_box = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    assert len(ax.get_legend().get_texts()) == len(ax.get_lines()) == 2 + len(names)
+    assert legend.x0 > axes_box.x1 and not legend.overlaps(axes_box)
+    assert fig.bbox.x0 <= legend.x0 and legend.x1 <= fig.bbox.x1
+    assert fig.bbox.y0 <= legend.y0 <= legend.y1 <= fig.bbox.y1
+    plot_rewards(history, tmp_path / "reward.png")
+    assert (tmp_path / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,6 +1,10 @@
 """Tests for grpo_jax.rewards: resolving "module:function" and scoring with every error path."""
 
+import dataclasses
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -216,3 +220,25 @@ def test_reward_functions_are_checked_on_the_first_rows_with_empty_completions(f
     assert "checked before compiling, on the first 2 rows of train.jsonl with empty completions" in str(info.value)
     rewards.check_reward_fns([("f", lambda prompts, completions, **kw: [None] * len(prompts))], rows, 0,
                              where="train.jsonl")
+
+
+def test_trainer_state_has_transformers_fields_and_defaults():
+    from transformers import TrainerState
+
+    names = [f.name for f in dataclasses.fields(TrainerState)]
+    assert [f.name for f in dataclasses.fields(rewards.TrainerState)] == names
+    assert dataclasses.asdict(rewards.TrainerState()) == dataclasses.asdict(TrainerState())
+    assert dataclasses.asdict(rewards.trainer_state(7, 100, 0.25)) \
+        == dataclasses.asdict(TrainerState(global_step=7, max_steps=100, epoch=0.25))
+
+
+def test_checking_reward_functions_leaves_the_trainer_stack_unimported():
+    """A run's start (its modules, the reward functions' check with TRL's keywords) imports neither transformers'
+    Trainer nor peft: with torch and peft installed they would cost every start seconds."""
+    script = ("import sys, grpo_jax.run; from grpo_jax import rewards; rewards.check_reward_fns("
+              "[('f', lambda prompts, completions, trainer_state, **kw: [1.0] * len(prompts))], [{'prompt': 'p'}], 0, "
+              "where='rows'); print(sorted(m for m in ('peft', 'transformers.trainer_callback') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]"

@@ -511,12 +511,12 @@ def digit_start(prompts, completions, **kwargs):
     return [float(c[:1] in tuple("0123456789")) for c in completions]
 
 
-def _wandb_history(output_dir) -> list[dict]:
-    """The history rows of the offline W&B run in output_dir, read from its .wandb file (LevelDB log records of
-    W&B's protobuf Records)."""
+def _wandb_history(output_dir, run: str = "offline-run-*") -> list[dict]:
+    """The history rows of the offline W&B run in output_dir (its folder `run`), read from its .wandb file (LevelDB
+    log records of W&B's protobuf Records)."""
     from wandb.proto import wandb_internal_pb2
 
-    (path,) = (output_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    (path,) = (output_dir / "wandb").glob(f"{run}/run-*.wandb")
     data, block, position, records, part = path.read_bytes(), 32768, 7, [], b""  # 7: W&B's file header
     while position + 7 <= len(data):
         if block - position % block < 7:  # a block's tail too short for a record header is padding
