@@ -373,9 +373,16 @@ def score_steps(reward_fns: Sequence[tuple[str, Callable]], weights_F: Sequence[
 
 def scored(stat: Callable, values) -> float:
     """`stat` (np.nanmean, np.nanstd) of the scored values (NaN: None); NaN when none was scored, without numpy's
-    "Mean of empty slice" warning."""
+    "Mean of empty slice" warning (`unscored` names the functions instead)."""
     values = np.asarray(values)
     return math.nan if np.isnan(values).all() else stat(values)
+
+
+def unscored(rewards_NxF: np.ndarray, names: Sequence[str]) -> tuple[tuple[str, ...], int]:
+    """(the functions that returned None for every one of the N completions, the number of completions every
+    function returned None for: they train on nothing)."""
+    none_NxF = np.isnan(rewards_NxF)
+    return tuple(name for name, none_N in zip(names, none_NxF.T) if none_N.all()), int(none_NxF.all(axis=1).sum())
 
 
 def check_reward_fns(reward_fns: Sequence[tuple[str, Callable]], rows: list[dict], eos_token_id: int, *,

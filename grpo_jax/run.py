@@ -56,6 +56,7 @@ class Run:
     resuming: bool = False  # output_dir holds this run already: `train` continues from its newest checkpoint
     tooling: tools.Tooling | None = None  # tools and environments of multi-turn rollouts (None: one turn a row)
     output_lock: lock.RunLock = dataclasses.field(default_factory=lock.RunLock)  # held; `train` releases it
+    warned: set = dataclasses.field(default_factory=set)  # warnings given once a run, not every round (their keys)
 
     @property
     def keep_ref(self) -> bool:

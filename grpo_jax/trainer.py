@@ -16,6 +16,7 @@ from grpo_jax import checkpoint, data, export, preemption, sharding, stream
 from grpo_jax.config import Config, to_dict
 from grpo_jax.evaluation import evaluate, short_names
 from grpo_jax.reporting import MetricsWriter, is_eval, plot_run
+from grpo_jax.rewards import scored
 from grpo_jax.rollout import RoundBatch, prepare_round, run_round, run_steps
 from grpo_jax.run import Run, build
 from grpo_jax.state import TrainState
@@ -233,5 +234,5 @@ def _reward_summary(history: list[dict]) -> dict:
     history = [h for h in history if not is_eval(h)]
     rewards_ = np.array([np.nan if h.get("reward") is None else h["reward"] for h in history], dtype=float)
     k = max(1, len(rewards_) // 10)
-    return {"reward_first_10pct": float(np.nanmean(rewards_[:k])),
-            "reward_last_10pct": float(np.nanmean(rewards_[-k:]))}
+    return {"reward_first_10pct": float(scored(np.nanmean, rewards_[:k])),
+            "reward_last_10pct": float(scored(np.nanmean, rewards_[-k:]))}
