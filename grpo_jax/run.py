@@ -186,6 +186,7 @@ def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_datase
                                              "left", tools=eval_tools, chat_template=template)
         lengths = np.concatenate([lengths, np.diff(eval_offsets)])
     length = _prompt_length(limit, lengths)
+    _check_positions(config, np.minimum(lengths, length))
     dataset = data.Dataset(train_rows, tokens, offsets, length, tokenizer.pad_token_id)
     return tokenizer, tokenizer_dir, dataset, list(eval_rows), tooling
 
@@ -206,6 +207,25 @@ def _prompt_length(limit: int | None, lengths: np.ndarray) -> int:
                       "every time they are sampled; raise data.max_prompt_length, set it to null (the longest "
                       "prompt), or data.truncation=error to refuse them", RuntimeWarning, stacklevel=3)
     return limit
+
+
+def _check_positions(config: Config, lengths: np.ndarray) -> None:
+    """Prompts (as truncated) whose tokens and a whole completion pass the model's `max_position_embeddings`: warned
+    about once with their count, or refused with data.truncation=error, as prompts past data.max_prompt_length."""
+    positions, T = config.model.max_position_embeddings, config.sampling.max_completion_length
+    over = int((lengths + T > positions).sum())
+    if not over:
+        return
+    fix = f"lower sampling.max_completion_length below {positions}"
+    if positions > T:
+        fix = (f"lower data.max_prompt_length to {positions - T} (longer prompts lose their first tokens) or "
+               "sampling.max_completion_length")
+    text = (f"{over} of {len(lengths)} prompts (the longest: {int(lengths.max())} tokens) plus sampling."
+            f"max_completion_length={T} tokens pass model.max_position_embeddings={positions}: their completions run "
+            f"past the positions the model knows; {fix}")
+    if config.data.truncation == "error":
+        raise ValueError(text)
+    warnings.warn(text, RuntimeWarning, stacklevel=3)
 
 
 def _load_tokenizer(config: Config, folder: Path) -> PreTrainedTokenizerBase:
