@@ -31,14 +31,19 @@ TASK_REWARDS = ("grpo_jax.task:exact_match", "grpo_jax.task:char_accuracy")  # t
 LOOKUP_REWARDS = ("grpo_jax.tool_task:answer_accuracy",)  # the multi-turn lookup task's own
 
 
-def reward_functions(config, *, given_data: bool, eval_reward_funcs=None):
+def reward_functions(config, *, given_data: bool, held_out: bool = True, eval_reward_funcs=None):
     """What evaluation scores with: `eval_reward_funcs` (callables or paths, as `train` takes them), else
-    `eval.reward_functions`, else the embedded task's own functions (no data given); None: the training ones."""
+    `eval.reward_functions`, else the embedded task's own functions (no data given); None: the training ones,
+    refused for `held_out` rows when they return process supervision's steps."""
     if eval_reward_funcs is not None:
         return list(eval_reward_funcs)
     if config.eval.reward_functions is not None:
         return list(config.eval.reward_functions)
     if given_data:
+        if held_out and config.train.advantage_estimator == "process":
+            raise ValueError("eval.reward_functions is null (the training reward functions) with "
+                             "train.advantage_estimator=process: those return steps, evaluation scores a completion "
+                             "with one number; list eval.reward_functions (from Python: eval_reward_funcs=[...])")
         return None
     return list(LOOKUP_REWARDS if config.data.task == "lookup" else TASK_REWARDS)
 

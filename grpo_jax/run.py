@@ -360,7 +360,7 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
         raise ValueError(f"reward.weights has {len(config.reward.weights)} entries for the {len(reward_fns)} "
                          "reward_funcs: give one weight per function")
     eval_paths = evaluation.reward_functions(config, given_data=config.data.path is not None or train_dataset
-                                             is not None, eval_reward_funcs=eval_reward_funcs)
+                                             is not None, held_out=bool(eval_rows), eval_reward_funcs=eval_reward_funcs)
     eval_reward_fns = list(reward_fns) if eval_paths is None else rewards.resolve_all(eval_paths, mesh, **lengths)
     # a reward function that fails on its first call does so now, not after the sampler compiled
     where = "train_dataset" if train_dataset is not None else config.data.path or "the embedded task"

@@ -88,6 +88,11 @@ def ends_with_answer(prompts, completions, answer, **kwargs):
     return [float(c.endswith(a)) for c, a in zip(completions, answer)]
 
 
+def digit_steps(prompts, completions, completion_ids, **kwargs):
+    """A process-supervision reward: one step, at the last token, worth the completion's digits."""
+    return [[(len(ids) - 1, float(sum(ch.isdigit() for ch in c)))] for c, ids in zip(completions, completion_ids)]
+
+
 def _evals(output_dir) -> list[dict]:
     lines = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     return [line for line in lines if any(k.startswith("eval/") for k in line)]
@@ -120,6 +125,22 @@ def test_held_out_evaluation_scores_the_users_data_with_the_training_reward_func
     assert cli_main([*args, "max_steps=3"]) == 0
     assert "resuming from checkpoint" in capsys.readouterr().out
     assert set(_evals(out)[-1]) == {"step", "eval/greedy/digit_count"}
+
+
+def test_process_supervision_steps_are_not_taken_as_evaluation_scores(tmp_path, capsys):
+    """The training functions of train.advantage_estimator=process return steps: evaluation needs its own."""
+    from grpo_jax.cli import main as cli_main
+
+    tokenizer = tmp_path / "tokenizer"
+    task.build_tokenizer(tokenizer)
+    task.write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    args = [f"output_dir={tmp_path / 'run'}", *QUICK, f"data.path={tmp_path / 'rows.jsonl'}",
+            f"eval.path={tmp_path / 'rows.jsonl'}", f"data.tokenizer_path={tokenizer}",
+            "train.advantage_estimator=process", "reward.functions=[tests.test_evaluation:digit_steps]"]
+    assert cli_main(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("grpo-jax: eval.reward_functions is null (the training reward functions) with "
+                          "train.advantage_estimator=process") and err.count("\n") == 1, err
 
 
 def test_train_takes_evaluation_reward_functions_as_trl_style_arguments(tmp_path):
