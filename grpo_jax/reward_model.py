@@ -100,9 +100,17 @@ class RewardModel:
             raise ValueError(f"reward_funcs: the {kind} object{f' ({name})' if name else ''} comes without a "
                              "tokenizer: pass reward_processing_classes=[its tokenizer], or save model and tokenizer "
                              "with save_pretrained and list the folder in reward.functions")
+        from transformers.utils import logging as hf_logging
+
+        bars = hf_logging.is_progress_bar_enabled()
         with tempfile.TemporaryDirectory(prefix="grpo_jax-reward-model-") as folder:
             try:
-                model.save_pretrained(folder)
+                hf_logging.disable_progress_bar()  # "Writing model shards": a save of ours, not the user's
+                try:
+                    model.save_pretrained(folder)
+                finally:
+                    if bars:
+                        hf_logging.enable_progress_bar()
                 out = cls(folder, mesh, tokenizer=tokenizer)
             except (ValueError, OSError, RuntimeError) as e:  # an architecture or weights the folder route refuses
                 raise ValueError(f"reward_funcs: the {kind} object cannot be converted to JAX "
