@@ -1,16 +1,19 @@
 """Held-out evaluation on the mesh with the jitted samplers: greedy, and n sampled completions per prompt.
 
-`evaluate(run, params, step)` returns metrics under `eval/` (see docs/configuration.md, "What a run writes"):
+`evaluate(run, params, step)` returns metrics under `eval/` (see docs/configuration.md, "What a run writes"), each
+named for how its completions were drawn:
 
-- `eval/greedy/<fn>`: one arg-max completion per prompt, mean of each `eval.reward_functions`.
-- with `eval.num_generations` = n > 0, n completions per prompt at `eval.temperature`: TRL's names
-  (`eval/reward`, the unweighted sum of the functions; `eval/rewards/<fn>/mean|std`, `eval/completions/...`),
+- `eval/greedy/<fn>`: one arg-max completion per prompt, mean of each evaluation reward function.
+- with `eval.num_generations` = n > 0, n completions per prompt at `eval.temperature`, TRL's names under
+  `eval/sampled/` (`reward`, the unweighted sum of the functions; `rewards/<fn>/mean|std`, `completions/...`),
   `eval/pass@k` for k in `eval.pass_at_k` (the unbiased estimator of Chen et al. 2021, arXiv 2107.03374) and
   `eval/maj@n` (the most common answer `eval.answer_extractor` pulls out of the n completions is correct).
 
-A completion is correct when the first of `eval.reward_functions` gives it 1 or more (exact match, math
-accuracy). The sampled pass draws its key from a stream of its own (`eval_key`): evaluating never moves the
-training key, the data order or any host RNG, so a run trains the same with and without it.
+The evaluation reward functions (`reward_functions`) are `train(eval_reward_funcs=...)`, else
+`eval.reward_functions`, else the training ones; the embedded tasks keep their own. A completion is correct when
+the first of them gives it 1 or more (exact match, math accuracy). The sampled pass draws its key from a stream of
+its own (`eval_key`): evaluating never moves the training key, the data order or any host RNG, so a run trains the
+same with and without it.
 Dimension letters: P prompts, n completions per prompt, N = P x n rows, F reward functions.
 """
 
@@ -24,6 +27,25 @@ import numpy as np
 from grpo_jax import data, multiturn, rewards, sharding, stream
 
 EVAL_STREAM = 0x6576616C  # "eval", folded into the seed's key: a stream the training key never meets
+TASK_REWARDS = ("grpo_jax.task:exact_match", "grpo_jax.task:char_accuracy")  # the digit tasks' own
+LOOKUP_REWARDS = ("grpo_jax.tool_task:answer_accuracy",)  # the multi-turn lookup task's own
+
+
+def reward_functions(config, *, given_data: bool, held_out: bool = True, eval_reward_funcs=None):
+    """What evaluation scores with: `eval_reward_funcs` (callables or paths, as `train` takes them), else
+    `eval.reward_functions`, else the embedded task's own functions (no data given); None: the training ones,
+    refused for `held_out` rows when they return process supervision's steps."""
+    if eval_reward_funcs is not None:
+        return list(eval_reward_funcs)
+    if config.eval.reward_functions is not None:
+        return list(config.eval.reward_functions)
+    if given_data:
+        if held_out and config.train.advantage_estimator == "process":
+            raise ValueError("eval.reward_functions is null (the training reward functions) with "
+                             "train.advantage_estimator=process: those return steps, evaluation scores a completion "
+                             "with one number; list eval.reward_functions (from Python: eval_reward_funcs=[...])")
+        return None
+    return list(LOOKUP_REWARDS if config.data.task == "lookup" else TASK_REWARDS)
 
 
 def pass_at_k(num_correct_P, n: int, k: int) -> np.ndarray:
@@ -60,11 +82,11 @@ def sampled_metrics(rewards_NxF: np.ndarray, names, answers_N: list, lengths_N: 
     short = [name.split(":")[-1] for name in names]
     correct_PxN = (np.nan_to_num(rewards_NxF[:, 0], nan=0.0) >= 1.0).reshape(-1, n)
     total_N = np.where(np.isnan(rewards_NxF).all(axis=1), np.nan, np.nansum(rewards_NxF, axis=1))  # as TRL's
-    out = {"eval/reward": np.nanmean(total_N)}
+    out = {"eval/sampled/reward": rewards.scored(np.nanmean, total_N)}
     for i, name in enumerate(short):
-        out[f"eval/rewards/{name}/mean"] = np.nanmean(rewards_NxF[:, i])
-        out[f"eval/rewards/{name}/std"] = np.nanstd(rewards_NxF[:, i])
-    out["eval/completions/mean_length"] = np.mean(lengths_N)
+        out[f"eval/sampled/rewards/{name}/mean"] = rewards.scored(np.nanmean, rewards_NxF[:, i])
+        out[f"eval/sampled/rewards/{name}/std"] = rewards.scored(np.nanstd, rewards_NxF[:, i])
+    out["eval/sampled/completions/mean_length"] = np.mean(lengths_N)
     for k in ks:
         out[f"eval/pass@{k}"] = np.mean(pass_at_k(correct_PxN.sum(axis=1), n, k))
     answers_PxN = [answers_N[p * n:(p + 1) * n] for p in range(len(correct_PxN))]
@@ -128,7 +150,7 @@ def evaluate(run, params, step: int) -> dict[str, float]:
     cfg = run.config.eval
     names = [name.split(":")[-1] for name, _ in run.eval_reward_fns]
     _, scores, _ = _generate(run, run.programs.decoder, params, 1, jax.random.PRNGKey(0), True)
-    metrics = {f"eval/greedy/{name}": float(np.nanmean(scores[:, i])) for i, name in enumerate(names)}
+    metrics = {f"eval/greedy/{name}": float(rewards.scored(np.nanmean, scores[:, i])) for i, name in enumerate(names)}
     if cfg.num_generations:
         key = run.programs.sample_key(eval_key(run.config.seed), step, 0)
         texts, scores, mask = _generate(run, run.programs.eval_decoder, params, cfg.num_generations, key, False)
@@ -139,5 +161,5 @@ def evaluate(run, params, step: int) -> dict[str, float]:
 
 
 def short_names(metrics: dict) -> dict:
-    """Metrics as summary.json and the console name them: `eval/` dropped, greedy rewards by function name."""
-    return {k.removeprefix("eval/").removeprefix("greedy/"): v for k, v in metrics.items()}
+    """Metrics as summary.json and the console name them: `eval/` dropped, `greedy/` and `sampled/` kept."""
+    return {k.removeprefix("eval/"): v for k, v in metrics.items()}

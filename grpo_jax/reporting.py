@@ -185,7 +185,7 @@ class MetricsWriter:
         line = {"step": step, **{k: plain(v) for k, v in metrics.items()}}
         self._append(line, {k: v for k, v in line.items() if k != "step"})
         if self.write_file:
-            shown = "  ".join(f"{k.removeprefix('eval/').removeprefix('greedy/')}={v:.3f}"
+            shown = "  ".join(f"{k.removeprefix('eval/')}={v:.3f}"
                               for k, v in line.items() if k != "step" and v is not None and "/std" not in k)
             tqdm.write(f"held-out eval at step {step}: {shown}")
 
@@ -227,7 +227,7 @@ def reward_figure(history: list[dict], title: str = "GRPO reward"):
         ax.plot(steps[window - 1:], smooth, lw=2, label=f"moving average ({window} steps)")
     evals = [h for h in history if is_eval(h)]
     keys = dict.fromkeys(k for h in evals for k in h if k.startswith(("eval/greedy/", "eval/pass@", "eval/maj@"))
-                         or (k.startswith("eval/rewards/") and k.endswith("/mean")))
+                         or (k.startswith("eval/sampled/rewards/") and k.endswith("/mean")))
     for key in keys:
         ax.plot(*_series(evals, key), marker="o", ms=3, lw=1.2, label=key.replace("/mean", "") + " (held-out)")
     ax.set_xlabel("optimizer step")

@@ -1,5 +1,6 @@
 """Reward models: a Hugging Face `*ForSequenceClassification` folder (Qwen2, Qwen3, Llama, Mistral) as an entry of
-`reward.functions`, scored in JAX as TRL 1.16 scores one.
+`reward.functions`, or the transformers object itself in `train(reward_funcs=...)` (as TRL takes it, converted to
+JAX through the folder route), scored in JAX as TRL 1.16 scores one.
 
 TRL's `_calculate_rewards` for a model: each prompt + completion as text (conversations through the reward model's
 own chat template, `messages = prompt + completion`), tokenized without special tokens and right-padded, and the
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -39,10 +41,26 @@ def is_reward_model(path) -> bool:
     return True
 
 
+def is_model_object(obj) -> bool:
+    """Whether `obj` is a transformers model object (a PyTorch module with a config), not a reward function."""
+    return hasattr(obj, "config") and hasattr(obj, "state_dict") and hasattr(obj, "save_pretrained")
+
+
+def _tokenizer_of(name: str):
+    """The tokenizer saved beside a model object's weights (its `name_or_path`, a folder or a cached hub id), or
+    None."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name, local_files_only=True) if name else None
+    except (OSError, ValueError, TypeError):  # transformers' many ways of saying "no tokenizer here"
+        return None
+
+
 class RewardModel:
     """A reward function `fn(prompts, completions, **kwargs) -> list[float]` backed by a sequence classifier."""
 
-    def __init__(self, path, mesh=None):
+    def __init__(self, path, mesh=None, tokenizer=None):
         from transformers import AutoTokenizer
 
         from grpo_jax import programs, sharding
@@ -62,11 +80,43 @@ class RewardModel:
             raise ValueError(f"reward model {self.path!r} has no score.weight tensor: save it with transformers' "
                              "AutoModelForSequenceClassification")
         self.score_weight = np.array(safetensors_io.view(refs["score.weight"], {}), np.float32)  # [labels, D]
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path) if tokenizer is None else tokenizer
         if self.tokenizer.pad_token is None:  # TRL: pad with EOS, and the model pools by that id
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.pad_token_id = int(self.tokenizer.pad_token_id)
         self._scores = programs.jit_reward_scores(self.model.graphdef)
+
+    @classmethod
+    def from_object(cls, model, mesh=None, tokenizer=None) -> RewardModel:
+        """A transformers `*ForSequenceClassification` object (TRL's `reward_funcs=[model]`) in JAX: its config and
+        weights saved to a temporary folder and read as a folder is (the same weight mapping, the same scores).
+        `tokenizer`: TRL's reward processing class; None: the one saved at the model's `name_or_path`."""
+        kind, name = type(model).__name__, str(getattr(model.config, "_name_or_path", "") or "")
+        if not kind.endswith("ForSequenceClassification"):
+            raise ValueError(f"reward_funcs: a {kind} object is not a reward model: pass a *ForSequenceClassification "
+                             "model (or its folder, saved with save_pretrained), or a reward function")
+        tokenizer = _tokenizer_of(name) if tokenizer is None else tokenizer
+        if tokenizer is None:
+            raise ValueError(f"reward_funcs: the {kind} object{f' ({name})' if name else ''} comes without a "
+                             "tokenizer: pass reward_processing_classes=[its tokenizer], or save model and tokenizer "
+                             "with save_pretrained and list the folder in reward.functions")
+        from transformers.utils import logging as hf_logging
+
+        bars = hf_logging.is_progress_bar_enabled()
+        with tempfile.TemporaryDirectory(prefix="grpo_jax-reward-model-") as folder:
+            try:
+                hf_logging.disable_progress_bar()  # "Writing model shards": a save of ours, not the user's
+                try:
+                    model.save_pretrained(folder)
+                finally:
+                    if bars:
+                        hf_logging.enable_progress_bar()
+                out = cls(folder, mesh, tokenizer=tokenizer)
+            except (ValueError, OSError, RuntimeError) as e:  # an architecture or weights the folder route refuses
+                raise ValueError(f"reward_funcs: the {kind} object cannot be converted to JAX "
+                                 f"({str(e).replace(folder, '<its saved folder>')})") from e
+        out.path, out.__name__ = name or kind, Path(name).name or kind  # TRL names it after the model
+        return out
 
     def texts(self, prompts: list, completions: list) -> list[str]:
         """What TRL feeds the reward model: prompt + completion, conversations through the chat template."""

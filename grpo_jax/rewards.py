@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from grpo_jax import reward_model
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # rewards and advantages are float32
 
@@ -60,6 +61,46 @@ def resolve_reward_fn(path: str) -> Callable:
     if not callable(obj):
         raise ValueError(f"reward function {path!r}: {attr!r} is a {type(obj).__name__}, not callable")
     return obj
+
+
+def resolve_all(paths, mesh=None, *, max_completion_length: int, soft_punish_cache: int,
+                processing_classes=None) -> list[tuple[str, Callable]]:
+    """(name, callable) per reward function: 'module:function' paths, reward model folders or transformers objects
+    (`grpo_jax.reward_model`, placed over `mesh`), callables named as TRL names them; the built-in soft overlong
+    punishment gets its lengths bound. `processing_classes`: TRL's `reward_processing_classes`, a tokenizer for
+    every model object or one per function (None where it is not one)."""
+    classes = processing_classes if isinstance(processing_classes, (list, tuple)) else [processing_classes] * len(paths)
+    if len(classes) != len(paths):
+        raise ValueError(f"reward_processing_classes has {len(classes)} entries for {len(paths)} reward_funcs: give "
+                         "one per function (None for those that are not models), or one tokenizer for all")
+    out = []
+    for path, tokenizer in zip(paths, classes):
+        if reward_model.is_model_object(path):  # before `callable`: a torch module is callable, on tensors only
+            fn = reward_model.RewardModel.from_object(path, mesh, tokenizer)
+        elif callable(path):
+            fn = path
+        elif reward_model.is_reward_model(path):
+            fn = reward_model.RewardModel(path, mesh)
+        else:
+            fn = resolve_reward_fn(path)
+            if fn is soft_overlong_punishment:
+                fn = functools.partial(fn, max_completion_len=max_completion_length,
+                                       soft_punish_cache=soft_punish_cache)
+            out.append((path, fn))
+            continue
+        out.append((getattr(fn, "__name__", type(fn).__name__), fn))
+    return out
+
+
+def check_importable(field: str, paths) -> None:
+    """Imports every reward path now, so a typo fails before any compilation (a reward model is loaded later,
+    `resolve_all`); a ValueError names `field`."""
+    for path in paths:
+        try:
+            if isinstance(path, str) and not reward_model.is_reward_model(path):
+                resolve_reward_fn(path)
+        except ValueError as e:
+            raise ValueError(f"{field}: {e}") from e
 
 
 def soft_overlong_punishment(prompts=None, completions=None, *, completion_ids, max_completion_len: int,
@@ -366,6 +407,20 @@ def score_steps(reward_fns: Sequence[tuple[str, Callable]], weights_F: Sequence[
         for j, (index, value) in enumerate(row_steps):
             step_end_indices_NxS[i, j], step_rewards_NxS[i, j] = index, value
     return rewards_NxF, step_rewards_NxS, step_end_indices_NxS
+
+
+def scored(stat: Callable, values) -> float:
+    """`stat` (np.nanmean, np.nanstd) of the scored values (NaN: None); NaN when none was scored, without numpy's
+    "Mean of empty slice" warning (`unscored` names the functions instead)."""
+    values = np.asarray(values)
+    return math.nan if np.isnan(values).all() else stat(values)
+
+
+def unscored(rewards_NxF: np.ndarray, names: Sequence[str]) -> tuple[tuple[str, ...], int]:
+    """(the functions that returned None for every one of the N completions, the number of completions every
+    function returned None for: they train on nothing)."""
+    none_NxF = np.isnan(rewards_NxF)
+    return tuple(name for name, none_N in zip(names, none_NxF.T) if none_N.all()), int(none_NxF.all(axis=1).sum())
 
 
 def check_reward_fns(reward_fns: Sequence[tuple[str, Callable]], rows: list[dict], eos_token_id: int, *,

@@ -16,6 +16,7 @@ with checkpoints, evaluation and outputs around them.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -72,12 +73,34 @@ def _completion_metrics(mask: np.ndarray, truncated: np.ndarray) -> dict:
 
 def _reward_metrics(rewards_NxF, r_N, std_N, names, num_generations: int) -> dict:
     group_std = std_N.reshape(-1, num_generations)[:, 0]
-    out = {"reward": np.nanmean(r_N), "reward_std": np.nanmean(group_std),
+    out = {"reward": rewards.scored(np.nanmean, r_N), "reward_std": rewards.scored(np.nanmean, group_std),
            "frac_reward_zero_std": np.mean(np.isclose(np.nan_to_num(group_std), 0.0))}
     for i, name in enumerate(names):
-        out[f"rewards/{name.split(':')[-1]}/mean"] = np.nanmean(rewards_NxF[:, i])
-        out[f"rewards/{name.split(':')[-1]}/std"] = np.nanstd(rewards_NxF[:, i])
+        out[f"rewards/{name.split(':')[-1]}/mean"] = rewards.scored(np.nanmean, rewards_NxF[:, i])
+        out[f"rewards/{name.split(':')[-1]}/std"] = rewards.scored(np.nanstd, rewards_NxF[:, i])
     return out
+
+
+def _warn_unscored(run: Run, rewards_NxF: np.ndarray, names: list[str], round_index: int, step: int) -> None:
+    """Once a run (`Run.warned`): a warning naming the reward functions that returned None for every completion of a
+    round, or counting the completions no function scored; either trains on less than the user meant."""
+    silent, none_rows = rewards.unscored(rewards_NxF, names)
+    where, listed = f"round {round_index} (step {step + 1})", ", ".join(f"'{name}'" for name in silent)
+    if none_rows == len(rewards_NxF):
+        key, text = "all", (f"every reward function ({listed}) returned None for every completion of {where}: the "
+                            "round trains on nothing; return a number for each completion a function can score")
+    elif silent:
+        key, text = silent, (f"reward function{'s' * (len(silent) > 1)} {listed} returned None for every completion "
+                             f"of {where}: the round trains on the other functions only; if it should score these "
+                             "rows, check what it reads")
+    elif none_rows:
+        key, text = "rows", (f"{none_rows} of {len(rewards_NxF)} completions of {where} got None from every reward "
+                             "function: they train on nothing")
+    else:
+        return
+    if key not in run.warned:
+        run.warned.add(key)
+        warnings.warn(text + " (warned once a run)", RuntimeWarning, stacklevel=3)
 
 
 def _weights(run: Run) -> np.ndarray:
@@ -303,6 +326,7 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
     seconds["logps"] = time.perf_counter() - timer
 
     names = [name for name, _ in run.reward_fns]
+    _warn_unscored(run, draw.rewards, names, round_index, int(state.step))
     metrics = {**_reward_metrics(draw.rewards, r_N, std_N, names, tc.num_generations),
                **_completion_metrics(draw.trained_mask, draw.is_truncated),
                **(multiturn.metrics(draw.tool_counts) if draw.tool_counts is not None else {}),

@@ -23,10 +23,9 @@ from flax import nnx
 from jax.sharding import Mesh
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from grpo_jax import (checkpoint, cpu, data, lock, programs, reward_model, rewards, runs, sharding, sources, task,
-                      tool_task, tools, trackers)
+from grpo_jax import (checkpoint, cpu, data, evaluation, lock, programs, rewards, runs, sharding,
+                      sources, task, tool_task, tools, trackers)
 from grpo_jax.config import Config, resolve_defaults, to_dict, with_defaults
-from grpo_jax.config.sections import SOFT_OVERLONG
 from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, lora, peft_io, resolve_config
 from grpo_jax.state import TrainState, optimizer_from_config
 from grpo_jax.train_step import StepOptions
@@ -57,6 +56,7 @@ class Run:
     resuming: bool = False  # output_dir holds this run already: `train` continues from its newest checkpoint
     tooling: tools.Tooling | None = None  # tools and environments of multi-turn rollouts (None: one turn a row)
     output_lock: lock.RunLock = dataclasses.field(default_factory=lock.RunLock)  # held; `train` releases it
+    warned: set = dataclasses.field(default_factory=set)  # warnings given once a run, not every round (their keys)
 
     @property
     def keep_ref(self) -> bool:
@@ -186,6 +186,7 @@ def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_datase
                                              "left", tools=eval_tools, chat_template=template)
         lengths = np.concatenate([lengths, np.diff(eval_offsets)])
     length = _prompt_length(limit, lengths)
+    _check_positions(config, np.minimum(lengths, length))
     dataset = data.Dataset(train_rows, tokens, offsets, length, tokenizer.pad_token_id)
     return tokenizer, tokenizer_dir, dataset, list(eval_rows), tooling
 
@@ -208,6 +209,25 @@ def _prompt_length(limit: int | None, lengths: np.ndarray) -> int:
     return limit
 
 
+def _check_positions(config: Config, lengths: np.ndarray) -> None:
+    """Prompts (as truncated) whose tokens and a whole completion pass the model's `max_position_embeddings`: warned
+    about once with their count, or refused with data.truncation=error, as prompts past data.max_prompt_length."""
+    positions, T = config.model.max_position_embeddings, config.sampling.max_completion_length
+    over = int((lengths + T > positions).sum())
+    if not over:
+        return
+    fix = f"lower sampling.max_completion_length below {positions}"
+    if positions > T:
+        fix = (f"lower data.max_prompt_length to {positions - T} (longer prompts lose their first tokens) or "
+               "sampling.max_completion_length")
+    text = (f"{over} of {len(lengths)} prompts (the longest: {int(lengths.max())} tokens) plus sampling."
+            f"max_completion_length={T} tokens pass model.max_position_embeddings={positions}: their completions run "
+            f"past the positions the model knows; {fix}")
+    if config.data.truncation == "error":
+        raise ValueError(text)
+    warnings.warn(text, RuntimeWarning, stacklevel=3)
+
+
 def _load_tokenizer(config: Config, folder: Path) -> PreTrainedTokenizerBase:
     key = "data.tokenizer_path" if config.data.tokenizer_path else "model.path"
     if not folder.is_dir():
@@ -219,26 +239,6 @@ def _load_tokenizer(config: Config, folder: Path) -> PreTrainedTokenizerBase:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"{key}={str(folder)!r}: no tokenizer could be loaded from it ({first}): point it at a "
                          "Hugging Face folder holding tokenizer.json and tokenizer_config.json") from e
-
-
-def _resolve_rewards(config: Config, paths, mesh) -> list:
-    """(name, callable) per reward function ('module:function' paths, reward model folders placed over `mesh`,
-    or callables named as TRL names them); the built-in soft overlong punishment gets its lengths bound."""
-    out = []
-    for path in paths:
-        if callable(path):
-            out.append((getattr(path, "__name__", type(path).__name__), path))
-            continue
-        if reward_model.is_reward_model(path):
-            model = reward_model.RewardModel(path, mesh)
-            out.append((model.__name__, model))
-            continue
-        fn = rewards.resolve_reward_fn(path)
-        if path == SOFT_OVERLONG:
-            fn = functools.partial(fn, max_completion_len=config.sampling.max_completion_length,
-                                   soft_punish_cache=config.reward.soft_punish_cache)
-        out.append((path, fn))
-    return out
 
 
 def prompt_group_sizes(config: Config, mesh) -> tuple[int, int]:
@@ -260,17 +260,6 @@ def prompt_group_sizes(config: Config, mesh) -> tuple[int, int]:
     return round_g, step_g
 
 
-def _check_importable(field: str, paths) -> None:
-    """Imports every reward path now, so a typo fails before any compilation (a reward model folder is loaded
-    later, `grpo_jax.reward_model`)."""
-    for path in paths:
-        try:
-            if isinstance(path, str) and not reward_model.is_reward_model(path):
-                rewards.resolve_reward_fn(path)
-        except ValueError as e:
-            raise ValueError(f"{field}: {e}") from e
-
-
 def _check_data_file(key: str, path: str | None) -> None:
     """A path that names a data file (not a glob, folder or dataset id) must exist: known before anything loads."""
     if path is not None and Path(path).suffix.lower() in (".jsonl", ".json", ".parquet", ".csv") \
@@ -279,7 +268,8 @@ def _check_data_file(key: str, path: str | None) -> None:
                          "save_to_disk folder, a cached dataset id)")
 
 
-def check_inputs(config: Config, *, reward_funcs=None, train_dataset=None, eval_dataset=None) -> None:
+def check_inputs(config: Config, *, reward_funcs=None, train_dataset=None, eval_dataset=None,
+                 eval_reward_funcs=None) -> None:
     """What a config names outside itself, checked before anything is built: data files and the tokenizer folder
     exist, reward functions and the answer extractor import, report_to's packages are installed. Each failure is a
     one-line ValueError naming the key."""
@@ -293,29 +283,34 @@ def check_inputs(config: Config, *, reward_funcs=None, train_dataset=None, eval_
     if config.data.tokenizer_path is not None and not Path(config.data.tokenizer_path).is_dir():
         raise ValueError(f"data.tokenizer_path={config.data.tokenizer_path!r} is not a folder: point it at a saved "
                          "tokenizer")
-    _check_importable("reward.functions", config.reward.functions if reward_funcs is None else reward_funcs)
+    rewards.check_importable("reward.functions", config.reward.functions if reward_funcs is None else reward_funcs)
     if eval_dataset is None:
         _check_data_file("eval.path", config.eval.path)
-    _check_importable("eval.reward_functions", config.eval.reward_functions)
-    _check_importable("eval.answer_extractor", (config.eval.answer_extractor,))
+    eval_paths = config.eval.reward_functions if eval_reward_funcs is None else eval_reward_funcs
+    rewards.check_importable("eval.reward_functions" if eval_reward_funcs is None else "eval_reward_funcs",
+                             eval_paths or ())
+    rewards.check_importable("eval.answer_extractor", (config.eval.answer_extractor,))
 
 
 def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None, eval_dataset=None,
           reward_funcs: Sequence[Callable | str] | None = None, tools: Sequence[Callable | str] | None = None,
-          environment_factory=None) -> tuple[Run, TrainState]:
+          environment_factory=None, eval_reward_funcs: Sequence[Callable | str] | None = None,
+          reward_processing_classes=None) -> tuple[Run, TrainState]:
     """Resolves data, rewards, mesh, optimizer and the initial train state; builds the device programs.
 
     `loss_fn` replaces `grpo_jax.losses.compute_loss` in the train step (same signature; see
     `grpo_jax.train_step`): the hook for a custom loss variant. As TRL's GRPOTrainer takes them,
     `train_dataset` / `eval_dataset` (a `datasets.Dataset` or a list of dicts) replace `data.path` / `eval.path`,
-    and `reward_funcs` (callables, or 'module:function' paths) replaces `reward.functions`; `tools` and
-    `environment_factory` replace the config's. None of these is part of `config.yaml`: a resumed run must be given
-    them again.
+    `reward_funcs` (callables, 'module:function' paths, reward model folders or transformers
+    `*ForSequenceClassification` objects, whose tokenizers `reward_processing_classes` gives) replaces
+    `reward.functions` and `eval_reward_funcs` `eval.reward_functions`; `tools` and `environment_factory` replace
+    the config's. None of these is part of `config.yaml`: a resumed run must be given them again.
     An `output_dir` holding a run is checked against its config.yaml (`checkpoint.check_compatible`). The run
     holds `output_dir`'s lock (`Run.output_lock`; a ValueError names the process holding it already) until
     `run.output_lock.release()`, which `train` calls at its end.
     """
-    check_inputs(config, reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset)
+    check_inputs(config, reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                 eval_reward_funcs=eval_reward_funcs)
     config = runs.resolve(config)  # resume_from_checkpoint: the run folder it names or finds, as output_dir
     programs.use_compilation_cache(config.compilation_cache_dir)
     output_dir, resuming, held = _output_dir(config)
@@ -323,7 +318,7 @@ def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None
     factories = config.environment_factory if environment_factory is None else environment_factory
     try:
         return _build(config, output_dir, resuming, held, loss_fn, train_dataset, eval_dataset, reward_funcs,
-                      tool_specs, factories)
+                      tool_specs, factories, eval_reward_funcs, reward_processing_classes)
     except BaseException:
         if not resuming and jax.process_index() == 0:
             _remove_setup_files(output_dir)
@@ -344,7 +339,8 @@ def _remove_setup_files(output_dir: Path) -> None:
 
 
 def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock, loss_fn: Callable | None,
-           train_dataset, eval_dataset, reward_funcs, tool_specs, factories) -> tuple[Run, TrainState]:
+           train_dataset, eval_dataset, reward_funcs, tool_specs, factories, eval_reward_funcs,
+           processing_classes) -> tuple[Run, TrainState]:
     speedups = cpu.enabled(config.cpu_speedups)
     if speedups:
         cpu.configure_host_allocator(config.host_allocator)  # before the first jitted call allocates
@@ -365,11 +361,16 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=len(tokenizer)))
     tc = config.train
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-    reward_fns = _resolve_rewards(config, config.reward.functions if reward_funcs is None else reward_funcs, mesh)
+    lengths = dict(max_completion_length=config.sampling.max_completion_length,
+                   soft_punish_cache=config.reward.soft_punish_cache)
+    reward_fns = rewards.resolve_all(config.reward.functions if reward_funcs is None else reward_funcs, mesh,
+                                     processing_classes=processing_classes, **lengths)
     if config.reward.weights is not None and len(config.reward.weights) != len(reward_fns):
         raise ValueError(f"reward.weights has {len(config.reward.weights)} entries for the {len(reward_fns)} "
                          "reward_funcs: give one weight per function")
-    eval_reward_fns = _resolve_rewards(config, config.eval.reward_functions, mesh)
+    eval_paths = evaluation.reward_functions(config, given_data=config.data.path is not None or train_dataset
+                                             is not None, held_out=bool(eval_rows), eval_reward_funcs=eval_reward_funcs)
+    eval_reward_fns = list(reward_fns) if eval_paths is None else rewards.resolve_all(eval_paths, mesh, **lengths)
     # a reward function that fails on its first call does so now, not after the sampler compiled
     where = "train_dataset" if train_dataset is not None else config.data.path or "the embedded task"
     rewards.check_reward_fns(reward_fns, [dataset.rows[i] for i in range(min(2, len(dataset)))],

@@ -16,6 +16,7 @@ from grpo_jax import checkpoint, data, export, preemption, sharding, stream
 from grpo_jax.config import Config, to_dict
 from grpo_jax.evaluation import evaluate, short_names
 from grpo_jax.reporting import MetricsWriter, is_eval, plain, plot_run
+from grpo_jax.rewards import scored
 from grpo_jax.rollout import RoundBatch, prepare_round, run_round, run_steps
 from grpo_jax.run import Run, build
 from grpo_jax.state import TrainState
@@ -81,7 +82,7 @@ def _restore(run: Run, state: TrainState, data_state: data.DataState, mngr):
 
 def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | None = None, train_dataset=None,
           eval_dataset=None, reward_funcs: list | None = None, tools: list | None = None,
-          environment_factory=None) -> dict:
+          environment_factory=None, eval_reward_funcs: list | None = None, reward_processing_classes=None) -> dict:
     """Runs GRPO as configured and returns a summary (eval before/after, skipped steps, output_dir).
 
     Continues the run in `output_dir` from its newest checkpoint when there is one (`resume`). Saves every
@@ -89,11 +90,14 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
     finishes the step, saves, and raises `preemption.Preempted`; any other exception during training saves the
     last good state first and raises `preemption.RunFailed` saying what failed (`preemption.failed`).
     `loss_fn`: a custom loss with `compute_loss`'s signature, used instead of it; `train_dataset`, `eval_dataset`,
-    `reward_funcs`, `tools` and `environment_factory` as TRL's GRPOTrainer takes them (see `build`). The run holds
-    `output_dir`'s lock (one writer per run) until it returns.
+    `reward_funcs` (callables, paths, reward model folders or transformers objects), `reward_processing_classes`,
+    `tools` and `environment_factory` as TRL's GRPOTrainer takes them, and `eval_reward_funcs` (default: the
+    training ones) for the held-out evaluation (see `build`). The run holds `output_dir`'s lock (one writer per run)
+    until it returns.
     """
     run, state = build(config, loss_fn=loss_fn, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                       reward_funcs=reward_funcs, tools=tools, environment_factory=environment_factory)
+                       reward_funcs=reward_funcs, tools=tools, environment_factory=environment_factory,
+                       eval_reward_funcs=eval_reward_funcs, reward_processing_classes=reward_processing_classes)
     try:
         return _train(run.config, run, state, show_progress)  # its defaults resolved (learning rate)
     except (preemption.Preempted, preemption.RunFailed):
@@ -247,5 +251,5 @@ def _reward_summary(history: list[dict]) -> dict:
     history = [h for h in history if not is_eval(h)]
     rewards_ = np.array([np.nan if h.get("reward") is None else h["reward"] for h in history], dtype=float)
     k = max(1, len(rewards_) // 10)
-    return {"reward_first_10pct": float(np.nanmean(rewards_[:k])),
-            "reward_last_10pct": float(np.nanmean(rewards_[-k:]))}
+    return {"reward_first_10pct": float(scored(np.nanmean, rewards_[:k])),
+            "reward_last_10pct": float(scored(np.nanmean, rewards_[-k:]))}

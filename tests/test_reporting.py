@@ -40,7 +40,7 @@ def test_writer_reports_to_jsonl_and_tensorboard_and_resumes(tmp_path, capsys):
     assert scalars["eval/pass@1"] == [(0, 0.25), (3, 0.5)] and "train/kl" not in scalars  # no NaN point
     out = capsys.readouterr()
     assert out.err.splitlines() == ["grpo step 2/4  reward=0.2  len=5  step_time=0.500s"]  # every logging_steps
-    assert "held-out eval at step 3: pass@1=0.500  exact_match=0.500" in out.out
+    assert "held-out eval at step 3: pass@1=0.500  greedy/exact_match=0.500" in out.out
 
     # resumed from a checkpoint at step 1: what the first part logged after it is dropped everywhere
     writer = MetricsWriter(tmp_path, max_steps=4, initial_step=1, show_progress=False, history=lines[:2],

@@ -91,3 +91,46 @@ def test_a_model_folder_without_a_classification_head_is_refused_by_name(tmp_pat
                                          r"\(architectures \['Qwen2ForCausalLM'\]\): list a "
                                          r"\*ForSequenceClassification"):
         check_inputs(load_config(None, [f"reward.functions=[{folder}]"]))
+
+
+def test_a_reward_model_object_is_converted_to_jax_and_scores_as_its_folder(tmp_path):
+    """TRL's reward_funcs=[model]: a transformers *ForSequenceClassification object scores what its folder scores
+    (and what TRL scores with it); its tokenizer from reward_processing_classes, else its name_or_path folder."""
+    from grpo_jax.rewards import resolve_all
+
+    folder = _reward_folder(tmp_path, "qwen2")
+    prompts, completions = ["12>", "3>", "456>", "7>"], ["21", "3", "6541", ""]
+    expected = RewardModel(folder)(prompts, completions)
+    lengths = dict(max_completion_length=6, soft_punish_cache=0)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    [(name, fn)] = resolve_all([model], **lengths)  # the tokenizer saved at its name_or_path
+    assert name == "qwen2-rm"
+    np.testing.assert_array_equal(fn(prompts, completions), expected)
+    np.testing.assert_allclose(expected, _trl_scores(folder, prompts, completions), rtol=1e-4, atol=1e-4)
+
+    model.config._name_or_path = ""  # built in memory: nothing to find a tokenizer in
+    with pytest.raises(ValueError, match=r"^reward_funcs: the Qwen2ForSequenceClassification object comes without a "
+                                         r"tokenizer: pass reward_processing_classes=\[its tokenizer\]"):
+        resolve_all([model], **lengths)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    [(name, fn), _] = resolve_all([model, "grpo_jax.task:char_accuracy"], processing_classes=[tokenizer, None],
+                                  **lengths)
+    assert name == "Qwen2ForSequenceClassification"
+    np.testing.assert_array_equal(fn(prompts, completions), expected)
+
+    import hf_fixtures as hf
+
+    with pytest.raises(ValueError, match=r"^reward_funcs: a Qwen2ForCausalLM object is not a reward model"):
+        resolve_all([hf.build_model("qwen2", tied=True)], **lengths)
+
+
+def test_train_takes_a_reward_model_object(tmp_path):
+    """The issue's case: the object failed with transformers' "You must specify exactly one of input_ids or
+    inputs_embeds" (it was called as a function); its tokenizer comes from its folder here."""
+    folder = _reward_folder(tmp_path, "llama")
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    config = load_config(None, [f"output_dir={tmp_path / 'run'}", "max_steps=1", "train.train_batch_size=16",
+                                "train.num_generations=4", "eval.num_examples=0", "sampling.max_completion_length=6"])
+    trainer.train(config, show_progress=False, reward_funcs=[model, "grpo_jax.task:char_accuracy"])
+    [line] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert np.isfinite(line["rewards/llama-rm/mean"]) and line["rewards/llama-rm/std"] > 0

@@ -242,3 +242,39 @@ def test_checking_reward_functions_leaves_the_trainer_stack_unimported():
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "[]"
+
+
+def no_opinion(prompts, completions, **kwargs):
+    """A reward function that scores nothing (a column it needs is missing, a parser that never matches)."""
+    return [None] * len(completions)
+
+
+def test_unscored_names_the_functions_that_scored_nothing_and_counts_the_rows_nobody_scored():
+    nan = math.nan
+    rewards_NxF = np.array([[1.0, nan, nan], [nan, nan, nan], [0.0, nan, 2.0]], np.float32)
+    assert rewards.unscored(rewards_NxF, ["a", "b", "c"]) == (("b",), 1)  # b: no row; row 1: no function
+    assert rewards.unscored(np.full((2, 2), nan, np.float32), ["a", "b"]) == (("a", "b"), 2)
+    assert rewards.unscored(np.zeros((2, 1), np.float32), ["a"]) == ((), 0)
+
+
+def test_a_reward_function_that_returns_none_for_everything_is_warned_about_once_on_stderr(tmp_path):
+    """Every round trains on nothing: one warning names the function and the first round (not one per round), and
+    numpy's "Mean of empty slice" warnings about the NaN metrics are not printed."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.test_checkpoint import ROOT, TINY
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "grpo_jax", "--no-progress", f"output_dir={out}", *TINY, "max_steps=4",
+           "reward.functions=[tests.test_rewards:no_opinion]"]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 4 and all(line["rewards/no_opinion/mean"] is None for line in lines)  # 2 rounds of 2 steps
+    warned = [line for line in result.stderr.splitlines() if "RuntimeWarning" in line]
+    assert len(warned) == 1, result.stderr
+    assert ("every reward function ('tests.test_rewards:no_opinion') returned None for every completion of round 0 "
+            "(step 1): the round trains on nothing") in warned[0]
+    assert "Mean of empty slice" not in result.stderr and "Degrees of freedom" not in result.stderr, result.stderr

@@ -158,3 +158,33 @@ def test_a_memory_mapped_dataset_iterates_and_resumes_as_the_list_does(files):
     assert from_dataset == from_list  # 12 batches of 5 over 24 rows: across epoch boundaries
     _, position = batches(rows, 7)
     assert batches(rows, 5, position)[0] == from_list[7:]
+
+
+def test_prompts_that_pass_the_models_positions_are_counted_in_a_warning_or_refused(tmp_path, capsys):
+    """Prompt + completion beyond model.max_position_embeddings: one warning on stderr with the count of prompts (train
+    and held-out) whose tokens and a whole completion pass it; with data.truncation=error a one-line refusal."""
+    import subprocess
+    import sys
+
+    from grpo_jax.cli import main as cli_main
+    from tests.test_checkpoint import ROOT, TINY
+
+    long_prompts = ["data.task_max_len=12", "model.max_position_embeddings=16", "sampling.max_completion_length=6"]
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "grpo_jax", "--no-progress", f"output_dir={out}", *TINY, "max_steps=1",
+           "eval.num_examples=8", *long_prompts]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    prompts = [json.loads(line)["prompt"] for name in ("train", "eval")
+               for line in (out / "data" / f"{name}.jsonl").read_text().splitlines()]
+    over = sum(len(p) + 6 > 16 for p in prompts)  # the embedded task's tokenizer: one token a character
+    assert 0 < over < len(prompts)
+    warned = [line for line in result.stderr.splitlines() if "RuntimeWarning" in line]
+    assert len(warned) == 1 and (f"{over} of {len(prompts)} prompts (the longest: {max(map(len, prompts))} tokens) "
+                                 "plus sampling.max_completion_length=6 tokens pass model.max_position_embeddings=16"
+                                 in warned[0]) and "data.max_prompt_length to 10" in warned[0], result.stderr
+
+    assert cli_main([f"output_dir={tmp_path / 'refused'}", *TINY, *long_prompts, "data.truncation=error"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("grpo-jax: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "pass model.max_position_embeddings=16" in err

@@ -254,7 +254,7 @@ def test_a_run_stopped_after_a_rounds_tools_resumes_bitwise_without_calling_them
 
     calls.update(lookup=0, raise_at_step=None)
     summary = run(tmp_path / "whole")
-    assert "answer_accuracy" in summary["eval_after"]  # held-out rows run their turns too
+    assert "greedy/answer_accuracy" in summary["eval_after"]  # held-out rows run their turns too
     whole_calls = calls["lookup"]
     assert whole_calls > 0
 

@@ -145,8 +145,8 @@ def test_run_directory_contents(tmp_path):
     assert [line["step"] for line in lines] == [0, 1, 2, 3, 4, 4]  # held-out evaluation before and after
     evals, lines = [lines[0], lines[-1]], lines[1:-1]
     assert set(evals[0]) == {"step", "eval/greedy/exact_match", "eval/greedy/char_accuracy"}
-    assert summary["eval_after"] == {"exact_match": evals[1]["eval/greedy/exact_match"],
-                                     "char_accuracy": evals[1]["eval/greedy/char_accuracy"]}
+    assert summary["eval_after"] == {"greedy/exact_match": evals[1]["eval/greedy/exact_match"],
+                                     "greedy/char_accuracy": evals[1]["eval/greedy/char_accuracy"]}
     required = {"step", "reward", "reward_std", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean",
                 "clip_ratio/region_mean", "completions/mean_length", "entropy", "grad_norm", "learning_rate",
                 "step_time", "step_time/sample", "step_time/score", "step_time/logps", "step_time/update",
@@ -561,12 +561,12 @@ def test_reporting_and_evaluation_during_training(tmp_path, monkeypatch, capsys)
 
     # evaluation: pass@1 is the fraction correct, pass@k grows with k, maj@4 is a fraction of the 4 prompts
     for h in evals.values():
-        assert h["eval/pass@1"] == pytest.approx(h["eval/rewards/digit_start/mean"])
+        assert h["eval/pass@1"] == pytest.approx(h["eval/sampled/rewards/digit_start/mean"])
         assert h["eval/pass@1"] <= h["eval/pass@2"] <= h["eval/pass@4"] and h["eval/maj@4"] in (0, 0.25, 0.5, 0.75, 1)
-        assert {"eval/greedy/digit_start", "eval/greedy/exact_match", "eval/reward"} <= set(h)
+        assert {"eval/greedy/digit_start", "eval/greedy/exact_match", "eval/sampled/reward"} <= set(h)
     assert 0 < evals[0]["eval/pass@1"] < evals[0]["eval/pass@4"]
     assert summary["eval_after"]["pass@4"] == evals[4]["eval/pass@4"]
-    assert summary["eval_before"]["digit_start"] == evals[0]["eval/greedy/digit_start"]
+    assert summary["eval_before"]["greedy/digit_start"] == evals[0]["eval/greedy/digit_start"]
 
     # TensorBoard: every metric under TRL's name there, the completion tables as text
     events = accumulator.EventAccumulator(str(out / "tensorboard"), size_guidance={"tensors": 0})
@@ -592,6 +592,11 @@ def test_reporting_and_evaluation_during_training(tmp_path, monkeypatch, capsys)
     assert [line.split("  ")[0] for line in console.err.splitlines() if line.startswith("grpo step")] \
         == ["grpo step 2/4", "grpo step 4/4"]
     assert "Step 2" in console.out and "Step 4" in console.out and "held-out eval at step 2:" in console.out
+    shown = next(line for line in console.out.splitlines() if line.startswith("held-out eval at step 2:"))
+    names = [item.split("=")[0] for item in shown.split(": ", 1)[1].split("  ")]  # each says greedy or sampled
+    assert names == ["greedy/digit_start", "greedy/exact_match", "sampled/reward", "sampled/rewards/digit_start/mean",
+                     "sampled/rewards/exact_match/mean", "sampled/completions/mean_length", "pass@1", "pass@2",
+                     "pass@4", "maj@4"], shown
 
     if has_wandb:  # an offline W&B run with the same metrics
         history = _wandb_history(out)

@@ -281,7 +281,7 @@ class EvalConfig:
     num_examples: int = 200  # embedded task: held-out prompts generated with another seed
     path: str | None = None  # held-out prompts, any form data.path takes (with the columns the rewards need)
     split: str = "test"  # the split of a save_to_disk DatasetDict or a cached dataset id
-    reward_functions: tuple[str, ...] = ("grpo_jax.task:exact_match", "grpo_jax.task:char_accuracy")
+    reward_functions: tuple[str, ...] | None = None  # None: the training ones (the embedded task: its own)
     steps: int = 0  # also evaluate every N optimizer steps (TRL's eval_steps); 0: before and after training only
     num_generations: int = 0  # n sampled completions per prompt (pass@k, maj@n); 0: greedy only
     temperature: float = 1.0  # of the sampled completions
@@ -290,6 +290,8 @@ class EvalConfig:
 
     def __post_init__(self):
         check(self.num_examples >= 0, f"eval.num_examples={self.num_examples} must be >= 0")
+        check(self.reward_functions is None or len(self.reward_functions) >= 1,
+              "eval.reward_functions is empty: list at least one 'module:function', or null (the training ones)")
         check(self.steps >= 0, f"eval.steps={self.steps} must be >= 0 (0: evaluate before and after training only)")
         check(self.num_generations >= 0, f"eval.num_generations={self.num_generations} must be >= 0 (0: greedy only)")
         check_interval("eval.temperature", self.temperature, "(0, inf)", "logits are divided by it")
