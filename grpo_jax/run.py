@@ -94,8 +94,17 @@ def _saved_config(output_dir: Path, config: Config) -> tuple[dict, dict]:
     """(saved, given) configs of a resumed run as `checkpoint.check_compatible` compares them: config.yaml and
     `config`; when config.yaml was deleted, the config of the newest checkpoint (whose model section is resolved)
     and `config` resolved the same way (`model.path`'s architecture, the vocabulary size the run found)."""
-    if (output_dir / "config.yaml").is_file():
-        return with_defaults(yaml.safe_load((output_dir / "config.yaml").read_text())), to_dict(config)
+    path = output_dir / "config.yaml"
+    if path.is_file():
+        try:
+            saved = yaml.safe_load(path.read_text())
+            why = None if isinstance(saved, dict) else f"a YAML {type(saved).__name__}, not a mapping of keys"
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            why = "invalid YAML: " + " ".join(str(e).split())[:200]  # one line
+        if why is not None:
+            raise ValueError(f"{path} is not a run's config ({why}): put the saved config.yaml back, or delete it to "
+                             "resume with the config held by the newest checkpoint")
+        return with_defaults(saved), to_dict(config)
     saved = checkpoint.saved_config(output_dir)
     if saved is None:
         raise ValueError(f"output_dir={str(output_dir)!r} has checkpoints but neither its config.yaml nor any "

@@ -1,12 +1,15 @@
-"""Damaged runs are never trusted, through the CLI: checkpoints without checksums, no trustworthy checkpoint left."""
+"""Damaged runs are never trusted, through the CLI: checkpoints without checksums, no trustworthy checkpoint left, an
+invalid config.yaml, a file-size limit hit while saving."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from grpo_jax import checkpoint
 from grpo_jax.cli import main as cli_main
-from tests.test_checkpoint import TINY, _assert_same_state, _lines, _state, _train
+from tests.test_checkpoint import ROOT, TINY, _assert_same_state, _lines, _state, _train
 
 
 def _error_lines(err: str) -> list[str]:
@@ -49,3 +52,33 @@ def test_a_checkpoint_without_checksums_is_not_trusted_and_none_left_is_one_line
         == before
     assert cli_main(["verify", str(out)]) == 1
     assert capsys.readouterr().out.count("NOT TRUSTED: no checksums.json") == 2
+
+
+def test_an_invalid_config_yaml_is_one_line_naming_it(tmp_path, capsys):
+    (tmp_path / "config.yaml").write_text("model: {hidden_size: 32\nseed: [\n")
+    assert cli_main([f"output_dir={tmp_path}", *TINY]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"grpo-jax: {tmp_path / 'config.yaml'} is not a run's config "
+                                               "(invalid YAML: "), err
+    assert err[0].endswith("put the saved config.yaml back, or delete it to resume with the config held by the "
+                           "newest checkpoint")
+    (tmp_path / "config.yaml").write_text("- a list\n")
+    assert cli_main([f"output_dir={tmp_path}", *TINY]) == 1
+    assert "(a YAML list, not a mapping of keys)" in capsys.readouterr().err
+
+
+LIMIT = 256 << 10  # bytes: a checkpoint of this model (~450 kB of arrays) cannot be written, its metrics can
+
+
+def test_a_file_size_limit_is_a_storage_error_in_one_line(tmp_path):
+    """`ulimit -f` (EFBIG; Python ignores SIGXFSZ) while the first checkpoint is written: one message naming the
+    limit, exit 1, no traceback, as for a full disk."""
+    limited = ("import resource, runpy; resource.setrlimit(resource.RLIMIT_FSIZE, "
+               f"({LIMIT}, resource.RLIM_INFINITY)); runpy.run_module('grpo_jax', run_name='__main__')")
+    cmd = [sys.executable, "-c", limited, "--no-progress", f"output_dir={tmp_path / 'run'}", *TINY,
+           "model.hidden_size=64", "model.intermediate_size=128", "max_steps=2", "save_steps=1"]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    err = _error_lines(result.stderr)
+    assert result.returncode == 1 and len(err) == 1, result.stderr
+    assert err[0].startswith(f"grpo-jax: a file in {tmp_path / 'run'}") and f"({LIMIT:,} bytes, `ulimit -f`)" in err[0]
+    assert "raise it (`ulimit -f unlimited`)" in err[0]
