@@ -38,6 +38,7 @@ UNHASHED = (CHECKSUMS, "_CHECKPOINT_METADATA")  # orbax rewrites its step metada
 # top-level and section keys that may change between a run and its resume (dotted; "eval" covers the section)
 RESUMABLE_KEYS = ("output_dir", "max_steps", "logging_steps", "save_steps", "save_total_limit", "resume",
                   "cpu_speedups", "host_allocator", "compilation_cache_dir", "eval", "train.max_nonfinite_steps",
+                  "data.allow_changed",
                   "sampling.host_threads", "sampling.max_batch_rows", "sampling.tool_timeout", "report_to",
                   "log_completions", "num_completions_to_print")
 

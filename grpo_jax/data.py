@@ -236,6 +236,7 @@ class Dataset:
     offsets: np.ndarray  # [n + 1]: prompt i is token_ids[offsets[i]:offsets[i + 1]]
     max_prompt_length: int  # L: batches are left-padded (and left-truncated) to it
     pad_token_id: int
+    fingerprint: dict | None = None  # what checkpoints record of the rows (`sources.fingerprint`)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1

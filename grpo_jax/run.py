@@ -195,7 +195,9 @@ def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_datase
                                              "left", tools=eval_tools, chat_template=template)
         lengths = np.concatenate([lengths, np.diff(eval_offsets)])
     length = _prompt_length(limit, lengths)
-    dataset = data.Dataset(train_rows, tokens, offsets, length, tokenizer.pad_token_id)
+    dataset = data.Dataset(train_rows, tokens, offsets, length, tokenizer.pad_token_id,
+                           sources.fingerprint(train_rows, train_where,
+                                               path=None if train_dataset is not None else config.data.path))
     return tokenizer, tokenizer_dir, dataset, list(eval_rows), tooling
 
 

@@ -1,13 +1,14 @@
 """Damaged runs are never trusted, through the CLI: checkpoints without checksums, no trustworthy checkpoint left, an
-invalid config.yaml, a file-size limit hit while saving."""
+invalid config.yaml, a file-size limit hit while saving, and data changed under a checkpoint (its fingerprint)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from grpo_jax import checkpoint
+from grpo_jax import checkpoint, sources, task
 from grpo_jax.cli import main as cli_main
 from tests.test_checkpoint import ROOT, TINY, _assert_same_state, _lines, _state, _train
 
@@ -82,3 +83,77 @@ def test_a_file_size_limit_is_a_storage_error_in_one_line(tmp_path):
     assert result.returncode == 1 and len(err) == 1, result.stderr
     assert err[0].startswith(f"grpo-jax: a file in {tmp_path / 'run'}") and f"({LIMIT:,} bytes, `ulimit -f`)" in err[0]
     assert "raise it (`ulimit -f unlimited`)" in err[0]
+
+
+# --- the data a checkpoint indexes ------------------------------------------------------------------------
+
+
+def test_the_fingerprint_follows_the_rows_not_the_file_times(tmp_path, monkeypatch):
+    """Same rows, same fingerprint (a touched file too); reordered or edited rows, another. A file over the
+    whole-file limit is hashed by blocks and its size: an edit inside a block or a changed size shows."""
+    rows = [{"prompt": f"{i}>", "answer": str(i)} for i in range(50)]
+    path = tmp_path / "d.jsonl"
+    task.write_jsonl(path, rows)
+    first = sources.fingerprint(rows, str(path), path=str(path))
+    assert first["rows"] == 50 and first["bytes"] == path.stat().st_size and first["of"] == "the files' bytes"
+    path.touch()
+    assert sources.fingerprint(rows, str(path), path=str(path)) == first
+    task.write_jsonl(path, rows[::-1])
+    assert sources.fingerprint(rows[::-1], str(path), path=str(path))["hash"] != first["hash"]
+    assert sources.fingerprint(rows, "x")["hash"] != sources.fingerprint(rows[::-1], "x")["hash"]
+    assert sources.fingerprint(rows, "x") == sources.fingerprint([dict(r) for r in rows], "x")
+
+    monkeypatch.setattr(sources, "WHOLE_FILE_BYTES", 100)
+    monkeypatch.setattr(sources, "SAMPLE_BYTES", 8)
+    blob = bytearray(range(256)) * 40
+    path.write_bytes(bytes(blob))
+    sampled = sources.fingerprint(rows, str(path), path=str(path))
+    assert sampled["of"].startswith(f"{sources.SAMPLES} blocks")
+    blob[0] ^= 1  # the first block is always sampled
+    path.write_bytes(bytes(blob))
+    assert sources.fingerprint(rows, str(path), path=str(path))["hash"] != sampled["hash"]
+    path.write_bytes(bytes(blob) + b"\n")
+    assert sources.fingerprint(rows, str(path), path=str(path))["bytes"] == len(blob) + 1
+
+
+@pytest.fixture
+def jsonl_run(tmp_path):
+    """(output_dir, data file, CLI args) of a 2-step run on a JSONL file with the embedded task's rows."""
+    task.build_tokenizer(tmp_path / "tok")
+    data = tmp_path / "train.jsonl"
+    rows = task.make_examples("reverse", 64, 0, 3, 4)
+    task.write_jsonl(data, rows)
+    out = tmp_path / "run"
+    args = [f"output_dir={out}", *TINY, f"data.path={data}", f"data.tokenizer_path={tmp_path / 'tok'}", "save_steps=2"]
+    _train(out, *args[1:], "max_steps=2")
+    return out, data, rows, args
+
+
+def test_a_resume_over_changed_data_is_refused_with_both_fingerprints(jsonl_run, capsys):
+    """The rows reordered under the same data.path: refused in one line naming both fingerprints; with
+    data.allow_changed=true the run continues (warned); a checkpoint from before fingerprints resumes as before."""
+    out, data, rows, args = jsonl_run
+    saved = json.loads((out / "checkpoints" / "2" / "meta" / "metadata").read_text())["data_fingerprint"]
+    assert saved["rows"] == 64 and saved["bytes"] == data.stat().st_size
+    task.write_jsonl(data, rows[::-1])
+    assert cli_main(["--no-progress", *args, "max_steps=3"]) == 1
+    err = _error_lines(capsys.readouterr().err)
+    assert len(err) == 1 and err[0].startswith(f"grpo-jax: cannot resume: the training data ({data}) differ from "
+                                               "those checkpoint 2 indexes (now: 64 rows, "), err
+    now = sources.fingerprint(rows[::-1], str(data), path=str(data))
+    assert f"xxh3 {now['hash']} of" in err[0] and f"then: {data}, 64 rows, {saved['bytes']:,} bytes, xxh3 " \
+        f"{saved['hash']} of" in err[0] and now["hash"] != saved["hash"]
+    assert "set data.allow_changed=true" in err[0]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2"]  # nothing trained, nothing saved
+
+    with pytest.warns(RuntimeWarning, match="differ from those checkpoint 2 indexes .*data.allow_changed=true"):
+        assert cli_main(["--no-progress", *args, "max_steps=3", "data.allow_changed=true"]) == 0
+    assert [line["step"] for line in _lines(out)] == [1, 2, 3]
+
+    # a checkpoint written before fingerprints: its meta without one (checksums recorded again), as such a run saved
+    meta = out / "checkpoints" / "3" / "meta" / "metadata"
+    meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "data_fingerprint"}))
+    checkpoint.write_checksums(out / "checkpoints" / "3")
+    task.write_jsonl(data, rows)
+    assert cli_main(["--no-progress", *args, "max_steps=4"]) == 0
+    assert [line["step"] for line in _lines(out)] == [1, 2, 3, 4]
