@@ -173,9 +173,8 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge: bool
     `out` is an error unless `overwrite` (see `export_policy`). `merge`: a LoRA policy as the Hugging Face model
     with its adapters merged, not a PEFT adapter folder.
     """
-    from transformers import AutoTokenizer
-
     from grpo_jax.config import TrainConfig, from_dict
+    from grpo_jax.data import load_tokenizer
     from grpo_jax.models import ModelConfig
     from grpo_jax.state import abstract_state, model_graphdef, optimizer_from_config
 
@@ -210,7 +209,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge: bool
                           RuntimeWarning, stacklevel=2)
     else:
         raise RuntimeError(f"no valid checkpoint in {directory}: " + "; ".join(errors))
-    tokenizer = AutoTokenizer.from_pretrained(meta["tokenizer_path"]) if meta.get("tokenizer_path") else None
+    tokenizer = load_tokenizer(meta["tokenizer_path"], "the run's tokenizer") if meta.get("tokenizer_path") else None
     fmt = export_policy(model_graphdef(model_config), model_config, state.params, Path(out), tokenizer=tokenizer,
                         merge=merge, overwrite=overwrite)
     return step, fmt

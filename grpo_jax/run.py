@@ -21,7 +21,7 @@ import optax
 import yaml
 from flax import nnx
 from jax.sharding import Mesh
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from grpo_jax import (checkpoint, cpu, data, lock, programs, reward_model, rewards, sharding, sources, task, tool_task,
                       tools)
@@ -166,7 +166,8 @@ def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_datase
             eval_rows = eval_rows[: config.eval.num_examples] if isinstance(eval_rows, list) else \
                 eval_rows.select(range(config.eval.num_examples))
     tokenizer_dir = Path(tokenizer_dir).absolute()
-    tokenizer = _load_tokenizer(config, tokenizer_dir)
+    tokenizer = data.load_tokenizer(tokenizer_dir, "data.tokenizer_path" if config.data.tokenizer_path else
+                                    "model.path")
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer in {str(tokenizer_dir)!r} has no eos_token: set one in its tokenizer_config.json")
     if tokenizer.pad_token_id is None:  # Llama 3 has none: pad with EOS, as TRL does
@@ -217,19 +218,6 @@ def _prompt_length(limit: int | None, lengths: np.ndarray) -> int:
                       "every time they are sampled; raise data.max_prompt_length, set it to null (the longest "
                       "prompt), or data.truncation=error to refuse them", RuntimeWarning, stacklevel=3)
     return limit
-
-
-def _load_tokenizer(config: Config, folder: Path) -> PreTrainedTokenizerBase:
-    key = "data.tokenizer_path" if config.data.tokenizer_path else "model.path"
-    if not folder.is_dir():
-        raise ValueError(f"{key}={str(folder)!r} is not a folder: point it at a Hugging Face folder holding a "
-                         "tokenizer (tokenizer.json + tokenizer_config.json)")
-    try:
-        return AutoTokenizer.from_pretrained(str(folder))
-    except (OSError, ValueError, TypeError) as e:  # transformers' many ways of saying "no tokenizer here"
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{key}={str(folder)!r}: no tokenizer could be loaded from it ({first}): point it at a "
-                         "Hugging Face folder holding tokenizer.json and tokenizer_config.json") from e
 
 
 def _resolve_rewards(config: Config, paths, mesh) -> list:
