@@ -10,7 +10,9 @@ read is skipped with a warning in favour of the previous one.
 
 Each step folder also holds `checksums.json`: the size and xxh3-128 hash of every file orbax wrote, recorded
 while the step is still in its temporary folder (so a listed step always has them) and checked before a
-restore; a step whose files differ is treated like one that fails to read. `grpo-jax verify` checks them all.
+restore; a step whose files differ, or that has no `checksums.json` (deleted, or a grpo_jax from before checksums
+wrote it: nothing says its files are whole), is treated like one that fails to read. `grpo-jax verify` checks them
+all.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ UNHASHED = (CHECKSUMS, "_CHECKPOINT_METADATA")  # orbax rewrites its step metada
 RESUMABLE_KEYS = ("output_dir", "max_steps", "logging_steps", "save_steps", "save_total_limit", "resume",
                   "resume_from_checkpoint",
                   "cpu_speedups", "host_allocator", "compilation_cache_dir", "eval", "train.max_nonfinite_steps",
+                  "data.allow_changed",
                   "sampling.host_threads", "sampling.max_batch_rows", "sampling.tool_timeout", "report_to",
                   "log_completions", "num_completions_to_print")
 
@@ -62,14 +65,17 @@ def write_checksums(step_dir: Path) -> None:
     os.replace(partial, step_dir / CHECKSUMS)
 
 
-def verify_step(step_dir: Path) -> list[str] | None:
-    """The files of a step folder that differ from its `checksums.json` (empty: all match); None when the step has
-    no checksums.json: written before grpo_jax recorded checksums, it is restored without verification."""
+NO_CHECKSUMS = f"no {CHECKSUMS}: its files cannot be checked (deleted, or written before grpo_jax recorded them)"
+
+
+def verify_step(step_dir: Path) -> list[str]:
+    """What is wrong with the files of a step folder against its `checksums.json` (empty: all match); a step
+    without checksums.json is not trusted (`NO_CHECKSUMS`): a damaged file would load silently."""
     step_dir = Path(step_dir)
     try:
         recorded = json.loads((step_dir / CHECKSUMS).read_text())["files"]
-    except FileNotFoundError:  # written by grpo_jax before checksums existed: restored unverified, no error
-        return None
+    except FileNotFoundError:
+        return [NO_CHECKSUMS]
     except (ValueError, KeyError, TypeError) as e:
         return [f"{CHECKSUMS} is unreadable ({type(e).__name__}: {e})"]
     problems = []
@@ -164,11 +170,13 @@ def abstract(tree):
 def check_checksums(directory: Path, step: int) -> None:
     """Raises a ValueError naming the files of checkpoint `step` that differ from its checksums; process 0 reads
     the files and every process of a multi-host run gets its answer."""
-    problems = (verify_step(Path(directory) / str(step)) or []) if jax.process_index() == 0 else []
+    problems = verify_step(Path(directory) / str(step)) if jax.process_index() == 0 else []
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         count = int(multihost_utils.broadcast_one_to_all(np.int32(len(problems))))
         problems = problems or [f"{count} file(s), named in process 0's warning"] * (count > 0)
+    if problems == [NO_CHECKSUMS]:
+        raise ValueError(f"checkpoint {step} is not trusted: {NO_CHECKSUMS}")
     if problems:
         raise ValueError(f"checkpoint {step} does not match its {CHECKSUMS}: " + "; ".join(problems[:5])
                          + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
@@ -194,47 +202,55 @@ def restore_step(mngr: ocp.CheckpointManager, step: int, fresh_state, *, keep_re
 
 
 def restore_latest(mngr: ocp.CheckpointManager, fresh_state, *, keep_ref: bool):
-    """The newest checkpoint that reads back, as (step, state, meta, arrays), or None when there is none.
+    """The newest checkpoint that reads back and matches its checksums, as (step, state, meta, arrays), or None
+    when there is none.
 
-    A listed step that fails to read (corrupted, partly deleted) is skipped with a warning and moved to
-    `unreadable_checkpoints/` next to the checkpoints folder (the resumed run saves that step again); when
-    every listed step fails, a RuntimeError names them and what to do.
+    Newer steps that fail (torn, damaged, no checksums.json) are moved to `unreadable_checkpoints/` next to the
+    checkpoints folder with a warning each (the resumed run saves those steps again; a user can move them back).
+    When every listed step fails, nothing is moved and a one-line ValueError names them and what to do.
     """
-    steps = sorted(mngr.all_steps(), reverse=True)
-    errors, unreadable = [], []
-    for step in steps:
+    directory = Path(mngr.directory)
+    errors = []
+    for step in sorted(mngr.all_steps(), reverse=True):
         try:
             restored = (step, *restore_step(mngr, step, fresh_state, keep_ref=keep_ref))
         except Exception as e:  # noqa: BLE001 - any read failure means "not a usable checkpoint"
-            errors.append(f"step {step}: {type(e).__name__}: {str(e)[:300]}")
-            unreadable.append(step)
-            warnings.warn(f"checkpoint {mngr.directory / str(step)} could not be restored ({errors[-1]}); "
-                          f"trying the previous one and moving this one to {UNREADABLE}/", RuntimeWarning,
-                          stacklevel=2)
+            errors.append((step, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"))  # one line
             continue
-        if unreadable and jax.process_index() == 0:
-            aside = Path(mngr.directory).parent / UNREADABLE
-            aside.mkdir(exist_ok=True)
-            for bad in unreadable:
-                stamp = time.strftime("%Y%m%d-%H%M%S")
-                shutil.move(str(Path(mngr.directory) / str(bad)), str(aside / f"{bad}-{stamp}"))
-        if unreadable:
-            if jax.process_count() > 1:
-                from jax.experimental import multihost_utils
-                multihost_utils.sync_global_devices("grpo_jax: unreadable checkpoints moved")
-            mngr.reload()
+        if errors:
+            _move_aside(mngr, errors, used=step)
         return restored
     if errors:
-        raise RuntimeError(f"no valid checkpoint in {mngr.directory}: " + "; ".join(errors)
-                           + f". Delete {mngr.directory} to start again from step 0, or use a new output_dir.")
+        raise ValueError(f"no trustworthy checkpoint in {directory} (" + "; ".join(f"step {s}: {e}" for s, e in errors)
+                         + f"): nothing was moved or deleted; `grpo-jax verify {directory.parent}` lists what "
+                         "differs. Start again from step 0 with a new output_dir (or move this one away)")
     return None
+
+
+def _move_aside(mngr: ocp.CheckpointManager, errors: list[tuple[int, str]], *, used: int) -> None:
+    """Moves the failed steps of `errors` ((step, why) pairs) to `unreadable_checkpoints/<step>-<time>` (process 0),
+    with a warning each."""
+    directory = Path(mngr.directory)
+    aside = directory.parent / UNREADABLE
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for step, error in errors:
+        warnings.warn(f"checkpoint {directory / str(step)} could not be restored ({error}): resuming from step "
+                      f"{used}; the step is moved to {aside / f'{step}-{stamp}'}", RuntimeWarning, stacklevel=3)
+    if jax.process_index() == 0:
+        aside.mkdir(exist_ok=True)
+        for step, _ in errors:
+            shutil.move(str(directory / str(step)), str(aside / f"{step}-{stamp}"))
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("grpo_jax: unreadable checkpoints moved")
+    mngr.reload()
 
 
 def verify_run(path: str | os.PathLike) -> tuple[bool, list[str]]:
     """`grpo-jax verify`: every checkpoint of an output_dir (or one step folder) against its checksums.json.
 
-    Returns (no checkpoint differs, one line per step folder). Steps written before grpo_jax recorded checksums
-    are listed as not verifiable; temporary folders of saves cut short as never loaded.
+    Returns (every checkpoint matches its checksums, one line per step folder). Steps without checksums.json are
+    listed as not trusted; temporary folders of saves cut short as never loaded.
     """
     path = Path(path).absolute()
     if (path / CHECKPOINTS).is_dir():
@@ -252,12 +268,13 @@ def verify_run(path: str | os.PathLike) -> tuple[bool, list[str]]:
             lines.append(f"{name}: a save cut short: never loaded, removed when the run starts again")
             continue
         problems = verify_step(folder)
-        if problems is None:
-            lines.append(f"{name}: not verifiable: no {CHECKSUMS} (written before grpo_jax recorded checksums)")
+        skipped = f"(a resumed run skips this step and moves it to {UNREADABLE}/)"
+        if problems == [NO_CHECKSUMS]:
+            ok = False
+            lines.append(f"{name}: NOT TRUSTED: {NO_CHECKSUMS} {skipped}")
         elif problems:
             ok = False
-            lines.append(f"{name}: CORRUPTED: {len(problems)} file(s) differ from when written (a resumed run "
-                         f"skips this step and moves it to {UNREADABLE}/)")
+            lines.append(f"{name}: CORRUPTED: {len(problems)} file(s) differ from when written {skipped}")
             lines += [f"  {p}" for p in problems]
         else:
             files = _files(folder)

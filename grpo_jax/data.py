@@ -15,6 +15,7 @@ import functools
 import json
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -41,8 +42,13 @@ def read_jsonl(path: str | os.PathLike) -> tuple[list[dict[str, Any]], list[int]
     if not os.path.isfile(path):
         raise ValueError(f"data file {path!r} does not exist: check data.path")
     rows, lines = [], []
-    with open(path, encoding="utf-8") as f:
-        for k, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # decoded line by line, so a byte that is not UTF-8 is named by its line
+        for k, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: line {k} is not UTF-8 text (byte {raw[e.start]:#04x}, the line's byte "
+                                 f"{e.start + 1}): save the file as UTF-8, which JSON Lines requires") from e
             if not line.strip():
                 continue
             try:
@@ -69,6 +75,41 @@ def read_jsonl(path: str | os.PathLike) -> tuple[list[dict[str, Any]], list[int]
     if not rows:
         raise ValueError(f"data file {path!r} is empty: it needs at least one line with a 'prompt' field")
     return rows, lines
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tekken.json")
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")  # tokenizer.json is the whole tokenizer
+
+
+def load_tokenizer(folder: str | os.PathLike, key: str = "model.path"):
+    """The tokenizer of a Hugging Face folder (`key` names the setting in errors: one line with the fix).
+
+    A folder whose tokenizer_config.json names the generic class loads as its tokenizer.json says: AutoTokenizer
+    would take the class of config.json's model type (transformers 5: Qwen2Tokenizer for a grpo_jax export), which
+    rebuilds the pipeline from the vocabulary and adds its own special tokens.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"{key}={str(folder)!r} is not a folder: point it at a Hugging Face folder holding a "
+                         "tokenizer (tokenizer.json + tokenizer_config.json)")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{key}={str(folder)!r} holds no tokenizer files (tokenizer.json, or tokenizer.model, "
+                         "vocab.json + merges.txt, vocab.txt; with tokenizer_config.json): save the model's tokenizer "
+                         "there (tokenizer.save_pretrained) or set data.tokenizer_path to a folder holding it")
+    try:
+        declared = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):  # absent or unreadable: transformers says what is wrong below
+        declared = None
+    try:
+        if declared in GENERIC_TOKENIZERS and (folder / "tokenizer.json").is_file():
+            return PreTrainedTokenizerFast.from_pretrained(str(folder))
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError, TypeError) as e:  # transformers' many ways of saying "no tokenizer here"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{key}={str(folder)!r}: no tokenizer could be loaded from it ({first}): point it at a "
+                         "Hugging Face folder holding tokenizer.json and tokenizer_config.json") from e
 
 
 def check_prompts(where, prompts: Sequence, lines: list[int] | None, tokenizer, max_prompt_length: int | None,
@@ -236,6 +277,7 @@ class Dataset:
     offsets: np.ndarray  # [n + 1]: prompt i is token_ids[offsets[i]:offsets[i + 1]]
     max_prompt_length: int  # L: batches are left-padded (and left-truncated) to it
     pad_token_id: int
+    fingerprint: dict | None = None  # what checkpoints record of the rows (`sources.fingerprint`)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1

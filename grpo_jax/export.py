@@ -32,6 +32,18 @@ def _check_out(out: Path, overwrite: bool) -> None:
                          "(overwrite=True) to replace it (it is replaced only once the new export is complete)")
 
 
+def _check_not_a_run(out: Path, run_dir: Path) -> None:
+    """Refuses an `out` that would hold or replace a run (the one read, or any other), even with --overwrite."""
+    out, run_dir = out.resolve(), run_dir.resolve()
+    if out == run_dir or out in run_dir.parents or run_dir in out.parents:
+        where = "is" if out == run_dir else "holds" if out in run_dir.parents else "is inside"
+        raise ValueError(f"--out {str(out)!r} {where} the run folder being exported ({run_dir}): an export there "
+                         "would replace its files; choose a folder outside it (--overwrite does not apply)")
+    if (out / "config.yaml").is_file() or (out / CHECKPOINTS).is_dir():
+        raise ValueError(f"--out {str(out)!r} is a run folder (config.yaml, {CHECKPOINTS}/): an export there would "
+                         "replace it; choose another folder (--overwrite does not apply)")
+
+
 def _temporary(out: Path) -> Path:
     """A new folder beside `out` to write into, the same on every process of a multi-host run."""
     token = np.int64(np.random.default_rng().integers(1 << 62))
@@ -193,16 +205,17 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge: bool
     """`grpo-jax export`: the policy of a checkpoint (newest valid one of an output_dir) to `out`; (step, format).
 
     A checkpoint whose files differ from its checksums is skipped like an unreadable one; an existing non-empty
-    `out` is an error unless `overwrite` (see `export_policy`). `merge`: a LoRA policy as the Hugging Face model
+    `out` is an error unless `overwrite` (see `export_policy`), and an `out` that is, holds or lies inside the run
+    folder read, or is any run folder, always is. `merge`: a LoRA policy as the Hugging Face model
     with its adapters merged, not a PEFT adapter folder.
     """
-    from transformers import AutoTokenizer
-
     from grpo_jax.config import TrainConfig, from_dict
+    from grpo_jax.data import load_tokenizer
     from grpo_jax.models import ModelConfig
     from grpo_jax.state import abstract_state, model_graphdef, optimizer_from_config
 
     directory, step = _step_folder(Path(checkpoint))
+    _check_not_a_run(Path(out), directory.parent)
     _check_out(Path(out).absolute(), overwrite)
     with quiet_read_only_notes():
         mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
@@ -234,7 +247,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge: bool
                           RuntimeWarning, stacklevel=2)
     else:
         raise RuntimeError(f"no valid checkpoint in {directory}: " + "; ".join(errors))
-    tokenizer = AutoTokenizer.from_pretrained(meta["tokenizer_path"]) if meta.get("tokenizer_path") else None
+    tokenizer = load_tokenizer(meta["tokenizer_path"], "the run's tokenizer") if meta.get("tokenizer_path") else None
     fmt = export_policy(model_graphdef(model_config), model_config, state.params, Path(out), tokenizer=tokenizer,
                         merge=merge, overwrite=overwrite)
     return step, fmt

@@ -24,8 +24,8 @@ import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
-STORAGE_TEXTS = ("No space left on device", "Disk quota exceeded", "Read-only file system")
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+STORAGE_TEXTS = ("No space left on device", "Disk quota exceeded", "Read-only file system", "File too large")
 # the terminal closing (an ssh session dropping) stops a run as a scheduler's SIGTERM does
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
 COMMAND: list[str] | None = None  # the command line that started the run, when it is `grpo-jax` (`cli.main`)
@@ -146,13 +146,20 @@ def describe(error: BaseException) -> str:
 
 
 def storage_message(error: BaseException, output_dir: Path, checkpoint_bytes: int) -> str:
-    """One message for a full or read-only disk: the folder, the free and the needed bytes, and what to do."""
+    """One message for a full or read-only disk, or a file-size limit: the folder, the bytes, and what to do."""
     filename = getattr(error, "filename", None)
     folder = Path(filename).parent if isinstance(filename, str) else Path(output_dir)
     existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
     if (isinstance(error, OSError) and error.errno == errno.EROFS) or STORAGE_TEXTS[2] in str(error):
         return (f"{folder} is on a read-only filesystem: make it writable or move output_dir to a writable disk "
                 f"({type(error).__name__}: {str(error)[:200]})")
+    if (isinstance(error, OSError) and error.errno == errno.EFBIG) or STORAGE_TEXTS[3] in str(error):
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]  # `ulimit -f`, in bytes here
+        return (f"a file in {folder} reached the file-size limit ({'unlimited' if limit < 0 else f'{limit:,} bytes'}"
+                f", `ulimit -f`), and a checkpoint of this run needs about {checkpoint_bytes:,} bytes: raise it "
+                "(`ulimit -f unlimited`) or move output_dir to a filesystem that takes larger files")
     free = shutil.disk_usage(existing).free
     return (f"no space left on the device of {folder}: {free:,} bytes free, and a checkpoint of this run needs about "
             f"{checkpoint_bytes:,} bytes: free at least that much or move output_dir to a larger disk")

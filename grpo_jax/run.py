@@ -21,7 +21,7 @@ import optax
 import yaml
 from flax import nnx
 from jax.sharding import Mesh
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from grpo_jax import (checkpoint, cpu, data, evaluation, lock, programs, rewards, runs, sharding,
                       sources, task, tool_task, tools, trackers)
@@ -94,8 +94,17 @@ def _saved_config(output_dir: Path, config: Config) -> tuple[dict, dict]:
     """(saved, given) configs of a resumed run as `checkpoint.check_compatible` compares them: config.yaml and
     `config`; when config.yaml was deleted, the config of the newest checkpoint (whose model section is resolved)
     and `config` resolved the same way (`model.path`'s architecture, the vocabulary size the run found)."""
-    if (output_dir / "config.yaml").is_file():
-        return with_defaults(yaml.safe_load((output_dir / "config.yaml").read_text())), to_dict(config)
+    path = output_dir / "config.yaml"
+    if path.is_file():
+        try:
+            saved = yaml.safe_load(path.read_text())
+            why = None if isinstance(saved, dict) else f"a YAML {type(saved).__name__}, not a mapping of keys"
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            why = "invalid YAML: " + " ".join(str(e).split())[:200]  # one line
+        if why is not None:
+            raise ValueError(f"{path} is not a run's config ({why}): put the saved config.yaml back, or delete it to "
+                             "resume with the config held by the newest checkpoint")
+        return with_defaults(saved), to_dict(config)
     saved = checkpoint.saved_config(output_dir)
     if saved is None:
         raise ValueError(f"output_dir={str(output_dir)!r} has checkpoints but neither its config.yaml nor any "
@@ -157,7 +166,8 @@ def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_datase
             eval_rows = eval_rows[: config.eval.num_examples] if isinstance(eval_rows, list) else \
                 eval_rows.select(range(config.eval.num_examples))
     tokenizer_dir = Path(tokenizer_dir).absolute()
-    tokenizer = _load_tokenizer(config, tokenizer_dir)
+    tokenizer = data.load_tokenizer(tokenizer_dir, "data.tokenizer_path" if config.data.tokenizer_path else
+                                    "model.path")
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer in {str(tokenizer_dir)!r} has no eos_token: set one in its tokenizer_config.json")
     if tokenizer.pad_token_id is None:  # Llama 3 has none: pad with EOS, as TRL does
@@ -187,7 +197,9 @@ def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_datase
         lengths = np.concatenate([lengths, np.diff(eval_offsets)])
     length = _prompt_length(limit, lengths)
     _check_positions(config, np.minimum(lengths, length))
-    dataset = data.Dataset(train_rows, tokens, offsets, length, tokenizer.pad_token_id)
+    dataset = data.Dataset(train_rows, tokens, offsets, length, tokenizer.pad_token_id,
+                           sources.fingerprint(train_rows, train_where,
+                                               path=None if train_dataset is not None else config.data.path))
     return tokenizer, tokenizer_dir, dataset, list(eval_rows), tooling
 
 
@@ -227,18 +239,6 @@ def _check_positions(config: Config, lengths: np.ndarray) -> None:
         raise ValueError(text)
     warnings.warn(text, RuntimeWarning, stacklevel=3)
 
-
-def _load_tokenizer(config: Config, folder: Path) -> PreTrainedTokenizerBase:
-    key = "data.tokenizer_path" if config.data.tokenizer_path else "model.path"
-    if not folder.is_dir():
-        raise ValueError(f"{key}={str(folder)!r} is not a folder: point it at a Hugging Face folder holding a "
-                         "tokenizer (tokenizer.json + tokenizer_config.json)")
-    try:
-        return AutoTokenizer.from_pretrained(str(folder))
-    except (OSError, ValueError, TypeError) as e:  # transformers' many ways of saying "no tokenizer here"
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{key}={str(folder)!r}: no tokenizer could be loaded from it ({first}): point it at a "
-                         "Hugging Face folder holding tokenizer.json and tokenizer_config.json") from e
 
 
 def prompt_group_sizes(config: Config, mesh) -> tuple[int, int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -145,3 +146,64 @@ def _checked(rows, where: str):
             raise ValueError(f"{where}: row {i}: 'prompt' is a {type(prompt).__name__}: each row needs a 'prompt' "
                              "(a string or a list of chat messages)")
     return rows
+
+
+WHOLE_FILE_BYTES = 64 << 20  # files up to this are hashed whole; larger ones by SAMPLES blocks (and their size)
+SAMPLES, SAMPLE_BYTES = 64, 64 << 10
+
+
+def fingerprint(rows, where: str, *, path: str | None = None) -> dict:
+    """What a checkpoint records of the training data it indexes (`rows`, read from `where`): {"source", "rows",
+    "bytes", "hash", "of"}. The files of `path` (data.path: a file, glob or save_to_disk folder) are hashed
+    (xxh3-128) whole up to `WHOLE_FILE_BYTES` each, else by evenly spaced blocks; other rows (a cached dataset id,
+    `train_dataset`, the embedded task) by content (a list) or by `datasets`' own fingerprint (a Dataset)."""
+    import xxhash
+
+    files = [] if path is None else _data_files(path)
+    h = xxhash.xxh3_128()
+    if files:
+        sizes = [os.path.getsize(f) for f in files]
+        for name, size in zip(files, sizes):
+            h.update(size.to_bytes(8, "little"))  # a block sample alone would miss bytes added between blocks
+            with open(name, "rb") as f:
+                if size <= WHOLE_FILE_BYTES:
+                    h.update(f.read())
+                    continue
+                for k in range(SAMPLES):  # mtime-independent: the same bytes give the same hash
+                    f.seek((size - SAMPLE_BYTES) * k // (SAMPLES - 1))
+                    h.update(f.read(SAMPLE_BYTES))
+        whole = max(sizes) <= WHOLE_FILE_BYTES
+        return {"source": where, "rows": len(rows), "bytes": sum(sizes), "hash": h.hexdigest(),
+                "of": "the files' bytes" if whole else f"{SAMPLES} blocks of each file over {WHOLE_FILE_BYTES:,} bytes"}
+    if hasattr(rows, "_fingerprint"):  # a datasets.Dataset: its own hash of its content and history
+        return {"source": where, "rows": len(rows), "bytes": None, "hash": rows._fingerprint,
+                "of": "datasets' fingerprint"}
+    h.update(json.dumps(list(rows), sort_keys=True, default=repr).encode())
+    return {"source": where, "rows": len(rows), "bytes": None, "hash": h.hexdigest(), "of": "the rows' content"}
+
+
+def _data_files(path: str) -> list[str]:
+    """The files `path` reads (a file, a glob's, a folder's), or none (a cached dataset id, rows from Python)."""
+    if glob.has_magic(path):
+        return sorted(glob.glob(path))
+    if os.path.isdir(path):
+        return sorted(str(p) for p in Path(path).rglob("*") if p.is_file())
+    return [path] if os.path.isfile(path) else []
+
+
+def check_fingerprint(saved: dict | None, now: dict, *, step: int, allow_changed: bool) -> str | None:
+    """None when the data are those checkpoint `step` indexes (or it recorded none: written before fingerprints);
+    else a ValueError naming both fingerprints, or with `allow_changed` (data.allow_changed) the warning to print."""
+    if saved is None or saved == now:
+        return None
+
+    def text(f: dict) -> str:
+        size = "" if f["bytes"] is None else f"{f['bytes']:,} bytes, "
+        return f"{f['rows']:,} rows, {size}xxh3 {f['hash']} of {f['of']}"
+
+    what = f"the training data ({now['source']}) differ from those checkpoint {step} indexes (now: {text(now)}; " \
+           f"then: {saved.get('source')}, {text(saved)})"
+    if allow_changed:
+        return f"{what}: continuing from the saved position over these data (data.allow_changed=true)"
+    raise ValueError(f"cannot resume: {what}, so the saved position would pick other rows: put the data back, "
+                     "choose a new output_dir, or set data.allow_changed=true to continue over these data")

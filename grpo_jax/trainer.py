@@ -7,12 +7,13 @@ All of a run's I/O is here.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
 
 import jax
 import numpy as np
 
-from grpo_jax import checkpoint, data, export, preemption, sharding, stream
+from grpo_jax import checkpoint, data, export, preemption, sharding, sources, stream
 from grpo_jax.config import Config, to_dict
 from grpo_jax.evaluation import evaluate, short_names
 from grpo_jax.reporting import MetricsWriter, is_eval, plain, plot_run
@@ -35,7 +36,7 @@ def _meta(run: Run, data_state: data.DataState, round_index: int, round_batch: R
     # a copy: the save writes in the background while the loop appends to the history
     return {"round_index": round_index, "data": data_state._asdict(), "buffer": scalars, "history": list(history),
             "eval_before": eval_before, "config": to_dict(run.config), "model_config": to_dict(run.config.model),
-            "tokenizer_path": str(run.tokenizer_path)}
+            "tokenizer_path": str(run.tokenizer_path), "data_fingerprint": run.dataset.fingerprint}
 
 
 def _arrays(round_batch: RoundBatch | None) -> dict:
@@ -68,6 +69,10 @@ def _restore(run: Run, state: TrainState, data_state: data.DataState, mngr):
         print(f"grpo_jax: {run.output_dir} has no checkpoint yet: starting from step 0")
         return state, data_state, None, 0, [], None
     step, state, meta, arrays = restored
+    changed = sources.check_fingerprint(meta.get("data_fingerprint"), run.dataset.fingerprint, step=step,
+                                        allow_changed=run.config.data.allow_changed)  # older checkpoints: none
+    if changed:
+        warnings.warn(changed, RuntimeWarning, stacklevel=2)
     data_state = data.DataState(**{"seed": run.config.seed, **meta["data"]})  # older runs saved no seed
     round_batch = None
     if meta["buffer"] is not None:

@@ -145,14 +145,15 @@ def test_restore_skips_unreadable_steps_and_says_when_none_is_valid(tmp_path):
     assert [p.name.split("-")[0] for p in (tmp_path / "unreadable_checkpoints").iterdir()] == ["2"]
     assert list(checkpoint.manager(tmp_path).all_steps()) == [1]
     (tmp_path / "checkpoints" / "1" / "state" / "manifest.ocdbt").unlink()
-    with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match="no valid checkpoint in .*step 1: .*Delete"):
+    with pytest.raises(ValueError, match="no trustworthy checkpoint in .*step 1: .*nothing was moved or deleted"):
         checkpoint.restore_latest(checkpoint.manager(tmp_path), _small_state(0.0, 0), keep_ref=False)
+    assert list(checkpoint.manager(tmp_path).all_steps()) == [1]
 
 
 def test_a_flipped_bit_is_caught_by_the_checksums(tmp_path, capsys):
     """One flipped bit in an array file of the newest step: `grpo-jax verify` names the file, and a restore warns,
-    moves the step aside and uses the previous one. A step without checksums.json (written before they existed)
-    restores unverified, without a warning."""
+    moves the step aside and uses the previous one. A step without checksums.json is not trusted: with no other
+    step left, the restore fails and moves nothing."""
     mngr = checkpoint.manager(tmp_path, save_total_limit=None)
     for step in (1, 2):
         params = {"w": jax.random.normal(jax.random.PRNGKey(step), (64, 64)), "b": jnp.arange(3, dtype=jnp.float32)}
@@ -176,13 +177,14 @@ def test_a_flipped_bit_is_caught_by_the_checksums(tmp_path, capsys):
     np.testing.assert_array_equal(state.params["w"], jax.random.normal(jax.random.PRNGKey(1), (64, 64)))
     (tmp_path / "checkpoints" / "1" / checkpoint.CHECKSUMS).unlink()
     (tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp").mkdir()  # a save cut short
-    assert cli_main(["verify", str(tmp_path)]) == 0
+    assert cli_main(["verify", str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert "checkpoints/1: not verifiable" in out and "3.orbax-checkpoint-tmp: a save cut short" in out
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert checkpoint.restore_latest(checkpoint.manager(tmp_path), fresh, keep_ref=False)[0] == 1
+    assert "checkpoints/1: NOT TRUSTED: no checksums.json" in out and "3.orbax-checkpoint-tmp: a save cut short" in out
+    with pytest.raises(ValueError, match="no trustworthy checkpoint .*step 1: ValueError: checkpoint 1 is not trusted"):
+        checkpoint.restore_latest(checkpoint.manager(tmp_path), fresh, keep_ref=False)
+    deadline = time.monotonic() + 30  # orbax removes leftovers in the background, done before its first save
+    while (tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["1"]  # the leftover removed at start
 
 

@@ -255,3 +255,35 @@ def test_batches_keep_raw_messages_for_rewards(chat_tok):
         assert completion == ([{"role": "assistant", "content": f"c{i}"}] if prompt == CHAT else f"c{i}")
     with pytest.raises(ValueError):
         data.reward_inputs(batch.prompts, ["too few"])
+
+
+# --- through the CLI: what a user's files can get wrong ----------------------------------------------------
+
+
+def test_a_line_that_is_not_utf8_is_named_by_file_and_line(tmp_path, capsys):
+    from grpo_jax.cli import main as cli_main
+
+    task.build_tokenizer(tmp_path / "tok")
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "12>", "answer": "21"}\n{"prompt": "caf\xe9>", "answer": "x"}\n')  # Latin-1 e-acute
+    args = [f"output_dir={tmp_path / 'run'}", f"data.path={path}", f"data.tokenizer_path={tmp_path / 'tok'}"]
+    assert cli_main(args) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"grpo-jax: {path}: line 2 is not UTF-8 text (byte 0xe9, the line's byte 16): save the file as UTF-8, which "
+        "JSON Lines requires"]
+
+
+def test_a_model_folder_without_tokenizer_files_says_so(tmp_path, capsys):
+    """config.json alone (no tokenizer.json, ...): transformers would build an empty tokenizer from the model type,
+    and every prompt would tokenize to nothing; the folder and the files expected are named instead."""
+    from grpo_jax.cli import main as cli_main
+    from tests.hf_fixtures import hf_config
+
+    hf_config("qwen2", tied=True).save_pretrained(tmp_path / "model")
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "12>", "answer": "21"}\n')
+    assert cli_main([f"output_dir={tmp_path / 'run'}", f"data.path={path}", f"model.path={tmp_path / 'model'}"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"grpo-jax: model.path='{tmp_path / 'model'}' holds no tokenizer files "
+                                               "(tokenizer.json, or tokenizer.model"), err
+    assert not (tmp_path / "run" / "config.yaml").exists()

@@ -136,7 +136,8 @@ def test_process_supervision_steps_are_not_taken_as_evaluation_scores(tmp_path, 
     task.write_jsonl(tmp_path / "rows.jsonl", ROWS)
     args = [f"output_dir={tmp_path / 'run'}", *QUICK, f"data.path={tmp_path / 'rows.jsonl'}",
             f"eval.path={tmp_path / 'rows.jsonl'}", f"data.tokenizer_path={tokenizer}",
-            "model.init=random", "train.advantage_estimator=process", "reward.functions=[tests.test_evaluation:digit_steps]"]
+            "model.init=random", "train.advantage_estimator=process",
+            "reward.functions=[tests.test_evaluation:digit_steps]"]
     assert cli_main(args) == 1
     err = capsys.readouterr().err
     assert err.startswith("grpo-jax: eval.reward_functions is null (the training reward functions) with "
@@ -147,8 +148,8 @@ def test_train_takes_evaluation_reward_functions_as_trl_style_arguments(tmp_path
     """train(eval_reward_funcs=...) (callables or paths) replaces the training functions for the held-out rows."""
     tokenizer = tmp_path / "tokenizer"
     task.build_tokenizer(tokenizer)
-    config = load_config(None, [f"output_dir={tmp_path / 'run'}", *QUICK, "max_steps=1", "model.init=random", "eval.num_generations=2",
-                                f"data.tokenizer_path={tokenizer}"])
+    config = load_config(None, [f"output_dir={tmp_path / 'run'}", *QUICK, "max_steps=1", "model.init=random",
+                                "eval.num_generations=2", f"data.tokenizer_path={tokenizer}"])
     summary = trainer.train(config, show_progress=False, train_dataset=ROWS, eval_dataset=ROWS[:4],
                             reward_funcs=[digit_count],
                             eval_reward_funcs=[ends_with_answer, "grpo_jax.task:exact_match"])

@@ -1,17 +1,20 @@
 """Export: `grpo-jax export` of a checkpoint writes the params it holds (Hugging Face or native format)."""
 
+import json
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from grpo_jax import export
+from grpo_jax import export, trainer
 from grpo_jax.cli import main as cli_main
-from tests.test_checkpoint import ROOT, _flat, _train
+from grpo_jax.config import load_config
+from tests.test_checkpoint import ROOT, TINY, _flat, _train
 
 
 def test_export_round_trip(tmp_path, capsys):
@@ -90,3 +93,51 @@ def test_export_prints_no_read_only_notes(tmp_path, caplog):
         logging.getLogger("absl").warning("CheckpointManagerOptions.read_only=True, setting create=False.")
         logging.getLogger("absl").warning("Given directory is not writable")
     assert [r.getMessage() for r in caplog.records] == ["Given directory is not writable"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A 2-step run on the embedded task, checkpoints at 1 and 2, its policy in final/."""
+    out = tmp_path_factory.mktemp("exported") / "run"
+    _train(out, "max_steps=2", "save_steps=1")
+    return out
+
+
+def _tree(folder: Path) -> dict:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_export_never_writes_over_a_run_folder(run_dir, tmp_path, capsys):
+    """--out the run itself, a folder inside it or holding it, or any other run folder: refused in one line, even
+    with --overwrite, and the run keeps every file."""
+    other = tmp_path / "other"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "config.yaml").write_text("seed: 0\n")
+    before, others = _tree(run_dir), _tree(other)
+    cases = {run_dir: "is the run folder being exported", run_dir / "checkpoints": "is inside the run folder",
+             run_dir / "checkpoints" / "2": "is inside the run folder", run_dir / "final": "is inside the run folder",
+             run_dir.parent: "holds the run folder being exported", other: "is a run folder (config.yaml"}
+    for source in (run_dir, run_dir / "checkpoints" / "1"):
+        for out, why in cases.items():
+            assert cli_main(["export", "--checkpoint", str(source), "--out", str(out), "--overwrite"]) == 1, out
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith(f"grpo-jax export: --out {str(out.resolve())!r} {why}"), err
+            assert "--overwrite does not apply" in err[0]
+    assert _tree(run_dir) == before and _tree(other) == others
+    assert cli_main(["export", "--checkpoint", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+
+
+def test_a_runs_export_trains_on_as_model_path(run_dir, tmp_path):
+    """final/ (written through export.export_policy) loads back as model.path: the tokenizer it saved reads back
+    with the run's tokens and ids (transformers would swap in Qwen2Tokenizer, one token more), and 2 more steps
+    train from it in a new output_dir."""
+    from grpo_jax import data, task
+
+    run_tok, final_tok = data.load_tokenizer(run_dir / "tokenizer"), data.load_tokenizer(run_dir / "final")
+    assert final_tok.get_vocab() == run_tok.get_vocab() == task.build_tokenizer().get_vocab()
+    prompts = [json.loads(line)["prompt"] for line in (run_dir / "data" / "train.jsonl").read_text().splitlines()]
+    assert final_tok(prompts[:50] + ["12 3>"])["input_ids"] == run_tok(prompts[:50] + ["12 3>"])["input_ids"]
+    config = load_config(None, [f"output_dir={tmp_path / 'next'}", f"model.path={run_dir / 'final'}", "max_steps=2",
+                                *(o for o in TINY if not o.startswith("model."))])
+    summary = trainer.train(config, show_progress=False)
+    assert summary["steps"] == 2 and (tmp_path / "next" / "final" / "model.safetensors").is_file()
