@@ -102,11 +102,23 @@ class GRPOTrainer:
     'module:function' path, a reward model folder, or a list of them. `args`: a `Config` (`GRPOConfig(...)`; None:
     the defaults). `train_dataset` / `eval_dataset`: a `datasets.Dataset` or a list of dicts. `peft_config`: a
     `peft.LoraConfig` or a dict of its fields (`model.lora`). `processing_class`: a tokenizer folder, or a tokenizer
-    loaded from one (`data.tokenizer_path`); None: the model folder's. `.args` is the config the run gets.
+    loaded from one (`data.tokenizer_path`); None: the model folder's. `reward_processing_classes`, `tools` and
+    `environment_factory` go to `train` as TRL's. `.args` is the config the run gets.
     """
 
     def __init__(self, model: Any, reward_funcs: Any, args: Config | None = None, train_dataset=None,
-                 eval_dataset=None, peft_config: Any = None, processing_class: Any = None):
+                 eval_dataset=None, processing_class: Any = None, reward_processing_classes: Any = None,
+                 callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
+                 peft_config: Any = None, tools: list | None = None, rollout_func: Any = None,
+                 environment_factory: Any = None):
+        for name, value, instead in (
+                ("callbacks", callbacks, "metrics reach report_to's trackers and metrics.jsonl every step"),
+                ("optimizers", None if optimizers == (None, None) else optimizers,
+                 "the train.* keys configure optax's AdamW and its schedule"),
+                ("quantization_config", quantization_config, "train in float32 or bfloat16 (model.dtype)"),
+                ("rollout_func", rollout_func, "tools and environment_factory run multi-turn rollouts")):
+            if value:
+                raise ValueError(f"{name} is TRL's PyTorch hook, which grpo_jax has no counterpart for: {instead}")
         config = Config() if args is None else args
         if not isinstance(config, Config):
             raise ValueError(f"args is a {type(config).__name__}: build it with grpo_jax's GRPOConfig(...), which "
@@ -132,15 +144,18 @@ class GRPOTrainer:
         self.args = dataclasses.replace(config, model=model_config, data=data_config)  # checked as a whole again
         self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.reward_processing_classes, self.tools = reward_processing_classes, tools
+        self.environment_factory = environment_factory
 
-    def train(self, resume_from_checkpoint: bool | None = None) -> dict:
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> dict:
         """Trains (`grpo_jax.trainer.train`) and returns its summary. A run in `args.output_dir` continues from its
-        newest checkpoint (`resume`, on by default: TRL's `resume_from_checkpoint=True`)."""
-        if resume_from_checkpoint not in (None, True):
-            raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r}: grpo_jax continues the run in "
-                             "output_dir from its newest checkpoint; set output_dir to that run's folder instead")
+        newest checkpoint (`resume`, on by default); `resume_from_checkpoint` as the config key (`grpo_jax.runs`):
+        True, or a run folder or its newest checkpoint folder."""
         from grpo_jax import trainer  # jax and the models: only once training starts
 
-        config = self.args if resume_from_checkpoint is None else dataclasses.replace(self.args, resume=True)
+        config = self.args
+        if resume_from_checkpoint is not None:
+            config = dataclasses.replace(config, resume_from_checkpoint=resume_from_checkpoint)
         return trainer.train(config, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
-                             reward_funcs=self.reward_funcs)
+                             reward_funcs=self.reward_funcs, reward_processing_classes=self.reward_processing_classes,
+                             tools=self.tools, environment_factory=self.environment_factory)

@@ -75,7 +75,7 @@ def test_peft_options_map_to_model_lora_or_are_refused():
 
 
 def test_the_trainer_takes_a_cached_model_id_and_refuses_objects(tmp_path, monkeypatch):
-    import huggingface_hub
+    import huggingface_hub.constants
 
     from grpo_jax import GRPOConfig, GRPOTrainer, task
 
@@ -98,6 +98,11 @@ def test_the_trainer_takes_a_cached_model_id_and_refuses_objects(tmp_path, monke
         GRPOTrainer(str(snapshot), answer_reward, peft_config={"lora_dropout": 0.05})
     with pytest.raises(ValueError, match=r"model.init=random with model.path="):
         GRPOTrainer(str(snapshot), answer_reward, args=GRPOConfig(model={"init": "random"}))
+    for hook in ({"callbacks": [object()]}, {"optimizers": (object(), None)}, {"quantization_config": {"bits": 4}},
+                 {"rollout_func": len}):
+        with pytest.raises(ValueError, match=f"{next(iter(hook))} is TRL's PyTorch hook"):
+            GRPOTrainer(str(snapshot), answer_reward, **hook)
+    assert GRPOTrainer(str(snapshot), answer_reward, callbacks=[], optimizers=(None, None)).args.model.path
 
 
 def test_the_trl_shaped_trainer_is_train_on_the_same_config_bit_for_bit(tmp_path):
