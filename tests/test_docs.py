@@ -216,7 +216,7 @@ def test_deepseekmath_config_has_the_papers_hyperparameters():
 
 
 def test_readme_python_examples_run():
-    blocks = _python_blocks(README.read_text())
+    blocks = _python_blocks(README.read_text()) + _python_blocks((ROOT / "docs" / "modules.md").read_text())
     namespaces = []
     for block in blocks:
         namespaces.append({})
@@ -225,5 +225,5 @@ def test_readme_python_examples_run():
     assert len(rewards) == 1, "README should show the `correctness` reward example"
     assert rewards[0]["correctness"](["1+1=", "2+2=", "x"], [" 2", "5", "?"], answer=[2, 4, None]) == [1.0, 0.0, None]
     library = [ns for ns in namespaces if "train_step" in ns]
-    assert len(library) == 1, "README should show one library example ending in a train step"
+    assert len(library) == 1, "docs/modules.md should show one library example ending in a train step"
     assert int(library[0]["state"].step) == 1 and set(library[0]["metrics"]) >= {"loss", "grad_norm", "kl"}
