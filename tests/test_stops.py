@@ -157,13 +157,13 @@ class _FailingTracker:
 def test_a_tracker_failing_saves_every_finished_step(tmp_path, stops, whole, monkeypatch):
     """A tracker raises on step 3's line (a round's steps are written together): the state after the round's
     steps is saved with all their lines, and the rerun (without that tracker) ends as the uninterrupted run."""
-    real = reporting._backend
-    monkeypatch.setattr(reporting, "_backend", lambda name, *a: _FailingTracker() if name == "tensorboard"
+    real = reporting.open_tracker
+    monkeypatch.setattr(reporting, "open_tracker", lambda name, *a: _FailingTracker() if name == "tensorboard"
                         else real(name, *a))
     with pytest.raises(RunFailed, match="training stopped after optimizer step 4: ConnectionError: the tracker's "
                                         "server hung up .*The state after step 4 was saved first"):
         _train(tmp_path, *RUN, "report_to=[jsonl,tensorboard]")
-    monkeypatch.setattr(reporting, "_backend", real)
+    monkeypatch.setattr(reporting, "open_tracker", real)
     _train(tmp_path, *RUN)
     _same_as_whole(tmp_path, whole)
 
