@@ -266,7 +266,8 @@ def test_a_line_that_is_not_utf8_is_named_by_file_and_line(tmp_path, capsys):
     task.build_tokenizer(tmp_path / "tok")
     path = tmp_path / "d.jsonl"
     path.write_bytes(b'{"prompt": "12>", "answer": "21"}\n{"prompt": "caf\xe9>", "answer": "x"}\n')  # Latin-1 e-acute
-    args = [f"output_dir={tmp_path / 'run'}", f"data.path={path}", f"data.tokenizer_path={tmp_path / 'tok'}"]
+    args = [f"output_dir={tmp_path / 'run'}", f"data.path={path}", f"data.tokenizer_path={tmp_path / 'tok'}",
+            "model.init=random"]
     assert cli_main(args) == 1
     assert capsys.readouterr().err.splitlines() == [
         f"grpo-jax: {path}: line 2 is not UTF-8 text (byte 0xe9, the line's byte 16): save the file as UTF-8, which "
