@@ -81,7 +81,7 @@ def test_the_reward_plot_legend_covers_no_curve(tmp_path):
     curve) and inside the figure; plot_rewards writes it as a PNG."""
     history = [{"step": s, "reward": s / 40} for s in range(1, 41)]
     names = ("greedy/exact_match", "greedy/char_accuracy", "pass@1", "pass@4", "pass@8", "maj@8",
-             "rewards/exact_match/mean", "rewards/char_accuracy/mean")
+             "sampled/rewards/exact_match/mean", "sampled/rewards/char_accuracy/mean")
     history += [{"step": s, **{f"eval/{k}": s / 50 for k in names}} for s in (0, 20, 40)]
     fig = reward_figure(history)
     fig.canvas.draw()

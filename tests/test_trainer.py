@@ -639,5 +639,5 @@ def test_a_failed_setup_leaves_the_folder_as_it_was_and_the_corrected_command_ru
     empty.mkdir()
     assert cli_main([f"output_dir={tmp_path / 'other'}", f"data.tokenizer_path={empty}", *args[1:]]) == 1
     err = capsys.readouterr().err
-    assert f"data.tokenizer_path='{empty}': no tokenizer could be loaded from it" in err, err
+    assert f"data.tokenizer_path='{empty}' holds no tokenizer files" in err, err
     assert "Traceback" not in err and err.count("\n") == 1, err
