@@ -125,17 +125,26 @@ def main(argv: list[str] | None = None) -> int:
     from grpo_jax.config import load_config
 
     preemption.Console.install()  # a console that goes away (Ctrl-C on `| tee`) must not stop the stop's save
-    preemption.COMMAND = ["grpo-jax", *argv]
     try:
         config = load_config(args.config, args.overrides)
     except ValueError as e:
         parser.exit(2, f"grpo-jax: config error: {e}\n")
+    from grpo_jax.trackers import check_installed
+
+    try:  # before jax loads: a missing tracker package is said at once (`run.check_inputs` says it for `train`)
+        check_installed(config.report_to)
+    except ValueError as e:
+        print(f"grpo-jax: {e}", file=sys.stderr)
+        return 1
+    preemption.COMMAND = ["grpo-jax", *argv]  # what a message to rerun shows, while this command runs
     try:
         return _train(config, args.no_progress)
     except KeyboardInterrupt:  # outside the loop, whose steps a SIGINT saves: starting, or the final export
         print("grpo-jax: interrupted outside the training steps: none was lost (a stop during training saves "
               "them first); run the same command again to start or resume", file=sys.stderr)
         return 130
+    finally:
+        preemption.COMMAND = None
 
 
 def _train(config, no_progress: bool) -> int:

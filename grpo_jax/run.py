@@ -8,9 +8,7 @@ shards), tokenizer and EOS ids.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
-import shutil
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo_jax import (checkpoint, cpu, data, evaluation, lock, programs, rewards, runs, sharding,
                       sources, task, tool_task, tools, trackers)
-from grpo_jax.config import Config, resolve_defaults, to_dict, with_defaults
+from grpo_jax.config import Config, resolve_defaults, to_dict
 from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, lora, peft_io, resolve_config
 from grpo_jax.state import TrainState, optimizer_from_config
 from grpo_jax.train_step import StepOptions
@@ -62,62 +60,6 @@ class Run:
     def keep_ref(self) -> bool:
         """Checkpoints carry ref_params only when the reference can move away from the initial weights."""
         return self.config.train.sync_ref_model
-
-
-def _output_dir(config: Config) -> tuple[Path, bool, lock.RunLock]:
-    """The run directory, whether it already holds this run (config.yaml or checkpoints) to resume, and its lock
-    (held: one writer per run, `grpo_jax.lock`)."""
-    if config.output_dir is not None:
-        path = Path(config.output_dir)
-        if path.is_dir() and any(p.name != lock.LOCK for p in path.iterdir()):
-            if not config.resume:
-                raise ValueError(f"output_dir={str(path)!r} is not empty and resume=false: choose a new output_dir, "
-                                 "delete it, or set resume=true to continue the run saved there")
-            if not (path / "config.yaml").is_file() and not (path / checkpoint.CHECKPOINTS).is_dir():
-                raise ValueError(f"output_dir={str(path)!r} is not empty and holds no grpo_jax run (no config.yaml): "
-                                 "choose a new output_dir or delete it")
-    else:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        name = "jsonl" if config.data.path else config.data.task
-        path = Path("runs") / f"{name}-{stamp}"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"output_dir={str(path)!r} cannot be created ({e.strerror}): choose an output_dir on a "
-                         "writable filesystem") from e
-    held = lock.acquire(path, multihost=jax.process_count() > 1)
-    resuming = (path / "config.yaml").is_file() or (path / checkpoint.CHECKPOINTS).is_dir()
-    return path, resuming, held
-
-
-def _saved_config(output_dir: Path, config: Config) -> tuple[dict, dict]:
-    """(saved, given) configs of a resumed run as `checkpoint.check_compatible` compares them: config.yaml and
-    `config`; when config.yaml was deleted, the config of the newest checkpoint (whose model section is resolved)
-    and `config` resolved the same way (`model.path`'s architecture, the vocabulary size the run found)."""
-    path = output_dir / "config.yaml"
-    if path.is_file():
-        try:
-            saved = yaml.safe_load(path.read_text())
-            why = None if isinstance(saved, dict) else f"a YAML {type(saved).__name__}, not a mapping of keys"
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
-            why = "invalid YAML: " + " ".join(str(e).split())[:200]  # one line
-        if why is not None:
-            raise ValueError(f"{path} is not a run's config ({why}): put the saved config.yaml back, or delete it to "
-                             "resume with the config held by the newest checkpoint")
-        return with_defaults(saved), to_dict(config)
-    saved = checkpoint.saved_config(output_dir)
-    if saved is None:
-        raise ValueError(f"output_dir={str(output_dir)!r} has checkpoints but neither its config.yaml nor any "
-                         "checkpoint's config could be read: put config.yaml back, or choose a new output_dir "
-                         f"(keep {output_dir / checkpoint.CHECKPOINTS} until you no longer need it)")
-    model = resolve_config(config.model)
-    if model.vocab_size is None:
-        model = dataclasses.replace(model, vocab_size=saved.get("model", {}).get("vocab_size"))
-    data_config = config.data
-    if data_config.max_prompt_length is None:  # fitted to the data: the saved run's value
-        data_config = dataclasses.replace(data_config,
-                                          max_prompt_length=saved.get("data", {}).get("max_prompt_length"))
-    return with_defaults(saved), to_dict(dataclasses.replace(config, model=model, data=data_config))
 
 
 def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_dataset=None, tool_specs=(),
@@ -313,7 +255,7 @@ def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None
                  eval_reward_funcs=eval_reward_funcs)
     config = runs.resolve(config)  # resume_from_checkpoint: the run folder it names or finds, as output_dir
     programs.use_compilation_cache(config.compilation_cache_dir)
-    output_dir, resuming, held = _output_dir(config)
+    output_dir, resuming, held = runs.open_folder(config, multihost=jax.process_count() > 1)
     tool_specs = config.tools if tools is None else tuple(tools)
     factories = config.environment_factory if environment_factory is None else environment_factory
     try:
@@ -321,21 +263,9 @@ def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None
                       tool_specs, factories, eval_reward_funcs, reward_processing_classes)
     except BaseException:
         if not resuming and jax.process_index() == 0:
-            _remove_setup_files(output_dir)
+            runs.remove_setup_files(output_dir)
         held.release()
         raise
-
-
-SETUP_FILES = ("data", "tokenizer")  # what `_build` writes into a new output_dir before config.yaml
-
-
-def _remove_setup_files(output_dir: Path) -> None:
-    """A build that failed on a new output_dir leaves it as it found it (config.yaml is written last, so none
-    is there): the same command, corrected, starts cleanly instead of meeting a half-made run."""
-    for name in SETUP_FILES:
-        path = output_dir / name
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock, loss_fn: Callable | None,
@@ -345,9 +275,9 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     if speedups:
         cpu.configure_host_allocator(config.host_allocator)  # before the first jitted call allocates
     # a null learning rate: the resumed run's, else by model.path; config.yaml records it, so a resume is unchanged
-    config = resolve_defaults(config, _saved_config(output_dir, config)[0] if resuming else None)
+    config = resolve_defaults(config, runs.saved_config(output_dir, config)[0] if resuming else None)
     if resuming:
-        checkpoint.check_compatible(*_saved_config(output_dir, config))
+        checkpoint.check_compatible(*runs.saved_config(output_dir, config))
     given = to_dict(config)  # config.yaml: as given, written once the run has built
     # a model.path fills the architecture, a model.lora.path the adapters' rank, alpha and targets
     model_config = resolve_config(config.model)

@@ -437,7 +437,7 @@ def test_one_writer_per_output_dir(tmp_path):
 def test_a_run_saved_before_a_key_existed_resumes_with_that_keys_default(tmp_path):
     """config.yaml of an older version lacks the keys added since (tools, sampling.tool_timeout, ...): it ran with
     their defaults, so a resume with the defaults is allowed and one that sets them is refused, naming them."""
-    from grpo_jax.run import _saved_config
+    from grpo_jax.runs import saved_config as _saved_config
 
     old = to_dict(load_config(None, [f"output_dir={tmp_path}", *TINY]))
     del old["tools"], old["environment_factory"], old["sampling"]["tool_timeout"]
