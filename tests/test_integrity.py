@@ -68,7 +68,9 @@ def test_an_invalid_config_yaml_is_one_line_naming_it(tmp_path, capsys):
     assert "(a YAML list, not a mapping of keys)" in capsys.readouterr().err
 
 
-LIMIT = 256 << 10  # bytes: a checkpoint of this model (~12 MB with Adam's moments) cannot be written, however orbax splits its files, its metrics can
+# bytes: a checkpoint of the test's model (~12 MB with Adam's moments) cannot be written however orbax splits its
+# files; its metrics can
+LIMIT = 256 << 10
 
 
 def test_a_file_size_limit_is_a_storage_error_in_one_line(tmp_path):
