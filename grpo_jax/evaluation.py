@@ -24,7 +24,7 @@ from collections import Counter
 import jax
 import numpy as np
 
-from grpo_jax import data, multiturn, rewards, sharding, stream
+from grpo_jax import data, multiturn, reward_specs, rewards, sharding, stream
 
 EVAL_STREAM = 0x6576616C  # "eval", folded into the seed's key: a stream the training key never meets
 TASK_REWARDS = ("grpo_jax.task:exact_match", "grpo_jax.task:char_accuracy")  # the digit tasks' own
@@ -154,7 +154,7 @@ def evaluate(run, params, step: int) -> dict[str, float]:
     if cfg.num_generations:
         key = run.programs.sample_key(eval_key(run.config.seed), step, 0)
         texts, scores, mask = _generate(run, run.programs.eval_decoder, params, cfg.num_generations, key, False)
-        extract = rewards.resolve_reward_fn(cfg.answer_extractor)
+        extract = reward_specs.resolve_reward_fn(cfg.answer_extractor)
         metrics.update(sampled_metrics(scores, names, [extract(t) for t in texts], mask.sum(axis=1),
                                        num_generations=cfg.num_generations, ks=cfg.ks))
     return metrics

@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from transformers import PreTrainedTokenizerBase
 
-from grpo_jax import (checkpoint, cpu, data, evaluation, lock, programs, rewards, runs, sharding,
+from grpo_jax import (checkpoint, cpu, data, evaluation, lock, programs, reward_specs, rewards, runs, sharding,
                       sources, task, tool_task, tools, trackers)
 from grpo_jax.config import Config, resolve_defaults, to_dict
 from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, lora, peft_io, resolve_config
@@ -225,13 +225,13 @@ def check_inputs(config: Config, *, reward_funcs=None, train_dataset=None, eval_
     if config.data.tokenizer_path is not None and not Path(config.data.tokenizer_path).is_dir():
         raise ValueError(f"data.tokenizer_path={config.data.tokenizer_path!r} is not a folder: point it at a saved "
                          "tokenizer")
-    rewards.check_importable("reward.functions", config.reward.functions if reward_funcs is None else reward_funcs)
+    reward_specs.check_importable("reward.functions", config.reward.functions if reward_funcs is None else reward_funcs)
     if eval_dataset is None:
         _check_data_file("eval.path", config.eval.path)
     eval_paths = config.eval.reward_functions if eval_reward_funcs is None else eval_reward_funcs
-    rewards.check_importable("eval.reward_functions" if eval_reward_funcs is None else "eval_reward_funcs",
+    reward_specs.check_importable("eval.reward_functions" if eval_reward_funcs is None else "eval_reward_funcs",
                              eval_paths or ())
-    rewards.check_importable("eval.answer_extractor", (config.eval.answer_extractor,))
+    reward_specs.check_importable("eval.answer_extractor", (config.eval.answer_extractor,))
 
 
 def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None, eval_dataset=None,
@@ -293,14 +293,14 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     lengths = dict(max_completion_length=config.sampling.max_completion_length,
                    soft_punish_cache=config.reward.soft_punish_cache)
-    reward_fns = rewards.resolve_all(config.reward.functions if reward_funcs is None else reward_funcs, mesh,
+    reward_fns = reward_specs.resolve_all(config.reward.functions if reward_funcs is None else reward_funcs, mesh,
                                      processing_classes=processing_classes, **lengths)
     if config.reward.weights is not None and len(config.reward.weights) != len(reward_fns):
         raise ValueError(f"reward.weights has {len(config.reward.weights)} entries for the {len(reward_fns)} "
                          "reward_funcs: give one weight per function")
     eval_paths = evaluation.reward_functions(config, given_data=config.data.path is not None or train_dataset
                                              is not None, held_out=bool(eval_rows), eval_reward_funcs=eval_reward_funcs)
-    eval_reward_fns = list(reward_fns) if eval_paths is None else rewards.resolve_all(eval_paths, mesh, **lengths)
+    eval_reward_fns = list(reward_fns) if eval_paths is None else reward_specs.resolve_all(eval_paths, mesh, **lengths)
     # a reward function that fails on its first call does so now, not after the sampler compiled
     where = "train_dataset" if train_dataset is not None else config.data.path or "the embedded task"
     rewards.check_reward_fns(reward_fns, [dataset.rows[i] for i in range(min(2, len(dataset)))],

@@ -20,7 +20,7 @@ import inspect
 from collections.abc import Callable, Sequence
 
 from grpo_jax import toolbox
-from grpo_jax.rewards import resolve_reward_fn
+from grpo_jax.reward_specs import resolve_reward_fn
 
 RESERVED = ("reset", "get_reward")  # an environment's methods that are not tools
 

@@ -96,7 +96,7 @@ def test_a_model_folder_without_a_classification_head_is_refused_by_name(tmp_pat
 def test_a_reward_model_object_is_converted_to_jax_and_scores_as_its_folder(tmp_path):
     """TRL's reward_funcs=[model]: a transformers *ForSequenceClassification object scores what its folder scores
     (and what TRL scores with it); its tokenizer from reward_processing_classes, else its name_or_path folder."""
-    from grpo_jax.rewards import resolve_all
+    from grpo_jax.reward_specs import resolve_all
 
     folder = _reward_folder(tmp_path, "qwen2")
     prompts, completions = ["12>", "3>", "456>", "7>"], ["21", "3", "6541", ""]

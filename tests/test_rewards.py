@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from grpo_jax import rewards, task
+from grpo_jax import reward_specs, rewards, task
 
 
 def test_resolve_reward_fn_ok(tmp_path, monkeypatch):
-    assert rewards.resolve_reward_fn("grpo_jax.task:char_accuracy") is task.char_accuracy
+    assert reward_specs.resolve_reward_fn("grpo_jax.task:char_accuracy") is task.char_accuracy
     (tmp_path / "my_rewards_mod.py").write_text("class K:\n    @staticmethod\n    def f(**kw):\n        return []\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert callable(rewards.resolve_reward_fn("my_rewards_mod:K.f"))
+    assert callable(reward_specs.resolve_reward_fn("my_rewards_mod:K.f"))
 
 
 @pytest.mark.parametrize("path, match", [
@@ -28,14 +28,14 @@ def test_resolve_reward_fn_ok(tmp_path, monkeypatch):
 ])
 def test_resolve_reward_fn_errors(path, match):
     with pytest.raises(ValueError, match=match):
-        rewards.resolve_reward_fn(path)
+        reward_specs.resolve_reward_fn(path)
 
 
 def test_resolve_reward_fn_module_raising_import_error(tmp_path, monkeypatch):
     (tmp_path / "broken_rewards_mod.py").write_text("import not_installed_dep_xyz\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError, match="broken_rewards_mod.*not_installed_dep_xyz"):
-        rewards.resolve_reward_fn("broken_rewards_mod:f")
+        reward_specs.resolve_reward_fn("broken_rewards_mod:f")
 
 
 def test_score_completions_values_and_none():
