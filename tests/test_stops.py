@@ -129,6 +129,23 @@ def test_a_reward_failing_late_saves_the_finished_steps(tmp_path, stops, whole, 
             _same_as_whole(tmp_path, whole)
 
 
+@pytest.mark.parametrize("layout", [["sampling.max_batch_rows=4"], ["train.packing=true"]])
+def test_a_reward_failing_late_saves_with_continuous_batching_and_packing(tmp_path, stops, layout):
+    """The same failure with fewer decode slots than rows (rewards scored per finished group) or packed updates:
+    step 4 is saved, and the rerun ends as the run of that layout that nothing stopped."""
+    stops[0].update(kind="raise", at=None)
+    _train(tmp_path / "whole", *RUN, *layout)
+    per_round = (stops[0]["calls"] - 1) // 3  # 1 with a static batch; with fewer slots, a call per batch of groups
+    assert per_round > 1 or layout[0].startswith("train")
+    stops[0].update(calls=0, at=1 + 2 * per_round + 1)  # the check, two rounds, then round 3's first call
+    with pytest.raises(RunFailed, match="training stopped after optimizer step 4: .*The state after step 4 was "
+                                        "saved first"):
+        _train(tmp_path / "run", *RUN, *layout)
+    stops[0].update(kind=None, at=None)
+    _train(tmp_path / "run", *RUN, *layout)
+    _same_as_whole(tmp_path / "run", (_lines(tmp_path / "whole"), _state(tmp_path / "whole")[0]))
+
+
 def test_an_evaluation_failing_after_training_saves_the_last_steps(tmp_path, stops, whole):
     """save_steps=4 of 6: the evaluation after training raises (call 1 is the check, 2 the evaluation before):
     steps 5-6 are saved, and the rerun evaluates again and ends as the uninterrupted run."""
