@@ -275,9 +275,11 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     if speedups:
         cpu.configure_host_allocator(config.host_allocator)  # before the first jitted call allocates
     # a null learning rate: the resumed run's, else by model.path; config.yaml records it, so a resume is unchanged
-    config = resolve_defaults(config, runs.saved_config(output_dir, config)[0] if resuming else None)
-    if resuming:
-        checkpoint.check_compatible(*runs.saved_config(output_dir, config))
+    saved = None
+    if resuming:  # compared with the learning rate resolved as below
+        saved, now = runs.saved_config(output_dir, config)
+        checkpoint.check_compatible(saved, now)
+    config = resolve_defaults(config, saved)
     given = to_dict(config)  # config.yaml: as given, written once the run has built
     # a model.path fills the architecture, a model.lora.path the adapters' rank, alpha and targets
     model_config = resolve_config(config.model)

@@ -51,7 +51,8 @@ def open_folder(config, *, multihost: bool) -> tuple[Path, bool, lock.RunLock]:
 def saved_config(output_dir: Path, config) -> tuple[dict, dict]:
     """(saved, given) configs of a resumed run as `checkpoint.check_compatible` compares them: config.yaml and
     `config`; when config.yaml was deleted, the config of the newest checkpoint (whose model section is resolved)
-    and `config` resolved the same way (`model.path`'s architecture, the vocabulary size the run found)."""
+    and `config` resolved the same way (`model.path`'s architecture, the vocabulary size the run found). Either
+    way `config`'s null learning rate is the saved one (`config.resolve_defaults`), as the resumed run takes it."""
     path = output_dir / "config.yaml"
     if path.is_file():
         try:
@@ -62,7 +63,7 @@ def saved_config(output_dir: Path, config) -> tuple[dict, dict]:
         if why is not None:
             raise ValueError(f"{path} is not a run's config ({why}): put the saved config.yaml back, or delete it to "
                              "resume with the config held by the newest checkpoint")
-        return with_defaults(saved), to_dict(config)
+        return with_defaults(saved), to_dict(resolve_defaults(config, saved))
     saved = checkpoint.saved_config(output_dir)
     if saved is None:
         raise ValueError(f"output_dir={str(output_dir)!r} has checkpoints but neither its config.yaml nor any "
@@ -75,7 +76,8 @@ def saved_config(output_dir: Path, config) -> tuple[dict, dict]:
     if data_config.max_prompt_length is None:  # fitted to the data: the saved run's value
         data_config = dataclasses.replace(data_config,
                                           max_prompt_length=saved.get("data", {}).get("max_prompt_length"))
-    return with_defaults(saved), to_dict(dataclasses.replace(config, model=model, data=data_config))
+    config = resolve_defaults(dataclasses.replace(config, model=model, data=data_config), saved)
+    return with_defaults(saved), to_dict(config)
 
 
 SETUP_FILES = ("data", "tokenizer")  # what `run._build` writes into a new output_dir before config.yaml
@@ -96,9 +98,8 @@ def _steps(folder: Path) -> list[int]:
 
 def _compatible(folder: Path, config) -> bool:
     try:
-        saved = with_defaults(yaml.safe_load((folder / "config.yaml").read_text()))
-        checkpoint.check_compatible(saved, to_dict(resolve_defaults(config, saved)))  # as `run.build` compares them
-    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):  # another run's, or unreadable
+        checkpoint.check_compatible(*saved_config(folder, config))  # as `run.build` compares them
+    except (OSError, ValueError, TypeError, AttributeError):  # another run's, or unreadable
         return False
     return True
 
