@@ -160,6 +160,18 @@ class MetricsWriter:
         for backend in self.backends:
             backend.scalars(names, line["step"])
 
+    def write_steps(self, lines: list[dict], completions: list[dict] | None = None) -> None:
+        """`write` for each of a round's finished steps; when writing one fails (a tracker), the history still gets
+        every line, so the state after those steps can be saved with it (a resume rewrites the files from it)."""
+        written = len(self.history)
+        try:
+            for line in lines:
+                self.write(line, completions=completions)
+        except BaseException:
+            del self.history[written:]
+            self.history.extend({k: plain(v) for k, v in line.items()} for line in lines)
+            raise
+
     def write(self, line: dict, completions: list[dict] | None = None) -> None:
         """One optimizer step's metrics; `completions`: its round's table (`completion_rows`), logged when the
         step is a multiple of `logging_steps`."""

@@ -16,7 +16,7 @@ import numpy as np
 from grpo_jax import checkpoint, data, export, preemption, sharding, sources, stream
 from grpo_jax.config import Config, to_dict
 from grpo_jax.evaluation import evaluate, short_names
-from grpo_jax.reporting import MetricsWriter, is_eval, plain, plot_run
+from grpo_jax.reporting import MetricsWriter, is_eval, plot_run
 from grpo_jax.rewards import scored
 from grpo_jax.rollout import RoundBatch, prepare_round, run_round, run_steps
 from grpo_jax.run import Run, build
@@ -162,7 +162,7 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
                 state, round_batch, lines = run_steps(run, state, round_batch, until=until,
                                                       stop=lambda: guard.requested,
                                                       max_skipped=config.train.max_nonfinite_steps - skipped)
-                _write(writer, lines, round_batch.completions)
+                writer.write_steps(lines, completions=round_batch.completions)
                 step = round_batch.first_step + round_batch.position
                 if round_batch.position == len(round_batch.step_rows):
                     round_batch, round_index = None, round_index + 1
@@ -215,19 +215,6 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
               f"last 10%={summary['reward_last_10pct']:.3f}  plot: {run.output_dir / 'reward.png'}  "
               f"policy ({export.FORMAT_NAMES[fmt]} format): {final}")
     return summary
-
-
-def _write(writer: MetricsWriter, lines: list[dict], completions) -> None:
-    """Each finished step's metrics line, written; when writing one fails (a tracker), the history still gets
-    every line, so the state after those steps can be saved with it (a resume rewrites metrics.jsonl from it)."""
-    written = len(writer.history)
-    try:
-        for line in lines:
-            writer.write(line, completions=completions)
-    except BaseException:
-        del writer.history[written:]
-        writer.history.extend({k: plain(v) for k, v in line.items()} for line in lines)
-        raise
 
 
 def _plan(run: Run, plan: stream.SlotPlan, round_batch: RoundBatch) -> stream.SlotPlan:
