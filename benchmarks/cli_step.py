@@ -142,11 +142,7 @@ def main(argv=None) -> dict:
         result["ratio"] = result["grpo_jax"]["step_s"] / result["trl"]["step_s"]
         result["ratio_per_completion_token"] = (result["ratio"] * result["trl"]["mean_completion_tokens"]
                                                 / result["grpo_jax"]["mean_completion_tokens"])
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return result
+    return grpo_step.emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -366,6 +366,15 @@ def run_trl(model_dir: str, prompts: Path, s: Setting, *, steps: int, warmup: in
     return out
 
 
+def emit(result: dict, out: str | None) -> dict:
+    """A benchmark's result printed as JSON (and written to `out` when given); returned."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+    return result
+
+
 def ratios(ours: dict, theirs: dict) -> dict:
     """grpo_jax / TRL per phase and for the whole step (lower is better); ``step_per_completion_token``: the step
     over the completion tokens it drew (each trainer samples its own lengths; at a wide length spread a few steps
@@ -453,11 +462,7 @@ def main(argv=None) -> dict:
         result["device_matmul_peak_flops_per_s"] = peak
         for k in ("grpo_jax", "trl"):
             result[k]["fraction_of_device_matmul_peak"] = result[k]["achieved_flops_per_s"] / peak
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

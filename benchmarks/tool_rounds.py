@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -257,11 +256,7 @@ def main(argv=None) -> dict:
             "round": ours["round_s"] / theirs["round_s"], "sample": ours["sample_s"] / theirs["sample_s"],
             "round_per_call": (ours["round_s"] / max(ours["calls"], 1)) / (theirs["round_s"] / max(theirs["calls"], 1))}
     result["load_average_after"] = os.getloadavg()
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return result
+    return grpo_step.emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,14 @@ _GENERATORS: dict[str, Callable[[np.random.Generator, int], tuple[str, str]]] = 
 }
 
 
+def check_sizes(n: int, min_len: int, max_len: int) -> None:
+    """A ValueError unless `n` rows of `min_len`..`max_len` digits can be made."""
+    if n < 0:
+        raise ValueError(f"n={n} must be >= 0")
+    if not 1 <= min_len <= max_len:
+        raise ValueError(f"min_len={min_len}, max_len={max_len}: need 1 <= min_len <= max_len")
+
+
 def make_examples(task: str, n: int, seed: int, min_len: int = 3, max_len: int = 5) -> list[dict[str, str]]:
     """`n` rows {"prompt", "answer"} of `task`, lengths uniform in [min_len, max_len]; deterministic in seed.
 
@@ -92,10 +100,7 @@ def make_examples(task: str, n: int, seed: int, min_len: int = 3, max_len: int =
     """
     if task not in _GENERATORS:
         raise ValueError(f"task={task!r} is unknown: choose one of {', '.join(TASKS)}")
-    if n < 0:
-        raise ValueError(f"n={n} must be >= 0")
-    if not 1 <= min_len <= max_len:
-        raise ValueError(f"min_len={min_len}, max_len={max_len}: need 1 <= min_len <= max_len")
+    check_sizes(n, min_len, max_len)
     rng = np.random.default_rng(seed)
     rows = []
     for _ in range(n):

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from grpo_jax.data import completion_text
-from grpo_jax.task import EOS_TOKEN, UNK_TOKEN, digit_string, char_accuracy
+from grpo_jax.task import EOS_TOKEN, UNK_TOKEN, char_accuracy, check_sizes, digit_string
 
 CALL = '<tool_call>{"name": "lookup", "arguments": {}}</tool_call>'
 TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -96,10 +96,7 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
 def make_examples(n: int, seed: int, min_len: int = 3, max_len: int = 5) -> list[dict[str, Any]]:
     """`n` rows {"prompt": [user "<key>?"], "key", "answer"}: a 2-digit key and a random value of min_len..max_len
     digits, drawn per row (no table to memorise: only the tool knows a row's value); deterministic in seed."""
-    if n < 0:
-        raise ValueError(f"n={n} must be >= 0")
-    if not 1 <= min_len <= max_len:
-        raise ValueError(f"min_len={min_len}, max_len={max_len}: need 1 <= min_len <= max_len")
+    check_sizes(n, min_len, max_len)
     rng = np.random.default_rng(seed)
     rows = []
     for _ in range(n):
