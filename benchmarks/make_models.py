@@ -1,6 +1,7 @@
 """Builds the benchmark's Hugging Face model folders (random Qwen2 'tiny' and 'small') and a prompt JSONL.
 
     python benchmarks/make_models.py --out benchmarks/models           # tiny/, small/, prompts.jsonl
+    python benchmarks/make_models.py --out /tmp/bm --sizes gemma3-1b-6l qwen3-moe-2l   # other families' shapes
 
 Each folder holds config.json, model.safetensors and a 128-token character tokenizer
 (`PreTrainedTokenizerFast`, <eos> and <pad>), so TRL's GRPOTrainer and grpo_jax load the same files.
@@ -32,6 +33,18 @@ SIZES = {
     # Qwen2.5-0.5B shapes (GPU runs; not built by default: 494M parameters)
     "qwen0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                      intermediate_size=4864, vocab_size=151936, rope_theta=1000000.0),
+    # google/gemma-3-1b-it's config.json (hidden 1152, 4/1 heads of 256, GeGLU 6912, window 512, 5 local : 1
+    # global, RoPE 1e6 global / 1e4 local), its first 6 of 26 layers, the character vocabulary
+    "gemma3-1b-6l": dict(model_type="gemma3_text", hidden_size=1152, num_hidden_layers=6, num_attention_heads=4,
+                         num_key_value_heads=1, head_dim=256, intermediate_size=6912, query_pre_attn_scalar=256,
+                         sliding_window=512, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                         hidden_activation="gelu_pytorch_tanh", max_position_embeddings=32768),
+    # Qwen/Qwen3-30B-A3B's config.json (hidden 2048, 32/4 heads of 128, top-8 routing, expert width 768,
+    # normalised top-k), 2 of its 48 layers and 32 of its 128 experts (a CPU step of both trainers fits in memory)
+    "qwen3-moe-2l": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=2, num_attention_heads=32,
+                         num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                         num_experts=32, num_experts_per_tok=8, norm_topk_prob=True, rope_theta=1000000.0,
+                         tie_word_embeddings=False, max_position_embeddings=40960),
 }
 
 
@@ -63,14 +76,27 @@ def qwen2_config(size: str):
                        torch_dtype="float32", use_sliding_window=False, **kwargs)
 
 
+def family_config(size: str):
+    """The transformers config of a `SIZES` entry of another family (``model_type`` given), fp32."""
+    from transformers import AutoConfig
+
+    kwargs = dict(SIZES[size])
+    model_type = kwargs.pop("model_type")
+    kwargs.setdefault("tie_word_embeddings", True)
+    return AutoConfig.for_model(model_type, vocab_size=VOCAB_SIZE, rms_norm_eps=1e-6, eos_token_id=0,
+                                pad_token_id=1, bos_token_id=None, torch_dtype="float32", **kwargs)
+
+
 def build_model(size: str, path: str | os.PathLike, seed: int = 0) -> Path:
-    """Writes a random-init Qwen2ForCausalLM of `size` plus the tokenizer into `path`."""
+    """Writes a random-init model of `size` (Qwen2ForCausalLM, or the `model_type` of the entry) plus the
+    tokenizer into `path`."""
     import torch
-    from transformers import GenerationConfig, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     path = Path(path)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(qwen2_config(size)).float()
+    config = family_config(size) if "model_type" in SIZES[size] else qwen2_config(size)
+    model = AutoModelForCausalLM.from_config(config).float()
     model.generation_config = GenerationConfig(eos_token_id=0, pad_token_id=1)
     model.save_pretrained(path)
     build_tokenizer(path)
