@@ -12,7 +12,8 @@ are not. TRL runs in another process through `grpo_step.run_trl` (its step: call
 model folder and setting as `grpo_step.Setting` (4 prompts x 8 completions, temperature 1, beta 0.04, lr 1e-5,
 loss dapo, fp32, torch threads 2).
 
-Prints JSON: each library's median step (and phases, from metrics.jsonl for grpo_jax), the ratio, `lscpu`'s model.
+Prints JSON: each library's median step (and phases, from metrics.jsonl for grpo_jax), its process's peak RSS, the
+ratios, `lscpu`'s model.
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ def run_cli(model: str, prompts: Path, s: grpo_step.Setting, *, steps: int, warm
         if match:
             stamps[int(match.group(1))] = time.perf_counter()
         tail = (tail + [line])[-20:]
-    if child.wait() != 0:
+    _, status, usage = os.wait4(child.pid, 0)  # this child's own peak RSS (the parent's getrusage mixes children)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode != 0:
         raise RuntimeError("grpo-jax failed:\n" + "".join(tail))
     total = time.perf_counter() - start
     history = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -85,7 +88,7 @@ def run_cli(model: str, prompts: Path, s: grpo_step.Setting, *, steps: int, warm
     return {"step_s": statistics.median(walls), "step_s_min": min(walls), "step_s_max": max(walls), "steps_s": walls,
             "update_steps_s": [h["step_time/update"] for h in history if h["step"] in timed],
             "packed_lengths": [h.get("packed_length") for h in history],
-            "first_steps_s": stamps[warmup] - start, "total_s": total,
+            "first_steps_s": stamps[warmup] - start, "total_s": total, "peak_rss_mib": usage.ru_maxrss / 1024,
             **{f"{p}_s": v for p, v in phases.items()}, "mean_completion_tokens": statistics.mean(tokens),
             "command": " ".join(command)}
 
@@ -105,7 +108,7 @@ def run_trl(model: str, prompts: Path, s: grpo_step.Setting, *, steps: int, warm
                    env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     trl = json.loads(out.read_text())["trl"]
     return {k: trl[k] for k in ("step_s", *(f"{p}_s" for p in grpo_step.PHASES), "mean_completion_tokens",
-                                "torch_device", "bf16")}
+                                "torch_device", "bf16", "peak_rss_mib")}
 
 
 def main(argv=None) -> dict:
@@ -142,6 +145,7 @@ def main(argv=None) -> dict:
         result["ratio"] = result["grpo_jax"]["step_s"] / result["trl"]["step_s"]
         result["ratio_per_completion_token"] = (result["ratio"] * result["trl"]["mean_completion_tokens"]
                                                 / result["grpo_jax"]["mean_completion_tokens"])
+        result["peak_rss_ratio"] = result["grpo_jax"]["peak_rss_mib"] / result["trl"]["peak_rss_mib"]
     return grpo_step.emit(result, args.out)
 
 
