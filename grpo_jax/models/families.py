@@ -50,9 +50,9 @@ def supported_model_types() -> list[str]:
 
 
 def _families() -> tuple[Family, ...]:
-    from grpo_jax.models import llama  # the family modules import this one
+    from grpo_jax.models import gemma, llama  # the family modules import this one
 
-    return (llama.FAMILY,)
+    return llama.FAMILY, gemma.FAMILY
 
 
 def layer_kinds(config: ModelConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:

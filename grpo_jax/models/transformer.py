@@ -89,7 +89,8 @@ class Transformer(nnx.Module):
                 query_slot_T = prefix_len + jnp.arange(T)
             else:  # cache_index [B]: each row writes at its own slot
                 query_slot_T = (cache_index[:, None] if cache_index.ndim == 1 else cache_index) + jnp.arange(T)
-            masks = [attention_mask(attention_mask_BxS, query_slot_T, kind_window(config, k)) for k in kinds]
+            masks = [attention_mask(attention_mask_BxS, query_slot_T, kind_window(config, k), positions_BxT)
+                     for k in kinds]
         # one mask and one RoPE table per attention kind, built once; each layer takes its kind's
         rope = rotary_tables(config, S) if rope is None else rope
         cos_sins = [rope_cos_sin(positions_BxT, rope[k]) for k in kinds]
