@@ -105,6 +105,33 @@ def test_config_fields_read_gemma3s_two_rope_bases_and_layer_types(zoo):
         config_fields(yarn, "here")
 
 
+# google/gemma-3-1b-it's config.json as the Hub serves it (written by transformers 4.50: RoPE at the top level,
+# the 5:1 pattern as sliding_window_pattern, no layer_types)
+GEMMA3_1B_CONFIG = {
+    "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 106],
+    "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+    "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768,
+    "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+    "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0", "use_cache": True, "vocab_size": 262144}
+
+
+@pytest.mark.parametrize("rope_scaling", [None, {"factor": 8.0, "rope_type": "linear"}])  # 1B; 4B and up
+def test_the_hub_gemma3_config_resolves(tmp_path, rope_scaling):
+    from grpo_jax.models import ModelConfig, resolve_config
+
+    (tmp_path / "config.json").write_text(json.dumps({**GEMMA3_1B_CONFIG, "rope_scaling": rope_scaling}))
+    config = resolve_config(ModelConfig(path=str(tmp_path)))
+    assert config.layer_types == tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                       for i in range(26))
+    assert (config.sliding_window, config.rope_theta, config.rope_local_base_freq, config.head_dim,
+            config.query_pre_attn_scalar, config.num_key_value_heads) == (512, 1e6, 1e4, 256, 256, 1)
+    assert (config.rope_type, config.rope_factor) == (("default", 1.0) if rope_scaling is None else ("linear", 8.0))
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping, config.qk_norm) == (None, None, True)
+
+
 def test_gemma3_1b_shapes_match_transformers(tmp_path):
     """Gemma-3-1B's config.json (hidden 1152, 4 query heads, 1 kv head, head_dim 256, MLP 6912, RoPE bases 1e6 and
     1e4, query_pre_attn_scalar 256) with 2 layers (local, global), a 512-token vocabulary and a window of 8 (the
