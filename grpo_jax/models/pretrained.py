@@ -134,7 +134,7 @@ def _read(refs, stacked: bool, transposed: bool, dtype, maps) -> Callable:
 
 def from_pretrained(path, dtype: str | None = None, *, shardings=None, config: ModelConfig | None = None,
                     extra_tensors: tuple[str, ...] = (), trunk_only: bool = False) -> tuple[Model, nnx.State]:
-    """Load a Hugging Face folder (llama, mistral, qwen2, qwen3): (Model, params) with params in ``dtype``.
+    """Load a Hugging Face folder (a `families` model_type): (Model, params) with params in ``dtype``.
 
     ``dtype`` (e.g. "bfloat16") sets both the storage and the compute dtype; None keeps ``config``'s
     (default float32). ``config`` carries non-architecture settings (remat, dtypes); its architecture must
