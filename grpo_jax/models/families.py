@@ -21,6 +21,20 @@ from typing import Any
 from grpo_jax.config.model import ModelConfig
 
 
+def hf_names(path: str, num_layers: int) -> tuple[list[str], bool, bool]:
+    """(Hugging Face tensor names, stacked over layers, transposed) for one of our parameter paths: module names
+    are transformers' under ``model.``; ``layers.<m>`` [L, ...] is ``model.layers.<i>.<m>`` for i < L."""
+    *module, leaf = path.split(".")
+    hf_leaf = "weight" if leaf in ("kernel", "embedding") else leaf
+    transposed = leaf == "kernel"
+    if module[0] == "lm_head":
+        return [f"lm_head.{hf_leaf}"], False, transposed
+    if module[0] == "layers":
+        inner = ".".join(module[1:])
+        return [f"model.layers.{i}.{inner}.{hf_leaf}" for i in range(num_layers)], True, transposed
+    return [f"model.{'.'.join(module)}.{hf_leaf}"], False, transposed
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """What one family of decoders needs beyond the shared driver."""
@@ -34,6 +48,8 @@ class Family:
     # ModelConfig -> [(name, shape)]: tensors transformers' class always has that this config does not (written
     # as zeros on export)
     export_zeros: Callable[[ModelConfig], list] | None = None
+    # (our parameter path, layers) -> (Hugging Face names, stacked over layers, transposed)
+    hf_names: Callable[[str, int], tuple[list[str], bool, bool]] = hf_names
 
 
 def family(model_type: str) -> Family:
@@ -65,17 +81,3 @@ def layer_kinds(config: ModelConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:
 def kind_window(config: ModelConfig, kind: str) -> int | None:
     """The sliding window of a layer kind: ``sliding_window`` for sliding_attention, None for full_attention."""
     return config.sliding_window if kind == "sliding_attention" else None
-
-
-def hf_names(path: str, num_layers: int) -> tuple[list[str], bool, bool]:
-    """(Hugging Face tensor names, stacked over layers, transposed) for one of our parameter paths: module names
-    are transformers' under ``model.``; ``layers.<m>`` [L, ...] is ``model.layers.<i>.<m>`` for i < L."""
-    *module, leaf = path.split(".")
-    hf_leaf = "weight" if leaf in ("kernel", "embedding") else leaf
-    transposed = leaf == "kernel"
-    if module[0] == "lm_head":
-        return [f"lm_head.{hf_leaf}"], False, transposed
-    if module[0] == "layers":
-        inner = ".".join(module[1:])
-        return [f"model.layers.{i}.{inner}.{hf_leaf}" for i in range(num_layers)], True, transposed
-    return [f"model.{'.'.join(module)}.{hf_leaf}"], False, transposed

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.models import safetensors_io as st
-from grpo_jax.models.families import family, hf_names
+from grpo_jax.models.families import family
 from grpo_jax.models.hf_config import resolve_config, to_hf_config
 from grpo_jax.config.model import ModelConfig
 from grpo_jax.models.transformer import Transformer, forward, positions_from_mask, unembed
@@ -90,7 +90,7 @@ def _plan(abstract_flat, refs, config: ModelConfig, folder: str,
     source = index if os.path.isfile(index) else os.path.join(folder, st.SINGLE_FILE)
     plan, used = {}, set()
     for path, leaf in abstract_flat.items():
-        names, stacked, transposed = hf_names(path, config.num_hidden_layers)
+        names, stacked, transposed = family(config.model_type).hf_names(path, config.num_hidden_layers)
         shape = tuple(leaf.shape[1:] if stacked else leaf.shape)
         want = shape[::-1] if transposed else shape
         for name in names:
@@ -188,7 +188,7 @@ def _entries(model: Model, params) -> list[st.Entry]:
     config = model.config
     entries = []
     for path, array in _flat(params).items():
-        names, stacked, transposed = hf_names(path, config.num_hidden_layers)
+        names, stacked, transposed = family(config.model_type).hf_names(path, config.num_hidden_layers)
         for i, name in enumerate(names):
             shape = tuple(array.shape[1:] if stacked else array.shape)
             fetch = (lambda a=array, i=i, t=transposed: _to_host(a[i], t)) if stacked else (
