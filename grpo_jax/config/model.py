@@ -102,6 +102,13 @@ class ModelConfig:
     path: str | None = None  # a local Hugging Face model folder; its config.json gives the architecture
     init: str | None = None  # random: random weights of the sizes above, on any data; None: model.path's (see check)
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)  # adapters trained on the frozen model
+    # mixture of experts (Qwen3-MoE, models/moe.py): every decoder layer's MLP is num_experts SwiGLU experts of
+    # width moe_intermediate_size, num_experts_per_tok of them per token; 0 experts: dense MLPs
+    num_experts: int = 0
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    norm_topk_prob: bool = False  # renormalise the chosen experts' router probabilities to sum 1
+    router_aux_loss_coef: float = 0.001  # the architecture's load-balancing coefficient (HF config.json)
 
     def __post_init__(self):
         names = ("vocab_size",) if self.vocab_size is not None else ()
@@ -139,6 +146,18 @@ class ModelConfig:
         check(self.init is None or self.path is None, f"model.init=random with model.path={self.path!r}: the weights "
               "would come from one and be ignored by the other; unset one of them")
         self._check_rope()
+        self._check_moe()
+
+    def _check_moe(self):
+        check(isinstance(self.num_experts, int) and self.num_experts >= 0,
+              f"model.num_experts={self.num_experts!r} must be an integer >= 0 (0: dense MLPs)")
+        if self.num_experts:
+            check(isinstance(self.num_experts_per_tok, int) and 1 <= self.num_experts_per_tok <= self.num_experts,
+                  f"model.num_experts_per_tok={self.num_experts_per_tok!r} must be in 1 .. model.num_experts="
+                  f"{self.num_experts}")
+            check(isinstance(self.moe_intermediate_size, int) and self.moe_intermediate_size >= 1,
+                  f"model.moe_intermediate_size={self.moe_intermediate_size!r} must be a positive integer")
+        check(self.router_aux_loss_coef >= 0, f"model.router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0")
 
     def _check_rope(self):
         check(self.rope_type in ROPE_TYPES,
