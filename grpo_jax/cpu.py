@@ -137,13 +137,16 @@ BLOCK_VISIT = 1.2
 DENSE_PAIR_COST = 6.0
 
 
-def blocked_attention(q_BxTxKxGxDh, k_BxKxTxDh, v_BxKxTxDh, mask_BxTxT):
+def blocked_attention(q_BxTxKxGxDh, k_BxKxTxDh, v_BxKxTxDh, mask_BxTxT, scale: float | None = None,
+                      softcap: float | None = None):
     """Softmax attention over blocks of keys, skipping the blocks that no query of a query block sees: a packed
     buffer's branches see the prompt and themselves, not each other, so most blocks are empty. [B,K,G,T,Dh], the
     dense softmax's result up to float rounding (an online softmax, summed block by block); None when T is too
     short or splits into no blocks of at least 64 (the dense path then runs). A block is run when any row needs it.
-    Each query block is rematerialised in the backward pass: no [T, T] scores are kept."""
+    Each query block is rematerialised in the backward pass: no [T, T] scores are kept. Scores as
+    `layers.attention_scores` (``scale`` None: Dh^-1/2)."""
     B, T, K, G, Dh = q_BxTxKxGxDh.shape
+    score_scale = Dh ** -0.5 if scale is None else scale
     b = math.gcd(T, ATTENTION_BLOCK)
     if T < MIN_BLOCKED_LENGTH or b < 64:
         return None
@@ -164,7 +167,9 @@ def blocked_attention(q_BxTxKxGxDh, k_BxKxTxDh, v_BxKxTxDh, mask_BxTxT):
             def visit(carry):
                 m_BxKxGxb, l_BxKxGxb, acc_BxKxGxbxDh = carry
                 s = jnp.einsum("bqkgd,bksd->bkgqs", q_BxbxKxGxDh, k_BxKxbxDh,
-                               preferred_element_type=jnp.float32) * (Dh ** -0.5)
+                               preferred_element_type=jnp.float32) * score_scale
+                if softcap is not None:
+                    s = jnp.tanh(s / softcap) * softcap
                 s = jnp.where(mask_Bxbxb[:, None, None], s, floor)
                 # the shift cancels in the result: no gradient through it
                 m_new = jax.lax.stop_gradient(jnp.maximum(m_BxKxGxb, s.max(axis=-1)))
@@ -227,7 +232,7 @@ def packed_attention(graphdef: nnx.GraphDef, params: nnx.State, on: bool) -> nnx
     else ``graphdef`` unchanged. Apply once, where the model is built; ``params`` may be abstract."""
     if not on:
         return graphdef
-    from grpo_jax.models.transformer import Attention
+    from grpo_jax.models.layers import Attention
 
     model = nnx.merge(graphdef, params)
     for _, module in nnx.iter_graph(model):

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax import trajectory
-from grpo_jax.models import forward, model_config, unembed
+from grpo_jax.models import forward, unembed
 
 
 def token_logps_from_logits(logits_BxTxV, token_ids_BxT, *, temperature: float, with_entropy: bool = False):
@@ -71,8 +71,7 @@ def completion_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completi
     B, T = completion_ids_BxT.shape
     layout = trajectory.layout(prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT,
                                group_size=prompt_group_size, packed_length=packed_length,
-                               packed_buffers=packed_buffers,
-                               sliding_window=model_config(graphdef, params).sliding_window)
+                               packed_buffers=packed_buffers)
     prefix = None
     if layout.prefix is not None:
         ids_RxP, positions_RxP, mask_RxP = layout.prefix

@@ -94,7 +94,7 @@ def packed_length(prompt_tokens_B, completion_tokens_B, group_size: int, buffers
 
 
 def layout(prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT, *, group_size: int = 1,
-           packed_length: int = 0, packed_buffers: int = 0, sliding_window: int | None = None) -> Layout:
+           packed_length: int = 0, packed_buffers: int = 0) -> Layout:
     """The rows' `Layout`: ``packed_length`` > 0 packed (groups of G = ``group_size`` rows, one after another in
     ``packed_buffers`` buffers of that length; 0: one buffer a group); else G > 1 shared (each group's prompt a
     prefix); else padded."""
@@ -108,7 +108,7 @@ def layout(prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_
     identity_BxT = jnp.arange(B * T, dtype=jnp.int32).reshape(B, T)
     if packed_length:
         return _packed(prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT, G, packed_buffers,
-                       packed_length, sliding_window)
+                       packed_length)
     positions_BxS = jnp.maximum(jnp.cumsum(mask_BxS, axis=1) - 1, 0)  # left padding: cumsum(mask) - 1
     if G == 1:  # slot P - 1 + t predicts token t
         ids_BxS = jnp.concatenate([prompt_ids_BxP, completion_ids_BxT], axis=1)
@@ -123,8 +123,8 @@ def layout(prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_
                   prefix)
 
 
-def _packed(prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT, G: int, K: int, L: int,
-            sliding_window: int | None) -> Layout:
+def _packed(prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT, G: int, K: int,
+            L: int) -> Layout:
     """K buffers of L slots (0: one a group), each holding its share of the groups one after another. Rows split
     into K runs of consecutive rows: a mesh that splits rows (K a multiple of its shards) keeps each buffer's rows
     on one device."""
@@ -133,15 +133,14 @@ def _packed(prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask
     if not isinstance(K, int) or K < 1 or (B // G) % K:
         raise ValueError(f"packed_buffers={K!r} must be a positive integer dividing the {B // G} groups")
     split = lambda x: x.reshape(K, B // K, *x.shape[1:])  # noqa: E731
-    pack = functools.partial(_pack_buffer, G=G, L=L, sliding_window=sliding_window)
+    pack = functools.partial(_pack_buffer, G=G, L=L)
     ids_KxL, positions_KxL, visible_KxLxL, next_KxL, source_KxNxT = jax.vmap(pack)(
         split(prompt_ids_BxP), split(prompt_mask_BxP), split(completion_ids_BxT), split(completion_mask_BxT))
     source_BxT = (source_KxNxT + (jnp.arange(K, dtype=jnp.int32) * L)[:, None, None]).reshape(B, T)
     return Layout(ids_KxL, positions_KxL, visible_KxLxL, next_KxL, source_BxT, (0, L))
 
 
-def _pack_buffer(prompt_ids_NxP, prompt_mask_NxP, completion_ids_NxT, completion_mask_NxT, *, G: int, L: int,
-                 sliding_window: int | None):
+def _pack_buffer(prompt_ids_NxP, prompt_mask_NxP, completion_ids_NxT, completion_mask_NxT, *, G: int, L: int):
     """One buffer of L slots: per group of G rows [its prompt but the last token | per row: that token, then the
     row's completion], group after group, then padding. A row's branch sees its group's prompt and itself, never
     another row's branch or another group; padding is never run. Positions: prompt token j at j, a branch's copy
@@ -175,8 +174,6 @@ def _pack_buffer(prompt_ids_NxP, prompt_mask_NxP, completion_ids_NxT, completion
     # its own branch
     visible_LxL = ((i_L[None] <= i_L[:, None]) & valid_L[None] & valid_L[:, None] & (r_L[None] == r_L[:, None])
                    & ((branch_L[None] == 0) | (branch_L[None] == branch_L[:, None])))
-    if sliding_window is not None:
-        visible_LxL &= positions_L[:, None] - positions_L[None] < sliding_window
     source_NxT = jnp.minimum(start_RxG.reshape(N, 1) + jnp.arange(T), L - 1).astype(jnp.int32)
     return ids_L, positions_L, visible_LxL, jnp.where(valid_L, next_tok_L, 0), source_NxT
 

@@ -373,7 +373,7 @@ def test_rotary_tables_give_each_position_its_rotation(case):
     do not change), match float64 numpy, repeat the frequencies in HF's layout and are NaN past the table."""
     config = ModelConfig(hidden_size=256, num_attention_heads=2, max_position_embeddings=131072, **ROPE_CASES[case][0])
     positions_BxT = np.array([[0, 0, 1, 2, 3], [4, 17, 18, 19, 19]], np.int32)
-    cos, sin = jax.jit(lambda p: rope_cos_sin(p, rotary_tables(config, 20)))(positions_BxT)
+    cos, sin = jax.jit(lambda p: rope_cos_sin(p, rotary_tables(config, 20)["full_attention"]))(positions_BxT)
     freqs = jax.jit(lambda p: p.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(config)))(positions_BxT)
     freqs = jnp.concatenate([freqs, freqs], axis=-1)
     np.testing.assert_array_equal(cos, jax.jit(jnp.cos)(freqs))
@@ -382,7 +382,7 @@ def test_rotary_tables_give_each_position_its_rotation(case):
     angles = np.concatenate([angles, angles], axis=-1)
     np.testing.assert_allclose(cos, np.cos(angles), rtol=0, atol=2e-6)
     np.testing.assert_allclose(sin, np.sin(angles), rtol=0, atol=2e-6)
-    past_cos, past_sin = rope_cos_sin(jnp.array([[19, 20]]), rotary_tables(config, 20))
+    past_cos, past_sin = rope_cos_sin(jnp.array([[19, 20]]), rotary_tables(config, 20)["full_attention"])
     assert np.isfinite(past_cos[0, 0]).all() and np.isnan(past_cos[0, 1]).all() and np.isnan(past_sin[0, 1]).all()
 
 def _hf_model(config: ModelConfig, params):

@@ -12,7 +12,9 @@ from grpo_jax.config.sections import check
 
 # numpy dtypes, which jax takes as they are (jnp.bfloat16 is ml_dtypes.bfloat16): the schema needs no jax
 _DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-MODEL_TYPES = ("qwen2", "llama", "qwen3", "mistral")
+MODEL_TYPES = ("qwen2", "llama", "qwen3", "mistral", "gemma2", "gemma3_text")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # per-layer attention kinds, transformers' names
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's hidden_act (transformers' names)
 ROPE_TYPES = ("default", "linear", "llama3")
 REMAT = ("none", "full", "dots")  # `models.transformer.REMAT_POLICIES`: what a layer's backward keeps
 # the decoder's linear layers by PEFT's names; "all-linear" targets all of them (never lm_head, as in PEFT)
@@ -88,6 +90,14 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm of q and k over the head dim before RoPE
     sliding_window: int | None = None  # a key is visible when query_slot - key_slot < sliding_window
+    # per layer full_attention / sliding_attention (the window on sliding layers only); None: every layer sliding
+    # when sliding_window is set, else full
+    layer_types: tuple[str, ...] | None = None
+    rope_local_base_freq: float | None = None  # Gemma 3: sliding layers' RoPE theta (default RoPE); None: as full
+    hidden_act: str = "silu"  # the gated MLP's activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU, Gemma)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power (Gemma); None: head_dim
+    attn_logit_softcapping: float | None = None  # scores -> c * tanh(scores / c) (Gemma 2); None: off
+    final_logit_softcapping: float | None = None  # logits -> c * tanh(logits / c) (Gemma 2); None: off
     rope_type: str = "default"
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
@@ -141,6 +151,7 @@ class ModelConfig:
         check(self.sliding_window is None or (isinstance(self.sliding_window, int) and self.sliding_window >= 1),
                f"model.sliding_window={self.sliding_window!r} must be a positive integer, or null for full "
                "attention")
+        self._check_layers()
         check(self.init in (None, "random"), f"model.init={self.init!r}: use random (random weights of the model.* "
               "sizes), or null (model.path's weights; a random model only for the embedded tasks)")
         check(self.init is None or self.path is None, f"model.init=random with model.path={self.path!r}: the weights "
@@ -158,6 +169,21 @@ class ModelConfig:
             check(isinstance(self.moe_intermediate_size, int) and self.moe_intermediate_size >= 1,
                   f"model.moe_intermediate_size={self.moe_intermediate_size!r} must be a positive integer")
         check(self.router_aux_loss_coef >= 0, f"model.router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0")
+
+    def _check_layers(self):
+        types = self.layer_types
+        check(types is None or (isinstance(types, tuple) and len(types) == self.num_hidden_layers
+                                and set(types) <= set(LAYER_TYPES)),
+              f"model.layer_types={types!r}: give one of {', '.join(LAYER_TYPES)} per layer "
+              f"({self.num_hidden_layers}), or null")
+        check(types is None or "sliding_attention" not in types or self.sliding_window is not None,
+              "model.layer_types has sliding_attention layers but model.sliding_window is null: set the window")
+        check(self.hidden_act in ACTIVATIONS,
+              f"model.hidden_act={self.hidden_act!r} is not supported: use one of {', '.join(ACTIVATIONS)}")
+        for name in ("rope_local_base_freq", "query_pre_attn_scalar", "attn_logit_softcapping",
+                     "final_logit_softcapping"):
+            value = getattr(self, name)
+            check(value is None or value > 0, f"model.{name}={value!r} must be > 0, or null")
 
     def _check_rope(self):
         check(self.rope_type in ROPE_TYPES,
@@ -181,6 +207,14 @@ class ModelConfig:
     def resolved_head_dim(self) -> int:
         """Head dimension: ``head_dim`` or ``hidden_size // num_attention_heads``."""
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def resolved_layer_types(self) -> tuple[str, ...]:
+        """Each layer's attention kind: ``layer_types``, else every layer sliding_attention with a window and
+        full_attention without."""
+        if self.layer_types is not None:
+            return tuple(self.layer_types)
+        return (LAYER_TYPES[self.sliding_window is not None],) * self.num_hidden_layers
 
     @property
     def jnp_dtype(self):

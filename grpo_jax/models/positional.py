@@ -9,10 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def rope_inv_freq(config) -> np.ndarray:
-    """Inverse frequencies [Dh/2] float32, as transformers' ``ROPE_INIT_FUNCTIONS[rope_type]``."""
+def rope_inv_freq(config, kind: str = "full_attention") -> np.ndarray:
+    """Inverse frequencies [Dh/2] float32 of a layer kind's RoPE, as transformers'
+    ``ROPE_INIT_FUNCTIONS[rope_type]``: with ``rope_local_base_freq`` (Gemma 3) sliding_attention layers use
+    default RoPE of that base, every other layer ``rope_theta`` and ``rope_type``."""
     dim = config.resolved_head_dim
-    inv_freq = (1.0 / (config.rope_theta ** (np.arange(0, dim, 2).astype(np.float32) / dim))).astype(np.float32)
+    local = kind == "sliding_attention" and config.rope_local_base_freq is not None
+    theta = config.rope_local_base_freq if local else config.rope_theta
+    inv_freq = (1.0 / (theta ** (np.arange(0, dim, 2).astype(np.float32) / dim))).astype(np.float32)
+    if local:
+        return inv_freq
     factor = np.float32(config.rope_factor)
     if config.rope_type == "linear":
         return inv_freq / factor

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.models import safetensors_io as st
+from grpo_jax.models.families import family, hf_names
 from grpo_jax.models.hf_config import resolve_config, to_hf_config
 from grpo_jax.config.model import ModelConfig
 from grpo_jax.models.transformer import Transformer, forward, positions_from_mask, unembed
@@ -55,19 +56,6 @@ def _flat(tree) -> dict[str, Any]:
     pure = nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
     leaves = jax.tree_util.tree_flatten_with_path(pure, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]
     return {jax.tree_util.keystr(k, simple=True, separator="."): v for k, v in leaves}
-
-
-def hf_names(path: str, num_layers: int) -> tuple[list[str], bool, bool]:
-    """(Hugging Face tensor names, stacked over layers, transposed) for one of our parameter paths."""
-    *module, leaf = path.split(".")
-    hf_leaf = "weight" if leaf in ("kernel", "embedding") else leaf
-    transposed = leaf == "kernel"
-    if module[0] == "lm_head":
-        return [f"lm_head.{hf_leaf}"], False, transposed
-    if module[0] == "layers":
-        inner = ".".join(module[1:])
-        return [f"model.layers.{i}.{inner}.{hf_leaf}" for i in range(num_layers)], True, transposed
-    return [f"model.{'.'.join(module)}.{hf_leaf}"], False, transposed
 
 
 def _sharding_fn(shardings) -> Callable[[str, tuple], jax.sharding.Sharding]:
@@ -206,16 +194,10 @@ def _entries(model: Model, params) -> list[st.Entry]:
             fetch = (lambda a=array, i=i, t=transposed: _to_host(a[i], t)) if stacked else (
                 lambda a=array, t=transposed: _to_host(a, t))
             entries.append(st.Entry(name, shape[::-1] if transposed else shape, np.dtype(array.dtype), fetch))
-    if config.model_type == "qwen2" and not config.attention_bias:
-        # Qwen2 always has q/k/v biases: zeros make the export exact
-        dtype = entries[0].dtype
-        width = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads,
-                 "v_proj": config.num_key_value_heads}
-        for i in range(config.num_hidden_layers):
-            for proj, heads in width.items():
-                shape = (heads * config.resolved_head_dim,)
-                entries.append(st.Entry(f"model.layers.{i}.self_attn.{proj}.bias", shape, dtype,
-                                        lambda shape=shape, dtype=dtype: np.zeros(shape, dtype)))
+    zeros = family(config.model_type).export_zeros
+    dtype = entries[0].dtype
+    for name, shape in zeros(config) if zeros is not None else ():
+        entries.append(st.Entry(name, shape, dtype, lambda shape=shape: np.zeros(shape, dtype)))
 
     def order(e: st.Entry):
         parts = e.name.split(".")

@@ -1,0 +1,81 @@
+"""A model family is a module (`models.llama`, `models.gemma`) that fills one `Family`: its decoder layer, what
+the generic driver (`models.transformer`) does differently for it, its config.json mapping and its weight names.
+
+Adding a family: write ``models/<family>.py`` with a decoder layer built from `models.layers` (its call takes
+``(x, cos, sin, mask, cache_kv, cache_index, prefix_kv, prefix_group_size, whole_mask)`` and returns
+``(x, cache_kv, new_kv)``, as `models.llama.DecoderLayer`), ``config_fields`` and ``hf_kwargs``; list its
+model types in `grpo_jax.config.model.MODEL_TYPES` and its module in `family`. Sampling, log-probs and the losses
+see only `models.transformer`'s functions and need nothing.
+
+Per-layer attention kinds are transformers' ``layer_types`` (full_attention, sliding_attention): each kind has its
+window (`kind_window`) and its RoPE (`positional.rope_inv_freq`); a forward builds one mask and one RoPE table per
+kind and each layer uses its kind's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from grpo_jax.config.model import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What one family of decoders needs beyond the shared driver."""
+
+    architectures: dict[str, str]  # model_type -> transformers' *ForCausalLM class name
+    decoder_layer: type  # nnx.Module built as ``decoder_layer(config, rngs)``
+    config_fields: Callable[[Any, str], dict]  # (transformers config, where) -> ModelConfig field values
+    hf_kwargs: Callable[[ModelConfig], dict]  # ModelConfig -> transformers.AutoConfig.for_model arguments
+    norm_offset: bool = False  # RMSNorms scale by (1 + weight) (Gemma)
+    embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size) in the compute dtype (Gemma)
+    # ModelConfig -> [(name, shape)]: tensors transformers' class always has that this config does not (written
+    # as zeros on export)
+    export_zeros: Callable[[ModelConfig], list] | None = None
+
+
+def family(model_type: str) -> Family:
+    """The `Family` of a model_type; an unknown one is an error listing the supported ones."""
+    registry = {mt: f for f in _families() for mt in f.architectures}
+    if model_type not in registry:
+        raise ValueError(f"model_type {model_type!r} is not supported: supported are {sorted(registry)}")
+    return registry[model_type]
+
+
+def supported_model_types() -> list[str]:
+    """Every model_type some family reads and writes."""
+    return sorted(mt for f in _families() for mt in f.architectures)
+
+
+def _families() -> tuple[Family, ...]:
+    from grpo_jax.models import llama  # the family modules import this one
+
+    return (llama.FAMILY,)
+
+
+def layer_kinds(config: ModelConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(the distinct attention kinds in order of first use, each layer's index into them)."""
+    types = config.resolved_layer_types
+    kinds = tuple(dict.fromkeys(types))
+    return kinds, tuple(kinds.index(t) for t in types)
+
+
+def kind_window(config: ModelConfig, kind: str) -> int | None:
+    """The sliding window of a layer kind: ``sliding_window`` for sliding_attention, None for full_attention."""
+    return config.sliding_window if kind == "sliding_attention" else None
+
+
+def hf_names(path: str, num_layers: int) -> tuple[list[str], bool, bool]:
+    """(Hugging Face tensor names, stacked over layers, transposed) for one of our parameter paths: module names
+    are transformers' under ``model.``; ``layers.<m>`` [L, ...] is ``model.layers.<i>.<m>`` for i < L."""
+    *module, leaf = path.split(".")
+    hf_leaf = "weight" if leaf in ("kernel", "embedding") else leaf
+    transposed = leaf == "kernel"
+    if module[0] == "lm_head":
+        return [f"lm_head.{hf_leaf}"], False, transposed
+    if module[0] == "layers":
+        inner = ".".join(module[1:])
+        return [f"model.layers.{i}.{inner}.{hf_leaf}" for i in range(num_layers)], True, transposed
+    return [f"model.{'.'.join(module)}.{hf_leaf}"], False, transposed
