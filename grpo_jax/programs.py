@@ -122,7 +122,8 @@ def jit_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
     """
     replicated, rows = sharding.replicated(mesh), sharding.row_sharded(mesh)
     ref_device = _on_device(state_sharding.ref_params)
-    step = functools.partial(train_step, graphdef, optimizer, options, mesh=mesh, ref_device_sharding=ref_device)
+    step = sharding.traced_in(mesh, functools.partial(train_step, graphdef, optimizer, options, mesh=mesh,
+                                                      ref_device_sharding=ref_device))
     if ref_device is None:
         return jax.jit(step, in_shardings=(state_sharding, rows), out_shardings=(state_sharding, replicated),
                        donate_argnums=0, static_argnums=(2, 3))
@@ -161,7 +162,8 @@ def jit_logps(graphdef: nnx.GraphDef, mesh: Mesh, *, temperature: float, chunk_s
                                   packed_buffers=packed_buffers)
         return out
 
-    return jax.jit(logps, in_shardings=(params_sharding, rows, rows, rows, rows), out_shardings=rows,
+    return jax.jit(sharding.traced_in(mesh, logps), in_shardings=(params_sharding, rows, rows, rows, rows),
+                   out_shardings=rows,
                    static_argnums=(5, 6))
 
 
@@ -292,6 +294,7 @@ def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingCo
         return cpu.host_chunks(config.host_threads, mesh, num_rows, group_size) if cpu_speedups else 1
 
     in_shardings = (params_sharding, rows, rows, replicated, replicated)
+    start, generate, advance, append = (sharding.traced_in(mesh, f) for f in (start, generate, advance, append))
     return Decoder(
         generate=jax.jit(generate, static_argnums=5, in_shardings=in_shardings, out_shardings=(rows, None)),
         start=jax.jit(start, static_argnums=5, in_shardings=in_shardings),

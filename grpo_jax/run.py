@@ -292,7 +292,8 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     if config.model.vocab_size is None:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=len(tokenizer)))
     tc = config.train
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor,
+                              expert=config.mesh.expert)
     lengths = dict(max_completion_length=config.sampling.max_completion_length,
                    soft_punish_cache=config.reward.soft_punish_cache)
     reward_fns = reward_specs.resolve_all(config.reward.functions if reward_funcs is None else reward_funcs, mesh,

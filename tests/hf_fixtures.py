@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face model folders (llama, mistral, qwen2, qwen3), built and saved by transformers.
+"""Tiny random Hugging Face model folders (llama, mistral, qwen2, qwen3, qwen3_moe), built and saved by transformers.
 
 Every folder is a real ``save_pretrained`` output (config.json, model.safetensors, generation_config.json), so
 the loader is tested on what users bring. Biases and norm weights are randomised too (transformers initialises
@@ -20,12 +20,15 @@ FAMILIES = {
     "qwen2": dict(model_type="qwen2"),
     "qwen3": dict(model_type="qwen3", head_dim=32),
     "mistral": dict(model_type="mistral", sliding_window=4),
+    "qwen3_moe": dict(model_type="qwen3_moe", head_dim=32, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True),
 }
 UNTIED_EXTRA = {
     "llama": dict(attention_bias=True, mlp_bias=True),
     "qwen2": dict(),
     "qwen3": dict(attention_bias=True, rope_parameters={"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0}),
     "mistral": dict(head_dim=8),
+    "qwen3_moe": dict(attention_bias=True, norm_topk_prob=False),
 }
 
 

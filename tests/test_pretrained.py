@@ -350,7 +350,8 @@ BAD_FOLDERS = [
     ("shape", r"bad/model.safetensors: tensor model.layers.0.mlp.down_proj.weight has shape \[64, 128\], "
               r"expected \[64, 96\] from config.json"),
     ("truncated", r"model.safetensors: .*truncated or corrupt"),
-    ("gpt2", r"model_type 'gpt2' is not supported: supported are \['llama', 'mistral', 'qwen2', 'qwen3'\]"),
+    ("gpt2", r"model_type 'gpt2' is not supported: supported are "
+             r"\['llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe'\]"),
     ("yarn", r"rope_type 'yarn' is not supported: supported are \('default', 'linear', 'llama3'\)"),
     ("gelu", r"hidden_act 'gelu' is not supported"),
     ("partial_window", r"sliding_window=4 on layers \[1\] only is not supported"),

@@ -220,3 +220,27 @@ def test_host_threads_refuse_a_multi_device_mesh(tiny_model):
     # the CPU speed-ups off: host_threads is not used, nothing to refuse
     jit_decoder(graphdef, sharding.make_mesh(8, 1, 1), model_config, config=SamplingConfig(host_threads=2),
                 eos_token_ids=(1,), pad_token_id=0, cpu_speedups=False)
+
+
+MOE = dict(model_type="qwen3_moe", qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+           norm_topk_prob=True)
+
+
+@needs_8
+@pytest.mark.parametrize("shape", [(4, 1, 1, 2), (2, 1, 1, 4), (1, 2, 1, 4), (1, 2, 2, 2)])
+def test_moe_train_steps_with_expert_axis_equal_single_device(tiny_model_config, shape):
+    """Qwen3-MoE with its experts split 2 or 4 ways over the `expert` axis: the same steps as one device."""
+    config = dataclasses.replace(tiny_model_config, **MOE)
+    data, fsdp, tensor, expert = shape
+    state, metrics, step = run(config, sharding.make_mesh(data, fsdp, tensor, expert=expert))
+    single_state, single_metrics = run(config, one_device_mesh())[:2]
+    for m, s in zip(metrics, single_metrics):
+        for k in ("loss", "grad_norm", "kl", "entropy"):
+            np.testing.assert_allclose(m[k], s[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max()),
+                 jax.device_get(state.params), jax.device_get(single_state.params))
+    assert step._cache_size() == 1
+    up = next(x for p, x in jax.tree_util.tree_leaves_with_path(state.params)
+              if sharding.path_name(p).endswith("experts.up_proj"))
+    assert tuple(up.sharding.spec) == (None, "expert", "fsdp", "tensor")
+    assert up.addressable_shards[0].data.shape[1] == MOE["num_experts"] // expert

@@ -12,7 +12,7 @@ from grpo_jax.config.sections import check
 
 # numpy dtypes, which jax takes as they are (jnp.bfloat16 is ml_dtypes.bfloat16): the schema needs no jax
 _DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-MODEL_TYPES = ("qwen2", "llama", "qwen3", "mistral", "gemma2", "gemma3_text")
+MODEL_TYPES = ("qwen2", "llama", "qwen3", "mistral", "gemma2", "gemma3_text", "qwen3_moe")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # per-layer attention kinds, transformers' names
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's hidden_act (transformers' names)
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -162,6 +162,9 @@ class ModelConfig:
     def _check_moe(self):
         check(isinstance(self.num_experts, int) and self.num_experts >= 0,
               f"model.num_experts={self.num_experts!r} must be an integer >= 0 (0: dense MLPs)")
+        check((self.num_experts > 0) == (self.model_type == "qwen3_moe"),
+              f"model.num_experts={self.num_experts} with model.model_type={self.model_type!r}: mixture-of-experts "
+              "models are qwen3_moe (num_experts >= 1); every other model_type has dense MLPs (num_experts=0)")
         if self.num_experts:
             check(isinstance(self.num_experts_per_tok, int) and 1 <= self.num_experts_per_tok <= self.num_experts,
                   f"model.num_experts_per_tok={self.num_experts_per_tok!r} must be in 1 .. model.num_experts="

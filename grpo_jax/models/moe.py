@@ -21,12 +21,22 @@ so the router keeps its gradient.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
 EXPERT = "expert"  # the mesh axis experts are split over (grpo_jax/sharding.py)
+
+
+class Routing(NamedTuple):
+    """What the routers of an L-layer mixture-of-experts decoder did: logits [L, B, T, E] in the compute dtype and
+    the experts each token went to [L, B, T, K] int32."""
+
+    logits: jax.Array
+    experts: jax.Array
 
 
 class Experts(nnx.Module):
@@ -82,6 +92,9 @@ def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF,
 
     def local(x, experts, weights, gate, up, down):
         first = jax.lax.axis_index(EXPERT) * (E // n)
+        # the tokens cast to varying over the axis up front, so the cast's transpose sums every device's part of
+        # their gradient (left to jax 0.10's implicit casts, x's gradient came back wrong: tests/test_moe.py)
+        x = jax.lax.pcast(x, EXPERT, to="varying")
         return jax.lax.psum(expert_mlp(x, experts, weights, gate, up, down, first), EXPERT)
 
     split, whole = PartitionSpec(EXPERT), PartitionSpec()
