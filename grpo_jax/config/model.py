@@ -119,6 +119,9 @@ class ModelConfig:
     moe_intermediate_size: int = 768
     norm_topk_prob: bool = False  # renormalise the chosen experts' router probabilities to sum 1
     router_aux_loss_coef: float = 0.001  # the architecture's load-balancing coefficient (HF config.json)
+    # routing replay: the sampler records each token's experts and the log-prob forwards (old, reference, the
+    # update) use them instead of routing afresh
+    routing_replay: bool = False
 
     def __post_init__(self):
         names = ("vocab_size",) if self.vocab_size is not None else ()
@@ -171,7 +174,15 @@ class ModelConfig:
                   f"{self.num_experts}")
             check(isinstance(self.moe_intermediate_size, int) and self.moe_intermediate_size >= 1,
                   f"model.moe_intermediate_size={self.moe_intermediate_size!r} must be a positive integer")
+        check(not (self.num_experts and self.lora.enabled and set(self.lora.targets) & {"gate_proj", "up_proj",
+                                                                                        "down_proj"}
+                   and self.lora.target_modules != "all-linear"),
+              f"model.lora.target_modules={self.lora.target_modules!r}: LoRA on a mixture of experts' experts is not "
+              "supported; target the attention (q_proj, k_proj, v_proj, o_proj) or all-linear, which is them")
         check(self.router_aux_loss_coef >= 0, f"model.router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0")
+        # with a path the architecture is config.json's: `run.build` checks it once resolved
+        check(not self.routing_replay or self.num_experts > 0 or self.path is not None,
+              "model.routing_replay=true needs a mixture-of-experts model (model_type qwen3_moe): set it to false")
 
     def _check_layers(self):
         types = self.layer_types
