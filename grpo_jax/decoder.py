@@ -202,7 +202,7 @@ def prefill(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, group_size: int, 
     hidden_RxPxD, kv_R, *routed = forward(graphdef, params, prompt_ids_BxP[::G], positions_from_mask(mask_RxP),
                                           mask_RxP, init_cache(model_cfg, B // G, P), 0,
                                           layers=layer_params(graphdef, params), rope=rotary_tables(model_cfg, P),
-                                          **(dict(return_routing=True) if return_routing else {}))
+                                          return_routing=return_routing)
     # left padding puts every prompt's last real token at slot P - 1
     return kv_R, unembed(graphdef, params, hidden_RxPxD[:, -1:])[:, 0], *routed
 
@@ -238,10 +238,9 @@ def start(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options: Decod
     if options.record_routing:  # each row's prompt tokens took its group's prompt's experts
         experts_LxRxPxK = routed[0].experts
         L, _, _, K = experts_LxRxPxK.shape
-        cfg = model_config(graphdef, params)
-        d = d._replace(routing=jnp.zeros((B, P + T, L, K), routing_dtype(cfg.num_experts)).at[:, :P].set(
-            jnp.repeat(experts_LxRxPxK, options.group_size, axis=1).transpose(1, 2, 0, 3).astype(
-                routing_dtype(cfg.num_experts))))
+        dtype = routing_dtype(model_config(graphdef, params).num_experts)
+        prompts_BxPxLxK = jnp.repeat(experts_LxRxPxK, options.group_size, axis=1).transpose(1, 2, 0, 3)
+        d = d._replace(routing=jnp.zeros((B, P + T, L, K), dtype).at[:, :P].set(prompts_BxPxLxK.astype(dtype)))
     return _sample(*_admit(d, jnp.zeros((N, V), logits_RxV.dtype), options.group_size, options), options)
 
 
@@ -269,7 +268,7 @@ def _readmit(graphdef, params, d: Decoding, options: DecodeOptions, layers, rope
                            .at[:, :, :P].set(p_RxKxPxDh[row_K // options.group_size]), d.cache, d.prompt_kv)
     _, cache_K, *routed = forward(graphdef, params, d.tokens[row_K], positions_KxT, mask_KxS, cache_K, P,
                                   layers=layers, rope=rope,
-                                  **(dict(return_routing=True) if options.record_routing else {}))
+                                  return_routing=options.record_routing)
     if options.record_routing:  # the completion so far ran again: its experts as this pass chose them
         d = _record(d, routed[0], row_K, P + t_T[None], valid_K[:, None] & (t_T[None] < length_K[:, None] - 1))
     into = jnp.where(valid_K, slots_K, N)  # N: dropped
@@ -313,7 +312,7 @@ def advance(graphdef, params, decoding: Decoding, options: DecodeOptions, *, seg
             positions_Nx1 = (prompt_len_B[rows_N] + t_N - 1)[:, None]
         hidden_Nx1xD, cache, *routed = forward(
             graphdef, params, d.pending[:, None], positions_Nx1, cache_mask, d.cache, at_N, layers=layers, rope=rope,
-            **(dict(return_routing=True) if options.record_routing else {}))
+            return_routing=options.record_routing)
         logits_NxV = unembed(graphdef, params, hidden_Nx1xD)[:, 0]
         if options.record_routing:  # the pending tokens went in at their rows' places
             d = _record(d, routed[0], rows_N, jnp.broadcast_to(at_N, rows_N.shape)[:, None], d.live[:, None])
@@ -375,7 +374,7 @@ def append(graphdef, params, decoding: Decoding, rows_M, tokens_MxA, counts_M, o
         rope = rotary_tables(model_config(graphdef, params), S)
         _, cache_M, *routed = forward(graphdef, params, feed_MxA, positions_MxA, mask_MxS, cache_M, at_M,
                                       layers=layer_params(graphdef, params), rope=rope,
-                                      **(dict(return_routing=True) if options.record_routing else {}))
+                                      return_routing=options.record_routing)
         if options.record_routing:  # the pending token and the appended ones but the last went in
             d = _record(d, routed[0], row_M, at_M[:, None] + i_A[None], real_MxA & resumed_M[:, None])
         into = jnp.where(resumed_M, slot_M, N)  # N: dropped

@@ -118,26 +118,22 @@ def completion_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completi
         packed_length=packed_length, packed_buffers=packed_buffers)
     layout = layout_of(prompt_ids_BxP, completion_ids_BxT)
     routed = routing is not None or router_aux
-    prefix_source, source = _slot_sources(prompt_mask_BxP, completion_mask_BxT, layout_of) if routed else (None,
-                                                                                                            None)
+    prefix_source, source = (_slot_sources(prompt_mask_BxP, completion_mask_BxT, layout_of) if routed
+                             else (None, None))
 
-    def extra(source):  # a forward's routing arguments: the slots' replayed experts [L, R, S, K], its Routing back
-        if not routed:
-            return {}
-        replay = None if routing is None else _gather_tokens(routing, source).transpose(2, 0, 1, 3)
-        return dict(routing=replay, return_routing=True)
+    def replay(source):  # the slots' replayed experts [L, R, S, K]
+        return None if routing is None else _gather_tokens(routing, source).transpose(2, 0, 1, 3)
 
-    prefix, router = None, []
+    prefix, router = None, []  # router: each forward's Routing (with router_aux)
     if layout.prefix is not None:
         ids_RxP, positions_RxP, mask_RxP = layout.prefix
-        _, prefix, *prefix_router = forward(graphdef, params, ids_RxP, positions_RxP, mask_RxP, return_kv=True,
-                                            **extra(prefix_source))
-        router += [r.logits for r in prefix_router]
+        _, prefix, *router = forward(graphdef, params, ids_RxP, positions_RxP, mask_RxP, return_kv=True,
+                                     routing=replay(prefix_source), return_routing=router_aux)
     hidden_RxLxD, _, *buffer_router = forward(graphdef, params, layout.ids, layout.positions, layout.mask,
                                               prefix=prefix,
                                               prefix_group_size=prompt_group_size if prefix is not None else 1,
-                                              **extra(source))
-    router += [r.logits for r in buffer_router]
+                                              routing=replay(source), return_routing=router_aux)
+    router += buffer_router
     start, size = layout.scored
     hidden_RxCxD = hidden_RxLxD[:, start:start + size]
     next_RxC = layout.next_ids[:, start:start + size]
@@ -158,6 +154,6 @@ def completion_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completi
     real_BxS = jnp.concatenate([prompt_mask_BxP, completion_mask_BxT], axis=1).astype(jnp.float32)
     sources = ([] if prefix_source is None else [prefix_source]) + [source]
     weights = _token_weights(sources, real_BxS, prompt_group_size, prompt_ids_BxP.shape[1])
-    logits = jnp.concatenate([x.reshape(x.shape[0], -1, x.shape[-1]) for x in router], axis=1)
+    logits = jnp.concatenate([r.logits.reshape(r.logits.shape[0], -1, r.logits.shape[-1]) for r in router], axis=1)
     aux = load_balancing_loss(logits, model_config(graphdef, params).num_experts_per_tok, weights)
     return (*out, aux)

@@ -193,3 +193,21 @@ def test_lora_adapts_attention_and_refuses_experts(moe):
     assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj"}
     with pytest.raises(ValueError, match="experts"):
         dataclasses.replace(config, lora=LoRAConfig(rank=4, target_modules=("q_proj", "up_proj")))
+
+
+def test_a_moe_run_with_routing_replay_and_the_router_aux_loss(tmp_path):
+    """The embedded task end to end on a random Qwen3-MoE: the sampler records routing, the steps replay it and
+    log the load-balancing loss (the model's own coefficient: loss.router_aux_loss_coef null)."""
+    import json
+
+    from grpo_jax import trainer
+    from grpo_jax.config import load_config
+
+    overrides = [f"output_dir={tmp_path}", "max_steps=2", "train.train_batch_size=8", "train.num_generations=4",
+                 "eval.num_examples=0", "sampling.max_completion_length=4", "model.init=random",
+                 "model.routing_replay=true", "train.gradient_accumulation_steps=2",
+                 *(f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in MOE.items())]
+    trainer.train(load_config(None, overrides), show_progress=False)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    aux = [line["router_aux_loss"] for line in lines if "router_aux_loss" in line]
+    assert len(aux) == 2 and all(np.isfinite(aux)) and all(a > 0 for a in aux)
