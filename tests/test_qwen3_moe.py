@@ -203,7 +203,7 @@ def test_a_moe_run_with_routing_replay_and_the_router_aux_loss(tmp_path):
     from grpo_jax import trainer
     from grpo_jax.config import load_config
 
-    overrides = [f"output_dir={tmp_path}", "max_steps=2", "train.train_batch_size=8", "train.num_generations=4",
+    overrides = [f"output_dir={tmp_path}", "max_steps=2", "train.train_batch_size=16", "train.num_generations=4",
                  "eval.num_examples=0", "sampling.max_completion_length=4", "model.init=random",
                  "model.routing_replay=true", "train.gradient_accumulation_steps=2",
                  *(f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in MOE.items())]
