@@ -244,3 +244,28 @@ def test_moe_train_steps_with_expert_axis_equal_single_device(tiny_model_config,
               if sharding.path_name(p).endswith("experts.up_proj"))
     assert tuple(up.sharding.spec) == (None, "expert", "fsdp", "tensor")
     assert up.addressable_shards[0].data.shape[1] == MOE["num_experts"] // expert
+
+
+@needs_8
+def test_moe_greedy_sampling_with_expert_axis_equals_single_device(tiny_model_config):
+    """Decoding (prefill, cached steps) with the experts split 4 ways: the same tokens, log-probs and recorded
+    routing as one device."""
+    config = dataclasses.replace(tiny_model_config, routing_replay=True, **MOE)
+    graphdef, params = init_model(config, 0)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 32, (8, 5)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[::3, :2] = 0
+
+    def sample(mesh):
+        shardings = sharding.param_shardings(mesh, params)
+        dec = jit_decoder(graphdef, mesh, config, config=SamplingConfig(max_completion_length=6), eos_token_ids=(1,),
+                          pad_token_id=0, params_sharding=shardings)
+        return jax.device_get(stream.generate(dec, jax.device_put(params, shardings), ids, mask, jax.random.key(0),
+                                              greedy=True))
+
+    single_out, out = sample(one_device_mesh()), sample(sharding.make_mesh(2, 1, 1, expert=4))
+    np.testing.assert_array_equal(out.completion_ids, single_out.completion_ids)
+    np.testing.assert_array_equal(out.routed_experts, single_out.routed_experts)
+    np.testing.assert_allclose(out.sampler_per_token_logps, single_out.sampler_per_token_logps, rtol=1e-5,
+                               atol=1e-6)
