@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from grpo_jax.config.sections import SamplingConfig
 from grpo_jax.models import (compute_dtype_params, forward, init_cache, layer_params, model_config, positions_from_mask,
                              rotary_tables, unembed)
+from grpo_jax.models.moe import routing_dtype
 from grpo_jax.sampling import draw, row_noise
 from grpo_jax.trajectory import Trajectory
 
@@ -90,11 +91,6 @@ class Decoding(NamedTuple):
     next_row: jax.Array  # [] the first row still waiting for a slot
     steps: jax.Array  # [] decode steps run (forward passes of the N slots)
     routing: jax.Array | None = None  # [B, P + T, L, K] each token's experts per layer, with ``record_routing``
-
-
-def routing_dtype(num_experts: int):
-    """The smallest integer dtype that holds expert ids: routing records are [B, P + T, L, K], large for big models."""
-    return jnp.uint8 if num_experts <= 256 else jnp.int32
 
 
 def _record(d: Decoding, routed, rows_M, places_MxA, valid_MxA) -> Decoding:

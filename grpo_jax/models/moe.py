@@ -142,6 +142,11 @@ class SparseMoE(nnx.Module):
                 experts_NxK.reshape(B, T, -1))
 
 
+def routing_dtype(num_experts: int):
+    """The smallest integer dtype of expert ids: recorded routing ([B, P + T, L, K] per round) is large."""
+    return jnp.uint8 if num_experts <= 256 else jnp.int32
+
+
 def load_balancing_loss(router_logits_LxNxE, top_k: int, mask_N=None):
     """Switch Transformer's auxiliary loss as transformers' ``load_balancing_loss_func``:
     E * sum_e f_e * P_e, where over all L layers' (unmasked) tokens f_e = (top-K assignments to e) / tokens and
