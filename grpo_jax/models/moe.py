@@ -9,10 +9,12 @@ stacked tensor per projection: ``experts.gate_proj`` [E, D, F], ``experts.up_pro
 ``experts.down_proj`` [E, F, D] (kernels [in, out], HF's per-expert ``weight`` transposed).
 
 Dispatch: the M assignments are sorted by expert and each expert's contiguous rows are multiplied by its weights
-with ``jax.lax.ragged_dot``: exact (no capacity, no dropped tokens) and M*D*F work, which XLA runs as a grouped
-GEMM on GPU and TPU (on CPU jax lowers it to a masked dense product, fine for the small CPU models). With an
-``expert`` mesh axis each device holds E / n experts and computes the assignments routed to them; a psum over the
-axis adds the experts' outputs back into every token (`expert_parallel`).
+with ``jax.lax.ragged_dot``: exact (no capacity, no dropped tokens, unlike capacity-factor einsum dispatch) and
+M*D*F work where the backend has a grouped matmul (XLA's ragged-dot instruction on GPU and TPU). On CPU jax falls
+back to a masked dense product over all E groups (E times the work, an [E, M, D] temporary): fine for the small
+CPU models, not for a full-size one. With an ``expert`` mesh axis each device holds E / n experts and computes the
+assignments routed to them; a psum over the axis adds the experts' outputs back into every token
+(`expert_parallel`).
 
 Routing replay: ``replay_NxK`` (expert indices chosen elsewhere, e.g. by the sampler) replaces the top-K choice;
 the weights still come from the current router's probabilities at those experts, renormalised as the model does,
