@@ -92,7 +92,8 @@ def measure(config: ModelConfig, *, rows: int, prompt: int, completion: int, chu
                                         jax.eval_shape(lambda: jax.random.PRNGKey(0))))
     if every_phase or remat == "none":
         logps = jit_logps(graphdef, mesh, temperature=1.0, chunk_size=chunk, params_sharding=shardings.params)
-        record("logps", logps.lower(state.params, ids(prompt), ids(prompt), ids(completion), ids(completion)))
+        record("logps", logps.lower(state.params, ids(prompt), ids(prompt), ids(completion), ids(completion),
+                                    None))
     batch = Trajectory(ids(prompt), ids(prompt), ids(completion), ids(completion), ids(completion),
                        ids(completion, jnp.float32), ids(completion), _abstract((rows,), jnp.bool_, rs),
                        _abstract((rows,), jnp.float32, rs), ids(completion, jnp.float32), ids(completion, jnp.float32))

@@ -17,6 +17,10 @@ slot (before any new row), its prompt's keys/values copied in and its completion
 one pass. Either way a row's numbers do not depend on when the host appends. `trajectory` gives the rows, as far as
 they got, as a `trajectory.Trajectory`.
 
+With ``record_routing`` (mixture-of-experts models, routing replay) every pass also writes the experts its routers
+chose for each token it runs into ``routing`` [B, P + T, L, K], at the token's place in the row (prompt ++
+completion): the trajectory carries them to the log-prob forwards.
+
 Row b draws token t with the noise `sampling.row_noise(key, row_offset + b, t)`: a row's tokens are a function of
 (params, its prompt and earlier tokens, key, its row in the call), the same for any slot count, chunking (a chunk's
 ``row_offset``) or mesh.
@@ -34,6 +38,7 @@ import jax.numpy as jnp
 from grpo_jax.config.sections import SamplingConfig
 from grpo_jax.models import (compute_dtype_params, forward, init_cache, layer_params, model_config, positions_from_mask,
                              rotary_tables, unembed)
+from grpo_jax.models.moe import routing_dtype
 from grpo_jax.sampling import draw, row_noise
 from grpo_jax.trajectory import Trajectory
 
@@ -55,6 +60,7 @@ class DecodeOptions:
     noise_ahead: bool = False  # draw every row's noise of every step in `start` (`cpu.py`: one draw, not T)
     argmax: Callable | None = None  # arg-max of the last axis (`cpu.argmax_last_axis`); None: jnp.argmax
     cache_sharding: Any = None  # the slots' KV cache layout over a mesh (`sharding.cache_sharding`); None: XLA's
+    record_routing: bool = False  # keep each token's experts (mixture of experts, routing replay)
 
 
 class Decoding(NamedTuple):
@@ -84,6 +90,18 @@ class Decoding(NamedTuple):
     at_eos: jax.Array  # [B] bool: the row's last token is a sampled EOS (not truncated)
     next_row: jax.Array  # [] the first row still waiting for a slot
     steps: jax.Array  # [] decode steps run (forward passes of the N slots)
+    routing: jax.Array | None = None  # [B, P + T, L, K] each token's experts per layer, with ``record_routing``
+
+
+def _record(d: Decoding, routed, rows_M, places_MxA, valid_MxA) -> Decoding:
+    """``d.routing`` with a forward's experts ([L, M, A, K], of the `Routing` ``routed``) written at rows ``rows_M``,
+    row places ``places_MxA`` (indices into prompt ++ completion) where ``valid_MxA``."""
+    if d.routing is None:
+        return d
+    B = d.routing.shape[0]
+    experts_MxAxLxK = routed.experts.transpose(1, 2, 0, 3).astype(d.routing.dtype)
+    rows_MxA = jnp.where(valid_MxA, rows_M[:, None], B)  # B: dropped
+    return d._replace(routing=d.routing.at[rows_MxA, places_MxA].set(experts_MxAxLxK, mode="drop"))
 
 
 def _constrain(cache, options: DecodeOptions):
@@ -167,20 +185,22 @@ def _sample(d: Decoding, logits_NxV, options: DecodeOptions, in_step: bool = Fal
         ended=flag(d.ended, end_N), paused=flag(d.paused, pause_N), at_eos=flag(d.at_eos, eos_N))
 
 
-def prefill(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, group_size: int):
+def prefill(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, group_size: int, return_routing: bool = False):
     """Each distinct prompt (rows g*G, `data.repeat_groups` order) run once: (its keys/values [R, K, P, Dh], the
-    logits of its next token [R, V]). ``params`` in the compute dtype (`models.compute_dtype_params`)."""
+    logits of its next token [R, V]) and with ``return_routing`` its tokens' `Routing` ([L, R, P, ...]). ``params``
+    in the compute dtype (`models.compute_dtype_params`)."""
     B, P = prompt_ids_BxP.shape
     G = group_size
     if not isinstance(G, int) or G < 1 or B % G:
         raise ValueError(f"group_size={G!r} must be a positive integer dividing the {B} rows")
     model_cfg = model_config(graphdef, params)
     mask_RxP = prompt_mask_BxP[::G].astype(jnp.int32)
-    hidden_RxPxD, kv_R = forward(graphdef, params, prompt_ids_BxP[::G], positions_from_mask(mask_RxP), mask_RxP,
-                                 init_cache(model_cfg, B // G, P), 0, layers=layer_params(graphdef, params),
-                                 rope=rotary_tables(model_cfg, P))
+    hidden_RxPxD, kv_R, *routed = forward(graphdef, params, prompt_ids_BxP[::G], positions_from_mask(mask_RxP),
+                                          mask_RxP, init_cache(model_cfg, B // G, P), 0,
+                                          layers=layer_params(graphdef, params), rope=rotary_tables(model_cfg, P),
+                                          return_routing=return_routing)
     # left padding puts every prompt's last real token at slot P - 1
-    return kv_R, unembed(graphdef, params, hidden_RxPxD[:, -1:])[:, 0]
+    return kv_R, unembed(graphdef, params, hidden_RxPxD[:, -1:])[:, 0], *routed
 
 
 def start(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options: DecodeOptions, row_offset=0) -> Decoding:
@@ -191,7 +211,8 @@ def start(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options: Decod
     if not isinstance(N, int) or not 0 < N <= B:
         raise ValueError(f"{N!r} decode slots for {B} rows: the slots must be between 1 and the rows")
     params = compute_dtype_params(graphdef, params)
-    prompt_kv, logits_RxV = prefill(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, options.group_size)
+    prompt_kv, logits_RxV, *routed = prefill(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, options.group_size,
+                                             options.record_routing)
     V = logits_RxV.shape[-1]
     row_offset = jnp.asarray(row_offset, jnp.int32)
     noise = None
@@ -210,6 +231,12 @@ def start(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options: Decod
         paused=jnp.zeros((B,), bool), ready=jnp.zeros((B,), bool), at_eos=jnp.zeros((B,), bool),
         next_row=jnp.zeros((), jnp.int32),
         steps=jnp.zeros((), jnp.int32))
+    if options.record_routing:  # each row's prompt tokens took its group's prompt's experts
+        experts_LxRxPxK = routed[0].experts
+        L, _, _, K = experts_LxRxPxK.shape
+        dtype = routing_dtype(model_config(graphdef, params).num_experts)
+        prompts_BxPxLxK = jnp.repeat(experts_LxRxPxK, options.group_size, axis=1).transpose(1, 2, 0, 3)
+        d = d._replace(routing=jnp.zeros((B, P + T, L, K), dtype).at[:, :P].set(prompts_BxPxLxK.astype(dtype)))
     return _sample(*_admit(d, jnp.zeros((N, V), logits_RxV.dtype), options.group_size, options), options)
 
 
@@ -235,8 +262,11 @@ def _readmit(graphdef, params, d: Decoding, options: DecodeOptions, layers, rope
     positions_KxT = jnp.sum(d.prompt_mask[row_K], axis=1, dtype=jnp.int32)[:, None] + t_T[None]
     cache_K = jax.tree.map(lambda c_NxKxSxDh, p_RxKxPxDh: jnp.zeros((K,) + c_NxKxSxDh.shape[1:], c_NxKxSxDh.dtype)
                            .at[:, :, :P].set(p_RxKxPxDh[row_K // options.group_size]), d.cache, d.prompt_kv)
-    _, cache_K = forward(graphdef, params, d.tokens[row_K], positions_KxT, mask_KxS, cache_K, P, layers=layers,
-                         rope=rope)
+    _, cache_K, *routed = forward(graphdef, params, d.tokens[row_K], positions_KxT, mask_KxS, cache_K, P,
+                                  layers=layers, rope=rope,
+                                  return_routing=options.record_routing)
+    if options.record_routing:  # the completion so far ran again: its experts as this pass chose them
+        d = _record(d, routed[0], row_K, P + t_T[None], valid_K[:, None] & (t_T[None] < length_K[:, None] - 1))
     into = jnp.where(valid_K, slots_K, N)  # N: dropped
     cache = jax.tree.map(lambda c, new: c.at[into].set(new, mode="drop"), d.cache, cache_K)
     return d._replace(
@@ -276,9 +306,12 @@ def advance(graphdef, params, decoding: Decoding, options: DecodeOptions, *, seg
             at_N = P + t_N - 1  # the pending token's cache slot (slots that hold no decoding row write harmlessly)
             cache_mask = d.cache_mask.at[slots_N, at_N].set(1)
             positions_Nx1 = (prompt_len_B[rows_N] + t_N - 1)[:, None]
-        hidden_Nx1xD, cache = forward(graphdef, params, d.pending[:, None], positions_Nx1, cache_mask, d.cache, at_N,
-                                      layers=layers, rope=rope)
+        hidden_Nx1xD, cache, *routed = forward(
+            graphdef, params, d.pending[:, None], positions_Nx1, cache_mask, d.cache, at_N, layers=layers, rope=rope,
+            return_routing=options.record_routing)
         logits_NxV = unembed(graphdef, params, hidden_Nx1xD)[:, 0]
+        if options.record_routing:  # the pending tokens went in at their rows' places
+            d = _record(d, routed[0], rows_N, jnp.broadcast_to(at_N, rows_N.shape)[:, None], d.live[:, None])
         d = d._replace(cache=_constrain(cache, options), cache_mask=cache_mask)
         if in_step:  # a static batch has no row waiting for a slot: nothing to admit
             d = _sample(d, logits_NxV, options, in_step)
@@ -335,8 +368,11 @@ def append(graphdef, params, decoding: Decoding, rows_M, tokens_MxA, counts_M, o
         prompt_len_M = jnp.sum(d.prompt_mask[row_M], axis=1, dtype=jnp.int32)
         positions_MxA = jnp.minimum(prompt_len_M[:, None] + t_M[:, None] - 1 + i_A[None], S - 1)  # finite RoPE
         rope = rotary_tables(model_config(graphdef, params), S)
-        _, cache_M = forward(graphdef, params, feed_MxA, positions_MxA, mask_MxS, cache_M, at_M,
-                             layers=layer_params(graphdef, params), rope=rope)
+        _, cache_M, *routed = forward(graphdef, params, feed_MxA, positions_MxA, mask_MxS, cache_M, at_M,
+                                      layers=layer_params(graphdef, params), rope=rope,
+                                      return_routing=options.record_routing)
+        if options.record_routing:  # the pending token and the appended ones but the last went in
+            d = _record(d, routed[0], row_M, at_M[:, None] + i_A[None], real_MxA & resumed_M[:, None])
         into = jnp.where(resumed_M, slot_M, N)  # N: dropped
         last_M = jnp.take_along_axis(tokens_MxA, jnp.maximum(count_M - 1, 0)[:, None], axis=1)[:, 0]
         d = d._replace(cache=_constrain(jax.tree.map(lambda c, new: c.at[into].set(new[:, :, :S], mode="drop"),
@@ -374,7 +410,7 @@ def trajectory(decoding: Decoding) -> Trajectory:
     completion_mask = (jnp.arange(d.tokens.shape[1])[None] < d.length[:, None]).astype(jnp.int32)
     return Trajectory(prompt_ids=d.prompt_ids, prompt_mask=d.prompt_mask, completion_ids=d.tokens,
                       completion_mask=completion_mask, loss_mask=d.sampled, sampler_per_token_logps=d.logps,
-                      turns=d.turns, is_truncated=~d.at_eos)
+                      turns=d.turns, is_truncated=~d.at_eos, routed_experts=d.routing)
 
 
 def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options: DecodeOptions) -> Trajectory:

@@ -8,6 +8,10 @@ buffers' forward, the vocabulary on the slots that predict a completion token, a
 from the slot that predicts it. ``padded``: each row is prompt ++ completion. ``shared``: each group's prompt runs
 once and its rows' completions attend to its keys/values (`models.forward`'s prefix). ``packed``: each group is one
 buffer of its real tokens (no padding runs), every completion a branch that sees the prompt and itself.
+
+Mixture-of-experts models: ``routing`` replays the experts the sampler chose for each token (routing replay), and
+``router_aux`` adds the routers' load-balancing loss over the rows' real tokens, in every layout (`_slot_sources`
+says which row token each slot runs).
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax import trajectory
-from grpo_jax.models import forward, unembed
+from grpo_jax.models import forward, model_config, unembed
+from grpo_jax.models.moe import load_balancing_loss
 
 
 def token_logps_from_logits(logits_BxTxV, token_ids_BxT, *, temperature: float, with_entropy: bool = False):
@@ -53,10 +58,43 @@ def _logps_of_hidden(graphdef, params, hidden_NxCxD, ids_NxC, *, temperature: fl
     return logps_NxC, (entropy if with_entropy else None)
 
 
+def _slot_sources(prompt_mask_BxP, completion_mask_BxT, layout_of):
+    """Which row token each slot of a layout runs: (prefix [R, Pp] or None, buffers [R, L]) flat indices + 1 into
+    the rows' [B, P + T] tokens (0: a padding slot), from the layout of the tokens' indices in place of their ids."""
+    B, P = prompt_mask_BxP.shape
+    index_BxS = jnp.arange(1, B * (P + completion_mask_BxT.shape[1]) + 1, dtype=jnp.int32).reshape(B, -1)
+    layout = layout_of(index_BxS[:, :P], index_BxS[:, P:])
+    return (None if layout.prefix is None else layout.prefix[0]), layout.ids
+
+
+def _gather_tokens(x_BxSx, source):
+    """Per slot, the value of the row token it runs (`_slot_sources`; a padding slot gets token 0's)."""
+    flat = x_BxSx.reshape(-1, *x_BxSx.shape[2:])
+    return flat[jnp.maximum(source - 1, 0)]
+
+
+def _token_weights(sources, real_BxS, group_size: int, num_prompt: int):
+    """Per slot of the sources (`_slot_sources`, concatenated), how many of the rows' real tokens it stands for,
+    each token counted once: a group's prompt token stands for its G rows, and a token run in several slots (a
+    packed group's last prompt token, once per branch) counts in the first."""
+    S = real_BxS.shape[1]
+    src = jnp.concatenate([x.reshape(-1) for x in sources])
+    flat = jnp.maximum(src - 1, 0)
+    row, place = flat // S, flat % S
+    in_prompt = place < num_prompt
+    canonical = jnp.where(in_prompt, row // group_size * group_size * S + place, flat)
+    slot = jnp.arange(src.shape[0])
+    first = jnp.full((real_BxS.size,), src.shape[0]).at[canonical].min(jnp.where(src > 0, slot, src.shape[0]))
+    count = jnp.where(in_prompt, group_size, 1).astype(jnp.float32)
+    return jnp.where((src > 0) & (first[canonical] == slot), count * real_BxS.reshape(-1)[flat], 0.0)
+
+
 def completion_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT,
                      *, temperature: float, with_entropy: bool = False, chunk_size: int = 0,
-                     prompt_group_size: int = 1, packed_length: int = 0, packed_buffers: int = 0):
-    """Log-probs [B, T] (float32) of the completion tokens, and entropies [B, T] or None.
+                     prompt_group_size: int = 1, packed_length: int = 0, packed_buffers: int = 0,
+                     routing=None, router_aux: bool = False):
+    """Log-probs [B, T] (float32) of the completion tokens, and entropies [B, T] or None (and with ``router_aux``
+    the load-balancing loss, a third output).
 
     logps[b, t] = log softmax(logits / temperature)[completion_ids[b, t]] over the full vocabulary, at the slot that
     predicts token t of row b, the model seeing prompt ++ completion (masks ``prompt_mask ++ completion_mask``,
@@ -67,17 +105,35 @@ def completion_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completi
     to float rounding. ``chunk_size > 0`` unembeds ``chunk_size`` rows of T slots at a time with ``lax.map`` so the
     float32 logits never exist at once, in the forward or (chunks rematerialised) the backward pass. Masked
     positions hold finite junk; callers mask.
+
+    Mixture-of-experts models: ``routing`` [B, P + T, L, K] (`Trajectory.routed_experts`) replays each token's
+    experts in every layer; ``router_aux``: transformers' ``load_balancing_loss_func`` over every real token of the
+    rows (prompt ++ completion, the prompt counted once per row, as TRL's forward of each row counts it), of the
+    routers' own top K. The shared-prompt layout never runs a row's last completion token, which predicts nothing,
+    so there the loss misses those tokens.
     """
     B, T = completion_ids_BxT.shape
-    layout = trajectory.layout(prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT,
-                               group_size=prompt_group_size, packed_length=packed_length,
-                               packed_buffers=packed_buffers)
-    prefix = None
+    layout_of = lambda prompt, completion: trajectory.layout(  # noqa: E731
+        prompt, prompt_mask_BxP, completion, completion_mask_BxT, group_size=prompt_group_size,
+        packed_length=packed_length, packed_buffers=packed_buffers)
+    layout = layout_of(prompt_ids_BxP, completion_ids_BxT)
+    routed = routing is not None or router_aux
+    prefix_source, source = (_slot_sources(prompt_mask_BxP, completion_mask_BxT, layout_of) if routed
+                             else (None, None))
+
+    def replay(source):  # the slots' replayed experts [L, R, S, K]
+        return None if routing is None else _gather_tokens(routing, source).transpose(2, 0, 1, 3)
+
+    prefix, router = None, []  # router: each forward's Routing (with router_aux)
     if layout.prefix is not None:
         ids_RxP, positions_RxP, mask_RxP = layout.prefix
-        _, prefix = forward(graphdef, params, ids_RxP, positions_RxP, mask_RxP, return_kv=True)
-    hidden_RxLxD, _ = forward(graphdef, params, layout.ids, layout.positions, layout.mask, prefix=prefix,
-                              prefix_group_size=prompt_group_size if prefix is not None else 1)
+        _, prefix, *router = forward(graphdef, params, ids_RxP, positions_RxP, mask_RxP, return_kv=True,
+                                     routing=replay(prefix_source), return_routing=router_aux)
+    hidden_RxLxD, _, *buffer_router = forward(graphdef, params, layout.ids, layout.positions, layout.mask,
+                                              prefix=prefix,
+                                              prefix_group_size=prompt_group_size if prefix is not None else 1,
+                                              routing=replay(source), return_routing=router_aux)
+    router += buffer_router
     start, size = layout.scored
     hidden_RxCxD = hidden_RxLxD[:, start:start + size]
     next_RxC = layout.next_ids[:, start:start + size]
@@ -92,4 +148,12 @@ def completion_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completi
     def gather(slots):  # each completion token's log-prob, from the slot that predicts it
         return jnp.take(slots.reshape(-1), layout.source.reshape(-1), axis=0).reshape(B, T)
 
-    return gather(logps), (None if entropy is None else gather(entropy))
+    out = gather(logps), (None if entropy is None else gather(entropy))
+    if not router_aux:
+        return out
+    real_BxS = jnp.concatenate([prompt_mask_BxP, completion_mask_BxT], axis=1).astype(jnp.float32)
+    sources = ([] if prefix_source is None else [prefix_source]) + [source]
+    weights = _token_weights(sources, real_BxS, prompt_group_size, prompt_ids_BxP.shape[1])
+    logits = jnp.concatenate([r.logits.reshape(r.logits.shape[0], -1, r.logits.shape[-1]) for r in router], axis=1)
+    aux = load_balancing_loss(logits, model_config(graphdef, params).num_experts_per_tok, weights)
+    return (*out, aux)

@@ -122,7 +122,8 @@ def jit_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
     """
     replicated, rows = sharding.replicated(mesh), sharding.row_sharded(mesh)
     ref_device = _on_device(state_sharding.ref_params)
-    step = functools.partial(train_step, graphdef, optimizer, options, mesh=mesh, ref_device_sharding=ref_device)
+    step = sharding.traced_in(mesh, functools.partial(train_step, graphdef, optimizer, options, mesh=mesh,
+                                                      ref_device_sharding=ref_device))
     if ref_device is None:
         return jax.jit(step, in_shardings=(state_sharding, rows), out_shardings=(state_sharding, replicated),
                        donate_argnums=0, static_argnums=(2, 3))
@@ -142,8 +143,9 @@ def jit_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
 def jit_logps(graphdef: nnx.GraphDef, mesh: Mesh, *, temperature: float, chunk_size: int = 0,
               params_sharding=None, prompt_group_size: int = 1):
     """Per-token log-probs of completions under some params (old policy or reference), rows sharded:
-    `fn(params, prompt_ids, prompt_mask, completion_ids, completion_mask, packed_length=0, packed_buffers=0)`, the
-    last two static (`logprobs.completion_logps`; one compilation per packing).
+    `fn(params, prompt_ids, prompt_mask, completion_ids, completion_mask, routed_experts, packed_length=0,
+    packed_buffers=0)`, the last two static (`logprobs.completion_logps`; one compilation per packing);
+    ``routed_experts`` (`Trajectory.routed_experts`, or None) replays the sampler's experts.
 
     `prompt_group_size` G > 1: rows come in groups of G sharing a prompt (`trajectory.layout`).
     `params_sharding`: the params' shardings (`sharding.param_shardings`); a reference in host memory is
@@ -152,17 +154,18 @@ def jit_logps(graphdef: nnx.GraphDef, mesh: Mesh, *, temperature: float, chunk_s
     rows = sharding.row_sharded(mesh)
     on_device = None if params_sharding is None else _on_device(params_sharding)
 
-    def logps(params, prompt_ids, prompt_mask, completion_ids, completion_mask, packed_length=0, packed_buffers=0):
+    def logps(params, prompt_ids, prompt_mask, completion_ids, completion_mask, routed_experts, packed_length=0,
+              packed_buffers=0):
         if on_device is not None:
             params = jax.device_put(params, on_device)
         out, _ = completion_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                   temperature=temperature, chunk_size=chunk_size,
                                   prompt_group_size=prompt_group_size, packed_length=packed_length,
-                                  packed_buffers=packed_buffers)
+                                  packed_buffers=packed_buffers, routing=routed_experts)
         return out
 
-    return jax.jit(logps, in_shardings=(params_sharding, rows, rows, rows, rows), out_shardings=rows,
-                   static_argnums=(5, 6))
+    return jax.jit(sharding.traced_in(mesh, logps), in_shardings=(params_sharding, rows, rows, rows, rows, rows),
+                   out_shardings=rows, static_argnums=(6, 7))
 
 
 def host_advantages(**options):
@@ -270,7 +273,7 @@ def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingCo
         base = decoder.DecodeOptions(
             sampling=config, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, greedy=greedy, group_size=group,
             num_slots=continuous_slots(slots or config.max_batch_rows or 0, num_rows, total_rows, row_shards),
-            cache_sharding=sharding.cache_sharding(mesh, kv_heads))
+            cache_sharding=sharding.cache_sharding(mesh, kv_heads), record_routing=model_config.routing_replay)
         return cpu.decode_options(base, num_rows, model_config.vocab_size) if cpu_speedups else base
 
     def start(params, prompt_ids_BxP, prompt_mask_BxP, key, row_offset, options):
@@ -292,6 +295,7 @@ def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingCo
         return cpu.host_chunks(config.host_threads, mesh, num_rows, group_size) if cpu_speedups else 1
 
     in_shardings = (params_sharding, rows, rows, replicated, replicated)
+    start, generate, advance, append = (sharding.traced_in(mesh, f) for f in (start, generate, advance, append))
     return Decoder(
         generate=jax.jit(generate, static_argnums=5, in_shardings=in_shardings, out_shardings=(rows, None)),
         start=jax.jit(start, static_argnums=5, in_shardings=in_shardings),

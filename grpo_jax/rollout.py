@@ -195,7 +195,7 @@ def _dispatch_logps(run: Run, state: TrainState, params, rows: Trajectory, count
     needs none. In float32 the sampler's log-probs are the old policy's (same params, full-vocabulary
     log-softmax at the temperature) up to rounding: no forward pass for them."""
     cfg, tc = run.config, run.config.train
-    args = (rows.prompt_ids, rows.prompt_mask, rows.completion_ids, rows.completion_mask,
+    args = (rows.prompt_ids, rows.prompt_mask, rows.completion_ids, rows.completion_mask, rows.routed_experts,
             *_packing(run, counts_Nx2, run.round_prompt_group_size))
     ref = None if run.programs.ref_logps is None else run.programs.ref_logps(state.reference_params, *args)
     old = None

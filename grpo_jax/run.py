@@ -234,6 +234,22 @@ def check_inputs(config: Config, *, reward_funcs=None, train_dataset=None, eval_
     reward_specs.check_importable("eval.answer_extractor", (config.eval.answer_extractor,))
 
 
+def _router_aux_loss_coef(config: Config) -> float:
+    """`loss.router_aux_loss_coef` resolved as TRL resolves it: None takes the model's own (config.json's) for a
+    mixture of experts and 0 for a dense model; a coefficient for a dense model, or routing replay without experts
+    (both known once model.path is read), is an error."""
+    model, coef = config.model, config.loss.router_aux_loss_coef
+    if model.routing_replay and not model.num_experts:
+        raise ValueError(f"model.routing_replay=true but {model.path or 'the model'} is not a mixture of experts "
+                         f"(model_type {model.model_type!r}): set model.routing_replay=false")
+    if coef is None:
+        return model.router_aux_loss_coef if model.num_experts else 0.0
+    if coef and not model.num_experts:
+        raise ValueError(f"loss.router_aux_loss_coef={coef} but the model (model_type {model.model_type!r}) has no "
+                         "experts: set it to null or 0")
+    return float(coef)
+
+
 def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None, eval_dataset=None,
           reward_funcs: Sequence[Callable | str] | None = None, tools: Sequence[Callable | str] | None = None,
           environment_factory=None, eval_reward_funcs: Sequence[Callable | str] | None = None,
@@ -285,6 +301,7 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     model_config = resolve_config(config.model)
     model_config = dataclasses.replace(model_config, lora=peft_io.resolve_lora(model_config.lora))
     config = dataclasses.replace(config, model=model_config)
+    router_aux_loss_coef = _router_aux_loss_coef(config)
     tokenizer, tokenizer_dir, dataset, eval_rows, tooling = _load_data(config, output_dir, train_dataset,
                                                                        eval_dataset, tool_specs, factories)
     config = dataclasses.replace(config, data=dataclasses.replace(config.data,
@@ -292,7 +309,8 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     if config.model.vocab_size is None:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=len(tokenizer)))
     tc = config.train
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor,
+                              expert=config.mesh.expert)
     lengths = dict(max_completion_length=config.sampling.max_completion_length,
                    soft_punish_cache=config.reward.soft_punish_cache)
     reward_fns = reward_specs.resolve_all(config.reward.functions if reward_funcs is None else reward_funcs, mesh,
@@ -340,7 +358,8 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     options = StepOptions(loss=loss_config, temperature=config.sampling.temperature,
                           gradient_accumulation_steps=tc.gradient_accumulation_steps,
                           logps_chunk_size=tc.logps_chunk_size, prompt_group_size=step_group,
-                          ref_sync=tc.ref_sync, loss_fn=loss_fn, use_sampler_logps=tc.use_sampler_logps)
+                          ref_sync=tc.ref_sync, loss_fn=loss_fn, use_sampler_logps=tc.use_sampler_logps,
+                          router_aux_loss_coef=router_aux_loss_coef)
     state_sharding = sharding.tree_shardings(state)
     decoding = dict(eos_token_ids=eos_ids, pad_token_id=tokenizer.pad_token_id,
                     params_sharding=state_sharding.params, cpu_speedups=speedups)

@@ -1,7 +1,9 @@
 """Device mesh, partition rules and NamedShardings for params, optimizer state, batches and the KV cache.
 
 Mesh axes: `data` (pure data parallel: rows split, params replicated), `fsdp` (rows split AND every weight
-matrix split along its hidden dimension D), `tensor` (Megatron-style: attention heads / MLP columns / vocab split).
+matrix split along its hidden dimension D), `tensor` (Megatron-style: attention heads / MLP columns / vocab split),
+`expert` (mixture of experts: each device holds 1/n of every layer's experts, `models.moe.expert_parallel`; the
+rows are split over it too, so the rest of the model runs data parallel there).
 Rules match a parameter's path (keys joined by ".", layer indices included or not) and give the spec of its
 LAST dims; leading dims (the stacked layer axis L) are None. A dim that its mesh axis does not divide stays
 unsplit on that axis (one warning lists them).
@@ -9,6 +11,7 @@ unsplit on that axis (one warning lists them).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import warnings
@@ -17,13 +20,17 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-AXES = ("data", "fsdp", "tensor")
-ROWS = ("data", "fsdp")  # batch rows are split over every data-parallel axis
-FSDP, TENSOR = "fsdp", "tensor"
+AXES = ("data", "fsdp", "tensor", "expert")
+ROWS = ("data", "fsdp", "expert")  # batch rows are split over every data-parallel axis
+FSDP, TENSOR, EXPERT = "fsdp", "tensor", "expert"
 
 # (regex searched in the dotted path, spec of the trailing dims); the first match wins
 PARTITION_RULES: tuple[tuple[str, tuple], ...] = (
     (r"embed_tokens\.embedding$", (TENSOR, FSDP)),                     # [V, D]
+    # mixture of experts (models/moe.py): stacked experts split over `expert`, each like its dense kernel
+    (r"experts\.(gate_proj|up_proj)$", (EXPERT, FSDP, TENSOR)),       # [.., E, D, F]
+    (r"experts\.down_proj$", (EXPERT, TENSOR, FSDP)),                  # [.., E, F, D]
+    (r"mlp\.gate\.kernel$", (FSDP, None)),                             # router [.., D, E]
     (r"lm_head\.kernel$", (FSDP, TENSOR)),                             # [D, V]
     (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)\.kernel$", (FSDP, TENSOR)),  # [.., D, out]
     (r"(o_proj|down_proj)\.kernel$", (TENSOR, FSDP)),                  # [.., in, D]
@@ -38,21 +45,21 @@ PARTITION_RULES: tuple[tuple[str, tuple], ...] = (
 )
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over `devices` (default: all); one size may be -1 for "the rest"."""
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None, expert: int = 1) -> Mesh:
+    """A (data, fsdp, tensor, expert) mesh over `devices` (default: all); one size may be -1 for "the rest"."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = [data, fsdp, tensor]
+    sizes = [data, fsdp, tensor, expert]
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
         raise ValueError(f"mesh sizes {dict(zip(AXES, sizes))}: each must be >= 1, and at most one may be -1")
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if len(devices) % known:
             raise ValueError(f"mesh sizes {dict(zip(AXES, sizes))} do not divide the {len(devices)} devices: "
-                             "choose mesh.data/fsdp/tensor whose product divides the device count")
+                             "choose mesh.data/fsdp/tensor/expert whose product divides the device count")
         sizes[sizes.index(-1)] = len(devices) // known
     if math.prod(sizes) != len(devices):
         raise ValueError(f"mesh {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices but "
-                         f"{len(devices)} are present: make mesh.data*fsdp*tensor equal the device count")
+                         f"{len(devices)} are present: make mesh.data*fsdp*tensor*expert equal the device count")
     return Mesh(np.asarray(devices).reshape(sizes), AXES)
 
 
@@ -67,8 +74,21 @@ def row_sharded(mesh: Mesh) -> NamedSharding:
 
 
 def num_row_shards(mesh: Mesh) -> int:
-    """Devices the rows are split over: mesh.data * mesh.fsdp."""
-    return mesh.shape["data"] * mesh.shape["fsdp"]
+    """Devices the rows are split over: mesh.data * mesh.fsdp * mesh.expert."""
+    return math.prod(mesh.shape[axis] for axis in ROWS)
+
+
+def traced_in(mesh: Mesh, fn):
+    """``fn`` traced under ``mesh`` (as the abstract mesh) when the mesh splits experts, so the mixture-of-experts
+    blocks see the ``expert`` axis and split their work over it (`models.moe.Experts`); otherwise ``fn``."""
+    if mesh.shape[EXPERT] == 1:
+        return fn
+
+    @functools.wraps(fn)
+    def in_mesh(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+    return in_mesh
 
 
 def path_name(path) -> str:
@@ -224,7 +244,7 @@ def check_rows(num_rows: int, mesh: Mesh, what: str) -> None:
     shards = num_row_shards(mesh)
     if num_rows % shards:
         raise ValueError(f"{what}={num_rows} rows do not split over the {shards} data-parallel devices "
-                         f"(mesh.data*mesh.fsdp): make it a multiple of {shards}")
+                         f"(mesh.data*mesh.fsdp*mesh.expert): make it a multiple of {shards}")
 
 
 def tree_shardings(tree):

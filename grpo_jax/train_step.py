@@ -50,6 +50,7 @@ class StepOptions:
     ref_sync: reference.RefSyncConfig = reference.RefSyncConfig()
     loss_fn: Callable | None = None  # None: grpo_jax.losses.compute_loss (see the module docstring)
     use_sampler_logps: bool = False  # hand the rows' sampler log-probs to the loss (TRL's vLLM log-probs role)
+    router_aux_loss_coef: float = 0.0  # mixture of experts: loss += coef * load-balancing loss / micro-batches
 
 
 # LossAux field -> metric name as TRL logs it (ALGORITHMS.md §9); other fields keep their own name
@@ -93,19 +94,25 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     `trajectory.choose_packing` picks both).
     `ref_device_sharding`: device-memory shardings of a reference kept in host memory, used to bring it over
     when TR-DPO mixing needs it.
+    Mixture-of-experts models: rows carrying ``routed_experts`` (routing replay) run with the sampler's experts;
+    ``router_aux_loss_coef`` adds coef * each micro-batch's load-balancing loss / M, as TRL does, logged as
+    ``router_aux_loss`` (its mean over the micro-batches).
     """
     num_sequences = batch.loss_mask.shape[0]
     num_items = jnp.sum(batch.loss_mask).astype(jnp.float32)
     loss_fn_ = compute_loss if options.loss_fn is None else options.loss_fn
     trainable, frozen = lora.split_trainable(state.params)
 
+    router_aux = options.router_aux_loss_coef != 0.0
+    M = options.gradient_accumulation_steps
+
     def loss_fn(trainable, micro: Trajectory):
         params = lora.join(trainable, frozen)
-        logps_BxT, entropy_BxT = completion_logps(
+        logps_BxT, entropy_BxT, *router = completion_logps(
             graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.completion_ids, micro.completion_mask,
             temperature=options.temperature, with_entropy=True, chunk_size=options.logps_chunk_size,
             prompt_group_size=options.prompt_group_size, packed_length=packed_length,
-            packed_buffers=packed_buffers)
+            packed_buffers=packed_buffers, routing=micro.routed_experts, router_aux=router_aux)
         # the entropy carries gradient only for the entropy bonus (compute_loss differentiates through what it gets)
         entropies_BxT = entropy_BxT if options.loss.entropy_coef != 0.0 else jax.lax.stop_gradient(entropy_BxT)
         sampler = micro.sampler_per_token_logps if options.use_sampler_logps else None
@@ -117,6 +124,9 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
         # aux holds masked means over this micro-batch: weight by its tokens for exact step-level means
         tokens = jnp.sum(micro.loss_mask).astype(jnp.float32)
         aux = jax.tree.map(lambda x: jax.lax.stop_gradient(x) * tokens, _aux_dict(aux))
+        if router_aux:  # a mean over micro-batches, not tokens: scaled back by the token weighting below
+            loss = loss + options.router_aux_loss_coef * router[0] / M
+            aux["router_aux_loss"] = jax.lax.stop_gradient(router[0]) / M * num_items
         entropy_sum = jnp.sum(jax.lax.stop_gradient(entropy_BxT) * micro.loss_mask)
         return loss, (aux, entropy_sum)
 

@@ -39,6 +39,10 @@ class Trajectory(NamedTuple):
     advantages: jax.Array | None = None  # [B], or [B, T] (process supervision)
     old_per_token_logps: jax.Array | None = None  # [B, T]; None: on-policy (one update per round)
     ref_per_token_logps: jax.Array | None = None  # [B, T]; None when beta == 0
+    # mixture of experts with routing replay (model.routing_replay): the experts the sampler's routers chose for
+    # each prompt ++ completion token in each layer [B, P + T, L, K] (a completion's last token, never fed back
+    # in, holds expert ids that nothing reads); None: the log-prob forwards route afresh
+    routed_experts: jax.Array | None = None
 
 
 def positions(prompt_mask_BxP, completion_mask_BxT):

@@ -1,5 +1,5 @@
-"""Tiny random Hugging Face model folders (llama, mistral, qwen2, qwen3, gemma2, gemma3), built and saved by
-transformers.
+"""Tiny random Hugging Face model folders (llama, mistral, qwen2, qwen3, gemma2, gemma3, qwen3_moe), built and saved
+by transformers.
 
 Every folder is a real ``save_pretrained`` output (config.json, model.safetensors, generation_config.json), so
 the loader is tested on what users bring. Biases and norm weights are randomised too (transformers initialises
@@ -30,6 +30,8 @@ FAMILIES = {
     # alternating windows; soft caps small enough to bend the scores and logits of a random model
     "gemma2": dict(model_type="gemma2", num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=20,
                    sliding_window=4, attn_logit_softcapping=1.5, final_logit_softcapping=2.0),
+    "qwen3_moe": dict(model_type="qwen3_moe", head_dim=32, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True),
 }
 UNTIED_EXTRA = {
     "llama": dict(attention_bias=True, mlp_bias=True),
@@ -38,6 +40,7 @@ UNTIED_EXTRA = {
     "mistral": dict(head_dim=8),
     "gemma3": dict(attention_bias=True),
     "gemma2": dict(attention_bias=True),
+    "qwen3_moe": dict(attention_bias=True, norm_topk_prob=False),
 }
 
 

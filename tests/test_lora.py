@@ -113,7 +113,7 @@ def test_gradients_reach_only_the_adapters(tiny_model, tmp_path):
 
 
 def test_adapters_are_split_like_their_kernels():
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1] * 8).reshape(2, 2, 2), sharding.AXES)  # shapes only
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1] * 8).reshape(2, 2, 2, 1), sharding.AXES)  # shapes only
     config = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, lora=LoRAConfig(rank=4))
     specs = {sharding.path_name(p): tuple(s.spec) for p, s in jax.tree_util.tree_leaves_with_path(
         sharding.param_shardings(mesh, jax.eval_shape(lambda: init_model(config, 0)[1])))}

@@ -379,7 +379,7 @@ BAD_FOLDERS = [
               r"expected \[64, 96\] from config.json"),
     ("truncated", r"model.safetensors: .*truncated or corrupt"),
     ("gpt2", r"model_type 'gpt2' is not supported: supported are \['gemma2', 'gemma3_text', 'llama', 'mistral', "
-             r"'qwen2', 'qwen3'\]"),
+             r"'qwen2', 'qwen3', 'qwen3_moe'\]"),
     ("yarn", r"rope_type 'yarn' is not supported: supported are \('default', 'linear', 'llama3'\)"),
     ("gelu", r"hidden_act 'gelu' is not supported"),
 ]

@@ -220,3 +220,52 @@ def test_host_threads_refuse_a_multi_device_mesh(tiny_model):
     # the CPU speed-ups off: host_threads is not used, nothing to refuse
     jit_decoder(graphdef, sharding.make_mesh(8, 1, 1), model_config, config=SamplingConfig(host_threads=2),
                 eos_token_ids=(1,), pad_token_id=0, cpu_speedups=False)
+
+
+MOE = dict(model_type="qwen3_moe", qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+           norm_topk_prob=True)
+
+
+@needs_8
+@pytest.mark.parametrize("shape", [(4, 1, 1, 2), (2, 1, 1, 4), (1, 2, 1, 4), (1, 2, 2, 2)])
+def test_moe_train_steps_with_expert_axis_equal_single_device(tiny_model_config, shape):
+    """Qwen3-MoE with its experts split 2 or 4 ways over the `expert` axis: the same steps as one device."""
+    config = dataclasses.replace(tiny_model_config, **MOE)
+    data, fsdp, tensor, expert = shape
+    state, metrics, step = run(config, sharding.make_mesh(data, fsdp, tensor, expert=expert))
+    single_state, single_metrics = run(config, one_device_mesh())[:2]
+    for m, s in zip(metrics, single_metrics):
+        for k in ("loss", "grad_norm", "kl", "entropy"):
+            np.testing.assert_allclose(m[k], s[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max()),
+                 jax.device_get(state.params), jax.device_get(single_state.params))
+    assert step._cache_size() == 1
+    up = next(x for p, x in jax.tree_util.tree_leaves_with_path(state.params)
+              if sharding.path_name(p).endswith("experts.up_proj"))
+    assert tuple(up.sharding.spec) == (None, "expert", "fsdp", "tensor")
+    assert up.addressable_shards[0].data.shape[1] == MOE["num_experts"] // expert
+
+
+@needs_8
+def test_moe_greedy_sampling_with_expert_axis_equals_single_device(tiny_model_config):
+    """Decoding (prefill, cached steps) with the experts split 4 ways: the same tokens, log-probs and recorded
+    routing as one device."""
+    config = dataclasses.replace(tiny_model_config, routing_replay=True, **MOE)
+    graphdef, params = init_model(config, 0)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 32, (8, 5)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[::3, :2] = 0
+
+    def sample(mesh):
+        shardings = sharding.param_shardings(mesh, params)
+        dec = jit_decoder(graphdef, mesh, config, config=SamplingConfig(max_completion_length=6), eos_token_ids=(1,),
+                          pad_token_id=0, params_sharding=shardings)
+        return jax.device_get(stream.generate(dec, jax.device_put(params, shardings), ids, mask, jax.random.key(0),
+                                              greedy=True))
+
+    single_out, out = sample(one_device_mesh()), sample(sharding.make_mesh(2, 1, 1, expert=4))
+    np.testing.assert_array_equal(out.completion_ids, single_out.completion_ids)
+    np.testing.assert_array_equal(out.routed_experts, single_out.routed_experts)
+    np.testing.assert_allclose(out.sampler_per_token_logps, single_out.sampler_per_token_logps, rtol=1e-5,
+                               atol=1e-6)

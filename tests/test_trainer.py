@@ -265,7 +265,7 @@ def test_sampler_logps_serve_as_old_logps(tmp_path):
     run, state = trainer.build(config)
     rows = trainer.prepare_round(run, state, START, 0)[0].rows
     fresh = run.programs.logps(state.params, rows.prompt_ids, rows.prompt_mask, rows.completion_ids,
-                               rows.completion_mask)
+                               rows.completion_mask, None)
     mask = np.asarray(rows.completion_mask, bool)
     assert mask.sum() > 0
     np.testing.assert_allclose(np.asarray(rows.old_per_token_logps)[mask], np.asarray(fresh)[mask],

@@ -47,6 +47,9 @@ class LossConfig:
     vllm_importance_sampling_mode: str = "sequence_mask"  # token_truncate | token_mask | sequence_truncate | ..._mask
     vllm_importance_sampling_clip_min: float | None = None
     vllm_importance_sampling_clip_max: float | None = 3.0
+    # mixture-of-experts models: loss += coef * the routers' load-balancing loss (TRL's router_aux_loss_coef); None:
+    # the model's own (model.router_aux_loss_coef, config.json's), 0 for a dense model; 0: off
+    router_aux_loss_coef: float | None = None
 
     def __post_init__(self):
         def choose(field, allowed):
@@ -115,6 +118,9 @@ class LossConfig:
                 f"loss.vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} needs "
                 "loss.vllm_importance_sampling_clip_min or loss.vllm_importance_sampling_clip_max: set one (3.0 is "
                 "TRL's default cap)")
+        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
+            raise ValueError(f"loss.router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0 (0: off, null: the "
+                             "model's own)")
 
     @property
     def epsilon_high_resolved(self) -> float:

@@ -12,7 +12,7 @@ from grpo_jax.config.sections import check
 
 # numpy dtypes, which jax takes as they are (jnp.bfloat16 is ml_dtypes.bfloat16): the schema needs no jax
 _DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-MODEL_TYPES = ("qwen2", "llama", "qwen3", "mistral", "gemma2", "gemma3_text")
+MODEL_TYPES = ("qwen2", "llama", "qwen3", "mistral", "gemma2", "gemma3_text", "qwen3_moe")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # per-layer attention kinds, transformers' names
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's hidden_act (transformers' names)
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -112,6 +112,16 @@ class ModelConfig:
     path: str | None = None  # a local Hugging Face model folder; its config.json gives the architecture
     init: str | None = None  # random: random weights of the sizes above, on any data; None: model.path's (see check)
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)  # adapters trained on the frozen model
+    # mixture of experts (Qwen3-MoE, models/moe.py): every decoder layer's MLP is num_experts SwiGLU experts of
+    # width moe_intermediate_size, num_experts_per_tok of them per token; 0 experts: dense MLPs
+    num_experts: int = 0
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    norm_topk_prob: bool = False  # renormalise the chosen experts' router probabilities to sum 1
+    router_aux_loss_coef: float = 0.001  # the architecture's load-balancing coefficient (HF config.json)
+    # routing replay: the sampler records each token's experts and the log-prob forwards (old, reference, the
+    # update) use them instead of routing afresh
+    routing_replay: bool = False
 
     def __post_init__(self):
         names = ("vocab_size",) if self.vocab_size is not None else ()
@@ -150,6 +160,29 @@ class ModelConfig:
         check(self.init is None or self.path is None, f"model.init=random with model.path={self.path!r}: the weights "
               "would come from one and be ignored by the other; unset one of them")
         self._check_rope()
+        self._check_moe()
+
+    def _check_moe(self):
+        check(isinstance(self.num_experts, int) and self.num_experts >= 0,
+              f"model.num_experts={self.num_experts!r} must be an integer >= 0 (0: dense MLPs)")
+        check((self.num_experts > 0) == (self.model_type == "qwen3_moe"),
+              f"model.num_experts={self.num_experts} with model.model_type={self.model_type!r}: mixture-of-experts "
+              "models are qwen3_moe (num_experts >= 1); every other model_type has dense MLPs (num_experts=0)")
+        if self.num_experts:
+            check(isinstance(self.num_experts_per_tok, int) and 1 <= self.num_experts_per_tok <= self.num_experts,
+                  f"model.num_experts_per_tok={self.num_experts_per_tok!r} must be in 1 .. model.num_experts="
+                  f"{self.num_experts}")
+            check(isinstance(self.moe_intermediate_size, int) and self.moe_intermediate_size >= 1,
+                  f"model.moe_intermediate_size={self.moe_intermediate_size!r} must be a positive integer")
+        check(not (self.num_experts and self.lora.enabled and set(self.lora.targets) & {"gate_proj", "up_proj",
+                                                                                        "down_proj"}
+                   and self.lora.target_modules != "all-linear"),
+              f"model.lora.target_modules={self.lora.target_modules!r}: LoRA on a mixture of experts' experts is not "
+              "supported; target the attention (q_proj, k_proj, v_proj, o_proj) or all-linear, which is them")
+        check(self.router_aux_loss_coef >= 0, f"model.router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0")
+        # with a path the architecture is config.json's: `run.build` checks it once resolved
+        check(not self.routing_replay or self.num_experts > 0 or self.path is not None,
+              "model.routing_replay=true needs a mixture-of-experts model (model_type qwen3_moe): set it to false")
 
     def _check_layers(self):
         types = self.layer_types

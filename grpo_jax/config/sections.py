@@ -262,15 +262,17 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh shape (data, fsdp, tensor; see grpo_jax/sharding.py): -1 on one axis takes the remaining devices."""
+    """Device mesh shape (data, fsdp, tensor, expert; see grpo_jax/sharding.py): -1 on one axis takes the remaining
+    devices."""
 
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    expert: int = 1  # mixture-of-experts models: experts split over this many devices (rows too)
 
     def __post_init__(self):
-        sizes = (self.data, self.fsdp, self.tensor)
-        check(sizes.count(-1) <= 1, "mesh: at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
+        sizes = (self.data, self.fsdp, self.tensor, self.expert)
+        check(sizes.count(-1) <= 1, "mesh: at most one of mesh.data, mesh.fsdp, mesh.tensor, mesh.expert may be -1")
         check(all(s == -1 or s >= 1 for s in sizes), f"mesh sizes {sizes} must be >= 1 or -1")
 
 

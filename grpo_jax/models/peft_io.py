@@ -105,7 +105,7 @@ def load_adapters(config: ModelConfig, *, shardings=None) -> nnx.State:
                 raise ValueError(f"{file}: tensor {name} has shape {list(refs[name].shape)}, expected {list(want)} "
                                  f"(rank {config.lora.rank} on {config.model_type} of config.json)")
         used.update(names)
-        read = _read([refs[n] for n in names], True, True, np.dtype(leaf.dtype), maps)
+        read = _read([refs[n] for n in names], 1, True, np.dtype(leaf.dtype), maps, tuple(leaf.shape))
         array = jax.make_array_from_callback(tuple(leaf.shape), sharding_of(path, tuple(leaf.shape)), read)
         *parents, last = path.split(".")
         node = nested

@@ -90,8 +90,9 @@ def _plan(abstract_flat, refs, config: ModelConfig, folder: str,
     source = index if os.path.isfile(index) else os.path.join(folder, st.SINGLE_FILE)
     plan, used = {}, set()
     for path, leaf in abstract_flat.items():
-        names, stacked, transposed = family(config.model_type).hf_names(path, config.num_hidden_layers)
-        shape = tuple(leaf.shape[1:] if stacked else leaf.shape)
+        names, stacked, transposed = family(config.model_type).hf_names(path, config.num_hidden_layers,
+                                                                        config.num_experts)
+        shape = tuple(leaf.shape[stacked:])
         want = shape[::-1] if transposed else shape
         for name in names:
             if name not in refs:
@@ -111,8 +112,12 @@ def _plan(abstract_flat, refs, config: ModelConfig, folder: str,
     return plan
 
 
-def _read(refs, stacked: bool, transposed: bool, dtype, maps) -> Callable:
-    """make_array_from_callback's callback: the requested slice, read from the memory maps and cast."""
+def _read(refs, stacked: int, transposed: bool, dtype, maps, shape) -> Callable:
+    """make_array_from_callback's callback: the requested slice, read from the memory maps and cast. ``refs`` are
+    the tensors of the ``stacked`` leading axes of ``shape``, row-major (layers, or layers x experts)."""
+    grid = np.empty(len(refs), dtype=object)
+    grid[:] = refs
+    grid = grid.reshape(shape[:stacked])
 
     def piece(ref, index):
         array = st.view(ref, maps)
@@ -122,10 +127,10 @@ def _read(refs, stacked: bool, transposed: bool, dtype, maps) -> Callable:
 
     def callback(index):
         if stacked:
-            layers = range(len(refs))[index[0]]
-            out = np.empty((len(layers), *piece(refs[0], index[1:]).shape), dtype)
-            for k, i in enumerate(layers):  # one layer at a time: no second host copy of the stack
-                out[k] = piece(refs[i], index[1:])
+            chosen = grid[index[:stacked]]
+            out = np.empty((*chosen.shape, *piece(refs[0], index[stacked:]).shape), dtype)
+            for k in np.ndindex(chosen.shape):  # one tensor at a time: no second host copy of the stack
+                out[k] = piece(chosen[k], index[stacked:])
             return out
         return np.asarray(piece(refs[0], index)).astype(dtype, copy=False)
 
@@ -162,7 +167,8 @@ def from_pretrained(path, dtype: str | None = None, *, shardings=None, config: M
         refs, stacked, transposed = plan[name]
         sharding = sharding_of(name, tuple(leaf.shape))
         arrays[name] = jax.make_array_from_callback(
-            tuple(leaf.shape), sharding, _read(refs, stacked, transposed, np.dtype(leaf.dtype), maps))
+            tuple(leaf.shape), sharding, _read(refs, stacked, transposed, np.dtype(leaf.dtype), maps,
+                                                       tuple(leaf.shape)))
     maps.clear()
     nested: dict = {}
     for name, array in arrays.items():
@@ -188,11 +194,11 @@ def _entries(model: Model, params) -> list[st.Entry]:
     config = model.config
     entries = []
     for path, array in _flat(params).items():
-        names, stacked, transposed = family(config.model_type).hf_names(path, config.num_hidden_layers)
-        for i, name in enumerate(names):
-            shape = tuple(array.shape[1:] if stacked else array.shape)
-            fetch = (lambda a=array, i=i, t=transposed: _to_host(a[i], t)) if stacked else (
-                lambda a=array, t=transposed: _to_host(a, t))
+        names, stacked, transposed = family(config.model_type).hf_names(path, config.num_hidden_layers,
+                                                                        config.num_experts)
+        shape = tuple(array.shape[stacked:])
+        for i, name in zip(np.ndindex(array.shape[:stacked]), names):
+            fetch = lambda a=array, i=i, t=transposed: _to_host(a[i] if i else a, t)  # noqa: E731
             entries.append(st.Entry(name, shape[::-1] if transposed else shape, np.dtype(array.dtype), fetch))
     zeros = family(config.model_type).export_zeros
     dtype = entries[0].dtype

@@ -24,6 +24,7 @@ from grpo_jax.config.model import ModelConfig  # noqa: F401  (re-exported)
 from grpo_jax.config.sections import check
 from grpo_jax.models.families import family, kind_window, layer_kinds
 from grpo_jax.models.layers import KVCache, RMSNorm, linear
+from grpo_jax.models.moe import Routing
 from grpo_jax.models.positional import (  # noqa: F401  (positions_from_mask, rope_inv_freq: re-exported)
     attention_mask,
     positions_from_mask,
@@ -48,6 +49,7 @@ class Transformer(nnx.Module):
         self.config = config
         fam = family(config.model_type)
         self.embed_scale = fam.embed_scale
+        self.routed = fam.routed
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=config.jnp_dtype,
                                       param_dtype=config.param_jnp_dtype,
                                       embedding_init=nnx.initializers.normal(config.initializer_range),
@@ -64,15 +66,18 @@ class Transformer(nnx.Module):
             self.lm_head = linear(config.hidden_size, config.vocab_size, False, config, rngs)
 
     def __call__(self, input_ids_BxT, positions_BxT, attention_mask_BxS, cache=None, cache_index=0, *,
-                 prefix=None, prefix_group_size: int = 1, return_kv: bool = False, layers=None, rope=None):
+                 prefix=None, prefix_group_size: int = 1, return_kv: bool = False, layers=None, rope=None,
+                 routing=None, return_routing: bool = False):
         """Final-normed hidden states [B, T, D] and the updated cache, or the inputs' keys/values with
-        ``return_kv`` (see module ``forward``)."""
+        ``return_kv``, and with ``return_routing`` the layers' `Routing` (see module ``forward``)."""
         config = self.config
         T = input_ids_BxT.shape[1]
         S = attention_mask_BxS.shape[-1]
         cache_index = jnp.asarray(cache_index, jnp.int32)
         check(cache is None or (prefix is None and not return_kv),
                "a KV cache excludes prefix= and return_kv=: they are for cache-free (training) forwards")
+        check(self.routed or (routing is None and not return_routing),
+              f"routing= and return_routing= are for mixture-of-experts models, not model_type={config.model_type!r}")
         prefix_len = 0 if prefix is None else prefix.k[0].shape[2]
         whole_mask = attention_mask_BxS.ndim == 3
         kinds, kind_of_layer = layer_kinds(config)
@@ -99,16 +104,26 @@ class Transformer(nnx.Module):
         if self.embed_scale:  # the scale rounded to the compute dtype, as transformers' Gemma embedding does
             x = x * jnp.asarray(config.hidden_size ** 0.5, x.dtype)
 
+        def run_layer(params, *args, replay=None):
+            """One decoder layer: (x, cache_kv, new_kv, its (router logits, experts) or None)."""
+            layer = nnx.merge(layer_graphdef, params)
+            if not self.routed:
+                return *layer(*args), None
+            return layer(*args, routing=replay)
+
         if cache is not None:
             # decoding: one layer after another, each with its own cache buffers (updated in place). ``layers``
             # (`layer_params`, sliced once by the caller) keeps the slicing out of a decode loop's steps
             layers = layer_params_from(stacked, config.num_hidden_layers) if layers is None else layers
-            ks, vs = [], []
-            for params, k, v, i in zip(layers, cache.k, cache.v, kind_of_layer):
-                x, (k, v), _ = nnx.merge(layer_graphdef, params)(x, *cos_sins[i], masks[i], (k, v), cache_index)
+            ks, vs, routed = [], [], []
+            for l, (params, k, v, i) in enumerate(zip(layers, cache.k, cache.v, kind_of_layer)):
+                x, (k, v), _, r = run_layer(params, x, *cos_sins[i], masks[i], (k, v), cache_index,
+                                            replay=None if routing is None else routing[l])
                 ks.append(k)
                 vs.append(v)
-            return self.norm(x), KVCache(tuple(ks), tuple(vs))
+                routed.append(r)
+            out = self.norm(x), KVCache(tuple(ks), tuple(vs))
+            return (*out, _stack_routing(routed)) if return_routing else out
 
         # training and scoring: a loop or one scan over the stacked layers; a shared prefix's per-layer keys/values
         # are per-layer inputs (scan inputs, sliced per layer), never a carry (a carried [L, ...] buffer is saved
@@ -117,14 +132,15 @@ class Transformer(nnx.Module):
         stacked_kinds = None if len(kinds) == 1 else (jnp.stack(masks), *(jnp.stack(t) for t in zip(*cos_sins)))
 
         def layer_step(x, xs, kind: int = 0):
-            params, prefix_kv, kind_index = xs  # kind_index: the layer's kind traced (a scan over several kinds)
+            # kind_index: the layer's kind traced (a scan over several kinds); replay: its experts to replay
+            params, prefix_kv, kind_index, replay = xs
             if kind_index is None:
                 mask, (cos, sin) = masks[kind], cos_sins[kind]
             else:
                 mask, cos, sin = (t[kind_index] for t in stacked_kinds)
-            x, _, new_kv = nnx.merge(layer_graphdef, params)(x, cos, sin, mask, None, cache_index, prefix_kv,
-                                                             prefix_group_size, whole_mask)
-            return x, (new_kv if return_kv else None)
+            x, _, new_kv, r = run_layer(params, x, cos, sin, mask, None, cache_index, prefix_kv, prefix_group_size,
+                                        whole_mask, replay=replay)
+            return x, (new_kv if return_kv else None, r if return_routing else None)
 
         if REMAT_POLICIES[config.remat] is not None:
             layer_step = jax.checkpoint(layer_step, policy=REMAT_POLICIES[config.remat], prevent_cse=False,
@@ -132,23 +148,23 @@ class Transformer(nnx.Module):
         if not config.scan_layers:
             # each layer's residuals stay separate buffers: a scan writes them into [L, ...] stacks slice by slice,
             # which cost the 0.5B H100 update 144 vs 120 ms and 34 vs 24 GiB peak (benchmarks/RESULTS.md)
-            new_kvs = []
+            new_kvs, routed = [], []
             for i, params in enumerate(layer_params_from(stacked, config.num_hidden_layers)):
-                x, new_kv = layer_step(x, (params, None if prefix is None else (prefix.k[i], prefix.v[i]), None),
-                                       kind_of_layer[i])
+                x, (new_kv, r) = layer_step(x, (params, None if prefix is None else (prefix.k[i], prefix.v[i]),
+                                                None, None if routing is None else routing[i]), kind_of_layer[i])
                 new_kvs.append(new_kv)
-            if return_kv:
-                return self.norm(x), KVCache(*(tuple(kv[j] for kv in new_kvs) for j in (0, 1)))
-            return self.norm(x), None
+                routed.append(r)
+            kv = KVCache(*(tuple(kv[j] for kv in new_kvs) for j in (0, 1))) if return_kv else None
+            return (self.norm(x), kv, _stack_routing(routed)) if return_routing else (self.norm(x), kv)
         prefix_kv = None if prefix is None else (jnp.stack(prefix.k), jnp.stack(prefix.v))
         # unrolling a few layers per iteration removes the loop's per-iteration cost, which dominates small
         # models (the default 2-layer run's update is 2x faster fully unrolled on CPU)
         kind_L = None if len(kinds) == 1 else jnp.asarray(kind_of_layer, jnp.int32)
-        x, new_kv = jax.lax.scan(lambda x, xs: layer_step(x, xs, 0), x, (stacked, prefix_kv, kind_L),
-                                 unroll=min(config.scan_unroll, config.num_hidden_layers))
-        if return_kv:
-            return self.norm(x), KVCache(*(tuple(kv) for kv in new_kv))
-        return self.norm(x), None
+        x, (new_kv, routed) = jax.lax.scan(lambda x, xs: layer_step(x, xs, 0), x,
+                                           (stacked, prefix_kv, kind_L, routing),
+                                           unroll=min(config.scan_unroll, config.num_hidden_layers))
+        kv = KVCache(*(tuple(kv) for kv in new_kv)) if return_kv else None
+        return (self.norm(x), kv, Routing(*routed)) if return_routing else (self.norm(x), kv)
 
     def unembed(self, hidden_BxTxD):
         """Logits [B, T, V] in the compute dtype (soft-capped with ``final_logit_softcapping``)."""
@@ -159,6 +175,11 @@ class Transformer(nnx.Module):
             logits = self.lm_head(hidden_NxD).reshape(*hidden_BxTxD.shape[:-1], -1)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else jnp.tanh(logits / cap) * cap
+
+
+def _stack_routing(per_layer: list) -> Routing:
+    """The layers' (router logits, experts) stacked into one `Routing` of [L, ...] arrays."""
+    return Routing(*(jnp.stack(parts) for parts in zip(*per_layer)))
 
 
 def init_model(config: ModelConfig, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
@@ -216,8 +237,9 @@ def model_config(graphdef: nnx.GraphDef, params: nnx.State) -> ModelConfig:
 
 def forward(graphdef, params, input_ids_BxT, positions_BxT, attention_mask_BxS, cache: KVCache | None = None,
             cache_index: jax.Array | int = 0, *, prefix: KVCache | None = None, prefix_group_size: int = 1,
-            return_kv: bool = False, layers: list | None = None, rope=None):
-    """Pure forward pass: (hidden [B, T, D], updated cache or None).
+            return_kv: bool = False, layers: list | None = None, rope=None, routing: jax.Array | None = None,
+            return_routing: bool = False):
+    """Pure forward pass: (hidden [B, T, D], updated cache or None), and with ``return_routing`` a third output.
 
     A boolean [B, T, T] ``attention_mask`` (no cache, no prefix) says outright which inputs each input sees (packed
     layouts, `logprobs.completion_logps`). Without a cache S == T and a token attends to earlier tokens whose
@@ -238,10 +260,15 @@ def forward(graphdef, params, input_ids_BxT, positions_BxT, attention_mask_BxS, 
     puts rows g*G .. g*G + G - 1 after prefix row g: the T inputs sit at slots P .. P + T - 1 and
     ``attention_mask_BxS`` covers all P + T slots. A group's prompt then runs once, not G times, with the
     same result (and gradient: the repeat sums the group's gradients into the one prefix).
+
+    Mixture-of-experts models (a family with ``routed``): ``return_routing`` adds the layers' `Routing` (router
+    logits [L, B, T, E], the experts each input went to [L, B, T, K]); ``routing`` [L, B, T, K] replays those
+    experts instead of the routers' top K (routing replay; the weights stay the current routers' probabilities).
     """
     model = nnx.merge(graphdef, params)
     return model(input_ids_BxT, positions_BxT, attention_mask_BxS, cache, cache_index, prefix=prefix,
-                 prefix_group_size=prefix_group_size, return_kv=return_kv, layers=layers, rope=rope)
+                 prefix_group_size=prefix_group_size, return_kv=return_kv, layers=layers, rope=rope,
+                 routing=routing, return_routing=return_routing)
 
 
 def unembed(graphdef, params, hidden_BxTxD):

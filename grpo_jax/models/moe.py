@@ -1,0 +1,164 @@
+"""Sparse mixture-of-experts feed-forward block (Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``) as pure NNX/JAX.
+
+Dimension letters: N tokens (rows x positions, flattened), D hidden, E experts, F expert width
+(``moe_intermediate_size``), K experts per token (``num_experts_per_tok``), M = N * K token-expert assignments.
+
+A linear router (no bias) scores the E experts; softmax in float32; each token goes to its top K experts, whose
+probabilities (renormalised to sum 1 with ``norm_topk_prob``) weight their SwiGLU outputs. The experts are ONE
+stacked tensor per projection: ``experts.gate_proj`` [E, D, F], ``experts.up_proj`` [E, D, F],
+``experts.down_proj`` [E, F, D] (kernels [in, out], HF's per-expert ``weight`` transposed).
+
+Dispatch: the M assignments are sorted by expert and each expert's contiguous rows are multiplied by its weights
+with ``jax.lax.ragged_dot``: exact (no capacity, no dropped tokens, unlike capacity-factor einsum dispatch) and
+M*D*F work where the backend has a grouped matmul (XLA's ragged-dot instruction on GPU and TPU). On CPU jax falls
+back to a masked dense product over all E groups (E times the work, an [E, M, D] temporary): fine for the small
+CPU models, not for a full-size one. With an ``expert`` mesh axis each device holds E / n experts and computes the
+assignments routed to them; a psum over the axis adds the experts' outputs back into every token
+(`expert_parallel`).
+
+Routing replay: ``replay_NxK`` (expert indices chosen elsewhere, e.g. by the sampler) replaces the top-K choice;
+the weights still come from the current router's probabilities at those experts, renormalised as the model does,
+so the router keeps its gradient.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+EXPERT = "expert"  # the mesh axis experts are split over (grpo_jax/sharding.py)
+
+
+class Routing(NamedTuple):
+    """What the routers of an L-layer mixture-of-experts decoder did: logits [L, B, T, E] in the compute dtype and
+    the experts each token went to [L, B, T, K] int32."""
+
+    logits: jax.Array
+    experts: jax.Array
+
+
+class Experts(nnx.Module):
+    """E SwiGLU experts stored as one stacked tensor per projection."""
+
+    def __init__(self, config, rngs: nnx.Rngs):
+        E, D, F = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        init = nnx.initializers.normal(config.initializer_range)
+        dtype = config.param_jnp_dtype
+        self.gate_proj = nnx.Param(init(rngs.params(), (E, D, F), dtype))
+        self.up_proj = nnx.Param(init(rngs.params(), (E, D, F), dtype))
+        self.down_proj = nnx.Param(init(rngs.params(), (E, F, D), dtype))
+        self.dtype = config.jnp_dtype
+
+    def __call__(self, x_NxD, experts_NxK, weights_NxK):
+        """sum_k weights[n, k] * expert_{experts[n, k]}(x[n]) -> [N, D], experts split over an ``expert`` mesh
+        axis when the abstract mesh (`jax.set_mesh`) has one of size > 1."""
+        weights = tuple(w[...].astype(self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        mesh = jax.sharding.get_abstract_mesh()
+        if EXPERT not in mesh.axis_names or mesh.shape[EXPERT] == 1:
+            return expert_mlp(x_NxD, experts_NxK, weights_NxK, *weights).astype(self.dtype)
+        return expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, *weights).astype(self.dtype)
+
+
+def expert_mlp(x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, first_expert=0):
+    """sum_k weights[n, k] * down(silu(gate(x[n])) * up(x[n])) over the experts first_expert .. first_expert + E - 1
+    (the given stacks); assignments to other experts contribute nothing. float32 [N, D]."""
+    N, K = experts_NxK.shape
+    E = gate_ExDxF.shape[0]
+    local_M = experts_NxK.reshape(-1) - first_expert
+    is_local_M = (local_M >= 0) & (local_M < E)
+    group_M = jnp.where(is_local_M, local_M, E)  # other devices' assignments sort last, past every group
+    order_M = jnp.argsort(group_M, stable=True)
+    token_M = order_M // K
+    group_sizes_E = jnp.zeros((E + 1,), jnp.int32).at[group_M].add(1)[:E]
+    xs_MxD = x_NxD[token_M]
+    h_MxF = (jax.nn.silu(jax.lax.ragged_dot(xs_MxD, gate_ExDxF, group_sizes_E))
+             * jax.lax.ragged_dot(xs_MxD, up_ExDxF, group_sizes_E))
+    ys_MxD = jax.lax.ragged_dot(h_MxF, down_ExFxD, group_sizes_E, preferred_element_type=jnp.float32)
+    w_M = jnp.where(is_local_M, weights_NxK.reshape(-1), 0)[order_M].astype(jnp.float32)
+    # where, not a product: rows past the groups are not the experts' business (their value is unspecified)
+    ys_MxD = jnp.where(is_local_M[order_M][:, None], ys_MxD * w_M[:, None], 0.0)
+    return jnp.zeros((N, x_NxD.shape[-1]), jnp.float32).at[token_M].add(ys_MxD)
+
+
+def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD):
+    """`expert_mlp` with the experts split over the mesh's ``expert`` axis: each device runs the assignments to its
+    E / n experts on the (replicated) tokens and a psum adds the partial outputs. float32 [N, D]."""
+    E = gate_ExDxF.shape[0]
+    n = mesh.shape[EXPERT]
+    if E % n:
+        raise ValueError(f"model.num_experts={E} does not split over mesh.expert={n}: make mesh.expert divide it")
+
+    def local(x, experts, weights, gate, up, down):
+        first = jax.lax.axis_index(EXPERT) * (E // n)
+        # the tokens cast to varying over the axis up front, so the cast's transpose sums every device's part of
+        # their gradient (left to jax 0.10's implicit casts, x's gradient came back wrong: tests/test_moe.py)
+        x = jax.lax.pcast(x, EXPERT, to="varying")
+        return jax.lax.psum(expert_mlp(x, experts, weights, gate, up, down, first), EXPERT)
+
+    split, whole = PartitionSpec(EXPERT), PartitionSpec()
+    return jax.shard_map(local, mesh=mesh, in_specs=(whole, whole, whole, split, split, split), out_specs=whole,
+                         axis_names={EXPERT})(x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD)
+
+
+def route(router_logits_NxE, top_k: int, norm_topk_prob: bool, replay_NxK=None):
+    """(experts [N, K] int32, their weights [N, K] float32) from the router logits: softmax in float32, the top K
+    (or the replayed ``replay_NxK``) and, with ``norm_topk_prob``, their probabilities renormalised to sum 1."""
+    probs_NxE = jax.nn.softmax(router_logits_NxE.astype(jnp.float32), axis=-1)
+    if replay_NxK is None:
+        weights_NxK, experts_NxK = jax.lax.top_k(probs_NxE, top_k)
+    else:
+        experts_NxK = replay_NxK.astype(jnp.int32)
+        weights_NxK = jnp.take_along_axis(probs_NxE, experts_NxK, axis=-1)
+    if norm_topk_prob:
+        weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)
+    return experts_NxK, weights_NxK
+
+
+class SparseMoE(nnx.Module):
+    """Router (``gate``: a bias-free [D, E] linear) and `Experts`, as Hugging Face's Qwen3MoeSparseMoeBlock."""
+
+    def __init__(self, config, rngs: nnx.Rngs):
+        self.gate = nnx.Linear(config.hidden_size, config.num_experts, use_bias=False, dtype=config.jnp_dtype,
+                               param_dtype=config.param_jnp_dtype,
+                               kernel_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
+        self.experts = Experts(config, rngs)
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+
+    def __call__(self, x_BxTxD, replay_BxTxK=None):
+        """(out [B, T, D], router logits [B, T, E] in the compute dtype, chosen experts [B, T, K] int32).
+
+        ``replay_BxTxK``: use these experts instead of the router's top K (routing replay)."""
+        B, T, D = x_BxTxD.shape
+        x_NxD = x_BxTxD.reshape(B * T, D)
+        logits_NxE = self.gate(x_NxD)
+        replay_NxK = None if replay_BxTxK is None else replay_BxTxK.reshape(B * T, -1)
+        experts_NxK, weights_NxK = route(logits_NxE, self.top_k, self.norm_topk_prob, replay_NxK)
+        # HF casts the weights to the compute dtype before they scale the experts' outputs
+        out_NxD = self.experts(x_NxD, experts_NxK, weights_NxK.astype(logits_NxE.dtype))
+        return (out_NxD.reshape(B, T, D), logits_NxE.reshape(B, T, -1),
+                experts_NxK.reshape(B, T, -1))
+
+
+def routing_dtype(num_experts: int):
+    """The smallest integer dtype of expert ids: recorded routing ([B, P + T, L, K] per round) is large."""
+    return jnp.uint8 if num_experts <= 256 else jnp.int32
+
+
+def load_balancing_loss(router_logits_LxNxE, top_k: int, mask_N=None):
+    """Switch Transformer's auxiliary loss as transformers' ``load_balancing_loss_func``:
+    E * sum_e f_e * P_e, where over all L layers' (unmasked) tokens f_e = (top-K assignments to e) / tokens and
+    P_e = mean router probability of e. The top K is the router's own (never a replayed choice). float32 scalar."""
+    L, N, E = router_logits_LxNxE.shape
+    probs_LxNxE = jax.nn.softmax(router_logits_LxNxE.astype(jnp.float32), axis=-1)
+    _, experts_LxNxK = jax.lax.top_k(probs_LxNxE, top_k)
+    mask_N = jnp.ones((N,), jnp.float32) if mask_N is None else mask_N.astype(jnp.float32)
+    counts_LxNxE = jnp.sum(jax.nn.one_hot(experts_LxNxK, E, dtype=jnp.float32), axis=2)
+    total = L * jnp.sum(mask_N)
+    tokens_per_expert_E = jnp.einsum("lne,n->e", counts_LxNxE, mask_N) / total
+    prob_per_expert_E = jnp.einsum("lne,n->e", probs_LxNxE, mask_N) / total
+    return E * jnp.sum(tokens_per_expert_E * prob_per_expert_E)
