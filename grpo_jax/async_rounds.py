@@ -142,7 +142,9 @@ class Sampler:
         its rows on the training devices, with the reference (and proximal) log-probs of this state."""
         run, tc = self.run, self.train_config
         timer = time.perf_counter()
-        round_batch, self.data_state = self.queued.pop(round_index).result()
+        # a round that failed stays queued: a checkpoint then keeps the params version its rerun samples with
+        round_batch, self.data_state = self.queued[round_index].result()
+        del self.queued[round_index]
         wait = time.perf_counter() - timer
         needed = {version(tc, r) for r in self.queued} | {version(tc, self.next_round)}
         self.versions = {v: p for v, p in self.versions.items() if v in needed}

@@ -119,3 +119,27 @@ def test_async_runs_are_bitwise_equal_and_resume_bit_for_bit(tmp_path, name):
     _train(tmp_path / "c", *options)
     assert _lines(tmp_path / "c") == lines
     _assert_same_state(_state(tmp_path / "c")[0], _state(tmp_path / "a")[0])
+
+
+def test_a_reward_failing_on_the_sampler_thread_saves_and_the_rerun_ends_bitwise(tmp_path):
+    """test_stops' late reward failure with k = 2: round 2 fails on the sampler thread, the loop finds out when its
+    updates come (after step 4) and saves; the checkpoint keeps the params version round 2 samples with, and the
+    same command then ends as the run that never failed."""
+    from grpo_jax.preemption import RunFailed
+    from tests.test_stops import FAILING_AT_ROUND_3, RUN, _shared
+
+    stop = _shared()[0]
+    options = [*RUN, "train.max_staleness=2"]
+    try:
+        stop.update(kind=None, at=None, calls=0)
+        _train(tmp_path / "whole", *options)
+        stop.update(kind="raise", at=FAILING_AT_ROUND_3, calls=0)
+        with pytest.raises(RunFailed, match="training stopped after optimizer step 4: .*stopping_reward"):
+            _train(tmp_path / "run", *options)
+        assert _state(tmp_path / "run")[1] == 4
+        stop.update(kind=None, at=None)
+        _train(tmp_path / "run", *options)
+    finally:
+        stop.update(kind=None, at=None, calls=0)
+    assert _lines(tmp_path / "run") == _lines(tmp_path / "whole")
+    _assert_same_state(_state(tmp_path / "run")[0], _state(tmp_path / "whole")[0])
