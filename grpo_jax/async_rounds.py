@@ -82,10 +82,11 @@ def proximal_old(config: Config) -> bool:
 
 
 def _sampler_run(run: Run) -> Run:
-    """The run as the sampler thread sees it: the sampling devices' mesh and programs (split), else the run."""
+    """The run as the sampler thread sees it: no reference log-probs (the updates' side adds them), and with the
+    split placement the sampling devices' mesh and programs."""
     if run.rollout_mesh is None:
-        return run
-    return dataclasses.replace(run, mesh=run.rollout_mesh, programs=run.rollout_programs,
+        return dataclasses.replace(run, programs=run.programs._replace(ref_logps=None))
+    return dataclasses.replace(run, mesh=run.rollout_mesh, programs=run.rollout_programs._replace(ref_logps=None),
                                round_prompt_group_size=prompt_group_sizes(run.config, run.rollout_mesh)[0])
 
 
@@ -135,7 +136,7 @@ class Sampler:
             data_state = previous.result()[1]
         at_version = TrainState(params=params, opt_state=None, ref_params=None, step=np.int32(v), key=self.key)
         return rollout.prepare_round(self.sampler_run, at_version, data_state, round_index,
-                                     old=behaviour_old(self.run.config), ref=False)
+                                     old=behaviour_old(self.run.config))
 
     def take(self, state: TrainState, round_index: int) -> tuple[RoundBatch, data.DataState]:
         """Round ``round_index`` for its updates (the state at its first step), waiting for the sampler if need be:
@@ -151,7 +152,7 @@ class Sampler:
         rows = round_batch.rows
         if run.rollout_mesh is not None:
             rows = jax.device_put(rows, sharding.row_sharded(run.mesh))
-        ref, _ = rollout.dispatch_logps(run, state, state.params, rows, round_batch.token_counts, old=False)
+        ref, _ = rollout.dispatch_logps(run, state, None, rows, round_batch.token_counts, old=False)
         old = rows.old_per_token_logps
         if proximal_old(run.config):
             old = run.programs.logps(state.params, *rollout.logps_args(run, rows, round_batch.token_counts))

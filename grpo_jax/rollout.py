@@ -196,20 +196,16 @@ def logps_args(run: Run, rows: Trajectory, counts_Nx2: np.ndarray) -> tuple:
             *_packing(run, counts_Nx2, run.round_prompt_group_size))
 
 
-def dispatch_logps(run: Run, state: TrainState, params, rows: Trajectory, counts_Nx2: np.ndarray, *,
-                    old: bool, ref: bool = True):
-    """(reference, old-policy) log-probs of the rows under ``params``, queued on the devices without waiting; None
-    where not asked (``old``, ``ref``) or the run has no reference. In float32 the sampler's log-probs are the old
-    policy's (same params, full-vocabulary log-softmax at the temperature) up to rounding: no forward pass for them."""
+def dispatch_logps(run: Run, state: TrainState, params, rows: Trajectory, counts_Nx2: np.ndarray, *, old: bool):
+    """(reference, old-policy) log-probs of the rows, queued on the devices without waiting; None where the run has no
+    reference or ``old`` is false. In float32 the sampler's log-probs are the old policy's (same ``params``,
+    full-vocabulary log-softmax at the temperature) up to rounding: no forward pass for them."""
     args = logps_args(run, rows, counts_Nx2)
-    ref_logps = None
-    if ref and run.programs.ref_logps is not None:
-        ref_logps = run.programs.ref_logps(state.reference_params, *args)
-    old_logps = None
-    if old:
-        old_logps = rows.sampler_per_token_logps if run.config.model.dtype == "float32" \
-            else run.programs.logps(params, *args)
-    return ref_logps, old_logps
+    ref = None if run.programs.ref_logps is None else run.programs.ref_logps(state.reference_params, *args)
+    if not old:
+        return ref, None
+    in_float32 = run.config.model.dtype == "float32"
+    return ref, rows.sampler_per_token_logps if in_float32 else run.programs.logps(params, *args)
 
 
 def _reward_context(run: Run, state: TrainState, data_state: data.DataState) -> dict:
@@ -225,14 +221,13 @@ def _journal(run: Run, round_index: int, pass_index: int):
 
 
 def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBatch, key, seconds: dict,
-                      context: dict, log: rewards.RewardLog, *, logps: bool, old: bool = False, ref: bool = True,
-                      slots: int = 0, turns: multiturn.Turns | None = None, environments: list | None = None):
+                      context: dict, log: rewards.RewardLog, *, logps: bool, old: bool = False, slots: int = 0,
+                      turns: multiturn.Turns | None = None, environments: list | None = None):
     """One sampling pass, each group scored on the host as soon as it has ended while the devices decode the others.
-    With ``logps`` the reference / old log-probs (``ref``, ``old``: `dispatch_logps`) are queued on the devices as
-    soon as the last rows are decoded, before the host scores them. ``slots``: the decoding call's
-    (`stream.plan_slots`); ``turns`` and ``environments``: multi-turn rows' (`multiturn.setup`). Adds the pass's
-    `sample` time
-    (until its last rows reach the host), `score` time (host scoring after that) and `decode_steps` to ``seconds``.
+    With ``logps`` the reference / old (``old``) log-probs are queued on the devices as soon as the last rows are
+    decoded, before the host scores them. ``slots``: the decoding call's (`stream.plan_slots`); ``turns`` and
+    ``environments``: multi-turn rows' (`multiturn.setup`). Adds the pass's `sample` time (until its last rows
+    reach the host), `score` time (host scoring after that) and `decode_steps` to ``seconds``.
     Returns (the rows on the devices, `rounds.Draw`, (ref, old) or None)."""
     timer = time.perf_counter()
     pieces, scores, rows, queued = [], [], None, None
@@ -245,8 +240,7 @@ def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBat
                 completion_mask = np.zeros_like(batch.prompt_ids, shape=rows.completion_ids.shape)
                 for done in (*pieces, piece):
                     completion_mask[done.rows] = done.completion_mask
-                queued = dispatch_logps(run, state, params, rows, _counts(batch.prompt_mask, completion_mask),
-                                         old=old, ref=ref)
+                queued = dispatch_logps(run, state, params, rows, _counts(batch.prompt_mask, completion_mask), old=old)
             seconds["sample"] = seconds.get("sample", 0.0) + time.perf_counter() - timer
             timer = time.perf_counter()
         pieces.append(piece)
@@ -297,14 +291,13 @@ def _step_rows(run: Run, round_index: int) -> np.ndarray:
 
 
 def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round_index: int, *, params=None,
-                  slots: int = 0, old: bool | None = None, ref: bool = True) -> tuple[RoundBatch, data.DataState]:
+                  slots: int = 0, old: bool | None = None) -> tuple[RoundBatch, data.DataState]:
     """A round before its updates: decode (jit) -> ref/old log-probs queued -> rows to the host -> score (host) ->
     advantages (host) -> RoundBatch, and the data position after its prompts. ``params`` samples the round (and
     gives its old log-probs; None: the state's); the state gives the key, the step and the reference. ``slots``:
     the decode slots (`stream.plan_slots`; 0: `sampling.max_batch_rows`), kept in its `seconds` with the decode
-    steps. With DAPO dynamic sampling the passes are merged first. ``old`` (None: `train.needs_old_logps`) and
-    ``ref`` say whether the rows get old-policy (under ``params``) and reference log-probs here; the asynchronous
-    rounds (`grpo_jax.async_rounds`) add those the updates need when the round's first update comes."""
+    steps. With DAPO dynamic sampling the passes are merged first. ``old``: whether the rows get old-policy
+    log-probs (under ``params``; None: `train.needs_old_logps`)."""
     cfg, tc = run.config, run.config.train
     params = state.params if params is None else params
     old = tc.needs_old_logps if old is None else old
@@ -314,7 +307,7 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
     if tc.dynamic_sampling:
         rows, draw, counts, sampling_metrics, data_state = _dynamic_sampling_passes(
             run, state, params, data_state, round_index, seconds, context, log)
-        ref, old = dispatch_logps(run, state, params, rows, counts, old=old, ref=ref)
+        ref, old = dispatch_logps(run, state, params, rows, counts, old=old)
     else:
         batch, data_state = data.next_batch(run.dataset, data_state, tc.prompts_per_round)
         batch = data.repeat_groups(batch, tc.num_generations)
@@ -322,8 +315,7 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
                                                      tc.num_generations)
         key = run.programs.sample_key(state.key, round_index, 0)
         rows, draw, (ref, old) = _sample_and_score(run, state, params, batch, key, seconds, context, log, logps=True,
-                                                   old=old, ref=ref, slots=slots, turns=turns,
-                                                   environments=environments)
+                                                   old=old, slots=slots, turns=turns, environments=environments)
         counts, sampling_metrics = _counts(batch.prompt_mask, draw.completion_mask), {}
 
     timer = time.perf_counter()
