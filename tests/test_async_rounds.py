@@ -4,6 +4,7 @@ runs that are bitwise equal to themselves and to their resumed selves in both pl
 import json
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from grpo_jax.config import load_config
 from grpo_jax.config.loss import LossConfig
 from grpo_jax.config.sections import TrainConfig
 from grpo_jax.losses import compute_loss
-from tests.test_checkpoint import _assert_same_state, _lines, _state, _train
+from tests.test_checkpoint import TINY, _assert_same_state, _lines, _state, _train
 
 
 @pytest.mark.parametrize("K_steps, k, versions", [
@@ -143,3 +144,37 @@ def test_a_reward_failing_on_the_sampler_thread_saves_and_the_rerun_ends_bitwise
         stop.update(kind=None, at=None, calls=0)
     assert _lines(tmp_path / "run") == _lines(tmp_path / "whole")
     _assert_same_state(_state(tmp_path / "run")[0], _state(tmp_path / "whole")[0])
+
+
+SEEN = []  # (old, sampler) log-probs and loss mask that `spy_loss` got, one entry a step
+
+
+def spy_loss(*args, sampler_per_token_logps=None, **kwargs):
+    """compute_loss, recording what the train step handed it."""
+    def record(old, sampler, mask):
+        SEEN.append((np.asarray(old), None if sampler is None else np.asarray(sampler), np.asarray(mask)))
+
+    jax.debug.callback(record, args[1], sampler_per_token_logps, args[4])
+    return compute_loss(*args, sampler_per_token_logps=sampler_per_token_logps, **kwargs)
+
+
+def test_decoupled_rows_carry_proximal_and_behaviour_logps_to_the_loss(tmp_path):
+    """With k = 2 and K = 2 round 0 samples with the params of its first update (proximal = behaviour, up to the
+    rounding of a forward pass against the sampler's numbers) and round 1 with the params 2 steps before its first
+    update (they differ); with correction none the loss gets the behaviour log-probs as old and no sampler's."""
+    from grpo_jax import trainer
+
+    def run(name, *options):
+        SEEN.clear()
+        config = load_config(None, [f"output_dir={tmp_path / name}", *TINY, "max_steps=4", "save_steps=0",
+                                    "train.max_staleness=2", *options])
+        trainer.train(config, show_progress=False, loss_fn=spy_loss)
+        return list(SEEN)
+
+    seen = run("decoupled", "loss.off_policy_correction=decoupled")
+    assert len(seen) == 4 and all(sampler is not None for _, sampler, _ in seen)
+    for step, (old, sampler, mask) in enumerate(seen):
+        gap = np.abs((old - sampler) * mask).max()
+        assert (gap < 1e-4) if step < 2 else (gap > 1e-3), (step, gap)
+    seen = run("none")
+    assert len(seen) == 4 and all(sampler is None for _, sampler, _ in seen)
