@@ -92,8 +92,10 @@ def test_invalid_combinations_are_one_line_errors(tmp_path):
         _train(tmp_path / "run", "mesh.rollout=8", "max_steps=1")
 
 
-# K = 2 steps a round (TINY); a checkpoint at step 3, inside round 1, with round 2 queued
+# K = 2 steps a round (TINY): a checkpoint at step 3, inside round 1, with round 2 queued; K = 1: at the end of
+# round 2, with rounds 3 and 4 queued (k = 2: the params after steps 1 and 2)
 ASYNC = {"colocated_k1": ["train.max_staleness=1"], "colocated_k2": ["train.max_staleness=2"],
+         "colocated_K1_k2": ["train.max_staleness=2", "train.steps_per_generation=1"],
          "split_k1": ["train.max_staleness=1", "mesh.rollout=4"],
          "split_k2": ["train.max_staleness=2", "mesh.rollout=4", "loss.off_policy_correction=decoupled"]}
 
@@ -108,12 +110,13 @@ def test_async_runs_are_bitwise_equal_and_resume_bit_for_bit(tmp_path, name):
     lines = _lines(tmp_path / "a")
     assert lines == _lines(tmp_path / "b")
     _assert_same_state(_state(tmp_path / "a")[0], _state(tmp_path / "b")[0])
-    k = int(ASYNC[name][0].split("=")[1])
+    k, K = int(ASYNC[name][0].split("=")[1]), 1 if "train.steps_per_generation=1" in ASYNC[name] else 2
     steps = [line for line in lines if "async/staleness" in line]
-    assert [line["async/version"] for line in steps] == [max(0, 2 * (s // 2) - k) for s in range(6)]
-    # at step 3 round 2 is queued: with k = 2 it samples with the params after step 2, which the checkpoint holds
+    assert [line["async/version"] for line in steps] == [max(0, K * (s // K) - k) for s in range(6)]
+    # the params versions older than step 3 that queued rounds sample with are in its checkpoint
     meta = json.loads((tmp_path / "a" / "checkpoints" / "3" / "meta" / "metadata").read_text())
-    assert any(key.startswith(f"{async_rounds.VERSION_PREFIX}2_") for key in meta["arrays"]) == (k == 2)
+    saved = {int(key.split("_")[2]) for key in meta["arrays"] if key.startswith(async_rounds.VERSION_PREFIX)}
+    assert saved == {(2, 2): {2}, (1, 2): {1, 2}}.get((K, k), set())
     # stopped at step 3: the same folder without what came after its checkpoint
     shutil.copytree(tmp_path / "a", tmp_path / "c")
     shutil.rmtree(tmp_path / "c" / "checkpoints" / "6")
