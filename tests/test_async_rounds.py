@@ -181,3 +181,23 @@ def test_decoupled_rows_carry_proximal_and_behaviour_logps_to_the_loss(tmp_path)
         assert (gap < 1e-4) if step < 2 else (gap > 1e-3), (step, gap)
     seen = run("none")
     assert len(seen) == 4 and all(sampler is None for _, sampler, _ in seen)
+
+
+def test_split_placement_samples_on_the_rollout_devices_and_trains_on_the_others(tmp_path):
+    from grpo_jax import data, trainer
+
+    config = load_config(None, [f"output_dir={tmp_path}", *TINY, "mesh.rollout=4", "train.max_staleness=2"])
+    run, state = trainer.build(config)
+    try:
+        rollout, training = set(run.rollout_mesh.devices.flat), set(run.mesh.devices.flat)
+        assert len(rollout) == len(training) == 4 and not rollout & training
+        assert all(leaf.sharding.device_set == training for leaf in jax.tree.leaves(state))
+        sampler = async_rounds.Sampler(run, state, next_round=0, data_state=data.DataState(0, 0, config.seed))
+        sampler.feed(state, 0)  # k = K = 2: rounds 0 and 1 sample with the initial params, copied over
+        assert sorted(sampler.queued) == [0, 1] and list(sampler.versions) == [0]
+        assert all(leaf.sharding.device_set == rollout for leaf in jax.tree.leaves(sampler.versions[0]))
+        round_batch, _ = sampler.take(state, 0)
+        assert all(leaf.sharding.device_set == training for leaf in jax.tree.leaves(round_batch.rows))
+        sampler.close()
+    finally:
+        run.output_lock.release()
