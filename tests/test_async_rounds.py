@@ -36,6 +36,21 @@ def test_the_version_rule_and_the_logged_staleness(K_steps, k, versions):
                                                                    "async/version": v}
 
 
+def test_interruptible_rollouts_switch_params_by_segment_and_record_each_tokens_version():
+    tc = TrainConfig(train_batch_size=8, num_generations=4, steps_per_generation=2, max_staleness=3,
+                     interruptible_rollouts=True)
+    # K = 2, k = 3: v(r) = 0, 0, 1, 3; the newest params a round switches to are those before its predecessor's last
+    # update, max(v(r), 2r - 1) = 0, 1, 3, 5
+    assert [async_rounds.last_version(tc, r) for r in range(4)] == [0, 1, 3, 5]
+    assert [[async_rounds.segment_version(tc, r, j) for j in range(4)] for r in range(4)] == [
+        [0, 0, 0, 0], [0, 1, 1, 1], [1, 2, 3, 3], [3, 4, 5, 5]]
+    # segments of versions 4, 4, 5 leave rows at these lengths (a row admitted later starts at 0)
+    lengths = [(4, np.array([2, 0, 1])), (4, np.array([3, 0, 1])), (5, np.array([5, 2, 1]))]
+    np.testing.assert_array_equal(async_rounds._token_versions(lengths, (3, 6)), [[4, 4, 4, 5, 5, -1],
+                                                                                  [5, 5, -1, -1, -1, -1],
+                                                                                  [4, -1, -1, -1, -1, -1]])
+
+
 def _naive_decoupled(logp, prox, behav, adv, mask, *, eps, mode, clip_min, clip_max):
     """AReaL's decoupled PPO, one token at a time: ℓ = -w · min(r·A, clip(r, 1-ε, 1+ε)·A), r = π/π_prox, w = π_prox /
     π_behav shaped as TRL's vllm_importance_sampling_mode says; the loss_type grpo mean over rows of row means."""
@@ -90,12 +105,19 @@ def test_invalid_combinations_are_one_line_errors(tmp_path):
         load_config(None, ["loss.off_policy_correction=areal"])
     with pytest.raises(ValueError, match="mesh.rollout=8 leaves none of the 8 devices to train on"):
         _train(tmp_path / "run", "mesh.rollout=8", "max_steps=1")
+    with pytest.raises(ValueError, match="train.interruptible_rollouts=true .* needs train.max_staleness > 0"):
+        load_config(None, ["train.interruptible_rollouts=true"])
+    with pytest.raises(ValueError, match="which only continuous batching has: set sampling.max_batch_rows"):
+        _train(tmp_path / "static", "train.max_staleness=1", "train.interruptible_rollouts=true", "max_steps=1")
 
 
 # K = 2 steps a round (TINY): a checkpoint at step 3, inside round 1, with round 2 queued; K = 1: at the end of
 # round 2, with rounds 3 and 4 queued (k = 2: the params after steps 1 and 2)
 ASYNC = {"colocated_k1": ["train.max_staleness=1"], "colocated_k2": ["train.max_staleness=2"],
          "colocated_K1_k2": ["train.max_staleness=2", "train.steps_per_generation=1"],
+         "colocated_K1_k2_interruptible": ["train.max_staleness=2", "train.steps_per_generation=1",
+                                           "train.train_batch_size=16", "sampling.max_batch_rows=8",
+                                           "train.interruptible_rollouts=true"],
          "split_k1": ["train.max_staleness=1", "mesh.rollout=4"],
          "split_k2": ["train.max_staleness=2", "mesh.rollout=4", "loss.off_policy_correction=decoupled"]}
 
@@ -117,6 +139,9 @@ def test_async_runs_are_bitwise_equal_and_resume_bit_for_bit(tmp_path, name):
     meta = json.loads((tmp_path / "a" / "checkpoints" / "3" / "meta" / "metadata").read_text())
     saved = {int(key.split("_")[2]) for key in meta["arrays"] if key.startswith(async_rounds.VERSION_PREFIX)}
     assert saved == {(2, 2): {2}, (1, 2): {1, 2}}.get((K, k), set())
+    if "train.interruptible_rollouts=true" in ASYNC[name]:  # from round 2 on rows may switch to newer params
+        assert max(line["async/newer_tokens"] for line in steps) > 0
+        assert all(line["async/newer_tokens"] == 0 for line in steps[:2])  # v(r) = max(v(r), r - 1) = 0
     # stopped at step 3: the same folder without what came after its checkpoint
     shutil.copytree(tmp_path / "a", tmp_path / "c")
     shutil.rmtree(tmp_path / "c" / "checkpoints" / "6")
