@@ -7,9 +7,9 @@ Qwen2 of make_models.py), float32, one device. Each phase is timed at a few size
 - decode (`decode.measure`: the run's decoder, a static batch, EOS off): a step at `--decode-rows` rows with prompts
   of `--prompt-length` tokens -> decode_fixed_s + decode_row_s * rows; prefill (prompt + first token) per row at
   the largest row count;
-- update (`packed_update.measure`: one train step, the packed layout a run picks, beta 0.04): `--prompts` groups
-  of 8 rows, prompts 64-512 tokens, completions geometric with the means of `--update-means` (at most 512)
-  -> update_fixed_s + update_token_s * real tokens;
+- update (`packed_update.measure`: one train step, the packed layout a run picks, beta 0.04): each of
+  `--update-groups` groups of 8 rows, prompts 64-512 tokens, completions geometric with mean `--update-mean` (at
+  most 1,024) -> update_fixed_s + update_token_s * real tokens (more groups of one spread, as more rows a device);
 - reward: `grpo_jax.math_rewards:accuracy` on `--reward-rows` completions of ~1,000 characters, per completion;
 - sync: a params all-reduce or broadcast moving 2x the weight bytes over a link `--link-fraction` as fast as the
   device's measured memory bandwidth (NVLink 450 GB/s over HBM 3.35 TB/s ~ 0.13; TPU ICI over HBM ~ 0.2).
@@ -57,14 +57,14 @@ def measure(args) -> dict:
         print(json.dumps({k: row[k] for k in ("rows", "decode_step_s", "prefill_plus_one_token_s")}), flush=True)
     fixed, per_row = fit_line(args.decode_rows, [d["decode_step_s"] for d in decodes])
     updates = []
-    for mean in args.update_means:
+    for groups in args.update_groups:
         update_args = argparse.Namespace(
-            size=args.size, prompts=args.prompts, generations=8, prompt_length=64, prompt_length_max=512,
-            max_completion_length=512, mean_completion=mean, remat="none", scan_layers=False, layers=0,
+            size=args.size, prompts=groups, generations=8, prompt_length=64, prompt_length_max=512,
+            max_completion_length=1024, mean_completion=args.update_mean, remat="none", scan_layers=False, layers=0,
             attention="blocked", linear_layers=True, logps_chunk_size=0, repeats=args.repeats, layouts=["packed"],
             profile=None)
         result = packed_update.measure(update_args)
-        updates.append({"mean_completion": mean, "real_tokens": result["real_tokens"],
+        updates.append({"groups": groups, "real_tokens": result["real_tokens"],
                         "step_s": result["packed"]["step_s"]})
     update_fixed, update_token = fit_line([u["real_tokens"] for u in updates], [u["step_s"] for u in updates])
     last = decodes[-1]
@@ -86,15 +86,15 @@ def _ints(text: str) -> list[int]:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="small", choices=sorted(decode.make_models.SIZES))
-    parser.add_argument("--decode-rows", type=_ints, default=[8, 32, 64])
+    parser.add_argument("--decode-rows", type=_ints, default=[16, 64, 128])
     parser.add_argument("--prompt-length", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--prompts", type=int, default=2, help="groups of 8 rows in a timed update")
-    parser.add_argument("--update-means", type=_ints, default=[32, 256], help="mean completion lengths to fit over")
+    parser.add_argument("--update-groups", type=_ints, default=[1, 2], help="groups of 8 rows a timed update")
+    parser.add_argument("--update-mean", type=float, default=256.0, help="mean completion length of the updates")
     parser.add_argument("--reward-rows", type=int, default=256)
     parser.add_argument("--link-fraction", type=float, default=0.1)
     parser.add_argument("--max-rows-per-device", type=int, default=512, help="a sampling device's rows at most")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     from grpo_jax.cpu import configure_host_allocator

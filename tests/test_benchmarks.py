@@ -129,6 +129,27 @@ def test_trace_summary_self_times_and_kinds(tmp_path, monkeypatch):
     assert s["truncated"] and "TRUNCATED" in trace_summary.format_summary(s)
 
 
+def test_trace_summary_timeline_busy_time_and_overlap(tmp_path):
+    import gzip
+
+    import trace_summary
+
+    def op(ts, dur, module, device, tid=1):
+        return {"ph": "X", "pid": 1, "tid": tid, "ts": ts, "dur": dur, "name": "fusion",
+                "args": {"hlo_op": "fusion", "hlo_module": module, "device_ordinal": device}}
+    events = [  # device 0 samples twice; device 1 trains once (a nested op, then a second thread overlapping it)
+        op(0, 100, "jit_advance", "0"), op(150, 50, "jit_generate", "0"), op(50, 70, "jit_step", "1"),
+        op(60, 10, "jit_step", "1"), op(110, 30, "jit_step", "1", tid=2), op(300, 5, "jit_other", "2"),
+        {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 999, "name": "Python"}]
+    (tmp_path / "perfetto_trace.json.gz").write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    t = trace_summary.timeline(tmp_path, {"sample": ("advance", "generate"), "train": ("step",)})
+    assert t["wall_ms"] == pytest.approx(0.305)
+    assert t["busy_ms"] == pytest.approx({"0": 0.15, "1": 0.09, "2": 0.005})  # 50..140 on device 1
+    assert t["phase_busy_ms"] == {"sample": {"0": pytest.approx(0.15)}, "train": {"1": pytest.approx(0.09)}}
+    assert t["phase_wall_ms"] == pytest.approx({"sample": 0.15, "train": 0.09})
+    assert t["overlap_ms"] == {"sample&train": pytest.approx(0.05)}  # 50..100
+
+
 def test_lora_decode_merged_and_on_the_fly_sample_the_same_tokens():
     result = lora_decode.main(["--size", "tiny", "--rank", "4", "--rows", "2", "--prompt-length", "4",
                                "--new-tokens", "4", "--repeats", "1"])
