@@ -4,9 +4,9 @@
 
 Scaled down from a 0.5B-7B model at 1,024-token completions: the `small` model (hidden 512, 8 layers, a random
 Qwen2 of make_models.py), float32, one device. Each phase is timed at a few sizes and fitted with a line:
-- decode (`decode.measure`: the run's decoder, a static batch, EOS off): a step at `--decode-rows` rows with prompts
-  of `--prompt-length` tokens -> decode_fixed_s + decode_row_s * rows; prefill (prompt + first token) per row at
-  the largest row count;
+- decode (`decode.measure`: the run's decoder, a static batch, EOS off): a step at each of `--decode-rows` rows
+  with prompts of `--prompt-length` tokens (async_sim.py joins the points); prefill (prompt + first token) per row
+  at the largest row count;
 - update (`packed_update.measure`: one train step, the packed layout a run picks, beta 0.04): each of
   `--update-groups` groups of 8 rows, prompts 64-512 tokens, completions geometric with mean `--update-mean` (at
   most 1,024) -> update_fixed_s + update_token_s * real tokens (more groups of one spread, as more rows a device);
@@ -51,31 +51,33 @@ def reward_row_s(rows: int) -> float:
 
 
 def measure(args) -> dict:
-    decodes = [decode.measure(args.size, rows, args.prompt_length, args.new_tokens, "float32", None, args.repeats)
+    decodes = [decode.measure(args.size, rows, args.prompt_length, args.new_tokens, args.dtype, None, args.repeats)
                for rows in args.decode_rows]
     for row in decodes:
         print(json.dumps({k: row[k] for k in ("rows", "decode_step_s", "prefill_plus_one_token_s")}), flush=True)
-    fixed, per_row = fit_line(args.decode_rows, [d["decode_step_s"] for d in decodes])
+    from grpo_jax import cpu
+
+    cpu_speedups = cpu.enabled(None)  # as a run on this backend
     updates = []
     for groups in args.update_groups:
         update_args = argparse.Namespace(
-            size=args.size, prompts=groups, generations=8, prompt_length=64, prompt_length_max=512,
+            size=args.size, dtype=args.dtype, prompts=groups, generations=8, prompt_length=64, prompt_length_max=512,
             max_completion_length=1024, mean_completion=args.update_mean, remat="none", scan_layers=False, layers=0,
-            attention="blocked", linear_layers=True, logps_chunk_size=0, repeats=args.repeats, layouts=["packed"],
-            profile=None)
+            attention="blocked" if cpu_speedups else "dense", linear_layers=cpu_speedups,
+            logps_chunk_size=args.logps_chunk_size, repeats=args.repeats, layouts=["packed"], profile=None)
         result = packed_update.measure(update_args)
         updates.append({"groups": groups, "real_tokens": result["real_tokens"],
                         "step_s": result["packed"]["step_s"]})
     update_fixed, update_token = fit_line([u["real_tokens"] for u in updates], [u["step_s"] for u in updates])
     last = decodes[-1]
     sync = 2 * last["weight_bytes"] / (args.link_fraction * last["copy_bandwidth_bytes_per_s"])
-    phases = {"decode_fixed_s": fixed, "decode_row_s": per_row,
+    phases = {"decode_rows": args.decode_rows, "decode_step_s": [d["decode_step_s"] for d in decodes],
               "prefill_row_s": last["prefill_plus_one_token_s"] / last["rows"],
               "update_fixed_s": update_fixed, "update_token_s": update_token,
               "reward_row_s": reward_row_s(args.reward_rows), "sync_s": sync,
               "max_rows_per_device": args.max_rows_per_device}
-    return {"size": args.size, "prompt_length": args.prompt_length, "phases": phases, "decode": decodes,
-            "update": updates, "link_fraction": args.link_fraction, "device": last["device"],
+    return {"size": args.size, "dtype": args.dtype, "prompt_length": args.prompt_length, "phases": phases,
+            "decode": decodes, "update": updates, "link_fraction": args.link_fraction, "device": last["device"],
             "jax_version": last["jax_version"]}
 
 
@@ -87,6 +89,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="small", choices=sorted(decode.make_models.SIZES))
     parser.add_argument("--decode-rows", type=_ints, default=[16, 64, 128])
+    parser.add_argument("--dtype", default="float32", help="compute dtype (an update's params stay float32)")
+    parser.add_argument("--logps-chunk-size", type=int, default=0, help="train.logps_chunk_size of the updates")
     parser.add_argument("--prompt-length", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--update-groups", type=_ints, default=[1, 2], help="groups of 8 rows a timed update")

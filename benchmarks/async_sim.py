@@ -6,8 +6,10 @@
 A deterministic event simulation (seeded lengths, a fixed dispatch order, no timing noise) of `--rounds` rounds
 driven by measured per-device phase times (`Phases`, fitted by async_phases.py):
 
-- decode of a static batch of b rows per device: prefill_row_s * b + max_length * (decode_fixed_s +
-  decode_row_s * b). One SPMD program runs its loop while any row of the mesh decodes, so every device of the
+- decode of a static batch of b rows per device: prefill_row_s * b + max_length * step(b), step(b) the measured
+  decode step times `decode_step_s` at `decode_rows` rows, interpolated (linearly, and beyond the last two points
+  along their line: the measured points are few and the machine's step cost is not a straight line). One SPMD
+  program runs its loop while any row of the mesh decodes, so every device of the
   sampling mesh waits for the longest completion of the whole round;
 - reward: reward_row_s per completion, on the host of the sampling device (each host scores its own rows);
 - update: update_fixed_s + update_token_s * tokens on the busiest device (rows split into contiguous shares; a
@@ -41,8 +43,8 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class Phases:
     """Per-device phase times in seconds (async_phases.py's fits)."""
-    decode_fixed_s: float  # a decode step's cost whatever the rows (the weights read once a step)
-    decode_row_s: float  # what each row in flight adds to a step
+    decode_rows: tuple[int, ...]  # rows in flight of the measured decode steps, increasing
+    decode_step_s: tuple[float, ...]  # a decode step's time at those rows
     prefill_row_s: float  # a row's prompt and first token
     update_fixed_s: float
     update_token_s: float  # each real (packed) token of the update
@@ -74,10 +76,17 @@ def draw_lengths(workload: Workload, devices: int) -> tuple[np.ndarray, np.ndarr
     return completion_RxN, np.repeat(prompt_RxP / G, G, axis=1)
 
 
+def step_s(phases: Phases, rows: int) -> float:
+    """A decode step's seconds at `rows` rows in flight: the measured points joined by lines, extended at both ends."""
+    x, y = np.asarray(phases.decode_rows, float), np.asarray(phases.decode_step_s, float)
+    i = int(np.clip(np.searchsorted(x, rows) - 1, 0, len(x) - 2))
+    return float(y[i] + (y[i + 1] - y[i]) * (rows - x[i]) / (x[i + 1] - x[i]))
+
+
 def decode_s(phases: Phases, completion_N: np.ndarray, devices: int) -> float:
     """One round's sampling on `devices` devices: the longest row of the round sets the steps."""
     rows = -(-len(completion_N) // devices)
-    return phases.prefill_row_s * rows + int(completion_N.max()) * (phases.decode_fixed_s + phases.decode_row_s * rows)
+    return phases.prefill_row_s * rows + int(completion_N.max()) * step_s(phases, rows)
 
 
 def update_s(phases: Phases, completion_N: np.ndarray, prompt_N: np.ndarray, devices: int) -> float:
@@ -172,7 +181,8 @@ def phases_from(path: str) -> Phases:
     """The `phases` object of async_phases.py's JSON."""
     fields = {f.name for f in dataclasses.fields(Phases)}
     data = json.loads(Path(path).read_text())["phases"]
-    return Phases(**{name: value for name, value in data.items() if name in fields})
+    return Phases(**{name: tuple(value) if isinstance(value, list) else value for name, value in data.items()
+                     if name in fields})
 
 
 def main(argv=None) -> dict:

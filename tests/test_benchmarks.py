@@ -210,7 +210,9 @@ def test_tool_rounds_grpo_jax_and_trl_one_round(tmp_path):
 def _const_phases(**overrides):
     import async_sim
 
-    fields = dict(decode_fixed_s=0.0, decode_row_s=0.0, prefill_row_s=0.0, update_fixed_s=0.0, update_token_s=0.0)
+    fixed, row = overrides.pop("decode_fixed_s", 0.0), overrides.pop("decode_row_s", 0.0)
+    fields = dict(decode_rows=(1, 2), decode_step_s=(fixed + row, fixed + 2 * row), prefill_row_s=0.0,
+                  update_fixed_s=0.0, update_token_s=0.0)
     return async_sim.Phases(**{**fields, **overrides})
 
 
@@ -279,7 +281,7 @@ def test_async_sim_split_pipeline_of_two_equal_stages():
 def test_async_sim_command_line(tmp_path):
     import async_sim
 
-    fields = dict(decode_fixed_s=0.01, decode_row_s=2e-4, prefill_row_s=0.005, update_fixed_s=0.1,
+    fields = dict(decode_rows=[8, 64, 128], decode_step_s=[0.012, 0.025, 0.06], prefill_row_s=0.005, update_fixed_s=0.1,
                   update_token_s=2e-5, reward_row_s=1e-4, sync_s=0.01, max_rows_per_device=256)
     (tmp_path / "phases.json").write_text(json.dumps({"phases": fields}))
     result = async_sim.main(["--phases", str(tmp_path / "phases.json"), "--devices", "8,16", "--rounds", "12",
@@ -289,3 +291,12 @@ def test_async_sim_command_line(tmp_path):
         assert row["by_staleness"]["0"]["colocated_speedup"] == pytest.approx(1.0)
         assert row["by_staleness"]["2"]["split_speedup"] > row["by_staleness"]["0"]["split_speedup"]
         assert row["devices"] * 64 / row["by_staleness"]["2"]["split_rollout_devices"] <= 256
+
+
+def test_async_sim_decode_step_joins_the_measured_points():
+    import async_sim
+
+    phases = async_sim.Phases(decode_rows=(8, 64, 128), decode_step_s=(0.01, 0.02, 0.06), prefill_row_s=0.0,
+                              update_fixed_s=0.0, update_token_s=0.0)
+    steps = [async_sim.step_s(phases, rows) for rows in (8, 36, 64, 96, 128, 256, 4)]
+    assert steps == pytest.approx([0.01, 0.015, 0.02, 0.04, 0.06, 0.14, 0.01 - 4 * 0.01 / 56])
