@@ -62,7 +62,7 @@ def measure(args) -> dict:
     for groups in args.update_groups:
         update_args = argparse.Namespace(
             size=args.size, dtype=args.dtype, prompts=groups, generations=8, prompt_length=64, prompt_length_max=512,
-            max_completion_length=1024, mean_completion=args.update_mean, remat="none", scan_layers=False, layers=0,
+            max_completion_length=1024, mean_completion=args.update_mean, remat=args.remat, scan_layers=False, layers=0,
             attention="blocked" if cpu_speedups else "dense", linear_layers=cpu_speedups,
             logps_chunk_size=args.logps_chunk_size, repeats=args.repeats, layouts=["packed"], profile=None)
         result = packed_update.measure(update_args)
@@ -76,9 +76,9 @@ def measure(args) -> dict:
               "update_fixed_s": update_fixed, "update_token_s": update_token,
               "reward_row_s": reward_row_s(args.reward_rows), "sync_s": sync,
               "max_rows_per_device": args.max_rows_per_device}
-    return {"size": args.size, "dtype": args.dtype, "prompt_length": args.prompt_length, "phases": phases,
-            "decode": decodes, "update": updates, "link_fraction": args.link_fraction, "device": last["device"],
-            "jax_version": last["jax_version"]}
+    return {"size": args.size, "dtype": args.dtype, "remat": args.remat, "prompt_length": args.prompt_length,
+            "phases": phases, "decode": decodes, "update": updates, "link_fraction": args.link_fraction,
+            "device": last["device"], "jax_version": last["jax_version"]}
 
 
 def _ints(text: str) -> list[int]:
@@ -91,6 +91,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--decode-rows", type=_ints, default=[16, 64, 128])
     parser.add_argument("--dtype", default="float32", help="compute dtype (an update's params stay float32)")
     parser.add_argument("--logps-chunk-size", type=int, default=0, help="train.logps_chunk_size of the updates")
+    parser.add_argument("--remat", default="none", help="model.remat of the updates")
     parser.add_argument("--prompt-length", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--update-groups", type=_ints, default=[1, 2], help="groups of 8 rows a timed update")
