@@ -7,7 +7,7 @@ Qwen2 of make_models.py), float32, one device. Each phase is timed at a few size
 - decode (`decode.measure`: the run's decoder, a static batch, EOS off): a step at each of `--decode-rows` rows
   with prompts of `--prompt-length` tokens (async_sim.py joins the points); prefill (prompt + first token) per row
   at the largest row count;
-- update (`packed_update.measure`: one train step, the packed layout a run picks, beta 0.04): each of
+- update (`packed_update.measure`: one train step, `--layout` packed as a run picks, beta 0.04): each of
   `--update-groups` groups of 8 rows, prompts 64-512 tokens, completions geometric with mean `--update-mean` (at
   most 1,024) -> update_fixed_s + update_token_s * real tokens (more groups of one spread, as more rows a device);
 - reward: `grpo_jax.math_rewards:accuracy` on `--reward-rows` completions of ~1,000 characters, per completion;
@@ -64,10 +64,10 @@ def measure(args) -> dict:
             size=args.size, dtype=args.dtype, prompts=groups, generations=8, prompt_length=64, prompt_length_max=512,
             max_completion_length=1024, mean_completion=args.update_mean, remat=args.remat, scan_layers=False, layers=0,
             attention="blocked" if cpu_speedups else "dense", linear_layers=cpu_speedups,
-            logps_chunk_size=args.logps_chunk_size, repeats=args.repeats, layouts=["packed"], profile=None)
+            logps_chunk_size=args.logps_chunk_size, repeats=args.repeats, layouts=[args.layout], profile=None)
         result = packed_update.measure(update_args)
         updates.append({"groups": groups, "real_tokens": result["real_tokens"],
-                        "step_s": result["packed"]["step_s"]})
+                        "step_s": result[args.layout]["step_s"]})
     update_fixed, update_token = fit_line([u["real_tokens"] for u in updates], [u["step_s"] for u in updates])
     last = decodes[-1]
     sync = 2 * last["weight_bytes"] / (args.link_fraction * last["copy_bandwidth_bytes_per_s"])
@@ -76,9 +76,9 @@ def measure(args) -> dict:
               "update_fixed_s": update_fixed, "update_token_s": update_token,
               "reward_row_s": reward_row_s(args.reward_rows), "sync_s": sync,
               "max_rows_per_device": args.max_rows_per_device}
-    return {"size": args.size, "dtype": args.dtype, "remat": args.remat, "prompt_length": args.prompt_length,
-            "phases": phases, "decode": decodes, "update": updates, "link_fraction": args.link_fraction,
-            "device": last["device"], "jax_version": last["jax_version"]}
+    return {"size": args.size, "dtype": args.dtype, "remat": args.remat, "layout": args.layout,
+            "prompt_length": args.prompt_length, "phases": phases, "decode": decodes, "update": updates,
+            "link_fraction": args.link_fraction, "device": last["device"], "jax_version": last["jax_version"]}
 
 
 def _ints(text: str) -> list[int]:
@@ -92,6 +92,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--dtype", default="float32", help="compute dtype (an update's params stay float32)")
     parser.add_argument("--logps-chunk-size", type=int, default=0, help="train.logps_chunk_size of the updates")
     parser.add_argument("--remat", default="none", help="model.remat of the updates")
+    parser.add_argument("--layout", choices=("packed", "groups"), default="packed", help="the updates' layout: "
+                        "the buffers a run picks, or a buffer a group (one long buffer's dense attention overflows "
+                        "an H100 at 16 rows)")
     parser.add_argument("--prompt-length", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--update-groups", type=_ints, default=[1, 2], help="groups of 8 rows a timed update")
