@@ -1,15 +1,16 @@
 """Per-device phase times for async_sim.py, measured on this machine at real shapes scaled down, JSON out.
 
-    python benchmarks/async_phases.py --out /tmp/phases.json     # CPU, small model: ~4 minutes
+    python benchmarks/async_phases.py --out /tmp/phases.json     # CPU, small model: ~7 minutes
 
 Scaled down from a 0.5B-7B model at 1,024-token completions: the `small` model (hidden 512, 8 layers, a random
-Qwen2 of make_models.py), float32, one device. Each phase is timed at a few sizes and fitted with a line:
+Qwen2 of make_models.py), float32, one device. Each phase is timed at a few sizes:
 - decode (`decode.measure`: the run's decoder, a static batch, EOS off): a step at each of `--decode-rows` rows
   with prompts of `--prompt-length` tokens (async_sim.py joins the points); prefill (prompt + first token) per row
   at the largest row count;
 - update (`packed_update.measure`: one train step, `--layout` packed as a run picks, beta 0.04): each of
   `--update-groups` groups of 8 rows, prompts 64-512 tokens, completions geometric with mean `--update-mean` (at
-  most 1,024) -> update_fixed_s + update_token_s * real tokens (more groups of one spread, as more rows a device);
+  most 1,024) -> update_token_s = their seconds over their real tokens (update_fixed_s 0: a CPU's update is
+  compute-bound);
 - reward: `grpo_jax.math_rewards:accuracy` on `--reward-rows` completions of ~1,000 characters, per completion;
 - sync: a params all-reduce or broadcast moving 2x the weight bytes over a link `--link-fraction` as fast as the
   device's measured memory bandwidth (NVLink 450 GB/s over HBM 3.35 TB/s ~ 0.13; TPU ICI over HBM ~ 0.2).
@@ -28,12 +29,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode  # noqa: E402
 import packed_update  # noqa: E402
-
-
-def fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
-    """Least-squares intercept and slope of y = a + b x."""
-    slope, intercept = np.polyfit(np.asarray(x, float), np.asarray(y, float), 1)
-    return float(intercept), float(slope)
 
 
 def reward_row_s(rows: int) -> float:
@@ -68,12 +63,13 @@ def measure(args) -> dict:
         result = packed_update.measure(update_args)
         updates.append({"groups": groups, "real_tokens": result["real_tokens"],
                         "step_s": result[args.layout]["step_s"]})
-    update_fixed, update_token = fit_line([u["real_tokens"] for u in updates], [u["step_s"] for u in updates])
+    # through the origin: a line's intercept came out negative (a longer group's attention costs more a token)
+    update_token = sum(u["step_s"] for u in updates) / sum(u["real_tokens"] for u in updates)
     last = decodes[-1]
     sync = 2 * last["weight_bytes"] / (args.link_fraction * last["copy_bandwidth_bytes_per_s"])
     phases = {"decode_rows": args.decode_rows, "decode_step_s": [d["decode_step_s"] for d in decodes],
               "prefill_row_s": last["prefill_plus_one_token_s"] / last["rows"],
-              "update_fixed_s": update_fixed, "update_token_s": update_token,
+              "update_fixed_s": 0.0, "update_token_s": update_token,
               "reward_row_s": reward_row_s(args.reward_rows), "sync_s": sync,
               "max_rows_per_device": args.max_rows_per_device}
     return {"size": args.size, "dtype": args.dtype, "remat": args.remat, "layout": args.layout,
