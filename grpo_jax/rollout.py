@@ -190,18 +190,22 @@ def _packing(run: Run, counts_Nx2: np.ndarray, group_size: int, micro_batches: i
         blocked_pairs=cpu.blocked_pairs if on_cpu else None)
 
 
-def _dispatch_logps(run: Run, state: TrainState, params, rows: Trajectory, counts_Nx2: np.ndarray):
-    """(reference, old-policy) log-probs of the rows, queued on the devices without waiting; None where the round
-    needs none. In float32 the sampler's log-probs are the old policy's (same params, full-vocabulary
-    log-softmax at the temperature) up to rounding: no forward pass for them."""
-    cfg, tc = run.config, run.config.train
-    args = (rows.prompt_ids, rows.prompt_mask, rows.completion_ids, rows.completion_mask,
+def logps_args(run: Run, rows: Trajectory, counts_Nx2: np.ndarray) -> tuple:
+    """A round's rows as the log-prob programs take them: the four row arrays and their packing (`_packing`)."""
+    return (rows.prompt_ids, rows.prompt_mask, rows.completion_ids, rows.completion_mask,
             *_packing(run, counts_Nx2, run.round_prompt_group_size))
+
+
+def dispatch_logps(run: Run, state: TrainState, params, rows: Trajectory, counts_Nx2: np.ndarray, *, old: bool):
+    """(reference, old-policy) log-probs of the rows, queued on the devices without waiting; None where the run has no
+    reference or ``old`` is false. In float32 the sampler's log-probs are the old policy's (same ``params``,
+    full-vocabulary log-softmax at the temperature) up to rounding: no forward pass for them."""
+    args = logps_args(run, rows, counts_Nx2)
     ref = None if run.programs.ref_logps is None else run.programs.ref_logps(state.reference_params, *args)
-    old = None
-    if tc.needs_old_logps:
-        old = rows.sampler_per_token_logps if cfg.model.dtype == "float32" else run.programs.logps(params, *args)
-    return ref, old
+    if not old:
+        return ref, None
+    in_float32 = run.config.model.dtype == "float32"
+    return ref, rows.sampler_per_token_logps if in_float32 else run.programs.logps(params, *args)
 
 
 def _reward_context(run: Run, state: TrainState, data_state: data.DataState) -> dict:
@@ -217,13 +221,13 @@ def _journal(run: Run, round_index: int, pass_index: int):
 
 
 def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBatch, key, seconds: dict,
-                      context: dict, log: rewards.RewardLog, *, logps: bool, slots: int = 0,
+                      context: dict, log: rewards.RewardLog, *, logps: bool, old: bool = False, slots: int = 0,
                       turns: multiturn.Turns | None = None, environments: list | None = None):
     """One sampling pass, each group scored on the host as soon as it has ended while the devices decode the others.
-    With ``logps`` the reference / old log-probs are queued on the devices as soon as the last rows are decoded,
-    before the host scores them. ``slots``: the decoding call's (`stream.plan_slots`); ``turns`` and
-    ``environments``: multi-turn rows' (`multiturn.setup`). Adds the pass's `sample` time
-    (until its last rows reach the host), `score` time (host scoring after that) and `decode_steps` to ``seconds``.
+    With ``logps`` the reference / old (``old``) log-probs are queued on the devices as soon as the last rows are
+    decoded, before the host scores them. ``slots``: the decoding call's (`stream.plan_slots`); ``turns`` and
+    ``environments``: multi-turn rows' (`multiturn.setup`). Adds the pass's `sample` time (until its last rows
+    reach the host), `score` time (host scoring after that) and `decode_steps` to ``seconds``.
     Returns (the rows on the devices, `rounds.Draw`, (ref, old) or None)."""
     timer = time.perf_counter()
     pieces, scores, rows, queued = [], [], None, None
@@ -236,7 +240,7 @@ def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBat
                 completion_mask = np.zeros_like(batch.prompt_ids, shape=rows.completion_ids.shape)
                 for done in (*pieces, piece):
                     completion_mask[done.rows] = done.completion_mask
-                queued = _dispatch_logps(run, state, params, rows, _counts(batch.prompt_mask, completion_mask))
+                queued = dispatch_logps(run, state, params, rows, _counts(batch.prompt_mask, completion_mask), old=old)
             seconds["sample"] = seconds.get("sample", 0.0) + time.perf_counter() - timer
             timer = time.perf_counter()
         pieces.append(piece)
@@ -287,21 +291,23 @@ def _step_rows(run: Run, round_index: int) -> np.ndarray:
 
 
 def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round_index: int, *, params=None,
-                  slots: int = 0) -> tuple[RoundBatch, data.DataState]:
+                  slots: int = 0, old: bool | None = None) -> tuple[RoundBatch, data.DataState]:
     """A round before its updates: decode (jit) -> ref/old log-probs queued -> rows to the host -> score (host) ->
     advantages (host) -> RoundBatch, and the data position after its prompts. ``params`` samples the round (and
     gives its old log-probs; None: the state's); the state gives the key, the step and the reference. ``slots``:
     the decode slots (`stream.plan_slots`; 0: `sampling.max_batch_rows`), kept in its `seconds` with the decode
-    steps. With DAPO dynamic sampling the passes are merged first."""
+    steps. With DAPO dynamic sampling the passes are merged first. ``old``: whether the rows get old-policy
+    log-probs (under ``params``; None: `train.needs_old_logps`)."""
     cfg, tc = run.config, run.config.train
     params = state.params if params is None else params
+    old = tc.needs_old_logps if old is None else old
     seconds: dict = {"decode_slots": slots}
     log = rewards.RewardLog()
     context = _reward_context(run, state, data_state)
     if tc.dynamic_sampling:
         rows, draw, counts, sampling_metrics, data_state = _dynamic_sampling_passes(
             run, state, params, data_state, round_index, seconds, context, log)
-        ref, old = _dispatch_logps(run, state, params, rows, counts)
+        ref, old = dispatch_logps(run, state, params, rows, counts, old=old)
     else:
         batch, data_state = data.next_batch(run.dataset, data_state, tc.prompts_per_round)
         batch = data.repeat_groups(batch, tc.num_generations)
@@ -309,7 +315,7 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
                                                      tc.num_generations)
         key = run.programs.sample_key(state.key, round_index, 0)
         rows, draw, (ref, old) = _sample_and_score(run, state, params, batch, key, seconds, context, log, logps=True,
-                                                   slots=slots, turns=turns, environments=environments)
+                                                   old=old, slots=slots, turns=turns, environments=environments)
         counts, sampling_metrics = _counts(batch.prompt_mask, draw.completion_mask), {}
 
     timer = time.perf_counter()

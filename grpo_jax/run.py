@@ -55,6 +55,8 @@ class Run:
     tooling: tools.Tooling | None = None  # tools and environments of multi-turn rollouts (None: one turn a row)
     output_lock: lock.RunLock = dataclasses.field(default_factory=lock.RunLock)  # held; `train` releases it
     warned: set = dataclasses.field(default_factory=set)  # warnings given once a run, not every round (their keys)
+    rollout_mesh: Mesh | None = None  # mesh.rollout > 0: the sampling devices (`mesh` holds the training ones)
+    rollout_programs: programs.Programs | None = None  # the sampling programs over `rollout_mesh`
 
     @property
     def keep_ref(self) -> bool:
@@ -202,6 +204,17 @@ def prompt_group_sizes(config: Config, mesh) -> tuple[int, int]:
     return round_g, step_g
 
 
+def check_async(config: Config, num_devices: int) -> None:
+    """Asynchronous rounds (`train.max_staleness`, `mesh.rollout`) need one process, and the split placement a
+    device left to train on: one-line ValueErrors naming the key."""
+    if (config.train.max_staleness or config.mesh.rollout) and jax.process_count() > 1:
+        raise ValueError(f"train.max_staleness={config.train.max_staleness} / mesh.rollout={config.mesh.rollout} "
+                         f"run in one process, not {jax.process_count()}: set both to 0 for a multi-host run")
+    if config.mesh.rollout >= num_devices:
+        raise ValueError(f"mesh.rollout={config.mesh.rollout} leaves none of the {num_devices} devices to train on: "
+                         f"set it below {num_devices} (0: sample and train on every device)")
+
+
 def _check_data_file(key: str, path: str | None) -> None:
     """A path that names a data file (not a glob, folder or dataset id) must exist: known before anything loads."""
     if path is not None and Path(path).suffix.lower() in (".jsonl", ".json", ".parquet", ".csv") \
@@ -292,7 +305,11 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     if config.model.vocab_size is None:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=len(tokenizer)))
     tc = config.train
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    devices = jax.devices()
+    check_async(config, len(devices))
+    # split placement: the first mesh.rollout devices sample, the others train
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor,
+                              devices=devices[config.mesh.rollout:])
     lengths = dict(max_completion_length=config.sampling.max_completion_length,
                    soft_punish_cache=config.reward.soft_punish_cache)
     reward_fns = reward_specs.resolve_all(config.reward.functions if reward_funcs is None else reward_funcs, mesh,
@@ -340,7 +357,9 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     options = StepOptions(loss=loss_config, temperature=config.sampling.temperature,
                           gradient_accumulation_steps=tc.gradient_accumulation_steps,
                           logps_chunk_size=tc.logps_chunk_size, prompt_group_size=step_group,
-                          ref_sync=tc.ref_sync, loss_fn=loss_fn, use_sampler_logps=tc.use_sampler_logps)
+                          ref_sync=tc.ref_sync, loss_fn=loss_fn,
+                          # decoupled PPO's behaviour weight is the IS correction against the sampler's log-probs
+                          use_sampler_logps=tc.use_sampler_logps or config.loss.off_policy_correction == "decoupled")
     state_sharding = sharding.tree_shardings(state)
     decoding = dict(eos_token_ids=eos_ids, pad_token_id=tokenizer.pad_token_id,
                     params_sharding=state_sharding.params, cpu_speedups=speedups)
@@ -357,11 +376,24 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
     run_programs = programs.build(graphdef, optimizer, options, mesh, state_sharding, decoder=decoder,
                                   round_prompt_group_size=round_group, advantage_options=advantage_options,
                                   mask_truncated=tc.mask_truncated_completions, eval_decoder=eval_decoder)
+    rollout_mesh = rollout_programs = None
+    if config.mesh.rollout:
+        rollout_mesh = sharding.make_mesh(config.mesh.rollout, 1, 1, devices=devices[:config.mesh.rollout])
+        sharding.check_rows(tc.generation_batch_size, rollout_mesh, "train.train_batch_size * "
+                            "train.steps_per_generation (a round's rows, over mesh.rollout)")
+        params_sharding = sharding.param_shardings(rollout_mesh, state.params)
+        rollout_decoder = programs.jit_decoder(graphdef, rollout_mesh, config.model, config=config.sampling,
+                                               prompt_group_size=tc.num_generations,
+                                               **{**decoding, "params_sharding": params_sharding})
+        rollout_programs = programs.build(
+            graphdef, optimizer, options, rollout_mesh, TrainState(params_sharding, None, None, None, None),
+            decoder=rollout_decoder, round_prompt_group_size=prompt_group_sizes(config, rollout_mesh)[0],
+            advantage_options=advantage_options, mask_truncated=tc.mask_truncated_completions)
     if jax.process_index() == 0:
         (output_dir / "config.yaml").write_text(yaml.safe_dump(given, sort_keys=False))
     run = Run(config=config, output_dir=output_dir, tokenizer=tokenizer, tokenizer_path=tokenizer_dir,
               dataset=dataset, eval_rows=eval_rows, reward_fns=reward_fns, eval_reward_fns=eval_reward_fns,
               mesh=mesh, graphdef=graphdef, schedule=schedule, programs=run_programs,
               step_prompt_group_size=step_group, round_prompt_group_size=round_group, resuming=resuming,
-              output_lock=held, tooling=tooling)
+              output_lock=held, tooling=tooling, rollout_mesh=rollout_mesh, rollout_programs=rollout_programs)
     return run, state

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from grpo_jax import checkpoint, data, export, preemption, sharding, sources, stream
+from grpo_jax import async_rounds, checkpoint, data, export, preemption, sharding, sources, stream
 from grpo_jax.config import Config, to_dict
 from grpo_jax.evaluation import evaluate, short_names
 from grpo_jax.reporting import MetricsWriter, is_eval, plot_run
@@ -63,11 +63,11 @@ def saved_rows(arrays: dict) -> tuple[Trajectory, np.ndarray]:
 
 def _restore(run: Run, state: TrainState, data_state: data.DataState, mngr):
     """Continues a run from its newest valid checkpoint: (state, data position, round batch, round index, history,
-    eval before)."""
+    eval before, its host arrays)."""
     restored = checkpoint.restore_latest(mngr, state, keep_ref=run.keep_ref)
     if restored is None:
         print(f"grpo_jax: {run.output_dir} has no checkpoint yet: starting from step 0")
-        return state, data_state, None, 0, [], None
+        return state, data_state, None, 0, [], None, {}
     step, state, meta, arrays = restored
     changed = sources.check_fingerprint(meta.get("data_fingerprint"), run.dataset.fingerprint, step=step,
                                         allow_changed=run.config.data.allow_changed)  # older checkpoints: none
@@ -82,7 +82,7 @@ def _restore(run: Run, state: TrainState, data_state: data.DataState, mngr):
     where = "" if round_batch is None else f", inside round {round_batch.round_index} ({round_batch.position} " \
         f"of its {len(round_batch.step_rows)} steps done)"
     print(f"grpo_jax: resuming from checkpoint {mngr.directory / str(step)} at step {step}{where}")
-    return state, data_state, round_batch, meta["round_index"], meta["history"], meta["eval_before"]
+    return state, data_state, round_batch, meta["round_index"], meta["history"], meta["eval_before"], arrays
 
 
 def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | None = None, train_dataset=None,
@@ -129,9 +129,13 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
     mngr = checkpoint.manager(run.output_dir, save_total_limit=config.save_total_limit)
     data_state = data.DataState(epoch=0, index=0, seed=config.seed)
     plan = stream.SlotPlan()  # a speed choice: the tokens do not depend on it, so it is not saved
-    round_batch, round_index, history, before = None, 0, [], None
+    round_batch, round_index, history, before, arrays = None, 0, [], None, {}
     if run.resuming:
-        state, data_state, round_batch, round_index, history, before = _restore(run, state, data_state, mngr)
+        state, data_state, round_batch, round_index, history, before, arrays = _restore(run, state, data_state, mngr)
+    sampler = None  # asynchronous rounds: sampled ahead by a thread (`grpo_jax.async_rounds`)
+    if async_rounds.enabled(config):
+        sampler = async_rounds.Sampler(run, state, next_round=round_index + (round_batch is not None),
+                                       data_state=data_state, arrays=arrays)
     saved_step = int(state.step) if history else -1
     writer = MetricsWriter(run.output_dir, max_steps=config.max_steps, initial_step=int(state.step),
                            logging_steps=config.logging_steps, show_progress=show_progress, history=history,
@@ -142,8 +146,11 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
         writer.write_eval(int(state.step), before)
     after = {}
 
+    def saved_arrays() -> dict:
+        return {**_arrays(round_batch), **(sampler.saved_versions(step) if sampler is not None else {})}
+
     def save(wait: bool) -> None:
-        checkpoint.save(mngr, state, keep_ref=run.keep_ref, wait=wait, arrays=_arrays(round_batch),
+        checkpoint.save(mngr, state, keep_ref=run.keep_ref, wait=wait, arrays=saved_arrays(),
                         meta=_meta(run, data_state, round_index, round_batch, writer.history, before))
 
     skipped, step = 0, int(state.step)
@@ -151,10 +158,16 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
     try:
         with preemption.PreemptionGuard() as guard:
             while step < config.max_steps and not guard.requested:
-                if round_batch is None:  # the data position moves only once the round is prepared
+                if sampler is not None:  # rounds whose params version is this step's go to the sampler now
+                    sampler.feed(state, step)
+                if round_batch is None and sampler is not None:
+                    round_batch, data_state = sampler.take(state, round_index)
+                elif round_batch is None:  # the data position moves only once the round is prepared
                     round_batch, data_state = prepare_round(run, state, data_state, round_index, slots=plan.slots)
                     plan = _plan(run, plan, round_batch)
                 until = config.max_steps
+                if sampler is not None and sampler.next_version() is not None:  # its params, before the update
+                    until = min(until, sampler.next_version())
                 if config.save_steps:
                     until = min(until, (step // config.save_steps + 1) * config.save_steps)
                 if config.eval.steps:
@@ -162,6 +175,10 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
                 state, round_batch, lines = run_steps(run, state, round_batch, until=until,
                                                       stop=lambda: guard.requested,
                                                       max_skipped=config.train.max_nonfinite_steps - skipped)
+                if sampler is not None:
+                    lines = [{**line, **async_rounds.step_metrics(config.train, line["step"]),
+                              "step_time/sample_wait": round_batch.seconds["sample_wait"] / len(round_batch.step_rows)}
+                             for line in lines]
                 writer.write_steps(lines, completions=round_batch.completions)
                 step = round_batch.first_step + round_batch.position
                 if round_batch.position == len(round_batch.step_rows):
@@ -189,10 +206,12 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
         raise
     except (Exception, SystemExit) as error:  # SystemExit: a library's sys.exit (a tracker's) stops the run alike
         failure = error
-        raise preemption.failed(error, run.output_dir, checkpoint.nbytes(state, run.keep_ref, _arrays(round_batch)),
+        raise preemption.failed(error, run.output_dir, checkpoint.nbytes(state, run.keep_ref, saved_arrays()),
                                 state=state, steps=sum(not is_eval(h) for h in writer.history),
                                 saved_step=saved_step, save=save, named=named) from error
     finally:
+        if sampler is not None:
+            sampler.close()
         try:
             mngr.wait_until_finished()
             mngr.close()

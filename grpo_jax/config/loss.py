@@ -13,6 +13,7 @@ CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 IS_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+OFF_POLICY_CORRECTIONS = ("none", "decoupled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,10 @@ class LossConfig:
     vllm_importance_sampling_mode: str = "sequence_mask"  # token_truncate | token_mask | sequence_truncate | ..._mask
     vllm_importance_sampling_clip_min: float | None = None
     vllm_importance_sampling_clip_max: float | None = 3.0
+    # Stale rounds (train.max_staleness): none clips against the behaviour policy (the sampling params); decoupled
+    # (AReaL's decoupled PPO) clips against the proximal policy (the params at the round's first update) and weights
+    # by the proximal/behaviour ratio, shaped by the vllm_importance_sampling_* options (TRL's truncated/masked IS)
+    off_policy_correction: str = "none"
 
     def __post_init__(self):
         def choose(field, allowed):
@@ -58,6 +63,10 @@ class LossConfig:
         choose("importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS)
         choose("kl_estimator", KL_ESTIMATORS)
         choose("vllm_importance_sampling_mode", IS_CORRECTION_MODES)
+        choose("off_policy_correction", OFF_POLICY_CORRECTIONS)
+        if self.off_policy_correction == "decoupled" and not self.vllm_importance_sampling_correction:
+            raise ValueError("loss.off_policy_correction='decoupled' weights by the proximal/behaviour ratio that "
+                             "loss.vllm_importance_sampling_* shape: set vllm_importance_sampling_correction=true")
         if self.beta < 0:
             raise ValueError(f"loss.beta={self.beta} is negative: use beta >= 0 (0 disables the KL term)")
         for field in dataclasses.fields(self):

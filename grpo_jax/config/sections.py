@@ -188,8 +188,11 @@ class TrainConfig:
     ref_param_dtype: str | None = None  # reference params' storage dtype (float32, bfloat16); None: the params'
     offload_ref_params: bool = False  # keep the reference in pinned host memory (copied in for its log-probs)
     max_nonfinite_steps: int = 10  # steps skipped for a non-finite loss/gradient before the run stops
+    max_staleness: int = 0  # k: round r samples with the params after step max(0, r*K - k) (`grpo_jax.async_rounds`)
 
     def __post_init__(self):
+        check(isinstance(self.max_staleness, int) and self.max_staleness >= 0,
+              f"train.max_staleness={self.max_staleness!r} must be an integer >= 0 (0: synchronous rounds)")
         for name in ("num_generations", "train_batch_size", "gradient_accumulation_steps",
                      "steps_per_generation", "num_iterations", "max_nonfinite_steps"):
             check(getattr(self, name) >= 1, f"train.{name}={getattr(self, name)} must be >= 1")
@@ -255,6 +258,11 @@ class TrainConfig:
         return RefSyncConfig(self.sync_ref_model, self.ref_model_mixup_alpha, self.ref_model_sync_steps)
 
     @property
+    def steps_per_round(self) -> int:
+        """K: the optimizer steps one round feeds (`steps_per_generation` slices, `num_iterations` times each)."""
+        return self.steps_per_generation * self.num_iterations
+
+    @property
     def needs_old_logps(self) -> bool:
         """Old log-probs differ from the current ones only when a round feeds more than one update."""
         return self.num_iterations > 1 or self.steps_per_generation > 1
@@ -262,13 +270,17 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh shape (data, fsdp, tensor; see grpo_jax/sharding.py): -1 on one axis takes the remaining devices."""
+    """Device mesh shape (data, fsdp, tensor; see grpo_jax/sharding.py): -1 on one axis takes the remaining devices.
+    `rollout` > 0 sets that many devices apart for sampling (`grpo_jax.async_rounds`)."""
 
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    rollout: int = 0  # split placement: the first `rollout` devices sample, data x fsdp x tensor the rest train
 
     def __post_init__(self):
+        check(isinstance(self.rollout, int) and self.rollout >= 0,
+              f"mesh.rollout={self.rollout!r} must be an integer >= 0 (0: sampling and training share every device)")
         sizes = (self.data, self.fsdp, self.tensor)
         check(sizes.count(-1) <= 1, "mesh: at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
         check(all(s == -1 or s >= 1 for s in sizes), f"mesh sizes {sizes} must be >= 1 or -1")
