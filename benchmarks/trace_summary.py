@@ -137,22 +137,38 @@ def _intersect(xs, ys) -> list[tuple[float, float]]:
     return out
 
 
-def timeline(path: str | Path, phases: dict[str, tuple[str, ...]]) -> dict:
+def timeline(path: str | Path, phases: dict[str, tuple[str, ...]], start_after: tuple[str, int] | None = None) -> dict:
     """Per-device busy time (ms, the union of its XLA ops' intervals) of one trace, per phase too, and the wall
     time in which two phases ran at once. A phase is the programs (`hlo_module`) whose name holds one of its
-    substrings; ops carry their device in ``device_ordinal`` (XLA:CPU) or run on a ``/device:N`` process."""
+    substrings; ops carry their device in ``device_ordinal`` (XLA:CPU) or run on a ``/device:N`` process.
+    ``start_after=(phase, n)``: only the time from the start of that phase's execution n + 1 (an execution: one
+    ``run_id`` of one program; the first n leave out compilation and warm-up)."""
     data = json.loads(gzip.decompress(find_trace(path).read_bytes()))
     events = data["traceEvents"] if isinstance(data, dict) else data
     process = {e["pid"]: e["args"].get("name", "") for e in events
                if e.get("ph") == "M" and e.get("name") == "process_name"}
+    ops = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
+    start = 0.0
+    if start_after is not None:
+        phase, n = start_after
+        runs: dict = {}
+        for e in ops:
+            module = e["args"].get("hlo_module", "")
+            if any(needle in module for needle in phases[phase]):
+                key = (module, e["args"].get("run_id"))
+                runs[key] = min(runs.get(key, e["ts"]), e["ts"])
+        starts = sorted(runs.values())
+        if len(starts) <= n:
+            raise ValueError(f"start_after={start_after}: the trace has {len(starts)} executions of {phase}")
+        start = starts[n]
     per_device = collections.defaultdict(list)
     per_phase = collections.defaultdict(lambda: collections.defaultdict(list))
-    for e in events:
-        if e.get("ph") != "X" or "hlo_op" not in e.get("args", {}):
+    for e in ops:
+        if e["ts"] + e.get("dur", 0.0) <= start:
             continue
         name = process.get(e["pid"], "")
         device = e["args"].get("device_ordinal", name.split(":")[-1] if name.startswith("/device:") else "?")
-        span = (e["ts"], e["ts"] + e.get("dur", 0.0))
+        span = (max(e["ts"], start), e["ts"] + e.get("dur", 0.0))
         per_device[device].append(span)
         module = e["args"].get("hlo_module", "")
         for phase, needles in phases.items():

@@ -148,6 +148,12 @@ def test_trace_summary_timeline_busy_time_and_overlap(tmp_path):
     assert t["phase_busy_ms"] == {"sample": {"0": pytest.approx(0.15)}, "train": {"1": pytest.approx(0.09)}}
     assert t["phase_wall_ms"] == pytest.approx({"sample": 0.15, "train": 0.09})
     assert t["overlap_ms"] == {"sample&train": pytest.approx(0.05)}  # 50..100
+    # from the second train execution on (one run_id each; the nested op and the second thread share the first's)
+    events[3]["args"]["run_id"] = events[4]["args"]["run_id"] = "9"
+    (tmp_path / "perfetto_trace.json.gz").write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    t = trace_summary.timeline(tmp_path, {"sample": ("advance", "generate"), "train": ("step",)}, ("train", 1))
+    assert t["busy_ms"] == pytest.approx({"0": 0.09, "1": 0.08, "2": 0.005})  # 60..140 on device 1
+    assert t["overlap_ms"] == {"sample&train": pytest.approx(0.04)} and t["wall_ms"] == pytest.approx(0.245)
 
 
 def test_lora_decode_merged_and_on_the_fly_sample_the_same_tokens():
