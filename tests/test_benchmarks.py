@@ -306,3 +306,16 @@ def test_async_sim_decode_step_joins_the_measured_points():
                               update_fixed_s=0.0, update_token_s=0.0)
     steps = [async_sim.step_s(phases, rows) for rows in (8, 36, 64, 96, 128, 256, 4)]
     assert steps == pytest.approx([0.01, 0.015, 0.02, 0.04, 0.06, 0.14, 0.01 - 4 * 0.01 / 56])
+
+
+def test_async_curves_reward_bins_and_staleness(tmp_path):
+    import async_curves
+
+    lines = [{"step": s, "reward": float(s), "async/staleness": s % 2} for s in range(1, 8)] + [{"step": 7, "x": 1}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
+    summary = {"eval_before": {"greedy/exact_match": 0.0}, "eval_after": {"greedy/exact_match": 0.5},
+               "reward_first_10pct": 1.0, "reward_last_10pct": 7.0}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    result = async_curves.curve(tmp_path, 3)
+    assert result["reward_every"] == [2.0, 5.0, 7.0] and result["steps"] == 7  # the eval-only line is no step
+    assert result["staleness_mean"] == pytest.approx(4 / 7) and result["eval_after"] == summary["eval_after"]
