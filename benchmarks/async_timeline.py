@@ -10,7 +10,8 @@ programs; train: the train step's and the log-prob programs'), and the wall time
 another trained; and `concurrency_probe`: whether the backend runs programs on two device groups at once at all
 (XLA:CPU runs one multi-device program at a time, so a host mesh shows no overlap). The first `--skip` executions
 of train programs (compilation, the pipeline filling; a round has a reference log-prob pass and its steps) are left
-out: the window starts at the start of the next one and ends at the last op.
+out: the window starts at the start of the next one and ends at the last op. `sample_wait_s`: the logged
+`step_time/sample_wait` (the updates waiting for their round) summed over the steps after the first `--skip`.
 """
 
 from __future__ import annotations
