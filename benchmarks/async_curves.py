@@ -4,8 +4,9 @@
 
 Each k runs `python -m grpo_jax --no-progress output_dir=<folder>/k<k> train.max_staleness=<k>` plus the given
 overrides (same seed, so k = 0 is the synchronous default run) in its own process; the table holds, per k, the
-mean training reward of every `--every` steps, the mean logged `async/staleness`, the held-out greedy metrics before
-and after (summary.json) and the wall time.
+mean training reward of every `--every` steps, the mean logged `async/staleness`, the median step time (the first
+step, which compiles, left out), the mean completion length, the held-out greedy metrics before and after
+(summary.json) and the wall time.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def curve(output_dir: Path, every: int) -> dict:
     summary = json.loads((output_dir / "summary.json").read_text())
     return {"reward_every": [float(np.mean(rewards[i:i + every])) for i in range(0, len(rewards), every)],
             "staleness_mean": float(np.mean([line.get("async/staleness", 0) for line in steps])),
+            "median_step_s": float(np.median([line["step_time"] for line in steps[1:]])) if len(steps) > 1 else None,
+            "mean_completion_length": float(np.mean([line["completions/mean_length"] for line in steps])),
             "steps": len(steps), "eval_before": summary["eval_before"], "eval_after": summary["eval_after"],
             "reward_first_10pct": summary["reward_first_10pct"], "reward_last_10pct": summary["reward_last_10pct"]}
 

@@ -311,7 +311,8 @@ def test_async_sim_decode_step_joins_the_measured_points():
 def test_async_curves_reward_bins_and_staleness(tmp_path):
     import async_curves
 
-    lines = [{"step": s, "reward": float(s), "async/staleness": s % 2} for s in range(1, 8)] + [{"step": 7, "x": 1}]
+    lines = [{"step": s, "reward": float(s), "async/staleness": s % 2, "step_time": 10.0 if s == 1 else s / 10,
+              "completions/mean_length": 2.0 * s} for s in range(1, 8)] + [{"step": 7, "x": 1}]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
     summary = {"eval_before": {"greedy/exact_match": 0.0}, "eval_after": {"greedy/exact_match": 0.5},
                "reward_first_10pct": 1.0, "reward_last_10pct": 7.0}
@@ -319,3 +320,4 @@ def test_async_curves_reward_bins_and_staleness(tmp_path):
     result = async_curves.curve(tmp_path, 3)
     assert result["reward_every"] == [2.0, 5.0, 7.0] and result["steps"] == 7  # the eval-only line is no step
     assert result["staleness_mean"] == pytest.approx(4 / 7) and result["eval_after"] == summary["eval_after"]
+    assert result["median_step_s"] == pytest.approx(0.45) and result["mean_completion_length"] == 8.0
