@@ -8,9 +8,9 @@ driven by measured per-device phase times (`Phases`, fitted by async_phases.py):
 
 - decode of a static batch of b rows per device: prefill_row_s * b + max_length * step(b), step(b) the measured
   decode step times `decode_step_s` at `decode_rows` rows, interpolated (linearly, and beyond the last two points
-  along their line: the measured points are few and the machine's step cost is not a straight line). One SPMD
-  program runs its loop while any row of the mesh decodes, so every device of the
-  sampling mesh waits for the longest completion of the whole round;
+  along their line: the measured points are few and the machine's step cost is not a straight line; the
+  context's growth over a completion is not modelled). One SPMD program runs its loop while any row of the mesh
+  decodes, so every device of the sampling mesh waits for the longest completion of the whole round;
 - reward: reward_row_s per completion, on the host of the sampling device (each host scores its own rows);
 - update: update_fixed_s + update_token_s * tokens on the busiest device (rows split into contiguous shares; a
   group's prompt counted once, `train.share_prompt_prefix`), plus sync_s for the gradient all-reduce when more than
@@ -22,12 +22,14 @@ moves ~2x the gradient bytes a device whatever D; sync_s is that time). Completi
 `mean_completion`, cut at `max_completion` (the spread of `rollout_lengths.py`: a random model with EOS one id of
 a 256-token vocabulary, mean 256 of 1,024); prompts uniform in `prompt_lengths`, one a group.
 
-Placements (round r is sampled with the params after update max(0, r - k), so at most k updates old):
+Placements (one optimizer step a round; round r is sampled with the params after update max(0, r - k)):
 - synchronous (k = 0, colocated): sample -> reward -> update, one round after the other (the baseline);
 - colocated: one mesh runs S_0 .. S_k, then U_0, S_(k+1), U_1, S_(k+2), ... (sampling of a later round dispatched
   between updates), the host scoring meanwhile: only host time is hidden;
 - split: R devices sample round after round, D - R devices update, a bounded pipeline; the table keeps the best
   R among multiples of D/8 with at most `max_rows_per_device` rows a sampling device (its KV cache's memory).
+
+Not modelled: continuous batching (within or across rounds), interruptible rollouts, memory beyond that cap.
 """
 
 from __future__ import annotations
@@ -172,8 +174,8 @@ def speedups(phases: Phases, workload: Workload, devices: int, staleness: list[i
         split = {r: simulate(phases, workload, devices, k, r).round_s(warmup) for r in splits}
         best = min(split, key=split.get) if split else None
         out["by_staleness"][str(k)] = {"colocated_speedup": sync_s / colocated,
-                                  "split_speedup": sync_s / split[best] if split else None,
-                                  "split_rollout_devices": best}
+                                       "split_speedup": sync_s / split[best] if split else None,
+                                       "split_rollout_devices": best}
     return out
 
 
