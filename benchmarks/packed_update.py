@@ -40,7 +40,7 @@ def measure(args) -> dict:
     from grpo_jax.train_step import StepOptions
     from grpo_jax.trajectory import Trajectory
 
-    config = decode.model_config_for(args.size, "float32", None)
+    config = decode.model_config_for(args.size, args.dtype, None)
     config = dataclasses.replace(config, remat=args.remat, scan_layers=args.scan_layers,
                                  num_hidden_layers=args.layers or config.num_hidden_layers)
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
@@ -88,7 +88,7 @@ def measure(args) -> dict:
                       "step_s": statistics.median(times), "temp_gib": temp / 2 ** 30, "first_loss": loss}
         print(json.dumps({name: rows[name]}), flush=True)
     real = int(prompt_lengths[::G].sum() + lengths.sum())
-    return {"size": args.size, "layers": config.num_hidden_layers, "vocab_size": config.vocab_size,
+    return {"size": args.size, "dtype": args.dtype, "layers": config.num_hidden_layers, "vocab_size": config.vocab_size,
             "logps_chunk_size": args.logps_chunk_size, "attention": args.attention, "rows": B, "generations": G,
             "prompt_lengths": [args.prompt_length, P],
             "max_completion_length": T, "mean_completion_length": float(lengths.mean()), "remat": args.remat,
@@ -115,6 +115,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-length-max", type=int, default=512)
     parser.add_argument("--max-completion-length", type=int, default=512)
     parser.add_argument("--mean-completion", type=float, default=125.0)
+    parser.add_argument("--dtype", default="float32", help="compute dtype (params stay float32)")
     parser.add_argument("--remat", default="none")
     parser.add_argument("--scan-layers", action="store_true")
     parser.add_argument("--layers", type=int, default=0, help="decoder layers (0: the size's own; fewer keep a "

@@ -108,6 +108,86 @@ def summarize(path: str | Path, top: int = 15) -> dict:
     }
 
 
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted disjoint intervals covering the same time as ``intervals``."""
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
+def _length(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersect(xs, ys) -> list[tuple[float, float]]:
+    """The time both sorted disjoint interval lists cover."""
+    out, i, j = [], 0, 0
+    while i < len(xs) and j < len(ys):
+        start, end = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if start < end:
+            out.append((start, end))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def timeline(path: str | Path, phases: dict[str, tuple[str, ...]], start_after: tuple[str, int] | None = None) -> dict:
+    """Per-device busy time (ms, the union of its XLA ops' intervals) of one trace, per phase too, and the wall
+    time in which two phases ran at once. A phase is the programs (`hlo_module`) whose name holds one of its
+    substrings; ops carry their device in ``device_ordinal`` (XLA:CPU) or run on a ``/device:N`` process.
+    ``start_after=(phase, n)``: only the time from the start of that phase's execution n + 1 (an execution: one
+    ``run_id`` of one program; the first n leave out compilation and warm-up)."""
+    data = json.loads(gzip.decompress(find_trace(path).read_bytes()))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    process = {e["pid"]: e["args"].get("name", "") for e in events
+               if e.get("ph") == "M" and e.get("name") == "process_name"}
+    ops = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
+    start = 0.0
+    if start_after is not None:
+        phase, n = start_after
+        runs: dict = {}
+        for e in ops:
+            module = e["args"].get("hlo_module", "")
+            if any(needle in module for needle in phases[phase]):
+                key = (module, e["args"].get("run_id"))
+                runs[key] = min(runs.get(key, e["ts"]), e["ts"])
+        starts = sorted(runs.values())
+        if len(starts) <= n:
+            raise ValueError(f"start_after={start_after}: the trace has {len(starts)} executions of {phase}")
+        start = starts[n]
+    per_device = collections.defaultdict(list)
+    per_phase = collections.defaultdict(lambda: collections.defaultdict(list))
+    for e in ops:
+        if e["ts"] + e.get("dur", 0.0) <= start:
+            continue
+        name = process.get(e["pid"], "")
+        device = e["args"].get("device_ordinal", name.split(":")[-1] if name.startswith("/device:") else "?")
+        span = (max(e["ts"], start), e["ts"] + e.get("dur", 0.0))
+        per_device[device].append(span)
+        module = e["args"].get("hlo_module", "")
+        for phase, needles in phases.items():
+            if any(n in module for n in needles):
+                per_phase[phase][device].append(span)
+                break
+    everything = _union([s for spans in per_device.values() for s in spans])
+    wall = (everything[-1][1] - everything[0][0]) / 1e3 if everything else 0.0
+    walls = {phase: _union([s for spans in devices.values() for s in spans]) for phase, devices in per_phase.items()}
+    names = sorted(walls)
+    return {"wall_ms": wall,
+            "busy_ms": {d: _length(_union(spans)) / 1e3 for d, spans in sorted(per_device.items())},
+            "phase_busy_ms": {phase: {d: _length(_union(spans)) / 1e3 for d, spans in sorted(devices.items())}
+                              for phase, devices in per_phase.items()},
+            "phase_wall_ms": {phase: _length(spans) / 1e3 for phase, spans in walls.items()},
+            "overlap_ms": {f"{a}&{b}": _length(_intersect(walls[a], walls[b])) / 1e3
+                           for i, a in enumerate(names) for b in names[i + 1:]}}
+
+
 def format_summary(summary: dict) -> str:
     lines = [f"{summary['events']} XLA op events on {summary['where']}, {summary['total_ms']:.1f} ms in all"]
     if summary["truncated"]:
@@ -129,7 +209,14 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace", help="a jax.profiler trace folder or perfetto_trace.json.gz")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--phase", action="append", metavar="NAME=SUB,SUB", help="a timeline phase: the programs "
+                        "whose name holds a SUB (repeat it); prints per-device busy time and the phases' overlap")
     args = parser.parse_args(argv)
+    if args.phase:
+        phases = {p.split("=")[0]: tuple(p.split("=", 1)[1].split(",")) for p in args.phase}
+        result = timeline(args.trace, phases)
+        print(json.dumps(result, indent=2))
+        return result
     summary = summarize(args.trace, args.top)
     print(format_summary(summary))
     return summary

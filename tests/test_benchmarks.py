@@ -1,4 +1,5 @@
 """Smoke tests of the benchmark scripts (no timing asserts): model folders, FLOP counts, one timed step each."""
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -128,6 +129,33 @@ def test_trace_summary_self_times_and_kinds(tmp_path, monkeypatch):
     assert s["truncated"] and "TRUNCATED" in trace_summary.format_summary(s)
 
 
+def test_trace_summary_timeline_busy_time_and_overlap(tmp_path):
+    import gzip
+
+    import trace_summary
+
+    def op(ts, dur, module, device, tid=1):
+        return {"ph": "X", "pid": 1, "tid": tid, "ts": ts, "dur": dur, "name": "fusion",
+                "args": {"hlo_op": "fusion", "hlo_module": module, "device_ordinal": device}}
+    events = [  # device 0 samples twice; device 1 trains once (a nested op, then a second thread overlapping it)
+        op(0, 100, "jit_advance", "0"), op(150, 50, "jit_generate", "0"), op(50, 70, "jit_step", "1"),
+        op(60, 10, "jit_step", "1"), op(110, 30, "jit_step", "1", tid=2), op(300, 5, "jit_other", "2"),
+        {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 999, "name": "Python"}]
+    (tmp_path / "perfetto_trace.json.gz").write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    t = trace_summary.timeline(tmp_path, {"sample": ("advance", "generate"), "train": ("step",)})
+    assert t["wall_ms"] == pytest.approx(0.305)
+    assert t["busy_ms"] == pytest.approx({"0": 0.15, "1": 0.09, "2": 0.005})  # 50..140 on device 1
+    assert t["phase_busy_ms"] == {"sample": {"0": pytest.approx(0.15)}, "train": {"1": pytest.approx(0.09)}}
+    assert t["phase_wall_ms"] == pytest.approx({"sample": 0.15, "train": 0.09})
+    assert t["overlap_ms"] == {"sample&train": pytest.approx(0.05)}  # 50..100
+    # from the second train execution on (one run_id each; the nested op and the second thread share the first's)
+    events[3]["args"]["run_id"] = events[4]["args"]["run_id"] = "9"
+    (tmp_path / "perfetto_trace.json.gz").write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    t = trace_summary.timeline(tmp_path, {"sample": ("advance", "generate"), "train": ("step",)}, ("train", 1))
+    assert t["busy_ms"] == pytest.approx({"0": 0.09, "1": 0.08, "2": 0.005})  # 60..140 on device 1
+    assert t["overlap_ms"] == {"sample&train": pytest.approx(0.04)} and t["wall_ms"] == pytest.approx(0.245)
+
+
 def test_lora_decode_merged_and_on_the_fly_sample_the_same_tokens():
     result = lora_decode.main(["--size", "tiny", "--rank", "4", "--rows", "2", "--prompt-length", "4",
                                "--new-tokens", "4", "--repeats", "1"])
@@ -183,3 +211,113 @@ def test_tool_rounds_grpo_jax_and_trl_one_round(tmp_path):
         assert r["calls"] > 0 and r["tool_call_s"] >= 0.01 * r["calls"], impl  # a random model calls about half
     assert result["grpo_jax"]["chunks"] >= 1 and result["grpo_jax"]["tool_wait_s"] >= 0
     assert result["ratio_grpo_jax_over_trl"]["round"] == result["grpo_jax"]["round_s"] / result["trl"]["round_s"]
+
+
+def _const_phases(**overrides):
+    import async_sim
+
+    fixed, row = overrides.pop("decode_fixed_s", 0.0), overrides.pop("decode_row_s", 0.0)
+    fields = dict(decode_rows=(1, 2), decode_step_s=(fixed + row, fixed + 2 * row), prefill_row_s=0.0,
+                  update_fixed_s=0.0, update_token_s=0.0)
+    return async_sim.Phases(**{**fields, **overrides})
+
+
+def test_async_sim_synchronous_rounds_are_sample_reward_update_in_turn():
+    """k = 0, colocated: every round's three phases one after the other, each from the formulas by hand."""
+    import async_sim
+
+    phases = _const_phases(decode_fixed_s=0.01, decode_row_s=0.001, prefill_row_s=0.002, update_fixed_s=0.5,
+                           update_token_s=1e-4, reward_row_s=0.003, sync_s=0.2)
+    work = async_sim.Workload(rows_per_device=16, generations=4, rounds=8, mean_completion=50, max_completion=120)
+    timeline = async_sim.simulate(phases, work, 4, 0)
+    completion, prompt = async_sim.draw_lengths(work, 4)
+    total = 0.0
+    for r in range(8):
+        sample = 0.002 * 16 + completion[r].max() * (0.01 + 0.001 * 16)
+        tokens = max((completion[r] + prompt[r])[16 * d:16 * (d + 1)].sum() for d in range(4))
+        total += sample + 0.003 * 16 + 0.5 + 1e-4 * tokens + 0.2
+    np.testing.assert_allclose(timeline.update[-1, 1], total, rtol=1e-12)
+    assert (timeline.staleness == 0).all() and timeline.round_s(0) == pytest.approx(total / 8)
+    # prompts: one a group, split evenly over its rows; lengths the truncated geometric's mean (1 - q^M) / p
+    assert (prompt.reshape(8, -1, 4) == prompt[:, ::4, None]).all() and 64 / 4 <= prompt.min() <= prompt.max() <= 128
+    many = async_sim.draw_lengths(async_sim.Workload(rows_per_device=4096, rounds=4, max_completion=300), 4)[0]
+    p = 1 / 256
+    np.testing.assert_allclose(many.mean(), (1 - (1 - p) ** 300) / p, rtol=0.02)
+
+
+def test_async_sim_colocated_staleness_hides_only_host_time():
+    """Constant lengths: a colocated round takes max(sample + update, reward) for k >= 1: the host scores meanwhile."""
+    import async_sim
+
+    work = async_sim.Workload(rows_per_device=8, generations=8, prompt_lengths=(16, 16), mean_completion=1,
+                              max_completion=1, rounds=40)
+    sample, update = 8 * 0.01, 0.3 + 8 * 3 * 0.01  # 8 rows of 1 token decoded + 2 prompt tokens each
+    for reward_row in (0.02, 0.1):  # the host hidden behind the devices, then the host the bottleneck
+        phases = _const_phases(prefill_row_s=0.01, update_fixed_s=0.3, update_token_s=0.01, reward_row_s=reward_row)
+        result = async_sim.speedups(phases, work, 8, [0, 1, 4])["by_staleness"]
+        sync, hidden = sample + 8 * reward_row + update, max(sample + update, 8 * reward_row)
+        assert result["0"]["colocated_speedup"] == pytest.approx(1.0)
+        for k in (1, 4):
+            assert result[str(k)]["colocated_speedup"] == pytest.approx(sync / hidden), (reward_row, k)
+
+
+def test_async_sim_split_pipeline_of_two_equal_stages():
+    """Sampling on half the devices as long as the update on the other half: k >= 1 overlaps them, so R rounds take
+    R + 1 stage times instead of 2R (-> 2x); against the colocated round on all devices (each phase half as long)
+    the pipeline only breaks even, as linear costs leave no idle time to fill."""
+    import async_sim
+
+    work = async_sim.Workload(rows_per_device=8, generations=8, prompt_lengths=(8, 8), mean_completion=1,
+                              max_completion=1, rounds=64)
+    # 8 devices, 4 sample 16 rows each (16 x 1 s), 4 train 16 rows of 1 + 1 tokens each (32 x 0.5 s)
+    phases = _const_phases(decode_row_s=1.0, update_token_s=0.5)
+    serial, pipelined = (async_sim.simulate(phases, work, 8, k, rollout_devices=4) for k in (0, 1))
+    assert serial.update[-1, 1] == pytest.approx(2 * 64 * 16.0)
+    assert pipelined.update[-1, 1] == pytest.approx(65 * 16.0)
+    assert serial.round_s(0) / pipelined.round_s(0) == pytest.approx(2 * 64 / 65)
+    assert pipelined.round_s(16) == pytest.approx(16.0) and (pipelined.staleness[1:] == 1).all()
+    assert async_sim.simulate(phases, work, 8, 0).round_s(16) == pytest.approx(8.0 + 8.0)  # colocated
+    # a broadcast after each update delays the next round's params: round r starts once update r - k - 1 is there
+    slow = async_sim.simulate(dataclasses.replace(phases, sync_s=3.0), work, 8, 2, rollout_devices=4)
+    assert (slow.sample[3:, 0] >= slow.update[:-3, 1] + 3.0 - 1e-9).all()
+    assert slow.round_s(16) == pytest.approx(16.0 + 3.0)  # the train devices' all-reduce (4 of them) too
+    assert async_sim.simulate(phases, work, 8, 1, 4).update.tolist() == pipelined.update.tolist()  # deterministic
+
+
+def test_async_sim_command_line(tmp_path):
+    import async_sim
+
+    fields = dict(decode_rows=[8, 64, 128], decode_step_s=[0.012, 0.025, 0.06], prefill_row_s=0.005, update_fixed_s=0.1,
+                  update_token_s=2e-5, reward_row_s=1e-4, sync_s=0.01, max_rows_per_device=256)
+    (tmp_path / "phases.json").write_text(json.dumps({"phases": fields}))
+    result = async_sim.main(["--phases", str(tmp_path / "phases.json"), "--devices", "8,16", "--rounds", "12",
+                             "--staleness", "0,2", "--out", str(tmp_path / "out.json")])
+    assert json.loads((tmp_path / "out.json").read_text()) == json.loads(json.dumps(result))
+    for row in result["table"]:
+        assert row["by_staleness"]["0"]["colocated_speedup"] == pytest.approx(1.0)
+        assert row["by_staleness"]["2"]["split_speedup"] > row["by_staleness"]["0"]["split_speedup"]
+        assert row["devices"] * 64 / row["by_staleness"]["2"]["split_rollout_devices"] <= 256
+
+
+def test_async_sim_decode_step_joins_the_measured_points():
+    import async_sim
+
+    phases = async_sim.Phases(decode_rows=(8, 64, 128), decode_step_s=(0.01, 0.02, 0.06), prefill_row_s=0.0,
+                              update_fixed_s=0.0, update_token_s=0.0)
+    steps = [async_sim.step_s(phases, rows) for rows in (8, 36, 64, 96, 128, 256, 4)]
+    assert steps == pytest.approx([0.01, 0.015, 0.02, 0.04, 0.06, 0.14, 0.01 - 4 * 0.01 / 56])
+
+
+def test_async_curves_reward_bins_and_staleness(tmp_path):
+    import async_curves
+
+    lines = [{"step": s, "reward": float(s), "async/staleness": s % 2, "step_time": 10.0 if s == 1 else s / 10,
+              "completions/mean_length": 2.0 * s} for s in range(1, 8)] + [{"step": 7, "x": 1}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
+    summary = {"eval_before": {"greedy/exact_match": 0.0}, "eval_after": {"greedy/exact_match": 0.5},
+               "reward_first_10pct": 1.0, "reward_last_10pct": 7.0}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    result = async_curves.curve(tmp_path, 3)
+    assert result["reward_every"] == [2.0, 5.0, 7.0] and result["steps"] == 7  # the eval-only line is no step
+    assert result["staleness_mean"] == pytest.approx(4 / 7) and result["eval_after"] == summary["eval_after"]
+    assert result["median_step_s"] == pytest.approx(0.45) and result["mean_completion_length"] == 8.0
