@@ -282,7 +282,7 @@ class MeshConfig:
     fsdp: int = 1
     tensor: int = 1
     expert: int = 1  # mixture-of-experts models: experts split over this many devices (rows too)
-    rollout: int = 0  # split placement: the first `rollout` devices sample, data x fsdp x tensor x expert the rest train
+    rollout: int = 0  # split placement: the first `rollout` devices sample, the rest train
 
     def __post_init__(self):
         check(isinstance(self.rollout, int) and self.rollout >= 0,
