@@ -25,6 +25,10 @@ The old log-probs the sampler gives are the behaviour policy's (the sampling par
 ratio is clipped against them (TRL's AsyncGRPOTrainer); with `decoupled` the train step weights each token by
 proximal / behaviour (`loss.vllm_importance_sampling_*`, against the sampler's log-probs).
 
+Interruptible rollouts (`train.interruptible_rollouts`): decode segment j of round r samples with the params after
+step `segment_version` = min(v(r) + j, max(v(r), r·K - 1)); the sampler waits for a version the updates have not
+reached, the loop copies every such version for it, and each token's version is recorded (`RoundBatch.token_versions`).
+
 A checkpoint holds the params versions the queued rounds (handed to the sampler, not yet trained) still need
 (`Sampler.saved_versions`); the resumed run samples them again from those params, the saved data position and the
 run's key: the same rows.
@@ -33,8 +37,10 @@ run's key: the same rows.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -56,6 +62,18 @@ def enabled(config: Config) -> bool:
 def version(train_config: TrainConfig, round_index: int) -> int:
     """v(r) = max(0, r·K - k): the optimizer steps taken by the params that sample round r."""
     return max(0, round_index * train_config.steps_per_round - train_config.max_staleness)
+
+
+def last_version(train_config: TrainConfig, round_index: int) -> int:
+    """The newest params an interruptible rollout of round r switches to: max(v(r), r·K - 1), the params before the
+    last update of round r - 1 (which the updates reach without round r)."""
+    return max(version(train_config, round_index), round_index * train_config.steps_per_round - 1)
+
+
+def segment_version(train_config: TrainConfig, round_index: int, segment: int) -> int:
+    """Interruptible rollouts: decode segment j of round r samples with the params after step
+    min(v(r) + j, `last_version`(r))."""
+    return min(version(train_config, round_index) + segment, last_version(train_config, round_index))
 
 
 def step_metrics(train_config: TrainConfig, step: int) -> dict:
@@ -108,35 +126,99 @@ class Sampler:
         self.shardings = jax.tree.map(lambda x: x.sharding, state.params) if run.rollout_mesh is None \
             else sharding.param_shardings(run.rollout_mesh, state.params)
         self.versions = _restored_versions(arrays or {}, state.params, self.shardings)  # v -> params still needed
+        self.interruptible = self.train_config.interruptible_rollouts
+        if self.interruptible:
+            _check_interruptible(self.sampler_run)
+        self.ready = threading.Condition()  # guards `versions`: the loop adds them, interruptible rollouts await them
+        self.closed = False
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="grpo-jax-sampler")
+
+    def _span(self, round_index: int) -> range:
+        """The params versions round ``round_index`` samples with."""
+        tc = self.train_config
+        last = last_version(tc, round_index) if self.interruptible else version(tc, round_index)
+        return range(version(tc, round_index), last + 1)
+
+    def _needed(self, v: int) -> bool:
+        return any(v in self._span(r) for r in self.queued)
+
+    def _add(self, v: int, params) -> None:
+        with self.ready:
+            self.versions[v] = params
+            self.ready.notify_all()
 
     def next_version(self) -> int | None:
         """The step whose params sample the next round not handed over; None when no round is left to sample."""
         tc, r = self.train_config, self.next_round
         return version(tc, r) if r * tc.steps_per_round < self.run.config.max_steps else None
 
+    def next_feed(self, step: int) -> int | None:
+        """The next step after ``step`` whose params the sampler needs (a round to hand over, or a version an
+        interruptible rollout awaits); None when there is none."""
+        steps = [s for s in (self.next_version(),) if s is not None]
+        if self._needed(step + 1):
+            steps.append(step + 1)
+        return min(steps, default=None)
+
     def feed(self, state: TrainState, step: int) -> None:
         """Hands the sampler every round whose version is ``step`` (the state's params, copied now, before the next
-        update donates them) or older (a resumed run's, from its checkpoint)."""
+        update donates them) or older (a resumed run's, from its checkpoint), and gives interruptible rollouts the
+        params of ``step``."""
         while (v := self.next_version()) is not None and v <= step:
             if v not in self.versions:
                 if v != step:
                     raise ValueError(f"round {self.next_round} needs the params of step {v}, which the checkpoint "
                                      f"of step {step} does not hold: resume from a checkpoint this grpo_jax wrote")
                 # a copy on the sampling devices: the next update donates the state's buffers
-                self.versions[v] = jax.device_put(state.params, self.shardings, may_alias=False)
+                self._add(v, jax.device_put(state.params, self.shardings, may_alias=False))
             r = self.next_round
             previous = self.queued.get(r - 1)
             self.queued[r] = self.pool.submit(self._prepare, r, v, self.versions[v], previous, self.data_state)
             self.next_round += 1
+        if step not in self.versions and self._needed(step):
+            self._add(step, jax.device_put(state.params, self.shardings, may_alias=False))
+
+    def _params_at(self, v: int):
+        """Version ``v``'s params, once the loop has given them (an interruptible rollout's next segment)."""
+        with self.ready:
+            self.ready.wait_for(lambda: v in self.versions or self.closed)
+            if v not in self.versions:
+                raise CancelledError(f"the run stopped before the params of step {v} existed")
+            return self.versions[v]
+
+    def _switching(self, decoder, round_index: int, lengths: list):
+        """``decoder`` whose decode segment j runs with `segment_version` j's params; ``lengths`` gets each segment's
+        (version, row lengths after it)."""
+        segments, tc = itertools.count(), self.train_config
+
+        def start(params, *args):
+            return decoder.start(self._params_at(segment_version(tc, round_index, 0)), *args)
+
+        def advance(params, decoding, options, segment):
+            v = segment_version(tc, round_index, next(segments))
+            decoding, view = decoder.advance(self._params_at(v), decoding, options, segment)
+            lengths.append((v, view[1]))
+            return decoding, view
+
+        return decoder._replace(start=start, advance=advance)
 
     def _prepare(self, round_index: int, v: int, params, previous: Future | None, data_state: data.DataState):
         """Round ``round_index`` sampled with ``params`` (version v), on the sampler thread."""
         if previous is not None:  # the thread runs rounds in order: the previous one is done
             data_state = previous.result()[1]
         at_version = TrainState(params=params, opt_state=None, ref_params=None, step=np.int32(v), key=self.key)
-        return rollout.prepare_round(self.sampler_run, at_version, data_state, round_index,
-                                     old=behaviour_old(self.run.config))
+        run, lengths = self.sampler_run, []
+        if self.interruptible:
+            decoder = self._switching(run.programs.decoder, round_index, lengths)
+            run = dataclasses.replace(run, programs=run.programs._replace(decoder=decoder))
+        round_batch, data_state = rollout.prepare_round(run, at_version, data_state, round_index,
+                                                        old=behaviour_old(self.run.config))
+        if self.interruptible:
+            versions_NxT = _token_versions(lengths, round_batch.rows.completion_ids.shape)
+            newer = np.sum(versions_NxT > v) / max(np.sum(versions_NxT >= 0), 1)
+            round_batch = round_batch._replace(token_versions=versions_NxT,
+                                               metrics={**round_batch.metrics, "async/newer_tokens": float(newer)})
+        return round_batch, data_state
 
     def take(self, state: TrainState, round_index: int) -> tuple[RoundBatch, data.DataState]:
         """Round ``round_index`` for its updates (the state at its first step), waiting for the sampler if need be:
@@ -147,8 +229,9 @@ class Sampler:
         round_batch, self.data_state = self.queued[round_index].result()
         del self.queued[round_index]
         wait = time.perf_counter() - timer
-        needed = {version(tc, r) for r in self.queued} | {version(tc, self.next_round)}
-        self.versions = {v: p for v, p in self.versions.items() if v in needed}
+        with self.ready:
+            self.versions = {v: p for v, p in self.versions.items() if self._needed(v) or v ==
+                             version(tc, self.next_round)}
         rows = round_batch.rows
         if run.rollout_mesh is not None:
             rows = jax.device_put(rows, sharding.row_sharded(run.mesh))
@@ -166,14 +249,49 @@ class Sampler:
         state holds version ``step`` itself)."""
         out = {}
         for v, params in sorted(self.versions.items()):
-            if v < step and any(version(self.train_config, r) == v for r in self.queued):
+            if v < step and self._needed(v):
                 for i, leaf in enumerate(jax.device_get(jax.tree.leaves(params))):
                     out[f"{VERSION_PREFIX}{v}_{i}"] = leaf
         return out
 
     def close(self) -> None:
-        """Stops the thread once its current round ends; rounds not started are dropped (a resume samples them)."""
+        """Stops the thread once its current round ends, or an interruptible one awaits params that will not come;
+        rounds not started are dropped (a resume samples them)."""
+        with self.ready:
+            self.closed = True
+            self.ready.notify_all()
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _check_interruptible(run: Run) -> None:
+    """Interruptible rollouts switch params between the segments of one continuously batched decoding call: a
+    one-line ValueError for what has none or several."""
+    tc = run.config.train
+    rows = tc.generation_batch_size
+    slots = run.programs.decoder.options(rows, rows, False).num_slots  # a multiple of the sampling devices
+    if not slots or slots >= rows:
+        raise ValueError(f"train.interruptible_rollouts switches params between decode segments, which only "
+                         f"continuous batching has: set sampling.max_batch_rows so that fewer than the round's {rows} "
+                         f"rows decode at once (slots are a multiple of the {sharding.num_row_shards(run.mesh)} "
+                         "sampling devices)")
+    if tc.dynamic_sampling or run.tooling is not None:
+        raise ValueError("train.interruptible_rollouts decodes a round in one call: it does not go with "
+                         "train.dynamic_sampling or tools; set it to false")
+    if run.programs.decoder.chunks(rows, tc.num_generations) > 1:
+        raise ValueError("train.interruptible_rollouts decodes a round in one call: set sampling.host_threads=1")
+
+
+def _token_versions(lengths: list, shape: tuple) -> np.ndarray:
+    """[N, T] the params version of each completion token (-1: padding) from each segment's (version, row lengths
+    after it)."""
+    N, T = shape
+    out, done_N = np.full((N, T), -1, np.int32), np.zeros(N, np.int64)
+    t_T = np.arange(T)
+    for v, length in lengths:
+        length_N = np.asarray(jax.device_get(length))
+        out[(t_T[None] >= done_N[:, None]) & (t_T[None] < length_N[:, None])] = v
+        done_N = np.maximum(done_N, length_N)
+    return out
 
 
 def _restored_versions(arrays: dict, params, shardings) -> dict:

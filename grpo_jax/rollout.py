@@ -46,6 +46,7 @@ class RoundBatch(NamedTuple):
     metrics: dict  # the round's metrics (rewards, lengths), repeated on each of its steps
     seconds: dict  # sample / score / logps seconds of the round, and its decode steps and slots
     completions: list | None = None  # with log_completions: the round's table (`reporting.completion_rows`)
+    token_versions: np.ndarray | None = None  # [N, T] interruptible rollouts: the params version of each token
 
 
 def decode(tokenizer, completion_ids: np.ndarray, completion_mask: np.ndarray) -> list[str]:

@@ -166,8 +166,8 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
                     round_batch, data_state = prepare_round(run, state, data_state, round_index, slots=plan.slots)
                     plan = _plan(run, plan, round_batch)
                 until = config.max_steps
-                if sampler is not None and sampler.next_version() is not None:  # its params, before the update
-                    until = min(until, sampler.next_version())
+                if sampler is not None and sampler.next_feed(step) is not None:  # its params, before the update
+                    until = min(until, sampler.next_feed(step))
                 if config.save_steps:
                     until = min(until, (step // config.save_steps + 1) * config.save_steps)
                 if config.eval.steps:

@@ -36,6 +36,21 @@ def test_the_version_rule_and_the_logged_staleness(K_steps, k, versions):
                                                                    "async/version": v}
 
 
+def test_interruptible_rollouts_switch_params_by_segment_and_record_each_tokens_version():
+    tc = TrainConfig(train_batch_size=8, num_generations=4, steps_per_generation=2, max_staleness=3,
+                     interruptible_rollouts=True)
+    # K = 2, k = 3: v(r) = 0, 0, 1, 3; the newest params a round switches to are those before its predecessor's last
+    # update, max(v(r), 2r - 1) = 0, 1, 3, 5
+    assert [async_rounds.last_version(tc, r) for r in range(4)] == [0, 1, 3, 5]
+    assert [[async_rounds.segment_version(tc, r, j) for j in range(4)] for r in range(4)] == [
+        [0, 0, 0, 0], [0, 1, 1, 1], [1, 2, 3, 3], [3, 4, 5, 5]]
+    # segments of versions 4, 4, 5 leave rows at these lengths (a row admitted later starts at 0)
+    lengths = [(4, np.array([2, 0, 1])), (4, np.array([3, 0, 1])), (5, np.array([5, 2, 1]))]
+    np.testing.assert_array_equal(async_rounds._token_versions(lengths, (3, 6)), [[4, 4, 4, 5, 5, -1],
+                                                                                  [5, 5, -1, -1, -1, -1],
+                                                                                  [4, -1, -1, -1, -1, -1]])
+
+
 def _naive_decoupled(logp, prox, behav, adv, mask, *, eps, mode, clip_min, clip_max):
     """AReaL's decoupled PPO, one token at a time: ℓ = -w · min(r·A, clip(r, 1-ε, 1+ε)·A), r = π/π_prox, w = π_prox /
     π_behav shaped as TRL's vllm_importance_sampling_mode says; the loss_type grpo mean over rows of row means."""
@@ -90,10 +105,19 @@ def test_invalid_combinations_are_one_line_errors(tmp_path):
         load_config(None, ["loss.off_policy_correction=areal"])
     with pytest.raises(ValueError, match="mesh.rollout=8 leaves none of the 8 devices to train on"):
         _train(tmp_path / "run", "mesh.rollout=8", "max_steps=1")
+    with pytest.raises(ValueError, match="train.interruptible_rollouts=true .* needs train.max_staleness > 0"):
+        load_config(None, ["train.interruptible_rollouts=true"])
+    with pytest.raises(ValueError, match="which only continuous batching has: set sampling.max_batch_rows"):
+        _train(tmp_path / "static", "train.max_staleness=1", "train.interruptible_rollouts=true", "max_steps=1")
 
 
-# K = 2 steps a round (TINY); a checkpoint at step 3, inside round 1, with round 2 queued
+# K = 2 steps a round (TINY): a checkpoint at step 3, inside round 1, with round 2 queued; K = 1: at the end of
+# round 2, with rounds 3 and 4 queued (k = 2: the params after steps 1 and 2)
 ASYNC = {"colocated_k1": ["train.max_staleness=1"], "colocated_k2": ["train.max_staleness=2"],
+         "colocated_K1_k2": ["train.max_staleness=2", "train.steps_per_generation=1"],
+         "colocated_K1_k2_interruptible": ["train.max_staleness=2", "train.steps_per_generation=1",
+                                           "train.train_batch_size=16", "sampling.max_batch_rows=8",
+                                           "train.interruptible_rollouts=true"],
          "split_k1": ["train.max_staleness=1", "mesh.rollout=4"],
          "split_k2": ["train.max_staleness=2", "mesh.rollout=4", "loss.off_policy_correction=decoupled"]}
 
@@ -108,12 +132,16 @@ def test_async_runs_are_bitwise_equal_and_resume_bit_for_bit(tmp_path, name):
     lines = _lines(tmp_path / "a")
     assert lines == _lines(tmp_path / "b")
     _assert_same_state(_state(tmp_path / "a")[0], _state(tmp_path / "b")[0])
-    k = int(ASYNC[name][0].split("=")[1])
+    k, K = int(ASYNC[name][0].split("=")[1]), 1 if "train.steps_per_generation=1" in ASYNC[name] else 2
     steps = [line for line in lines if "async/staleness" in line]
-    assert [line["async/version"] for line in steps] == [max(0, 2 * (s // 2) - k) for s in range(6)]
-    # at step 3 round 2 is queued: with k = 2 it samples with the params after step 2, which the checkpoint holds
+    assert [line["async/version"] for line in steps] == [max(0, K * (s // K) - k) for s in range(6)]
+    # the params versions older than step 3 that queued rounds sample with are in its checkpoint
     meta = json.loads((tmp_path / "a" / "checkpoints" / "3" / "meta" / "metadata").read_text())
-    assert any(key.startswith(f"{async_rounds.VERSION_PREFIX}2_") for key in meta["arrays"]) == (k == 2)
+    saved = {int(key.split("_")[2]) for key in meta["arrays"] if key.startswith(async_rounds.VERSION_PREFIX)}
+    assert saved == {(2, 2): {2}, (1, 2): {1, 2}}.get((K, k), set())
+    if "train.interruptible_rollouts=true" in ASYNC[name]:  # from round 2 on rows may switch to newer params
+        assert max(line["async/newer_tokens"] for line in steps) > 0
+        assert all(line["async/newer_tokens"] == 0 for line in steps[:2])  # v(r) = max(v(r), r - 1) = 0
     # stopped at step 3: the same folder without what came after its checkpoint
     shutil.copytree(tmp_path / "a", tmp_path / "c")
     shutil.rmtree(tmp_path / "c" / "checkpoints" / "6")
@@ -178,3 +206,23 @@ def test_decoupled_rows_carry_proximal_and_behaviour_logps_to_the_loss(tmp_path)
         assert (gap < 1e-4) if step < 2 else (gap > 1e-3), (step, gap)
     seen = run("none")
     assert len(seen) == 4 and all(sampler is None for _, sampler, _ in seen)
+
+
+def test_split_placement_samples_on_the_rollout_devices_and_trains_on_the_others(tmp_path):
+    from grpo_jax import data, trainer
+
+    config = load_config(None, [f"output_dir={tmp_path}", *TINY, "mesh.rollout=4", "train.max_staleness=2"])
+    run, state = trainer.build(config)
+    try:
+        rollout, training = set(run.rollout_mesh.devices.flat), set(run.mesh.devices.flat)
+        assert len(rollout) == len(training) == 4 and not rollout & training
+        assert all(leaf.sharding.device_set == training for leaf in jax.tree.leaves(state))
+        sampler = async_rounds.Sampler(run, state, next_round=0, data_state=data.DataState(0, 0, config.seed))
+        sampler.feed(state, 0)  # k = K = 2: rounds 0 and 1 sample with the initial params, copied over
+        assert sorted(sampler.queued) == [0, 1] and list(sampler.versions) == [0]
+        assert all(leaf.sharding.device_set == rollout for leaf in jax.tree.leaves(sampler.versions[0]))
+        round_batch, _ = sampler.take(state, 0)
+        assert all(leaf.sharding.device_set == training for leaf in jax.tree.leaves(round_batch.rows))
+        sampler.close()
+    finally:
+        run.output_lock.release()

@@ -189,10 +189,15 @@ class TrainConfig:
     offload_ref_params: bool = False  # keep the reference in pinned host memory (copied in for its log-probs)
     max_nonfinite_steps: int = 10  # steps skipped for a non-finite loss/gradient before the run stops
     max_staleness: int = 0  # k: round r samples with the params after step max(0, r*K - k) (`grpo_jax.async_rounds`)
+    interruptible_rollouts: bool = False  # decode segment j of round r samples with the params after step
+    # min(v(r) + j, max(v(r), r*K - 1)): rows still decoding continue with newer params
 
     def __post_init__(self):
         check(isinstance(self.max_staleness, int) and self.max_staleness >= 0,
               f"train.max_staleness={self.max_staleness!r} must be an integer >= 0 (0: synchronous rounds)")
+        check(not self.interruptible_rollouts or self.max_staleness > 0,
+              "train.interruptible_rollouts=true hands rounds newer params while they decode: it needs "
+              "train.max_staleness > 0")
         for name in ("num_generations", "train_batch_size", "gradient_accumulation_steps",
                      "steps_per_generation", "num_iterations", "max_nonfinite_steps"):
             check(getattr(self, name) >= 1, f"train.{name}={getattr(self, name)} must be >= 1")
