@@ -29,7 +29,7 @@ LORA_KEYS = {"r": ("rank", 8), "lora_alpha": ("alpha", 8), "lora_dropout": ("dro
 # fields that describe the adapter file or PEFT's runtime, not what is trained: any value does
 LORA_IGNORED = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
                 "inference_mode", "runtime_config"}
-PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's target_modules=None for qwen2, qwen3, llama and mistral
+PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's target_modules=None for every supported model_type
 
 
 def lora_options(peft_config: Any) -> dict:

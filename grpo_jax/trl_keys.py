@@ -132,7 +132,7 @@ OFF = {
     "train_sampling_strategy": (("random",), "grpo_jax shuffles the prompts every epoch (by seed)"),
     "shuffle_dataset": ((True, None), "grpo_jax always shuffles the prompts (by seed)"),
     "model_init_kwargs": ((None,), "set model.dtype / model.param_dtype; other loading options do not apply"),
-    "trust_remote_code": ((False,), "grpo_jax runs its own model code (qwen2, llama, qwen3, mistral)"),
+    "trust_remote_code": ((False,), "grpo_jax runs its own model code (the Llama, Gemma and Qwen3-MoE families)"),
     "generation_kwargs": ((None,), "set sampling.temperature / top_p / top_k / min_p"),
     "chat_template_kwargs": ((None,), "grpo_jax renders prompts with the tokenizer's chat template, no arguments"),
     "repetition_penalty": ((1, 1.0), "grpo_jax's sampler has no repetition penalty: remove the key"),

@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face model folders (llama, mistral, qwen2, qwen3, qwen3_moe), built and saved by transformers.
+"""Tiny random Hugging Face model folders (llama, mistral, qwen2, qwen3, gemma2, gemma3, qwen3_moe), built and
+saved by transformers.
 
 Every folder is a real ``save_pretrained`` output (config.json, model.safetensors, generation_config.json), so
 the loader is tested on what users bring. Biases and norm weights are randomised too (transformers initialises
@@ -20,6 +21,15 @@ FAMILIES = {
     "qwen2": dict(model_type="qwen2"),
     "qwen3": dict(model_type="qwen3", head_dim=32),
     "mistral": dict(model_type="mistral", sliding_window=4),
+    # local layers (window 4 < the 12-token rows) between global ones, two RoPE bases (linear scaling on the global
+    # one), query_pre_attn_scalar != head_dim, so each of them moves the logits
+    "gemma3": dict(model_type="gemma3_text", num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=24,
+                   sliding_window=4, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # alternating windows; soft caps small enough to bend the scores and logits of a random model
+    "gemma2": dict(model_type="gemma2", num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=20,
+                   sliding_window=4, attn_logit_softcapping=1.5, final_logit_softcapping=2.0),
     "qwen3_moe": dict(model_type="qwen3_moe", head_dim=32, num_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=32, norm_topk_prob=True),
 }
@@ -28,6 +38,8 @@ UNTIED_EXTRA = {
     "qwen2": dict(),
     "qwen3": dict(attention_bias=True, rope_parameters={"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0}),
     "mistral": dict(head_dim=8),
+    "gemma3": dict(attention_bias=True),
+    "gemma2": dict(attention_bias=True),
     "qwen3_moe": dict(attention_bias=True, norm_topk_prob=False),
 }
 
@@ -40,10 +52,10 @@ def hf_config(family: str, tied: bool, **overrides):
     model_type = kwargs.pop("model_type")
     if not tied:
         kwargs.update(UNTIED_EXTRA[family])
-    kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6,
-                  tie_word_embeddings=tied, initializer_range=0.1, bos_token_id=2, eos_token_id=EOS_ID,
-                  pad_token_id=PAD_ID, **kwargs)
+    kwargs = {**dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6,
+                     tie_word_embeddings=tied, initializer_range=0.1, bos_token_id=2, eos_token_id=EOS_ID,
+                     pad_token_id=PAD_ID), **kwargs}
     kwargs.update(overrides)
     return transformers.AutoConfig.for_model(model_type, **kwargs)
 

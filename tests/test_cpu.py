@@ -257,7 +257,10 @@ def _packed_mask(rng, rows: int, length: int):
     return jnp.asarray(np.stack(masks))
 
 
-def test_blocked_attention_equals_the_dense_softmax_and_its_gradients():
+@pytest.mark.parametrize("scale, softcap", [(None, None), (0.3, 1.5)])  # Gemma: query_pre_attn_scalar, soft cap
+def test_blocked_attention_equals_the_dense_softmax_and_its_gradients(scale, softcap):
+    from grpo_jax.models.layers import attention_scores
+
     rng = np.random.default_rng(0)
     B, T, K, G, Dh = 2, 640, 2, 2, 8  # five blocks of 128; most of them empty (branches do not see each other)
     q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((B, T, K, G, Dh), (B, K, T, Dh),
@@ -266,7 +269,7 @@ def test_blocked_attention_equals_the_dense_softmax_and_its_gradients():
     weights = jnp.asarray(rng.standard_normal((B, K, G, T, Dh)), jnp.float32)
 
     def dense(q, k, v):
-        s = jnp.where(mask[:, None, None], jnp.einsum("btkgd,bksd->bkgts", q, k) * Dh ** -0.5,
+        s = jnp.where(mask[:, None, None], attention_scores(q, k, Dh ** -0.5 if scale is None else scale, softcap),
                       jnp.finfo(jnp.float32).min)
         return jnp.einsum("bkgts,bksd->bkgtd", jax.nn.softmax(s, axis=-1), v)
 
@@ -274,12 +277,12 @@ def test_blocked_attention_equals_the_dense_softmax_and_its_gradients():
         return jax.jit(jax.value_and_grad(lambda *x: jnp.sum(attend(*x) * weights), argnums=(0, 1, 2)))
 
     seen = mask.any(axis=2)[:, None, None, :, None]  # queries that see a key: the rest are junk in both
-    out, want = cpu.blocked_attention(q, k, v, mask), dense(q, k, v)
+    out, want = cpu.blocked_attention(q, k, v, mask, scale, softcap), dense(q, k, v)
     assert bool(jnp.isfinite(out).all())
     np.testing.assert_allclose(jnp.where(seen, out, 0), jnp.where(seen, want, 0), atol=2e-6, rtol=1e-5)
     weights = jnp.where(seen, weights, 0)
-    (value, grads), (want_value, want_grads) = objective(lambda *x: cpu.blocked_attention(*x, mask))(q, k, v), \
-        objective(dense)(q, k, v)
+    blocked = objective(lambda *x: cpu.blocked_attention(*x, mask, scale, softcap))
+    (value, grads), (want_value, want_grads) = blocked(q, k, v), objective(dense)(q, k, v)
     np.testing.assert_allclose(value, want_value, rtol=1e-5)
     for got, ref in zip(grads, want_grads):
         np.testing.assert_allclose(got, ref, atol=1e-5 * float(np.abs(ref).max()), rtol=1e-5)

@@ -1,5 +1,7 @@
 """completion_logps tests: naive per-row/per-position reference, temperature, entropy, chunking, gradients."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,7 @@ import pytest
 
 from grpo_jax.logprobs import completion_logps
 from grpo_jax.trajectory import packed_length
-from grpo_jax.models import forward, unembed
+from grpo_jax.models import forward, init_model, unembed
 
 PROMPT_IDS = np.array([[0, 0, 0, 5, 7, 9], [0, 3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8], [0, 0, 0, 0, 0, 6]], np.int32)
 PROMPT_MASK = (np.arange(6)[None] >= np.array([[3], [1], [0], [5]])).astype(np.int32)
@@ -96,8 +98,12 @@ def test_chunked_equals_unchunked_values_and_gradients(tiny_model, chunk_size):
 GROUPED = (PROMPT_IDS[[1, 1, 3, 3]], PROMPT_MASK[[1, 1, 3, 3]], COMPLETION_IDS, COMPLETION_MASK)
 
 
-def test_shared_prompt_forward_matches_naive_reference(tiny_model):
-    _, graphdef, params = tiny_model
+@pytest.mark.parametrize("window", [None, 2])
+def test_shared_prompt_forward_matches_naive_reference(tiny_model, window):
+    """With a sliding window too: the window counts tokens, not the prefix's hidden last slot."""
+    config, graphdef, params = tiny_model
+    if window is not None:
+        graphdef, params = init_model(dataclasses.replace(config, model_type="mistral", sliding_window=window), 0)
     logps, entropy = completion_logps(graphdef, params, *GROUPED, temperature=0.8, with_entropy=True,
                                       prompt_group_size=2)
     ref_logps, ref_entropy = naive(graphdef, params, 0.8, *GROUPED)

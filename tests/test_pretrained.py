@@ -20,6 +20,7 @@ import hf_fixtures as hf  # noqa: E402
 from grpo_jax import sharding  # noqa: E402
 from grpo_jax.models import (  # noqa: E402
     Model,
+    abstract_model,
     ModelConfig,
     eos_token_ids,
     forward,
@@ -277,11 +278,20 @@ def test_resolve_config_keeps_runtime_fields_and_rejects_conflicts(zoo):
     ModelConfig(vocab_size=32, model_type="qwen2", attention_bias=True, sliding_window=8),
     ModelConfig(vocab_size=32, model_type="qwen3", qk_norm=True, sliding_window=8, head_dim=16, rope_theta=1e6),
     ModelConfig(vocab_size=32, model_type="mistral", sliding_window=8, head_dim=16, tie_word_embeddings=False),
+    ModelConfig(vocab_size=32, model_type="qwen3", qk_norm=True, sliding_window=8, head_dim=16,
+                layer_types=("full_attention", "sliding_attention")),
+    ModelConfig(vocab_size=32, model_type="gemma3_text", qk_norm=True, sliding_window=8, head_dim=16,
+                hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=16, rope_local_base_freq=1e4,
+                layer_types=("sliding_attention", "full_attention"), rope_type="linear", rope_factor=8.0),
+    ModelConfig(vocab_size=32, model_type="gemma2", sliding_window=8, head_dim=16, hidden_act="gelu_pytorch_tanh",
+                query_pre_attn_scalar=16, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                layer_types=("sliding_attention", "full_attention"), tie_word_embeddings=False),
     ModelConfig(vocab_size=32, model_type="llama", head_dim=16, rope_type="llama3", rope_factor=8.0,
                 rope_original_max_position_embeddings=16, attention_bias=True, attention_out_bias=True,
                 mlp_bias=True),
     ModelConfig(vocab_size=32, model_type="llama", head_dim=16, rope_type="linear", rope_factor=2.0),
-], ids=["qwen2-window", "qwen3-window", "mistral-window", "llama-llama3-bias", "llama-linear"])
+], ids=["qwen2-window", "qwen3-window", "mistral-window", "qwen3-some-layers", "gemma3", "gemma2",
+         "llama-llama3-bias", "llama-linear"])
 def test_config_round_trips_through_transformers_config(config, tmp_path):
     to_hf_config(config).save_pretrained(tmp_path)
     assert resolve_config(ModelConfig(path=str(tmp_path))) == dataclasses.replace(config, path=str(tmp_path))
@@ -297,9 +307,27 @@ def test_old_style_rope_and_sliding_window_fields():
     fields = config_fields(old)
     assert (fields["rope_theta"], fields["rope_type"], fields["rope_factor"], fields["sliding_window"]) == (
         5e5, "linear", 4.0, 16)
-    with pytest.raises(ValueError, match=r"sliding_window=16 on layers \[2, 3\] only is not supported"):
-        config_fields(types.SimpleNamespace(**{**vars(old), "max_window_layers": 2}))
+    assert fields["layer_types"] is None  # every layer slides
+    partial = config_fields(types.SimpleNamespace(**{**vars(old), "max_window_layers": 2}))
+    assert (partial["sliding_window"], partial["layer_types"]) == (16, ("full_attention",) * 2
+                                                                   + ("sliding_attention",) * 2)
     assert config_fields(types.SimpleNamespace(**{**vars(old), "use_sliding_window": False}))["sliding_window"] is None
+
+
+def test_a_window_on_some_layers_loads_and_saves(tmp_path):
+    """qwen2's use_sliding_window with max_window_layers: the layers from it on slide (transformers' layer_types)."""
+    torch_model = hf.build_model("qwen2", True, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    model, params = from_pretrained(hf.save_model(torch_model, tmp_path / "in"))
+    assert (model.config.sliding_window, model.config.layer_types) == (4, ("full_attention", "sliding_attention"))
+    expected = torch_logits(torch_model)
+    np.testing.assert_allclose(np.asarray(_logits(model, params, INPUT_IDS, MASK))[MASK == 1], expected[MASK == 1],
+                               atol=1e-4, rtol=0)
+    unwindowed, _ = abstract_model(dataclasses.replace(model.config, sliding_window=None, layer_types=None))
+    assert np.abs(np.asarray(_logits(unwindowed, params, INPUT_IDS, MASK)) - expected)[MASK == 1].max() > 1e-3
+    save_pretrained(model, params, tmp_path / "out")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    assert reloaded.config.layer_types == ["full_attention", "sliding_attention"]
+    np.testing.assert_array_equal(torch_logits(reloaded), expected)
 
 
 def test_eos_token_ids(tmp_path):
@@ -350,11 +378,10 @@ BAD_FOLDERS = [
     ("shape", r"bad/model.safetensors: tensor model.layers.0.mlp.down_proj.weight has shape \[64, 128\], "
               r"expected \[64, 96\] from config.json"),
     ("truncated", r"model.safetensors: .*truncated or corrupt"),
-    ("gpt2", r"model_type 'gpt2' is not supported: supported are "
-             r"\['llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe'\]"),
+    ("gpt2", r"model_type 'gpt2' is not supported: supported are \['gemma2', 'gemma3_text', 'llama', 'mistral', "
+             r"'qwen2', 'qwen3', 'qwen3_moe'\]"),
     ("yarn", r"rope_type 'yarn' is not supported: supported are \('default', 'linear', 'llama3'\)"),
     ("gelu", r"hidden_act 'gelu' is not supported"),
-    ("partial_window", r"sliding_window=4 on layers \[1\] only is not supported"),
 ]
 
 
@@ -386,8 +413,6 @@ def test_bad_folders(zoo, tmp_path, breakage, match):
                                            "original_max_position_embeddings": 64})
     elif breakage == "gelu":
         _edit_config(bad, hidden_act="gelu")
-    elif breakage == "partial_window":
-        _edit_config(bad, use_sliding_window=True, sliding_window=4, max_window_layers=1, layer_types=None)
     with pytest.raises(ValueError, match=match):
         from_pretrained(bad)
 

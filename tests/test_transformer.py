@@ -226,20 +226,30 @@ def test_causal(tiny_model):
 
 
 def test_sliding_window_mask_matches_naive():
+    """The window counts positions: the visible slots before a key (a shared prefix's hidden slot is no token);
+    on contiguous real slots that is transformers' slot rule q - s < W."""
     rng = np.random.default_rng(0)
     B, T, S, W, start = 3, 4, 11, 3, 5
     mask_BxS = rng.integers(0, 2, (B, S)).astype(np.int32)
-    got = np.asarray(attention_mask(mask_BxS, start + jnp.arange(T), W))
+    position_BxS = np.cumsum(mask_BxS, axis=1) - 1
+    query_positions_BxT = position_BxS[:, start:start + T]
+    got = np.asarray(attention_mask(mask_BxS, start + jnp.arange(T), W, query_positions_BxT))
     expected = np.zeros((B, T, S), bool)
     for b in range(B):
         for t in range(T):
             for s in range(S):
                 q = start + t
-                expected[b, t, s] = bool(mask_BxS[b, s]) and s <= q and q - s < W  # s > q - W, as transformers
+                expected[b, t, s] = bool(mask_BxS[b, s]) and s <= q and sum(mask_BxS[b, s + 1:q + 1]) < W
     np.testing.assert_array_equal(got, expected)
-    no_window = np.asarray(attention_mask(mask_BxS, start + jnp.arange(T), None))
+    no_window = np.asarray(attention_mask(mask_BxS, start + jnp.arange(T)))
     assert not (expected & ~no_window).any()  # the window only removes keys
     assert (no_window & ~expected).any()  # and here it removes some
+    contiguous_BxS = (np.arange(S)[None] >= np.array([[0], [2], [4]])).astype(np.int32)  # left padding
+    got = np.asarray(attention_mask(contiguous_BxS, start + jnp.arange(T), W,
+                                    (np.cumsum(contiguous_BxS, axis=1) - 1)[:, start:start + T]))
+    q_T, s_S = start + np.arange(T), np.arange(S)
+    slot_rule = (s_S[None] <= q_T[:, None]) & (q_T[:, None] - s_S[None] < W)
+    np.testing.assert_array_equal(got, slot_rule[None] & (contiguous_BxS[:, None] == 1))
 
 
 @pytest.mark.parametrize("family", [None, "mistral"])

@@ -95,7 +95,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] | None = None
     rope_local_base_freq: float | None = None  # Gemma 3: sliding layers' RoPE theta (default RoPE); None: as full
     hidden_act: str = "silu"  # the gated MLP's activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU, Gemma)
-    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power (Gemma); None: head_dim
+    query_pre_attn_scalar: int | None = None  # scores scaled by its -1/2 power (Gemma); None: head_dim
     attn_logit_softcapping: float | None = None  # scores -> c * tanh(scores / c) (Gemma 2); None: off
     final_logit_softcapping: float | None = None  # logits -> c * tanh(logits / c) (Gemma 2); None: off
     rope_type: str = "default"

@@ -1,5 +1,6 @@
-"""Models: the decoder (`configuration` for its `ModelConfig`, `transformer`) used as pure functions over a
-params pytree, and Hugging Face checkpoints in and out (`pretrained`, `hf_config`, `safetensors_io`)."""
+"""Models: the decoder (`transformer`, over the shared `layers` and one module per family: `llama`, `gemma`,
+behind `families`) used as pure functions over a params pytree, and Hugging Face checkpoints in and out
+(`pretrained`, `hf_config`, `safetensors_io`)."""
 
 from grpo_jax.config.model import ModelConfig
 from grpo_jax.models.transformer import (

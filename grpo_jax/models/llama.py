@@ -1,8 +1,9 @@
 """The Llama family: ``llama`` (Llama 3.x), ``mistral``, ``qwen2`` (Qwen2/2.5) and ``qwen3`` (Qwen3 dense).
 
 One pre-norm block, x + attn(norm(x)) then x + mlp(norm(x)), with SwiGLU; the types differ in biases (qwen2:
-q/k/v; llama: one flag for q/k/v/o, one for the MLP), q/k RMSNorm (qwen3), RoPE scaling and a sliding window on
-every layer (mistral; qwen2/qwen3 with ``use_sliding_window``).
+q/k/v; llama: one flag for q/k/v/o, one for the MLP), q/k RMSNorm (qwen3), RoPE scaling and a sliding window
+(mistral: every layer; qwen2/qwen3 with ``use_sliding_window``: the layers from ``max_window_layers`` on, as
+their ``layer_types`` say).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), cache_kv, new_kv
 
 
-def _sliding_window(hf, where: str) -> int | None:
+def _window_fields(hf, where: str) -> dict:
+    """sliding_window, and layer_types when only some layers slide (qwen2/qwen3's ``max_window_layers``)."""
     window = getattr(hf, "sliding_window", None)
     if hf.model_type in ("qwen2", "qwen3") and not getattr(hf, "use_sliding_window", False):
         window = None
@@ -46,13 +48,11 @@ def _sliding_window(hf, where: str) -> int | None:
                        for i in range(hf.num_hidden_layers)]
     hf_config.check_layer_types(layer_types, where)
     kinds = set(layer_types or [])
-    if kinds == {"full_attention"}:
-        return None
+    if window is None or kinds == {"full_attention"}:
+        return dict(sliding_window=None, layer_types=None)
     if len(kinds) == 2:
-        sliding = [i for i, k in enumerate(layer_types) if k == "sliding_attention"]
-        raise ValueError(f"{where}: sliding_window={window} on layers {sliding} only is not supported: the "
-                         "window must apply to every layer or to none (use_sliding_window=false)")
-    return window
+        return dict(sliding_window=window, layer_types=tuple(layer_types))
+    return dict(sliding_window=window, layer_types=None)
 
 
 def config_fields(hf, where: str) -> dict:
@@ -61,7 +61,7 @@ def config_fields(hf, where: str) -> dict:
     act = getattr(hf, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{where}: hidden_act {act!r} is not supported: only 'silu' (SwiGLU MLP)")
-    fields = dict(hf_config.common_fields(hf, where), sliding_window=_sliding_window(hf, where),
+    fields = dict(hf_config.common_fields(hf, where), **_window_fields(hf, where),
                   **hf_config.rope_fields(hf_config.rope_parameters(hf), hf, where))
     bias = bool(getattr(hf, "attention_bias", False))
     if mt == "llama":  # one flag for q/k/v/o
@@ -91,8 +91,8 @@ def _problems(config: ModelConfig) -> list[str]:
         problems.append("q/k norm exists in qwen3 only: set qk_norm=" + ("true" if mt == "qwen3" else "false"))
     if mt == "llama" and config.sliding_window is not None:
         problems.append("llama has no sliding window: use model_type=mistral or sliding_window=null")
-    if config.layer_types is not None and len(set(config.layer_types)) > 1:
-        problems.append(f"{mt} has one attention kind for every layer: set layer_types=null")
+    if mt in ("llama", "mistral") and config.layer_types is not None and len(set(config.layer_types)) > 1:
+        problems.append(f"{mt} has one attention kind for every layer: set layer_types=null or model_type=qwen2")
     for name in ("rope_local_base_freq", "query_pre_attn_scalar", "attn_logit_softcapping",
                  "final_logit_softcapping"):
         if getattr(config, name) is not None:
@@ -122,7 +122,7 @@ def hf_kwargs(config: ModelConfig) -> dict:
         kwargs["mlp_bias"] = config.mlp_bias
     if mt in ("qwen2", "qwen3"):
         kwargs.update(use_sliding_window=config.sliding_window is not None, sliding_window=config.sliding_window,
-                      max_window_layers=0)
+                      max_window_layers=0, layer_types=list(config.resolved_layer_types))
     if mt == "mistral":
         kwargs["sliding_window"] = config.sliding_window
     return kwargs

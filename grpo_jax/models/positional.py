@@ -61,17 +61,19 @@ def apply_rope(x_BxTxHxDh, cos_BxTxDh, sin_BxTxDh):
     return out.astype(x_BxTxHxDh.dtype)
 
 
-def attention_mask(attention_mask_BxS, query_slot_T, sliding_window: int | None):
-    """Boolean [B, T, S]: key slot s is visible from query slot q when s <= q, its mask is 1 and, with a
-    sliding window W, q - s < W (transformers' ``sliding_window_overlay``). ``query_slot_T`` is [T], or [B, T]
-    when rows sit at slots of their own (continuous batching)."""
+def attention_mask(attention_mask_BxS, query_slot_T, sliding_window: int | None = None, query_positions_BxT=None):
+    """Boolean [B, T, S]: key slot s is visible from query slot q when s <= q and its mask is 1; with a sliding
+    window W also when the query's position (``query_positions_BxT``) minus the key's is below W, a key's position
+    being the visible slots before it (cumsum(mask) - 1). Where the real slots are contiguous (left padding, a
+    KV cache) that is transformers' ``sliding_window_overlay`` (q - s < W); a shared-prefix layout's hidden slot
+    is not counted. ``query_slot_T`` is [T], or [B, T] when rows sit at slots of their own (continuous batching)."""
     key_slot_S = jnp.arange(attention_mask_BxS.shape[1])
     query_slot_BxT = query_slot_T if query_slot_T.ndim == 2 else query_slot_T[None]
-    delta_BxTxS = query_slot_BxT[:, :, None] - key_slot_S[None, None, :]
-    visible_BxTxS = delta_BxTxS >= 0
+    visible_BxTxS = (query_slot_BxT[:, :, None] >= key_slot_S[None, None, :]) & (attention_mask_BxS[:, None, :] > 0)
     if sliding_window is not None:
-        visible_BxTxS &= delta_BxTxS < sliding_window
-    return visible_BxTxS & (attention_mask_BxS[:, None, :] > 0)
+        key_positions_BxS = jnp.cumsum(attention_mask_BxS > 0, axis=-1, dtype=jnp.int32) - 1
+        visible_BxTxS &= query_positions_BxT[:, :, None] - key_positions_BxS[:, None, :] < sliding_window
+    return visible_BxTxS
 
 
 def positions_from_mask(mask_BxT):

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.models import safetensors_io as st
-from grpo_jax.models.families import family, hf_names
+from grpo_jax.models.families import family
 from grpo_jax.models.hf_config import resolve_config, to_hf_config
 from grpo_jax.config.model import ModelConfig
 from grpo_jax.models.transformer import Transformer, forward, positions_from_mask, unembed
@@ -90,7 +90,7 @@ def _plan(abstract_flat, refs, config: ModelConfig, folder: str,
     source = index if os.path.isfile(index) else os.path.join(folder, st.SINGLE_FILE)
     plan, used = {}, set()
     for path, leaf in abstract_flat.items():
-        names, stacked, transposed = hf_names(path, config.num_hidden_layers, config.num_experts)
+        names, stacked, transposed = family(config.model_type).hf_names(path, config)
         shape = tuple(leaf.shape[stacked:])
         want = shape[::-1] if transposed else shape
         for name in names:
@@ -138,7 +138,7 @@ def _read(refs, stacked: int, transposed: bool, dtype, maps, shape) -> Callable:
 
 def from_pretrained(path, dtype: str | None = None, *, shardings=None, config: ModelConfig | None = None,
                     extra_tensors: tuple[str, ...] = (), trunk_only: bool = False) -> tuple[Model, nnx.State]:
-    """Load a Hugging Face folder (llama, mistral, qwen2, qwen3): (Model, params) with params in ``dtype``.
+    """Load a Hugging Face folder (a `families` model_type): (Model, params) with params in ``dtype``.
 
     ``dtype`` (e.g. "bfloat16") sets both the storage and the compute dtype; None keeps ``config``'s
     (default float32). ``config`` carries non-architecture settings (remat, dtypes); its architecture must
@@ -193,7 +193,7 @@ def _entries(model: Model, params) -> list[st.Entry]:
     config = model.config
     entries = []
     for path, array in _flat(params).items():
-        names, stacked, transposed = hf_names(path, config.num_hidden_layers, config.num_experts)
+        names, stacked, transposed = family(config.model_type).hf_names(path, config)
         shape = tuple(array.shape[stacked:])
         for i, name in zip(np.ndindex(array.shape[:stacked]), names):
             fetch = lambda a=array, i=i, t=transposed: _to_host(a[i] if i else a, t)  # noqa: E731

@@ -94,7 +94,8 @@ class Transformer(nnx.Module):
                 query_slot_T = prefix_len + jnp.arange(T)
             else:  # cache_index [B]: each row writes at its own slot
                 query_slot_T = (cache_index[:, None] if cache_index.ndim == 1 else cache_index) + jnp.arange(T)
-            masks = [attention_mask(attention_mask_BxS, query_slot_T, kind_window(config, k)) for k in kinds]
+            masks = [attention_mask(attention_mask_BxS, query_slot_T, kind_window(config, k), positions_BxT)
+                     for k in kinds]
         # one mask and one RoPE table per attention kind, built once; each layer takes its kind's
         rope = rotary_tables(config, S) if rope is None else rope
         cos_sins = [rope_cos_sin(positions_BxT, rope[k]) for k in kinds]
@@ -242,9 +243,10 @@ def forward(graphdef, params, input_ids_BxT, positions_BxT, attention_mask_BxS, 
 
     A boolean [B, T, T] ``attention_mask`` (no cache, no prefix) says outright which inputs each input sees (packed
     layouts, `logprobs.completion_logps`). Without a cache S == T and a token attends to earlier tokens whose
-    ``attention_mask`` is 1 (and, with ``sliding_window`` W, to the last W slots only). With a cache the T new
-    keys/values go to slots [cache_index, cache_index + T) for every row (a [B] ``cache_index``: each row's own
-    slots) and a token at slot s attends to slots <= s masked by ``attention_mask_BxS`` over all S slots.
+    ``attention_mask`` is 1. With a cache the T new keys/values go to slots [cache_index, cache_index + T) for every
+    row (a [B] ``cache_index``: each row's own slots) and a token at slot s attends to slots <= s masked by
+    ``attention_mask_BxS`` over all S slots. On a sliding-window layer (its kind's window W) a token sees only the
+    keys fewer than W positions back (`positional.attention_mask`; a whole mask: ``positions_BxT`` of both).
     ``positions_BxT`` drive RoPE (left padding: ``cumsum(mask) - 1`` clipped at 0); they must be below S (every
     left-padded or cached layout's are), the length of the RoPE tables built for the call (``rope``: `rotary_tables`
     covering them, made once by a decode loop's caller).
