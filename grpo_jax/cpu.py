@@ -10,6 +10,8 @@
   transposed operand to a slower kernel.
 - A packed buffer's attention runs block by block, skipping blocks of keys that no query of a block sees
   (`packed_attention`): dense, its [T, T] scores and their masking cost most of a packed update at real lengths.
+- Mixture-of-experts layers multiply each expert's rows block by block (`grouped_experts`, `blocked_ragged_dot`):
+  XLA:CPU lowers ``jax.lax.ragged_dot`` to a product of every row with every expert's weights (E times the work).
 - glibc keeps freed blocks (`configure_host_allocator`): XLA:CPU gives each call one large block of temporaries,
   which glibc would otherwise mmap and unmap per call, page-faulting the working set in again every time.
 
@@ -238,6 +240,51 @@ def packed_attention(graphdef: nnx.GraphDef, params: nnx.State, on: bool) -> nnx
     for _, module in nnx.iter_graph(model):
         if isinstance(module, Attention):
             module.attend_whole_mask = blocked_attention
+    return nnx.split(model)[0]
+
+
+EXPERT_BLOCK = 32  # rows per block of `blocked_ragged_dot`: each group pads to whole blocks
+
+
+def blocked_ragged_dot(x_MxD, w_ExDxF, group_sizes_E, preferred_element_type=None):
+    """``jax.lax.ragged_dot`` (rows sorted by group; rows past the groups give 0) the CPU's way: each group's rows
+    padded to whole blocks of `EXPERT_BLOCK`, one [block, D] x [D, F] product per block in a scan. The same
+    products, (M + E * block) * D * F work instead of E * M * D * F."""
+    M, D = x_MxD.shape
+    E, _, F = w_ExDxF.shape
+    b = EXPERT_BLOCK
+    num_blocks = -(-(M + E * (b - 1)) // b)  # every group padded: at most this many blocks
+    end_E = jnp.cumsum(group_sizes_E)
+    padded_E = -(-group_sizes_E // b) * b
+    padded_end_E = jnp.cumsum(padded_E)
+    m_M = jnp.arange(M)
+    group_M = jnp.searchsorted(end_E, m_M, side="right")  # E: past every group
+    safe_M = jnp.minimum(group_M, E - 1)
+    at_M = jnp.where(group_M < E, padded_end_E[safe_M] - padded_E[safe_M] + m_M - (end_E - group_sizes_E)[safe_M],
+                     num_blocks * b)  # past every block: dropped
+    x_NxD = jnp.zeros((num_blocks * b, D), x_MxD.dtype).at[at_M].set(x_MxD, mode="drop")
+    block_group = jnp.minimum(jnp.searchsorted(padded_end_E, jnp.arange(num_blocks) * b, side="right"), E - 1)
+
+    def block(_, xs):
+        x_bxD, e = xs
+        return None, jnp.dot(x_bxD, w_ExDxF[e], preferred_element_type=preferred_element_type)
+
+    _, y_NbxbxF = jax.lax.scan(block, None, (x_NxD.reshape(num_blocks, b, D), block_group))
+    y_NxF = y_NbxbxF.reshape(num_blocks * b, F)
+    return jnp.where((group_M < E)[:, None], y_NxF[jnp.minimum(at_M, num_blocks * b - 1)], 0)
+
+
+def grouped_experts(graphdef: nnx.GraphDef, params: nnx.State, on: bool) -> nnx.GraphDef:
+    """``graphdef`` whose mixture-of-experts layers multiply through `blocked_ragged_dot` when ``on``, else
+    ``graphdef`` unchanged. Apply once, where the model is built; ``params`` may be abstract."""
+    if not on:
+        return graphdef
+    from grpo_jax.models.moe import Experts
+
+    model = nnx.merge(graphdef, params)
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, Experts):
+            module.ragged_dot = blocked_ragged_dot
     return nnx.split(model)[0]
 
 

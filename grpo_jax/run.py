@@ -363,6 +363,7 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
             params = lora.join(programs.init_adapters(config.model, config.seed, shardings), params)
         graphdef, state = model.graphdef, programs.state_from_params(params, optimizer, **state_options)
     graphdef = cpu.packed_attention(cpu.linear_layers(graphdef, state.params, speedups), state.params, speedups)
+    graphdef = cpu.grouped_experts(graphdef, state.params, speedups)
     if config.model.path:
         eos_ids = eos_token_ids(config.model.path, tokenizer)
     elif config.data.path is None and config.data.task == "lookup":  # a turn also ends at its tool call

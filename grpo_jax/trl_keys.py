@@ -20,7 +20,8 @@ from typing import Any
 ALIASES = {
     **{name: f"loss.{name}" for name in (
         "beta", "delta", "entropy_coef", "epsilon", "epsilon_high", "importance_sampling_level", "loss_type",
-        "off_policy_mask_threshold", "sapo_temperature_neg", "sapo_temperature_pos", "top_entropy_quantile",
+        "off_policy_mask_threshold", "router_aux_loss_coef", "sapo_temperature_neg", "sapo_temperature_pos",
+        "top_entropy_quantile",
         "use_bias_correction_kl", "vespo_k_neg", "vespo_k_pos", "vespo_lambda_neg", "vespo_lambda_pos",
         "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min",
         "vllm_importance_sampling_correction", "vllm_importance_sampling_mode")},
@@ -131,8 +132,7 @@ OFF = {
     "train_sampling_strategy": (("random",), "grpo_jax shuffles the prompts every epoch (by seed)"),
     "shuffle_dataset": ((True, None), "grpo_jax always shuffles the prompts (by seed)"),
     "model_init_kwargs": ((None,), "set model.dtype / model.param_dtype; other loading options do not apply"),
-    "trust_remote_code": ((False,), "grpo_jax runs its own model code (the Llama and Gemma families)"),
-    "router_aux_loss_coef": ((None,), "grpo_jax has no mixture-of-experts models"),
+    "trust_remote_code": ((False,), "grpo_jax runs its own model code (the Llama, Gemma and Qwen3-MoE families)"),
     "generation_kwargs": ((None,), "set sampling.temperature / top_p / top_k / min_p"),
     "chat_template_kwargs": ((None,), "grpo_jax renders prompts with the tokenizer's chat template, no arguments"),
     "repetition_penalty": ((1, 1.0), "grpo_jax's sampler has no repetition penalty: remove the key"),

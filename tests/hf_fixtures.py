@@ -1,5 +1,5 @@
-"""Tiny random Hugging Face model folders (llama, mistral, qwen2, qwen3, gemma2, gemma3, qwen3_moe), built and saved
-by transformers.
+"""Tiny random Hugging Face model folders (llama, mistral, qwen2, qwen3, gemma2, gemma3, qwen3_moe), built and
+saved by transformers.
 
 Every folder is a real ``save_pretrained`` output (config.json, model.safetensors, generation_config.json), so
 the loader is tested on what users bring. Biases and norm weights are randomised too (transformers initialises

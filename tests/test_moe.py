@@ -140,3 +140,31 @@ def test_expert_parallel_equals_single_device():
     # float32 sums in another order (the psum over experts): relative agreement, as for any reduction
     np.testing.assert_allclose(got_out, want_out, atol=1e-5, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5), got_grad, want_grad)
+
+
+def test_cpu_blocked_ragged_dot_equals_ragged_dot():
+    """The CPU's block-by-block grouped product: the same values and gradients as jax.lax.ragged_dot, with empty
+    groups, groups longer than a block and rows past every group (which give 0)."""
+    from grpo_jax import cpu
+
+    rng = np.random.default_rng(0)
+    sizes = np.array([0, 5, cpu.EXPERT_BLOCK + 3, 0, 1, 2 * cpu.EXPERT_BLOCK], np.int32)
+    M = int(sizes.sum()) + 4
+    x = jnp.asarray(rng.normal(size=(M, 8)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(len(sizes), 8, 3)), jnp.float32)
+    proj = rng.normal(size=(M, 3)).astype(np.float32)
+
+    def f(dot):
+        return lambda x, w: jnp.sum(dot(x, w, jnp.asarray(sizes), preferred_element_type=jnp.float32) * proj)
+
+    np.testing.assert_allclose(cpu.blocked_ragged_dot(x, w, jnp.asarray(sizes)),
+                               jax.lax.ragged_dot(x, w, jnp.asarray(sizes)), atol=1e-5)
+    assert not np.any(cpu.blocked_ragged_dot(x, w, jnp.asarray(sizes))[-4:])
+    for got, want in zip(jax.grad(f(cpu.blocked_ragged_dot), argnums=(0, 1))(x, w),
+                         jax.grad(f(jax.lax.ragged_dot), argnums=(0, 1))(x, w)):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    # the block with the CPU's product is the block
+    graphdef, params = _block(_config())
+    x_BxTxD = jax.random.normal(jax.random.key(7), (3, 4, D), jnp.float32)
+    fast = cpu.grouped_experts(graphdef, params, True)
+    np.testing.assert_allclose(_apply(fast, params, x_BxTxD)[0], _apply(graphdef, params, x_BxTxD)[0], atol=1e-6)

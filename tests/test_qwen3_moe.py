@@ -211,3 +211,20 @@ def test_a_moe_run_with_routing_replay_and_the_router_aux_loss(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     aux = [line["router_aux_loss"] for line in lines if "router_aux_loss" in line]
     assert len(aux) == 2 and all(np.isfinite(aux)) and all(a > 0 for a in aux)
+
+
+def test_router_aux_loss_coef_resolves_as_trl():
+    """TRL's flat name is ours; null takes the model's own coefficient (0 for a dense model); a coefficient or
+    routing replay for a dense model is refused."""
+    from grpo_jax.config import load_config
+    from grpo_jax.run import _router_aux_loss_coef
+
+    moe = [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in MOE.items()]
+    assert load_config(None, ["router_aux_loss_coef=0.01"]).loss.router_aux_loss_coef == 0.01
+    assert _router_aux_loss_coef(load_config(None, [*moe, "model.router_aux_loss_coef=0.002"])) == 0.002
+    assert _router_aux_loss_coef(load_config(None, [*moe, "loss.router_aux_loss_coef=0"])) == 0.0
+    assert _router_aux_loss_coef(load_config(None, [])) == 0.0
+    with pytest.raises(ValueError, match="has no experts"):
+        _router_aux_loss_coef(load_config(None, ["loss.router_aux_loss_coef=0.01"]))
+    with pytest.raises(ValueError, match="routing_replay=true needs a mixture-of-experts model"):
+        load_config(None, ["model.routing_replay=true"])

@@ -21,23 +21,18 @@ from typing import Any
 from grpo_jax.config.model import ModelConfig
 
 
-def hf_names(path: str, num_layers: int, num_experts: int = 0) -> tuple[list[str], int, bool]:
-    """(Hugging Face tensor names, how many leading axes they are stacked over, transposed) for one of our
+def hf_names(path: str, config: ModelConfig) -> tuple[list[str], int, bool]:
+    """(Hugging Face tensor names, how many leading axes of ours they are stacked over, transposed) for one of our
     parameter paths: module names are transformers' under ``model.``; ``layers.<m>`` [L, ...] is
-    ``model.layers.<i>.<m>`` for i < L; stacked experts ``layers.mlp.experts.<proj>`` [L, E, in, out] are the hub's
-    ``model.layers.<i>.mlp.experts.<j>.<proj>.weight`` [out, in], layer-major."""
+    ``model.layers.<i>.<m>`` for i < L. A stack over several axes lists its names row-major."""
     *module, leaf = path.split(".")
-    if module[-1:] == ["experts"]:
-        inner = ".".join(module[1:])
-        return [f"model.layers.{i}.{inner}.{j}.{leaf}.weight" for i in range(num_layers)
-                for j in range(num_experts)], 2, True
     hf_leaf = "weight" if leaf in ("kernel", "embedding") else leaf
     transposed = leaf == "kernel"
     if module[0] == "lm_head":
         return [f"lm_head.{hf_leaf}"], 0, transposed
     if module[0] == "layers":
         inner = ".".join(module[1:])
-        return [f"model.layers.{i}.{inner}.{hf_leaf}" for i in range(num_layers)], 1, transposed
+        return [f"model.layers.{i}.{inner}.{hf_leaf}" for i in range(config.num_hidden_layers)], 1, transposed
     return [f"model.{'.'.join(module)}.{hf_leaf}"], 0, transposed
 
 
@@ -54,8 +49,8 @@ class Family:
     # ModelConfig -> [(name, shape)]: tensors transformers' class always has that this config does not (written
     # as zeros on export)
     export_zeros: Callable[[ModelConfig], list] | None = None
-    # (our parameter path, layers, experts) -> (Hugging Face names, leading axes stacked over, transposed)
-    hf_names: Callable[[str, int, int], tuple[list[str], int, bool]] = hf_names
+    # (our parameter path, config) -> (Hugging Face names, leading axes stacked, transposed)
+    hf_names: Callable[[str, ModelConfig], tuple[list[str], int, bool]] = hf_names
     # mixture of experts: the decoder layer takes ``routing=`` (experts to replay [B, T, K], or None) and returns a
     # fourth output, (router logits [B, T, E], chosen experts [B, T, K])
     routed: bool = False

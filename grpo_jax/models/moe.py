@@ -11,8 +11,8 @@ stacked tensor per projection: ``experts.gate_proj`` [E, D, F], ``experts.up_pro
 Dispatch: the M assignments are sorted by expert and each expert's contiguous rows are multiplied by its weights
 with ``jax.lax.ragged_dot``: exact (no capacity, no dropped tokens, unlike capacity-factor einsum dispatch) and
 M*D*F work where the backend has a grouped matmul (XLA's ragged-dot instruction on GPU and TPU). On CPU jax falls
-back to a masked dense product over all E groups (E times the work, an [E, M, D] temporary): fine for the small
-CPU models, not for a full-size one. With an ``expert`` mesh axis each device holds E / n experts and computes the
+back to a masked dense product over all E groups (E times the work), so the CPU speed-ups swap in a block-by-block
+product (`grpo_jax.cpu.grouped_experts`). With an ``expert`` mesh axis each device holds E / n experts and computes the
 assignments routed to them; a psum over the axis adds the experts' outputs back into every token
 (`expert_parallel`).
 
@@ -52,6 +52,8 @@ class Experts(nnx.Module):
         self.up_proj = nnx.Param(init(rngs.params(), (E, D, F), dtype))
         self.down_proj = nnx.Param(init(rngs.params(), (E, F, D), dtype))
         self.dtype = config.jnp_dtype
+        # the grouped product: jax.lax.ragged_dot, or a backend's faster one (`grpo_jax.cpu.grouped_experts`)
+        self.ragged_dot = jax.lax.ragged_dot
 
     def __call__(self, x_NxD, experts_NxK, weights_NxK):
         """sum_k weights[n, k] * expert_{experts[n, k]}(x[n]) -> [N, D], experts split over an ``expert`` mesh
@@ -59,11 +61,13 @@ class Experts(nnx.Module):
         weights = tuple(w[...].astype(self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
         mesh = jax.sharding.get_abstract_mesh()
         if EXPERT not in mesh.axis_names or mesh.shape[EXPERT] == 1:
-            return expert_mlp(x_NxD, experts_NxK, weights_NxK, *weights).astype(self.dtype)
-        return expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, *weights).astype(self.dtype)
+            return expert_mlp(x_NxD, experts_NxK, weights_NxK, *weights, ragged_dot=self.ragged_dot).astype(self.dtype)
+        return expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, *weights,
+                               ragged_dot=self.ragged_dot).astype(self.dtype)
 
 
-def expert_mlp(x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, first_expert=0):
+def expert_mlp(x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, first_expert=0, *,
+               ragged_dot=jax.lax.ragged_dot):
     """sum_k weights[n, k] * down(silu(gate(x[n])) * up(x[n])) over the experts first_expert .. first_expert + E - 1
     (the given stacks); assignments to other experts contribute nothing. float32 [N, D]."""
     N, K = experts_NxK.shape
@@ -75,16 +79,16 @@ def expert_mlp(x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD
     token_M = order_M // K
     group_sizes_E = jnp.zeros((E + 1,), jnp.int32).at[group_M].add(1)[:E]
     xs_MxD = x_NxD[token_M]
-    h_MxF = (jax.nn.silu(jax.lax.ragged_dot(xs_MxD, gate_ExDxF, group_sizes_E))
-             * jax.lax.ragged_dot(xs_MxD, up_ExDxF, group_sizes_E))
-    ys_MxD = jax.lax.ragged_dot(h_MxF, down_ExFxD, group_sizes_E, preferred_element_type=jnp.float32)
+    h_MxF = jax.nn.silu(ragged_dot(xs_MxD, gate_ExDxF, group_sizes_E)) * ragged_dot(xs_MxD, up_ExDxF, group_sizes_E)
+    ys_MxD = ragged_dot(h_MxF, down_ExFxD, group_sizes_E, preferred_element_type=jnp.float32)
     w_M = jnp.where(is_local_M, weights_NxK.reshape(-1), 0)[order_M].astype(jnp.float32)
     # where, not a product: rows past the groups are not the experts' business (their value is unspecified)
     ys_MxD = jnp.where(is_local_M[order_M][:, None], ys_MxD * w_M[:, None], 0.0)
     return jnp.zeros((N, x_NxD.shape[-1]), jnp.float32).at[token_M].add(ys_MxD)
 
 
-def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD):
+def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, *,
+                    ragged_dot=jax.lax.ragged_dot):
     """`expert_mlp` with the experts split over the mesh's ``expert`` axis: each device runs the assignments to its
     E / n experts on the (replicated) tokens and a psum adds the partial outputs. float32 [N, D]."""
     E = gate_ExDxF.shape[0]
@@ -97,7 +101,7 @@ def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF,
         # the tokens cast to varying over the axis up front, so the cast's transpose sums every device's part of
         # their gradient (left to jax 0.10's implicit casts, x's gradient came back wrong: tests/test_moe.py)
         x = jax.lax.pcast(x, EXPERT, to="varying")
-        return jax.lax.psum(expert_mlp(x, experts, weights, gate, up, down, first), EXPERT)
+        return jax.lax.psum(expert_mlp(x, experts, weights, gate, up, down, first, ragged_dot=ragged_dot), EXPERT)
 
     split, whole = PartitionSpec(EXPERT), PartitionSpec()
     return jax.shard_map(local, mesh=mesh, in_specs=(whole, whole, whole, split, split, split), out_specs=whole,

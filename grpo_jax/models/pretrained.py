@@ -90,8 +90,7 @@ def _plan(abstract_flat, refs, config: ModelConfig, folder: str,
     source = index if os.path.isfile(index) else os.path.join(folder, st.SINGLE_FILE)
     plan, used = {}, set()
     for path, leaf in abstract_flat.items():
-        names, stacked, transposed = family(config.model_type).hf_names(path, config.num_hidden_layers,
-                                                                        config.num_experts)
+        names, stacked, transposed = family(config.model_type).hf_names(path, config)
         shape = tuple(leaf.shape[stacked:])
         want = shape[::-1] if transposed else shape
         for name in names:
@@ -194,8 +193,7 @@ def _entries(model: Model, params) -> list[st.Entry]:
     config = model.config
     entries = []
     for path, array in _flat(params).items():
-        names, stacked, transposed = family(config.model_type).hf_names(path, config.num_hidden_layers,
-                                                                        config.num_experts)
+        names, stacked, transposed = family(config.model_type).hf_names(path, config)
         shape = tuple(array.shape[stacked:])
         for i, name in zip(np.ndindex(array.shape[:stacked]), names):
             fetch = lambda a=array, i=i, t=transposed: _to_host(a[i] if i else a, t)  # noqa: E731

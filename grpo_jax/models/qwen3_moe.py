@@ -4,7 +4,7 @@ layer, the sparse mixture-of-experts block of `models.moe` in place of the dense
 Weight names: the router is ``model.layers.<i>.mlp.gate.weight`` [E, D]; the hub (and transformers'
 ``save_pretrained``, which writes the original format) stores each expert apart,
 ``model.layers.<i>.mlp.experts.<j>.{gate,up,down}_proj.weight``, which our stacked ``layers.mlp.experts.<proj>``
-[L, E, in, out] hold transposed (`families.hf_names`).
+[L, E, in, out] hold transposed (`hf_names`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from flax import nnx
 
 from grpo_jax.config.model import ModelConfig
 from grpo_jax.models import hf_config
+from grpo_jax.models import families
 from grpo_jax.models.families import Family
 from grpo_jax.models.layers import Attention, RMSNorm
 from grpo_jax.models.moe import SparseMoE
@@ -38,6 +39,17 @@ class DecoderLayer(nnx.Module):
         x = x + attn
         out, router_logits, experts = self.mlp(self.post_attention_layernorm(x), routing)
         return x + out, cache_kv, new_kv, (router_logits, experts)
+
+
+def hf_names(path: str, config: ModelConfig) -> tuple[list[str], int, bool]:
+    """`families.hf_names`, and the stacked experts ``layers.mlp.experts.<proj>`` [L, E, in, out]: the hub's
+    ``model.layers.<i>.mlp.experts.<j>.<proj>.weight`` [out, in], layer-major."""
+    *module, leaf = path.split(".")
+    if module[-1:] != ["experts"]:
+        return families.hf_names(path, config)
+    inner = ".".join(module[1:])
+    return [f"model.layers.{i}.{inner}.{j}.{leaf}.weight" for i in range(config.num_hidden_layers)
+            for j in range(config.num_experts)], 2, True
 
 
 def config_fields(hf, where: str) -> dict:
@@ -79,4 +91,4 @@ def hf_kwargs(config: ModelConfig) -> dict:
 
 
 FAMILY = Family(architectures=ARCHITECTURES, decoder_layer=DecoderLayer, config_fields=config_fields,
-                hf_kwargs=hf_kwargs, routed=True)
+                hf_kwargs=hf_kwargs, hf_names=hf_names, routed=True)
