@@ -265,6 +265,9 @@ def blocked_ragged_dot(x_MxD, w_ExDxF, group_sizes_E, preferred_element_type=Non
     x_NxD = jnp.zeros((num_blocks * b, D), x_MxD.dtype).at[at_M].set(x_MxD, mode="drop")
     block_group = jnp.minimum(jnp.searchsorted(padded_end_E, jnp.arange(num_blocks) * b, side="right"), E - 1)
 
+    # rematerialised: the backward slices w[e] again instead of the scan saving every block's [D, F] slice (blocks x
+    # D x F: 2.6 GB a projection at 12k assignments of a 2048 x 768 expert, the step's peak)
+    @jax.checkpoint
     def block(_, xs):
         x_bxD, e = xs
         return None, jnp.dot(x_bxD, w_ExDxF[e], preferred_element_type=preferred_element_type)
