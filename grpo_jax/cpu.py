@@ -232,14 +232,19 @@ def blocked_pairs(prompt_tokens_R, branch_tokens_RxG, length: int, buffers: int 
 def packed_attention(graphdef: nnx.GraphDef, params: nnx.State, on: bool) -> nnx.GraphDef:
     """``graphdef`` whose attention layers run packed buffers' whole masks through `blocked_attention` when ``on``,
     else ``graphdef`` unchanged. Apply once, where the model is built; ``params`` may be abstract."""
-    if not on:
-        return graphdef
     from grpo_jax.models.layers import Attention
 
+    return _with_hook(graphdef, params, on, Attention, "attend_whole_mask", blocked_attention)
+
+
+def _with_hook(graphdef: nnx.GraphDef, params: nnx.State, on: bool, kind: type, name: str, fn) -> nnx.GraphDef:
+    """``graphdef`` with attribute ``name`` of every ``kind`` module set to ``fn`` when ``on`` (else unchanged)."""
+    if not on:
+        return graphdef
     model = nnx.merge(graphdef, params)
     for _, module in nnx.iter_graph(model):
-        if isinstance(module, Attention):
-            module.attend_whole_mask = blocked_attention
+        if isinstance(module, kind):
+            setattr(module, name, fn)
     return nnx.split(model)[0]
 
 
@@ -280,15 +285,9 @@ def blocked_ragged_dot(x_MxD, w_ExDxF, group_sizes_E, preferred_element_type=Non
 def grouped_experts(graphdef: nnx.GraphDef, params: nnx.State, on: bool) -> nnx.GraphDef:
     """``graphdef`` whose mixture-of-experts layers multiply through `blocked_ragged_dot` when ``on``, else
     ``graphdef`` unchanged. Apply once, where the model is built; ``params`` may be abstract."""
-    if not on:
-        return graphdef
     from grpo_jax.models.moe import Experts
 
-    model = nnx.merge(graphdef, params)
-    for _, module in nnx.iter_graph(model):
-        if isinstance(module, Experts):
-            module.ragged_dot = blocked_ragged_dot
-    return nnx.split(model)[0]
+    return _with_hook(graphdef, params, on, Experts, "ragged_dot", blocked_ragged_dot)
 
 
 # --- sampling -------------------------------------------------------------------------------------------------
