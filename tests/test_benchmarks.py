@@ -317,7 +317,28 @@ def test_async_curves_reward_bins_and_staleness(tmp_path):
     summary = {"eval_before": {"greedy/exact_match": 0.0}, "eval_after": {"greedy/exact_match": 0.5},
                "reward_first_10pct": 1.0, "reward_last_10pct": 7.0}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
+    (tmp_path / "config.yaml").write_text("train:\n  train_batch_size: 4\n")
     result = async_curves.curve(tmp_path, 3)
     assert result["reward_every"] == [2.0, 5.0, 7.0] and result["steps"] == 7  # the eval-only line is no step
     assert result["staleness_mean"] == pytest.approx(4 / 7) and result["eval_after"] == summary["eval_after"]
     assert result["median_step_s"] == pytest.approx(0.45) and result["mean_completion_length"] == 8.0
+    tokens, seconds = sum(4 * 2.0 * s for s in range(2, 8)), sum(s / 10 for s in range(2, 8))
+    assert result["tokens_per_s"] == pytest.approx(tokens / seconds)
+
+
+def test_async_curves_long_task_rows_and_overrides(tmp_path):
+    import async_curves
+    from grpo_jax.config import load_config
+    from transformers import AutoTokenizer
+
+    overrides = async_curves.long_task(tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "sort_train.jsonl").read_text().splitlines()]
+    assert len(rows) == 2000 and len((tmp_path / "sort_test.jsonl").read_text().splitlines()) == 200
+    for row in rows:
+        digits = row["prompt"][:-1]
+        assert row["prompt"][-1] == "^" and 128 <= len(digits) <= 384 and set(digits) <= {"0", "1"}
+        assert row["answer"] == "0" * digits.count("0") + "1" * digits.count("1")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
+    assert len(tokenizer(rows[0]["prompt"])["input_ids"]) == len(rows[0]["prompt"])  # one token a character
+    config = load_config(None, overrides)
+    assert config.data.path == str(tmp_path / "sort_train.jsonl") and config.sampling.max_completion_length == 512
