@@ -10,3 +10,6 @@ python3 benchmarks/async_phases.py --size qwen0.5b --dtype bfloat16 --decode-row
   --update-groups 1,2,4 --layout groups --logps-chunk-size 16 --remat full --repeats 3 --out "$OUT/phases_h100.json" 2>&1 | grep -v '^ ' \
   | tee "$OUT/phases_h100.log"
 python3 benchmarks/async_sim.py --phases "$OUT/phases_h100.json" --out "$OUT/sim_h100.json"
+# Completion tokens/s of one chip, synchronous against colocated k = 1 and 2, at realistic lengths (not yet run on a GPU)
+python3 benchmarks/async_curves.py --long --staleness 0,1,2 --every 10 max_steps=40 --out "$OUT/curves_gpu.json" \
+  | tee "$OUT/curves_gpu.log"
