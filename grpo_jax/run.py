@@ -123,9 +123,6 @@ def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_datase
                           max_iterations=config.sampling.max_tool_calling_iterations,
                           max_model_len=config.model.max_position_embeddings)
     train_tools = eval_tools = template = None
-    if tooling is not None and jax.process_count() > 1:
-        raise ValueError("tools / environment_factory with several processes: every process decodes every row, so "
-                         "each would call every tool; run one process (one host's devices), or no tools")
     if tooling is not None:
         train_tools = tooling.row_schemas(train_rows, train_where)
         eval_tools = tooling.row_schemas(eval_rows, eval_where)

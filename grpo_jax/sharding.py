@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import pickle
 import re
 import warnings
 
@@ -237,6 +238,39 @@ def to_host(tree):
         return jax.device_get(tree)
     from jax.experimental import multihost_utils
     return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def from_first_process(compute):
+    """``compute()`` run on process 0 alone, its value given to every process (an exception it raises is raised on
+    every process): host work with side effects (tools, environments) done once, every process going on with the
+    same Python value. One process: ``compute()``. Collective: every process calls it at the same point."""
+    if jax.process_count() == 1:
+        return compute()
+    first, error = jax.process_index() == 0, None
+    payload = b""
+    if first:
+        try:
+            outcome = ("value", compute())
+        except Exception as e:  # noqa: BLE001 - the others raise it too, rather than wait for a value forever
+            error, outcome = e, ("error", e)
+        try:
+            payload = pickle.dumps(outcome)
+        except Exception:  # noqa: BLE001 - an exception that does not pickle goes as its text
+            payload = pickle.dumps(("error", RuntimeError(f"{type(error).__name__}: {error}")))
+    kind, value = pickle.loads(_broadcast_bytes(payload))
+    if kind == "error":
+        raise error if first else value
+    return value
+
+
+def _broadcast_bytes(payload: bytes) -> bytes:
+    """Process 0's bytes on every process: their length, then the bytes padded to a power of two (few compiled
+    shapes of the broadcast), as int32 words."""
+    from jax.experimental import multihost_utils
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(payload))))
+    width = 1 << max(10, (n - 1).bit_length())
+    words = np.frombuffer(payload.ljust(width, b"\0"), np.int32)  # the others' zeros: a sum gives process 0's
+    return np.asarray(multihost_utils.broadcast_one_to_all(words)).tobytes()[:n]
 
 
 def check_rows(num_rows: int, mesh: Mesh, what: str) -> None:
