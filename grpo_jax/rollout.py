@@ -233,7 +233,8 @@ def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBat
     Returns (the rows on the devices, `rounds.Draw`, (ref, old) or None)."""
     timer = time.perf_counter()
     pieces, scores, rows, queued = [], [], None, None
-    later = multiturn.scores_on_first(run.tooling)  # process 0 scores once decoding is over (its collectives too)
+    # process 0 scores rows with environments once decoding is over: the decoding thread's collectives are done
+    later = multiturn.scores_on_first(run.tooling)
     for piece in stream.decode(run.programs.decoder, params, batch.prompt_ids, batch.prompt_mask, key,
                                group_size=run.config.train.num_generations, slots=slots, turns=turns):
         if piece.trajectory is not None:  # decoding is over: every row's tokens are on the host
@@ -249,11 +250,9 @@ def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBat
         pieces.append(piece)
         if not later:
             scores.append(_score(run, batch, piece, context, log, environments))
-    if later:
-        def score():
-            return [_score(run, batch, piece, context, log, environments) for piece in pieces], log.metrics, log.extra
-
-        scores, log.metrics, log.extra = sharding.from_first_process(score)
+    if later:  # what the functions logged comes along
+        scores, log.metrics, log.extra = sharding.from_first_process(lambda: (
+            [_score(run, batch, piece, context, log, environments) for piece in pieces], log.metrics, log.extra))
     draw = _draw(batch, pieces, scores)
     seconds["score"] = seconds.get("score", 0.0) + time.perf_counter() - timer
     if turns is not None:  # the time a decoding chunk had nothing to decode until a tool returned, chunks' mean

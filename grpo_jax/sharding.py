@@ -243,7 +243,8 @@ def to_host(tree):
 def from_first_process(compute):
     """``compute()`` run on process 0 alone, its value given to every process (an exception it raises is raised on
     every process): host work with side effects (tools, environments) done once, every process going on with the
-    same Python value. One process: ``compute()``. Collective: every process calls it at the same point."""
+    same Python value. One process: ``compute()``. A collective: every process calls it at the same point of its
+    program, and no other thread of it issues collectives meanwhile (their order must be the same everywhere)."""
     if jax.process_count() == 1:
         return compute()
     first, error = jax.process_index() == 0, None

@@ -94,8 +94,9 @@ def worker(process_id: int, num_processes: int, port: int, output_dir: str, *ove
         print(f"RUN: failed: {str(e).splitlines()[0]}")
 
 
-def _run(tmp_path: Path, name: str, processes: int, *overrides: str, raise_at: int | None = None) -> Path:
-    """A run in ``tmp_path / name`` on ``processes`` processes (2 devices in all); each says how it ended."""
+def _run(tmp_path: Path, name: str, processes: int, *overrides: str, raise_at: int | None = None) -> tuple:
+    """A run in ``tmp_path / name`` on ``processes`` processes (2 devices in all): (its folder, how every process
+    ended: "finished" or "failed: ...")."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -148,16 +149,14 @@ def _assert_same_run(got: Path, expected: Path) -> None:
                                     "environment_factory=tests.test_multihost_tools:CountingEnv"],
                          ids=["tool", "environment"])
 def test_tools_on_two_processes_run_once_and_equal_one_process(tmp_path, source):
-    tokenizer = tmp_path / "tokenizer"  # built once: the processes would write it side by side
-    tool_task.build_tokenizer(tokenizer)
-    args = (source, f"data.tokenizer_path={tokenizer}")
+    args = (source,)  # the embedded task's tokenizer: process 0 writes it, the other reads it
     one, ended = _run(tmp_path, "one", 1, *args)
     assert ended == "finished"
     two, ended = _run(tmp_path, "two", 2, *args)
     assert ended == "finished"
     _assert_same_run(two, one)
     assert any("tools/call_frequency" in line for line in (two / "metrics.jsonl").read_text().splitlines())
-    # process 0 alone calls the tools, each call once: as many as the journal holds, as many as one process made
+    # process 0 alone calls the tools, each call once: as often as the one process, with the same journal
     journal = _journal(two)
     assert journal == _journal(one) and journal
     calls = _calls(tmp_path / "two.calls")  # evaluation's calls too (it keeps no journal)
