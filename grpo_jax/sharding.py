@@ -264,14 +264,23 @@ def from_first_process(compute):
     return value
 
 
+HEAD_WORDS = 256  # a broadcast's fixed width in int32 words: most of what `from_first_process` shares fits in it
+
+
 def _broadcast_bytes(payload: bytes) -> bytes:
-    """Process 0's bytes on every process: their length, then the bytes padded to a power of two (few compiled
-    shapes of the broadcast), as int32 words."""
+    """Process 0's bytes on every process: one broadcast of a fixed width (their length, then their start), and one
+    more of the rest padded to a power of two (few compiled shapes) when they do not fit."""
     from jax.experimental import multihost_utils
-    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(payload))))
-    width = 1 << max(10, (n - 1).bit_length())
-    words = np.frombuffer(payload.ljust(width, b"\0"), np.int32)  # the others' zeros: a sum gives process 0's
-    return np.asarray(multihost_utils.broadcast_one_to_all(words)).tobytes()[:n]
+    head = np.zeros(HEAD_WORDS, np.int32)  # the others' zeros: the broadcast's sum is process 0's words
+    head[0] = len(payload)
+    head[1:] = np.frombuffer(payload[:4 * (HEAD_WORDS - 1)].ljust(4 * (HEAD_WORDS - 1), b"\0"), np.int32)
+    head = np.asarray(multihost_utils.broadcast_one_to_all(head))
+    n, start = int(head[0]), head[1:].tobytes()
+    if n <= len(start):
+        return start[:n]
+    width = max(1024, 1 << (n - len(start) - 1).bit_length())
+    rest = np.frombuffer(payload[len(start):].ljust(width, b"\0"), np.int32)
+    return start + np.asarray(multihost_utils.broadcast_one_to_all(rest)).tobytes()[:n - len(start)]
 
 
 def check_rows(num_rows: int, mesh: Mesh, what: str) -> None:

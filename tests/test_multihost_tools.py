@@ -192,7 +192,8 @@ def sharing_worker(process_id: int, port: int) -> None:
         return value
 
     big = {"text": "é" * 5000, "floats": np.random.default_rng(0).normal(size=999), "none": None}
-    for value in ([], "x", big):  # past the smallest padded width too
+    values = [[], "x", big] + ["a" * n for n in range(960, 1005)]  # around the first broadcast's width too
+    for value in values:
         got = sharding.from_first_process(lambda v=value: compute(v))
         assert pickle.dumps(got) == pickle.dumps(value)
 
@@ -210,7 +211,7 @@ def sharing_worker(process_id: int, port: int) -> None:
         except Exception as e:  # noqa: BLE001
             # process 0 raises its own exception, the other its copy, or its text when it does not pickle
             assert e is error if process_id == 0 else (type(e) is expected and str(error) in str(e)), repr(e)
-    assert len(ran) == (5 if process_id == 0 else 0)  # process 0 alone ran the functions
+    assert len(ran) == (len(values) + 2 if process_id == 0 else 0)  # process 0 alone ran the functions
     print("SHARED: ok")
 
 
