@@ -138,7 +138,10 @@ def _generate(run, decoder, params, n: int, key, greedy: bool):
     else:
         texts = [data.completion_text(c) for c in messages]
         inputs = prompts, messages
-    scores = rewards.score_completions(run.eval_reward_fns, *inputs, columns, context)
+    def score():
+        return rewards.score_completions(run.eval_reward_fns, *inputs, columns, context)
+
+    scores = sharding.from_first_process(score) if multiturn.scores_on_first(tooling) else score()
     return texts, scores, completion_mask
 
 

@@ -14,6 +14,11 @@ are the same: `decoder` draws each row's tokens with its own noise, whenever its
 tool's recorded outcome back instead of calling it again, so tools with side effects run once; an environment's
 methods run again on the freshly reset instance, whose state they rebuild. The resumed run equals the uninterrupted
 one.
+
+With several processes every process decodes every row and must append the same tokens, so process 0 alone runs the
+tools and environments (its `Journal` the only one) and hands each loop's returned results to the others
+(`sharding.from_first_process`); the rewards of rows with environments are computed where those live
+(`scores_on_first`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from grpo_jax import sharding, tools
@@ -105,6 +111,7 @@ class Turns:
     template: object = None  # the tokenizer's response template, compiled (`tools.compiled_template`)
     suffix_cache: dict = dataclasses.field(default_factory=dict)  # `tools.suffix_ids`'s renderings by tool name
     waits: list = dataclasses.field(default_factory=list)  # seconds each chunk's devices sat idle waiting on tools
+    calls_tools: bool = True  # this process runs the tools: process 0 of several (the others take its results)
 
 
 def _parse(turns: Turns, b: int, tokens_T: np.ndarray, length: int) -> dict:
@@ -118,15 +125,30 @@ def _parse(turns: Turns, b: int, tokens_T: np.ndarray, length: int) -> dict:
     return message
 
 
-def _results(turns: Turns, row: int, b: int, calls: list) -> tuple[concurrent.futures.Future, bool]:
-    """(a future of row ``b``'s turn's results, whether the journal had them). A standalone tool's recorded outcome
-    is given back without calling it; an environment's methods run again (its state is the rollout's, rebuilt by
-    `reset`)."""
+def _results(turns: Turns, row: int, b: int, calls: list) -> concurrent.futures.Future | None:
+    """A future of row ``b``'s turn's results (None where another process runs the tools). A standalone tool's
+    recorded outcome is given back without calling it; an environment's methods run again (its state is the
+    rollout's, rebuilt by `reset`)."""
+    if not turns.calls_tools:
+        return None
     ep = turns.episodes[b]
     round_ = ep.rounds
     saved = turns.journal.get(row, round_, calls)
     record = None if saved is not None else (lambda results: turns.journal.put(row, round_, calls, results))
-    return turns.toolbox.submit(calls, ep.tools, saved, ep.replayable, record), saved is not None
+    return turns.toolbox.submit(calls, ep.tools, saved, ep.replayable, record)
+
+
+def _returned(turns: Turns, waiting: dict, idle: bool) -> list:
+    """(row, `Results`) of the waiting rows whose tools have returned, after waiting for the first when ``idle``
+    (nothing left to decode). Every process takes process 0's list: they all append the same tokens."""
+    def returned():
+        if idle:
+            timer = time.perf_counter()
+            concurrent.futures.wait(waiting.values(), return_when=concurrent.futures.FIRST_COMPLETED)
+            turns.waits.append(time.perf_counter() - timer)
+        return [(b, future.result()) for b, future in waiting.items() if future.done()]  # journalled before done
+
+    return sharding.from_first_process(returned) if waiting else []
 
 
 APPEND_ROWS = 8  # rows a `decoder.append` call takes: a fixed shape, so a row's numbers do not depend on its company
@@ -153,7 +175,7 @@ def chunk(decoder, params, ids, mask, key, offset: int, options, group_size: int
     B, T = len(ids), options.sampling.max_completion_length
     decoding, view = decoder.advance(params, decoder.start(params, ids, mask, key, np.int32(offset), options),
                                      options, True)
-    waiting: dict = {}  # row -> (its calls, future of its toolbox.Results, read from the journal)
+    waiting: dict = {}  # row -> future of its toolbox.Results (None on processes that do not run the tools)
     seen_R = np.zeros(B // group_size, bool)
     gave = False  # rows were appended after the segment now being read: the devices have work the view misses
     while True:
@@ -166,17 +188,12 @@ def chunk(decoder, params, ids, mask, key, offset: int, options, group_size: int
                 continue
             calls = _parse(turns, b, tokens[b], int(length[b])).get("tool_calls")
             if calls and (turns.max_iterations is None or ep.rounds < turns.max_iterations):
-                waiting[b] = (calls, *_results(turns, offset + int(b), b, calls))
+                waiting[b] = _results(turns, offset + int(b), b, calls)
             else:
                 retire.append(int(b))
-        if waiting and not retire and not gave and not np.any(~ended & ~paused):  # idle until a tool returns
-            timer = time.perf_counter()
-            concurrent.futures.wait([f for _, f, _ in waiting.values()],
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
-            turns.waits.append(time.perf_counter() - timer)
-        for b in [b for b, (_, f, _) in waiting.items() if f.done()]:
-            calls, future, replayed = waiting.pop(b)
-            results = future.result()  # journalled by the tool thread before it resolved
+        idle = not retire and not gave and not np.any(~ended & ~paused)  # nothing to decode until a tool returns
+        for b, results in _returned(turns, waiting, idle):
+            del waiting[b]
             ep = turns.episodes[b]
             ep.calls, ep.failures = ep.calls + results.calls, ep.failures + results.failures
             suffix = tools.suffix_ids(turns.tokenizer, results.messages, turns.chat_template, turns.suffix_cache,
@@ -259,18 +276,26 @@ def setup(tooling: tools.Tooling | None, tokenizer, batch, journal: Path | None,
     """A sampling pass's rows (`data.PromptBatch`, G rows a prompt) made ready for their tools: each row's
     environment drawn from the pool and reset with its row (TRL: the returned string is appended to the last user
     message, and the prompts are tokenized again), and the pass's `Turns`. Returns (batch, Turns or None,
-    environments or None)."""
+    environments or None). With several processes only process 0 holds environments (the others get None) and
+    its journal; its reset observations are every process's."""
     from grpo_jax import data
 
     if tooling is None:
         return batch, None, None
     rows = [{"prompt": prompt, **{k: v[i] for k, v in batch.columns.items()}} for i, prompt in enumerate(batch.prompts)]
-    environments = tooling.environments(rows)
+    calls_tools = jax.process_index() == 0
+    environments = None
     prompts = list(batch.prompts)
-    if environments is not None:
+    if tooling.factories is not None:
         multi = None not in tooling.factories
-        observations = [_reset(env, {k: v for k, v in row.items() if k != "environment"} if multi else row)
-                        for env, row in zip(environments, rows)]
+
+        def reset():
+            nonlocal environments
+            environments = tooling.environments(rows)
+            return [_reset(env, {k: v for k, v in row.items() if k != "environment"} if multi else row)
+                    for env, row in zip(environments, rows)]
+
+        observations = sharding.from_first_process(reset)
         if any(o is not None for o in observations):
             prompts = [p if o is None else p[:-1] + [{**p[-1], "content": p[-1]["content"] + str(o)}]
                        for p, o in zip(prompts, observations)]
@@ -278,14 +303,21 @@ def setup(tooling: tools.Tooling | None, tokenizer, batch, journal: Path | None,
             ids, mask, _ = data.tokenize_prompts(tokenizer, prompts, batch.prompt_ids.shape[1], "left",
                                                  [tooling.schemas(r) for r in rows], tooling.chat_template)
             batch = batch._replace(prompt_ids=ids, prompt_mask=mask, prompts=prompts)
-    row_tools = [list(tooling.tools) + (tools.methods(env) if environments else []) for env in
-                 (environments or [None] * len(rows))]
+    # the others parse with the probe instances' tools (the same schemas) and never call them
+    row_tools = [tooling.schemas(row) for row in rows] if environments is None else \
+        [list(tooling.tools) + tools.methods(env) for env in environments]
     prompt_ids = [ids[m == 1].tolist() for ids, m in zip(batch.prompt_ids, batch.prompt_mask)]
-    turns = make_turns(tokenizer, row_tools, prompt_ids, tooling.toolbox, Journal(journal),
+    turns = make_turns(tokenizer, row_tools, prompt_ids, tooling.toolbox, Journal(journal if calls_tools else None),
                        replayable=[fn.__name__ for fn in tooling.tools],
                        max_iterations=tooling.max_iterations, max_model_len=tooling.max_model_len,
-                       chat_template=tooling.chat_template)
+                       chat_template=tooling.chat_template, calls_tools=calls_tools)
     return batch, turns, environments
+
+
+def scores_on_first(tooling: tools.Tooling | None) -> bool:
+    """Whether a pass's rewards are computed on process 0 alone and shared (`sharding.from_first_process`): with
+    several processes only it holds the rollouts' environments, which reward functions read."""
+    return tooling is not None and tooling.factories is not None and jax.process_count() > 1
 
 
 def _reset(environment, row: dict):

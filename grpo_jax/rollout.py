@@ -233,6 +233,8 @@ def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBat
     Returns (the rows on the devices, `rounds.Draw`, (ref, old) or None)."""
     timer = time.perf_counter()
     pieces, scores, rows, queued = [], [], None, None
+    # process 0 scores rows with environments once decoding is over: the decoding thread's collectives are done
+    later = multiturn.scores_on_first(run.tooling)
     for piece in stream.decode(run.programs.decoder, params, batch.prompt_ids, batch.prompt_mask, key,
                                group_size=run.config.train.num_generations, slots=slots, turns=turns):
         if piece.trajectory is not None:  # decoding is over: every row's tokens are on the host
@@ -246,7 +248,11 @@ def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBat
             seconds["sample"] = seconds.get("sample", 0.0) + time.perf_counter() - timer
             timer = time.perf_counter()
         pieces.append(piece)
-        scores.append(_score(run, batch, piece, context, log, environments))
+        if not later:
+            scores.append(_score(run, batch, piece, context, log, environments))
+    if later:  # what the functions logged comes along
+        scores, log.metrics, log.extra = sharding.from_first_process(lambda: (
+            [_score(run, batch, piece, context, log, environments) for piece in pieces], log.metrics, log.extra))
     draw = _draw(batch, pieces, scores)
     seconds["score"] = seconds.get("score", 0.0) + time.perf_counter() - timer
     if turns is not None:  # the time a decoding chunk had nothing to decode until a tool returned, chunks' mean

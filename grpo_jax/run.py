@@ -74,19 +74,24 @@ def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_datase
     if not given_data:
         d = config.data
         lookup = d.task == "lookup"  # the multi-turn task: its own tokenizer and rows (`tool_task`)
-        if tokenizer_dir is None:
-            tokenizer_dir = output_dir / "tokenizer"
-            (tool_task if lookup else task).build_tokenizer(tokenizer_dir)
+        build = tokenizer_dir is None
+        tokenizer_dir = output_dir / "tokenizer" if build else tokenizer_dir
         make = tool_task.make_examples if lookup else functools.partial(task.make_examples, d.task)
         train_rows = make(d.task_num_train, config.seed, d.task_min_len, d.task_max_len)
         eval_rows = make(config.eval.num_examples, config.seed + 1_000_003, d.task_min_len, d.task_max_len)
         if not lookup:  # held out where possible (a lookup row's value is drawn per row: nothing to hold out)
             seen = {r["prompt"] for r in train_rows}
             eval_rows = [r for r in eval_rows if r["prompt"] not in seen] or eval_rows
-        (output_dir / "data").mkdir(exist_ok=True)
-        task.write_jsonl(output_dir / "data" / "train.jsonl", train_rows)
-        if eval_rows:
-            task.write_jsonl(output_dir / "data" / "eval.jsonl", eval_rows)
+
+        def write() -> None:
+            if build:
+                (tool_task if lookup else task).build_tokenizer(tokenizer_dir)
+            (output_dir / "data").mkdir(exist_ok=True)
+            task.write_jsonl(output_dir / "data" / "train.jsonl", train_rows)
+            if eval_rows:
+                task.write_jsonl(output_dir / "data" / "eval.jsonl", eval_rows)
+
+        sharding.from_first_process(write)  # one writer: the other processes read the tokenizer once it is there
         train_where, train_lines, eval_where, eval_lines = "the embedded task", None, "its held-out rows", None
     else:
         if tokenizer_dir is None:
@@ -123,9 +128,6 @@ def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_datase
                           max_iterations=config.sampling.max_tool_calling_iterations,
                           max_model_len=config.model.max_position_embeddings)
     train_tools = eval_tools = template = None
-    if tooling is not None and jax.process_count() > 1:
-        raise ValueError("tools / environment_factory with several processes: every process decodes every row, so "
-                         "each would call every tool; run one process (one host's devices), or no tools")
     if tooling is not None:
         train_tools = tooling.row_schemas(train_rows, train_where)
         eval_tools = tooling.row_schemas(eval_rows, eval_where)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import pickle
 import re
 import warnings
 
@@ -237,6 +238,49 @@ def to_host(tree):
         return jax.device_get(tree)
     from jax.experimental import multihost_utils
     return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def from_first_process(compute):
+    """``compute()`` run on process 0 alone, its value given to every process (an exception it raises is raised on
+    every process): host work with side effects (tools, environments) done once, every process going on with the
+    same Python value. One process: ``compute()``. A collective: every process calls it at the same point of its
+    program, and no other thread of it issues collectives meanwhile (their order must be the same everywhere)."""
+    if jax.process_count() == 1:
+        return compute()
+    first, error = jax.process_index() == 0, None
+    payload = b""
+    if first:
+        try:
+            outcome = ("value", compute())
+        except Exception as e:  # noqa: BLE001 - the others raise it too, rather than wait for a value forever
+            error, outcome = e, ("error", e)
+        try:
+            payload = pickle.dumps(outcome)
+        except Exception:  # noqa: BLE001 - an exception that does not pickle goes as its text
+            payload = pickle.dumps(("error", RuntimeError(f"{type(error).__name__}: {error}")))
+    kind, value = pickle.loads(_broadcast_bytes(payload))
+    if kind == "error":
+        raise error if first else value
+    return value
+
+
+HEAD_WORDS = 256  # a broadcast's fixed width in int32 words: most of what `from_first_process` shares fits in it
+
+
+def _broadcast_bytes(payload: bytes) -> bytes:
+    """Process 0's bytes on every process: one broadcast of a fixed width (their length, then their start), and one
+    more of the rest padded to a power of two (few compiled shapes) when they do not fit."""
+    from jax.experimental import multihost_utils
+    head = np.zeros(HEAD_WORDS, np.int32)  # the others' zeros: the broadcast's sum is process 0's words
+    head[0] = len(payload)
+    head[1:] = np.frombuffer(payload[:4 * (HEAD_WORDS - 1)].ljust(4 * (HEAD_WORDS - 1), b"\0"), np.int32)
+    head = np.asarray(multihost_utils.broadcast_one_to_all(head))
+    n, start = int(head[0]), head[1:].tobytes()
+    if n <= len(start):
+        return start[:n]
+    width = max(1024, 1 << (n - len(start) - 1).bit_length())
+    rest = np.frombuffer(payload[len(start):].ljust(width, b"\0"), np.int32)
+    return start + np.asarray(multihost_utils.broadcast_one_to_all(rest)).tobytes()[:n - len(start)]
 
 
 def check_rows(num_rows: int, mesh: Mesh, what: str) -> None:

@@ -242,9 +242,10 @@ def _plan(run: Run, plan: stream.SlotPlan, round_batch: RoundBatch) -> stream.Sl
     if run.config.sampling.max_batch_rows is not None or tc.dynamic_sampling:  # set, or rows from several calls
         return plan
     seconds = round_batch.seconds
-    return stream.plan_slots(plan, round_batch.token_counts[:, 1], slots=seconds["decode_slots"],
-                             steps=seconds["decode_steps"], seconds=seconds["sample"],
-                             chunks=run.programs.decoder.chunks(tc.generation_batch_size, tc.num_generations))
+    # from measured times: process 0's choice is every process's, as they run the same programs
+    return sharding.from_first_process(lambda: stream.plan_slots(
+        plan, round_batch.token_counts[:, 1], slots=seconds["decode_slots"], steps=seconds["decode_steps"],
+        seconds=seconds["sample"], chunks=run.programs.decoder.chunks(tc.generation_batch_size, tc.num_generations)))
 
 
 def _evaluate_after(run: Run, state: TrainState, writer: MetricsWriter, step: int) -> dict:
