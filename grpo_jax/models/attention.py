@@ -25,10 +25,15 @@ KERNELS = ("splash", "splash_interpret", "cudnn", "xla")  # the backends a `Visi
 
 
 def resolve(setting: str) -> str:
-    """``model.attention`` resolved: ``auto`` is splash on TPU, cudnn on GPU and dense elsewhere (the CPU)."""
+    """``model.attention`` resolved: ``auto`` is splash on TPU, cudnn on GPU and dense elsewhere (the CPU), the
+    platform being the abstract mesh's devices' when one is set (a program traced for a TPU mesh from a CPU host,
+    `sharding.traced_in`), else jax's default backend."""
     if setting != "auto":
         return setting
-    return {"tpu": "splash", "gpu": "cudnn"}.get(jax.default_backend(), "dense")
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    platform = jax.default_backend() if device is None else device.platform
+    return {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}.get(platform, "dense")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["q_segment_BxT", "kv_segment_BxS"],
@@ -182,8 +187,9 @@ def _splash_kernel(T: int, S: int, G: int, offset: int, window: int | None, soft
     sizes = splash_lib.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                                   block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
                                   block_kv_dq=block)
-    return splash_lib.make_splash_mqa(splash_lib.MultiHeadMask([mask] * G), block_sizes=sizes, head_shards=1,
-                                      q_seq_shards=1, attn_logits_soft_cap=softcap, interpret=interpret)
+    with jax.ensure_compile_time_eval():  # its block tables concrete constants, not tracers of the first trace
+        return splash_lib.make_splash_mqa(splash_lib.MultiHeadMask([mask] * G), block_sizes=sizes, head_shards=1,
+                                          q_seq_shards=1, attn_logits_soft_cap=softcap, interpret=interpret)
 
 
 def _mesh_specs(B: int, K: int):
