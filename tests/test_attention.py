@@ -105,6 +105,8 @@ def test_dot_product_attention_mapping_equals_dense(kind, window):
 
 
 def test_dot_product_declines_what_cudnn_cannot_express_and_attend_falls_back_to_dense():
+    T, mask_BxS, vis, _, _ = _layout("padded", None)
+    assert attention.dot_product(*_qkv(T, mask_BxS.shape[1]), vis, 0.3, None, "cudnn") is None  # float32
     for kind, softcap in (("shared", None), ("padded", 2.0)):
         T, mask_BxS, vis, want, real = _layout(kind, 3)
         q, k, v = _qkv(T, mask_BxS.shape[1])

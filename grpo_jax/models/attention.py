@@ -246,11 +246,14 @@ def splash(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, vis: Visibility, scale: float, 
 def dot_product(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, vis: Visibility, scale: float, softcap: float | None,
                 implementation: str):
     """``jax.nn.dot_product_attention`` (``implementation`` cudnn or xla) -> [B, K, G, T, Dh], or None where it
-    cannot express the visibility (soft-capping, a shared prefix's causal offset). It takes right-padded rows
+    cannot express the visibility (soft-capping, a shared prefix's causal offset) or cuDNN's flash attention
+    takes no such operands (float32, a head dim past 128 or not a multiple of 8). It takes right-padded rows
     (sequence lengths), so each row's contiguous visible slots are rotated to the front and the output back."""
+    B, T, K, G, Dh = q_BxTxKxGxDh.shape
     if softcap is not None or vis.query_offset != 0:
         return None
-    B, T, K, G, Dh = q_BxTxKxGxDh.shape
+    if implementation == "cudnn" and (q_BxTxKxGxDh.dtype not in (jnp.bfloat16, jnp.float16) or Dh > 128 or Dh % 8):
+        return None
     visible_BxT = vis.kv_segment_BxS > 0
     first_B = jnp.argmax(visible_BxT, axis=1).astype(jnp.int32)  # 0 for a row with nothing visible
     length_B = jnp.sum(visible_BxT, axis=1, dtype=jnp.int32)
