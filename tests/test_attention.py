@@ -217,6 +217,7 @@ def _tpu_devices():
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
         os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling only: other processes may hold libtpu
         return topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices
     except Exception as e:  # no libtpu (pip install "jax[tpu]"), or it cannot describe the topology
         pytest.skip(f"no TPU topology to compile for: {type(e).__name__}: {e}")
