@@ -46,7 +46,9 @@ class Visibility:
     Segment ids are the attention mask (1 visible, 0 padding) at the key slots and at the queries' own slots: a
     padding query sees padding keys and itself (never an empty row; its output is never used). ``hidden_slot``
     (a shared prefix on a windowed layer): key slot query_offset - 1 is the prefix's hidden last token, left out
-    so that slots count positions (`models.positional.attention_mask`'s window counts positions)."""
+    so that slots count positions (`models.positional.attention_mask`'s window counts positions). That is
+    `trajectory.layout`'s shared layout, whose buffers start with that token again; a prefix whose last slot is
+    visible would lose that key on windowed layers under a kernel backend (the dense backend takes any mask)."""
 
     q_segment_BxT: jax.Array
     kv_segment_BxS: jax.Array
