@@ -9,7 +9,8 @@
 - The Linear layers' weight gradient multiplies a materialised x^T (`linear_layers`): XLA:CPU hands a dot with a
   transposed operand to a slower kernel.
 - A packed buffer's attention runs block by block, skipping blocks of keys that no query of a block sees
-  (`packed_attention`): dense, its [T, T] scores and their masking cost most of a packed update at real lengths.
+  (`packed_attention`, `models.attention.blocked_attention`): dense, its [T, T] scores and their masking cost most
+  of a packed update at real lengths.
 - Mixture-of-experts layers multiply each expert's rows block by block (`grouped_experts`, `blocked_ragged_dot`):
   XLA:CPU lowers ``jax.lax.ragged_dot`` to a product of every row with every expert's weights (E times the work).
 - glibc keeps freed blocks (`configure_host_allocator`): XLA:CPU gives each call one large block of temporaries,
@@ -35,6 +36,8 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.config.sections import HOST_ALLOCATORS
+# the blocked attention lives with the other attention backends (accelerators run packed layouts through it too)
+from grpo_jax.models.attention import ATTENTION_BLOCK, MIN_BLOCKED_LENGTH, blocked_attention  # noqa: F401
 from grpo_jax.models.transformer import REMAT_POLICIES
 
 
@@ -125,8 +128,6 @@ def linear_layers(graphdef: nnx.GraphDef, params: nnx.State, on: bool) -> nnx.Gr
 
 # --- packed attention -----------------------------------------------------------------------------------------
 
-ATTENTION_BLOCK = 128  # keys and queries per block of `blocked_attention`
-MIN_BLOCKED_LENGTH = 512  # shorter buffers stay dense: too few blocks to skip
 # `blocked_attention`'s time in matmul FLOPs (the cost model's unit, `trajectory.layout_flops`): a score pair it
 # computes costs BLOCK_PAIR_COST times a dense product's FLOP, and each of the loop's n x n steps over a key block,
 # skipped or not (scan step, cond, carry), BLOCK_VISIT blocks' worth. Least squares over six packed updates (small,
@@ -137,61 +138,6 @@ BLOCK_VISIT = 1.2
 # a dense attention score pair's time in matmul FLOPs (masking, softmax): 6.1 and 6.0 in the shared-prompt
 # layout's updates of the same rows
 DENSE_PAIR_COST = 6.0
-
-
-def blocked_attention(q_BxTxKxGxDh, k_BxKxTxDh, v_BxKxTxDh, mask_BxTxT, scale: float | None = None,
-                      softcap: float | None = None):
-    """Softmax attention over blocks of keys, skipping the blocks that no query of a query block sees: a packed
-    buffer's branches see the prompt and themselves, not each other, so most blocks are empty. [B,K,G,T,Dh], the
-    dense softmax's result up to float rounding (an online softmax, summed block by block); None when T is too
-    short or splits into no blocks of at least 64 (the dense path then runs). A block is run when any row needs it.
-    Each query block is rematerialised in the backward pass: no [T, T] scores are kept. Scores as
-    `layers.attention_scores` (``scale`` None: Dh^-1/2)."""
-    B, T, K, G, Dh = q_BxTxKxGxDh.shape
-    score_scale = Dh ** -0.5 if scale is None else scale
-    b = math.gcd(T, ATTENTION_BLOCK)
-    if T < MIN_BLOCKED_LENGTH or b < 64:
-        return None
-    n = T // b
-    floor = jnp.finfo(jnp.float32).min  # as the dense path: fully masked padding queries stay finite
-    mask_Bxnxbxnxb = mask_BxTxT.reshape(B, n, b, n, b)
-    needed_nxn = jnp.any(mask_Bxnxbxnxb, axis=(0, 2, 4))
-    k_nxBxKxbxDh = k_BxKxTxDh.reshape(B, K, n, b, Dh).transpose(2, 0, 1, 3, 4)
-    v_nxBxKxbxDh = v_BxKxTxDh.reshape(B, K, n, b, Dh).transpose(2, 0, 1, 3, 4)
-
-    @jax.checkpoint
-    def query_block(args):
-        q_BxbxKxGxDh, mask_Bxbxnxb, needed_n = args
-
-        def key_block(carry, xs):
-            k_BxKxbxDh, v_BxKxbxDh, mask_Bxbxb, needed = xs
-
-            def visit(carry):
-                m_BxKxGxb, l_BxKxGxb, acc_BxKxGxbxDh = carry
-                s = jnp.einsum("bqkgd,bksd->bkgqs", q_BxbxKxGxDh, k_BxKxbxDh,
-                               preferred_element_type=jnp.float32) * score_scale
-                if softcap is not None:
-                    s = jnp.tanh(s / softcap) * softcap
-                s = jnp.where(mask_Bxbxb[:, None, None], s, floor)
-                # the shift cancels in the result: no gradient through it
-                m_new = jax.lax.stop_gradient(jnp.maximum(m_BxKxGxb, s.max(axis=-1)))
-                scale = jnp.exp(m_BxKxGxb - m_new)
-                p = jnp.exp(s - m_new[..., None])
-                pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v_BxKxbxDh.dtype), v_BxKxbxDh,
-                                preferred_element_type=jnp.float32)
-                return m_new, l_BxKxGxb * scale + p.sum(axis=-1), acc_BxKxGxbxDh * scale[..., None] + pv
-
-            return jax.lax.cond(needed, visit, lambda c: c, carry), None
-
-        init = (jnp.full((B, K, G, b), floor, jnp.float32), jnp.zeros((B, K, G, b), jnp.float32),
-                jnp.zeros((B, K, G, b, Dh), jnp.float32))
-        (_, l, acc), _ = jax.lax.scan(key_block, init, (k_nxBxKxbxDh, v_nxBxKxbxDh,
-                                                        mask_Bxbxnxb.transpose(2, 0, 1, 3), needed_n))
-        return (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(v_BxKxTxDh.dtype)
-
-    out_nxBxKxGxbxDh = jax.lax.map(query_block, (q_BxTxKxGxDh.reshape(B, n, b, K, G, Dh).transpose(1, 0, 2, 3, 4, 5),
-                                                 mask_Bxnxbxnxb.transpose(1, 0, 2, 3, 4), needed_nxn))
-    return out_nxBxKxGxbxDh.transpose(1, 2, 3, 0, 4, 5).reshape(B, K, G, T, Dh)
 
 
 def blocked_pairs(prompt_tokens_R, branch_tokens_RxG, length: int, buffers: int = 0) -> int | None:

@@ -16,6 +16,9 @@ MODEL_TYPES = ("qwen2", "llama", "qwen3", "mistral", "gemma2", "gemma3_text", "q
 LAYER_TYPES = ("full_attention", "sliding_attention")  # per-layer attention kinds, transformers' names
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's hidden_act (transformers' names)
 ROPE_TYPES = ("default", "linear", "llama3")
+# `models.attention`: auto resolves by jax's backend (TPU splash, GPU cudnn, CPU dense); splash_interpret runs the
+# splash kernel in Pallas interpret mode (any backend, slow: tests)
+ATTENTION = ("auto", "dense", "splash", "cudnn", "xla", "splash_interpret")
 REMAT = ("none", "full", "dots")  # `models.transformer.REMAT_POLICIES`: what a layer's backward keeps
 # the decoder's linear layers by PEFT's names; "all-linear" targets all of them (never lm_head, as in PEFT)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -105,6 +108,7 @@ class ModelConfig:
     rope_original_max_position_embeddings: int | None = None
     param_dtype: str = "float32"  # storage dtype
     remat: str = "none"
+    attention: str = "auto"  # the attention backend, one of ATTENTION (`models.attention.resolve`)
     # training/scoring forward: false runs the layers as a Python loop (each layer's residuals its own buffer);
     # true as one lax.scan, whose compile time does not grow with depth but which stacks residuals into [L, ...]
     scan_layers: bool = False
@@ -149,6 +153,8 @@ class ModelConfig:
                f"model.model_type={self.model_type!r} is not supported: use one of {', '.join(MODEL_TYPES)}")
         check(isinstance(self.scan_unroll, int) and self.scan_unroll >= 1,
                f"model.scan_unroll={self.scan_unroll!r} must be an integer >= 1 (layers per scan iteration)")
+        check(self.attention in ATTENTION, f"model.attention={self.attention!r} is not supported: use one of "
+              f"{', '.join(ATTENTION)} (auto: splash on TPU, cudnn on GPU, dense on CPU)")
         check(self.remat in REMAT,
                f"model.remat={self.remat!r} is not supported: use one of {', '.join(REMAT)}")
         check(self.sliding_window is None or (isinstance(self.sliding_window, int) and self.sliding_window >= 1),

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from grpo_jax.config.model import ModelConfig
+from grpo_jax.models import attention
+from grpo_jax.models.attention import attention_scores  # noqa: F401  (re-exported)
 from grpo_jax.models.lora import LoRALinear
 from grpo_jax.models.positional import apply_rope
 
@@ -61,14 +63,6 @@ def linear(din, dout, bias, config, rngs, name=None):
     return nnx.Linear(din, dout, **kwargs)
 
 
-def attention_scores(q_BxTxKxGxDh, k_BxKxSxDh, scale: float, softcap: float | None):
-    """Scores [B, K, G, T, S] in float32: q.k * scale, with ``softcap`` c: c * tanh(scores / c) (Gemma 2)."""
-    scores = jnp.einsum("btkgd,bksd->bkgts", q_BxTxKxGxDh, k_BxKxSxDh, preferred_element_type=jnp.float32) * scale
-    if softcap is not None:
-        scores = jnp.tanh(scores / softcap) * softcap
-    return scores
-
-
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE, optional q/k/v/o biases, q/k norms, query scaling, score
     soft-capping and a KV cache."""
@@ -88,8 +82,9 @@ class Attention(nnx.Module):
         self.qk_norm = qk_norm
         self.scale = (Dh if query_scalar is None else query_scalar) ** -0.5
         self.softcap = softcap
+        self.backend = config.attention  # `attention.resolve`d at trace time, by the backend it is traced for
         # ``attend(q [B,T,K,G,Dh], k, v [B,K,T,Dh], mask [B,T,T], scale, softcap) -> [B,K,G,T,Dh] or None`` for
-        # whole masks (packed layouts), set by `grpo_jax.cpu.packed_attention`; None: the dense softmax below
+        # whole masks (packed layouts) on the CPU, set by `grpo_jax.cpu.packed_attention`; None: dense
         self.attend_whole_mask = None
 
     def __call__(self, x_BxTxD, cos, sin, mask_BxTxS, cache_kv, cache_index, prefix_kv=None,
@@ -98,7 +93,9 @@ class Attention(nnx.Module):
 
         ``prefix_kv`` (k, v [R,K,P,Dh], R = B / ``prefix_group_size``): this layer's keys/values of a prefix
         shared by each group of rows, attended before the T new tokens (S = P + T). ``whole_mask``: the mask was
-        given whole ([B, T, T], no cache, no prefix). Returns (out, cache_kv, the new tokens' (k, v) [B,K,T,Dh])."""
+        given whole ([B, T, T], no cache, no prefix). ``mask_BxTxS`` may instead be an `attention.Visibility`
+        (a kernel backend's training forward, `models.transformer`). Returns (out, cache_kv, the new tokens'
+        (k, v) [B,K,T,Dh])."""
         B, T, _ = x_BxTxD.shape
         H, K, Dh = self.num_heads, self.num_kv_heads, self.head_dim
         x_NxD = x_BxTxD.reshape(B * T, -1)
@@ -130,16 +127,9 @@ class Attention(nnx.Module):
                              for c, new in zip(cache_kv, (k_BxKxTxDh, v_BxKxTxDh)))
             k_BxKxSxDh, v_BxKxSxDh = cache_kv
         q_BxTxKxGxDh = q_BxTxHxDh.reshape(B, T, K, H // K, Dh)
-        out_BxKxGxTxDh = None
-        if whole_mask and self.attend_whole_mask is not None:
-            out_BxKxGxTxDh = self.attend_whole_mask(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxTxS, self.scale,
-                                                    self.softcap)
-        if out_BxKxGxTxDh is None:
-            scores = attention_scores(q_BxTxKxGxDh, k_BxKxSxDh, self.scale, self.softcap)
-            # a finite floor (not -inf) keeps fully masked padding queries NaN-free: they become uniform
-            scores = jnp.where(mask_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-            probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxDh.dtype)
-            out_BxKxGxTxDh = jnp.einsum("bkgts,bksd->bkgtd", probs, v_BxKxSxDh)
+        out_BxKxGxTxDh = attention.attend(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxTxS, scale=self.scale,
+                                          softcap=self.softcap, backend=attention.resolve(self.backend),
+                                          whole_mask=whole_mask, whole_mask_hook=self.attend_whole_mask)
         out_BxTxKxGxDh = out_BxKxGxTxDh.transpose(0, 3, 1, 2, 4)
         out_BxTxD = self.o_proj(out_BxTxKxGxDh.reshape(B * T, H * Dh)).reshape(B, T, -1)
         return out_BxTxD, cache_kv, (k_BxKxTxDh, v_BxKxTxDh)

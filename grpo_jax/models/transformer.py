@@ -16,12 +16,15 @@ decoding with a KV cache runs them one by one from per-layer slices taken once p
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from grpo_jax.config.model import ModelConfig  # noqa: F401  (re-exported)
 from grpo_jax.config.sections import check
+from grpo_jax.models import attention
 from grpo_jax.models.families import family, kind_window, layer_kinds
 from grpo_jax.models.layers import KVCache, RMSNorm, linear
 from grpo_jax.models.moe import Routing
@@ -81,6 +84,9 @@ class Transformer(nnx.Module):
         prefix_len = 0 if prefix is None else prefix.k[0].shape[2]
         whole_mask = attention_mask_BxS.ndim == 3
         kinds, kind_of_layer = layer_kinds(config)
+        # a kernel backend's training forward takes who-sees-whom as structure (`attention.Visibility`), never a
+        # [B, T, S] boolean; decoding with a cache keeps the dense masks
+        kernel = attention.resolve(config.attention) in attention.KERNELS and cache is None and not whole_mask
         if whole_mask:  # who sees whom, given whole (packed layouts); a window counts positions, contiguous there
             check(cache is None and prefix is None and attention_mask_BxS.shape[1:] == (T, T),
                    "a [B, T, T] attention mask is for cache- and prefix-free forwards over the T inputs")
@@ -94,8 +100,12 @@ class Transformer(nnx.Module):
                 query_slot_T = prefix_len + jnp.arange(T)
             else:  # cache_index [B]: each row writes at its own slot
                 query_slot_T = (cache_index[:, None] if cache_index.ndim == 1 else cache_index) + jnp.arange(T)
-            masks = [attention_mask(attention_mask_BxS, query_slot_T, kind_window(config, k), positions_BxT)
-                     for k in kinds]
+            if kernel:
+                masks = [attention.visibility(attention_mask_BxS, prefix_len, T, kind_window(config, k),
+                                              prefix is not None) for k in kinds]
+            else:
+                masks = [attention_mask(attention_mask_BxS, query_slot_T, kind_window(config, k), positions_BxT)
+                         for k in kinds]
         # one mask and one RoPE table per attention kind, built once; each layer takes its kind's
         rope = rotary_tables(config, S) if rope is None else rope
         cos_sins = [rope_cos_sin(positions_BxT, rope[k]) for k in kinds]
@@ -129,18 +139,25 @@ class Transformer(nnx.Module):
         # are per-layer inputs (scan inputs, sliced per layer), never a carry (a carried [L, ...] buffer is saved
         # once per layer)
         # with several kinds a scanned layer picks its kind's mask and tables by its kind index (a scan input)
-        stacked_kinds = None if len(kinds) == 1 else (jnp.stack(masks), *(jnp.stack(t) for t in zip(*cos_sins)))
+        # (a kernel's visibility is static, so there the scanned layer switches to its kind's branch instead)
+        stacked_kinds = None if len(kinds) == 1 or kernel else (jnp.stack(masks),
+                                                                 *(jnp.stack(t) for t in zip(*cos_sins)))
 
         def layer_step(x, xs, kind: int = 0):
             # kind_index: the layer's kind traced (a scan over several kinds); replay: its experts to replay
             params, prefix_kv, kind_index, replay = xs
+
+            def run(mask, cos, sin):
+                x_out, _, new_kv, r = run_layer(params, x, cos, sin, mask, None, cache_index, prefix_kv,
+                                                prefix_group_size, whole_mask, replay=replay)
+                return x_out, (new_kv if return_kv else None, r if return_routing else None)
+
             if kind_index is None:
-                mask, (cos, sin) = masks[kind], cos_sins[kind]
-            else:
-                mask, cos, sin = (t[kind_index] for t in stacked_kinds)
-            x, _, new_kv, r = run_layer(params, x, cos, sin, mask, None, cache_index, prefix_kv, prefix_group_size,
-                                        whole_mask, replay=replay)
-            return x, (new_kv if return_kv else None, r if return_routing else None)
+                return run(masks[kind], *cos_sins[kind])
+            if kernel:
+                return jax.lax.switch(kind_index, [functools.partial(lambda i: run(masks[i], *cos_sins[i]), i)
+                                                   for i in range(len(kinds))])
+            return run(*(t[kind_index] for t in stacked_kinds))
 
         if REMAT_POLICIES[config.remat] is not None:
             layer_step = jax.checkpoint(layer_step, policy=REMAT_POLICIES[config.remat], prevent_cse=False,
