@@ -94,10 +94,10 @@ def test_splash_in_interpret_mode_equals_dense_values_and_gradients(kind, window
     print(f"splash interpret vs dense, {kind} window={window} softcap={softcap}: max |diff| {diff:.2e}")
 
 
-@pytest.mark.parametrize("kind,window", [("padded", None), ("padded", 4)])
+@pytest.mark.parametrize("kind,window", [("padded", None), ("padded", 4), ("shared", None), ("shared", 3)])
 def test_dot_product_attention_mapping_equals_dense(kind, window):
-    """The cuDNN call's arguments (rows rotated to right padding, sequence lengths, causal, local window), run by
-    its xla implementation here: the dense result."""
+    """The cuDNN call's arguments (queries padded in front to the key slots, rows rotated to right padding,
+    sequence lengths, causal, local window), run by its xla implementation here: the dense result."""
     T, mask_BxS, vis, want, real = _layout(kind, window)
     q, k, v = _qkv(T, mask_BxS.shape[1])
     _compare(lambda q, k, v: attention.dot_product(q, k, v, vis, 0.3, None, "xla"),
@@ -107,7 +107,7 @@ def test_dot_product_attention_mapping_equals_dense(kind, window):
 def test_dot_product_declines_what_cudnn_cannot_express_and_attend_falls_back_to_dense():
     T, mask_BxS, vis, _, _ = _layout("padded", None)
     assert attention.dot_product(*_qkv(T, mask_BxS.shape[1]), vis, 0.3, None, "cudnn") is None  # float32
-    for kind, softcap in (("shared", None), ("padded", 2.0)):
+    for kind, softcap in (("shared", 2.0), ("padded", 2.0)):
         T, mask_BxS, vis, want, real = _layout(kind, 3)
         q, k, v = _qkv(T, mask_BxS.shape[1])
         assert attention.dot_product(q, k, v, vis, 0.3, softcap, "xla") is None

@@ -45,10 +45,11 @@ class Visibility:
 
     Segment ids are the attention mask (1 visible, 0 padding) at the key slots and at the queries' own slots: a
     padding query sees padding keys and itself (never an empty row; its output is never used). ``hidden_slot``
-    (a shared prefix on a windowed layer): key slot query_offset - 1 is the prefix's hidden last token, left out
-    so that slots count positions (`models.positional.attention_mask`'s window counts positions). That is
-    `trajectory.layout`'s shared layout, whose buffers start with that token again; a prefix whose last slot is
-    visible would lose that key on windowed layers under a kernel backend (the dense backend takes any mask)."""
+    (a shared prefix): key slot query_offset - 1 is the prefix's hidden last token, left out so that a row's
+    visible slots are contiguous (cuDNN's sequence lengths) and slots count positions on windowed layers
+    (`models.positional.attention_mask`'s window counts positions). That is `trajectory.layout`'s shared layout,
+    whose buffers start with that token again; a prefix whose last slot is visible would lose that key under a
+    kernel backend (the dense backend takes any mask)."""
 
     q_segment_BxT: jax.Array
     kv_segment_BxS: jax.Array
@@ -75,10 +76,9 @@ class Visibility:
 def visibility(attention_mask_BxS, query_offset: int, T: int, window: int | None, prefix: bool) -> Visibility:
     """`Visibility` of T queries at slots query_offset .. query_offset + T - 1 over the [B, S] ``attention_mask``
     (left-padded prompts, right-padded completions: a row's visible slots are contiguous, so a window counts
-    slots; a shared ``prefix``'s hidden last slot is dropped on windowed layers)."""
+    slots; a shared ``prefix``'s hidden last slot is dropped)."""
     segment_BxS = (attention_mask_BxS > 0).astype(jnp.int32)
-    return Visibility(segment_BxS[:, query_offset:query_offset + T], segment_BxS, query_offset, window,
-                      prefix and window is not None)
+    return Visibility(segment_BxS[:, query_offset:query_offset + T], segment_BxS, query_offset, window, prefix)
 
 
 # --- dense (the reference) ------------------------------------------------------------------------------------
@@ -248,28 +248,35 @@ def splash(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, vis: Visibility, scale: float, 
 def dot_product(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, vis: Visibility, scale: float, softcap: float | None,
                 implementation: str):
     """``jax.nn.dot_product_attention`` (``implementation`` cudnn or xla) -> [B, K, G, T, Dh], or None where it
-    cannot express the visibility (soft-capping, a shared prefix's causal offset) or cuDNN's flash attention
-    takes no such operands (float32, a head dim past 128 or not a multiple of 8). It takes right-padded rows
-    (sequence lengths), so each row's contiguous visible slots are rotated to the front and the output back."""
+    cannot express the visibility (soft-capping) or cuDNN's flash attention takes no such operands (float32, a head
+    dim past 128 or not a multiple of 8). It takes right-padded rows (sequence lengths) whose query i is key i, so
+    the queries are padded in front to the S key slots (a shared prefix's slots: outputs dropped), each row's
+    contiguous visible slots are rotated to the front, and the output rotated back."""
     B, T, K, G, Dh = q_BxTxKxGxDh.shape
-    if softcap is not None or vis.query_offset != 0:
+    if softcap is not None:
         return None
     if implementation == "cudnn" and (q_BxTxKxGxDh.dtype not in (jnp.bfloat16, jnp.float16) or Dh > 128 or Dh % 8):
         return None
-    visible_BxT = vis.kv_segment_BxS > 0
-    first_B = jnp.argmax(visible_BxT, axis=1).astype(jnp.int32)  # 0 for a row with nothing visible
-    length_B = jnp.sum(visible_BxT, axis=1, dtype=jnp.int32)
-    rotate_BxT = (jnp.arange(T)[None] + first_B[:, None]) % T
-    back_BxT = (jnp.arange(T)[None] - first_B[:, None]) % T
+    k_BxKxSxDh, v_BxKxSxDh, kv_segment_BxS, offset = _compact(k_BxKxSxDh, v_BxKxSxDh, vis)
+    S = k_BxKxSxDh.shape[2]
+    if S < offset + T:
+        return None
+    q_BxSxHxDh = jnp.pad(q_BxTxKxGxDh.reshape(B, T, K * G, Dh), ((0, 0), (offset, S - offset - T), (0, 0), (0, 0)))
+    visible_BxS = kv_segment_BxS > 0
+    first_B = jnp.argmax(visible_BxS, axis=1).astype(jnp.int32)  # 0 for a row with nothing visible
+    length_B = jnp.sum(visible_BxS, axis=1, dtype=jnp.int32)
+    rotate_BxS = (jnp.arange(S)[None] + first_B[:, None]) % S
+    back_BxS = (jnp.arange(S)[None] - first_B[:, None]) % S
     take = lambda x, idx: jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)  # noqa: E731
-    q_BxTxHxDh = take(q_BxTxKxGxDh.reshape(B, T, K * G, Dh), rotate_BxT)
-    k_BxTxKxDh, v_BxTxKxDh = (take(x.transpose(0, 2, 1, 3), rotate_BxT) for x in (k_BxKxSxDh, v_BxKxSxDh))
+    q_BxSxHxDh = take(q_BxSxHxDh, rotate_BxS)
+    k_BxSxKxDh, v_BxSxKxDh = (take(x.transpose(0, 2, 1, 3), rotate_BxS) for x in (k_BxKxSxDh, v_BxKxSxDh))
     window = None if vis.window is None else (vis.window - 1, 0)
-    out_BxTxHxDh = jax.nn.dot_product_attention(
-        q_BxTxHxDh, k_BxTxKxDh.astype(q_BxTxHxDh.dtype), v_BxTxKxDh.astype(q_BxTxHxDh.dtype), scale=scale,
+    out_BxSxHxDh = jax.nn.dot_product_attention(
+        q_BxSxHxDh, k_BxSxKxDh.astype(q_BxSxHxDh.dtype), v_BxSxKxDh.astype(q_BxSxHxDh.dtype), scale=scale,
         is_causal=True, query_seq_lengths=length_B, key_value_seq_lengths=length_B, local_window_size=window,
         implementation=implementation)
-    return take(out_BxTxHxDh, back_BxT).reshape(B, T, K, G, Dh).transpose(0, 2, 3, 1, 4)
+    out_BxTxHxDh = take(out_BxSxHxDh, back_BxS)[:, offset:offset + T]
+    return out_BxTxHxDh.reshape(B, T, K, G, Dh).transpose(0, 2, 3, 1, 4)
 
 
 def attend(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask, *, scale: float, softcap: float | None, backend: str,
