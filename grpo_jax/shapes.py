@@ -67,8 +67,11 @@ def run_shapes(config, mesh, prompts: tuple[int, int], *, round_group_size: int,
                                                packing=tc.packing, **cost)
     step_packings = trajectory.packing_shapes(prompts, step_group_size, tc.train_batch_size, P, T, flops,
                                               packing=tc.packing, micro_batches=tc.gradient_accumulation_steps, **cost)
-    slots = (0,)  # sampling.max_batch_rows set, or rows from several calls: no plan (`trainer._plan`)
-    if config.sampling.max_batch_rows is None and not tc.dynamic_sampling:
+    # sampling.max_batch_rows set, rows from several calls (no plan, `trainer._plan`), or the CPU switch: a decode
+    # step's fixed cost dominates there, so the plan's answer is the static batch (`stream.plan_slots`), and its other
+    # slot counts are programs compiled for nothing
+    slots = (0,)
+    if config.sampling.max_batch_rows is None and not tc.dynamic_sampling and not on_cpu:
         N, rows = tc.generation_batch_size, tc.generation_batch_size // decode_chunks
         programs_by_slots = {continuous_slots(n, rows, N, sharding.num_row_shards(mesh)): n
                              for n in reversed(stream.slot_choices(N, decode_chunks))}  # the same program: once

@@ -256,11 +256,12 @@ def choose_packing(prompt_tokens_B, completion_tokens_B, group_size: int, P: int
     return best if best_flops < static else (0, 0)
 
 
-PACKED_LEVELS_PER_OCTAVE = 2  # `packing_shapes`' lengths: 2^k and 3 * 2^(k-1), at most 1/2 padding, few programs
+MAX_PACKED_LENGTHS = 3  # `packing_shapes` keeps the longest: groups needing less take the shortest, padded
 
 
 def _level(need: int) -> int:
-    """The shortest length of `packing_shapes`' ladder (16, 24, 32, 48, 64, 96, ...) holding ``need`` slots."""
+    """The shortest length of `packing_shapes`' ladder holding ``need`` slots: 2 lengths an octave (16, 24, 32, 48, 64,
+    96, ...), at most 1/2 padding, half as many programs as `packed_length`'s 4."""
     need = max(int(need), 16)
     step = 1 << max(need.bit_length() - 2, 0)  # 2 lengths between each power of two and the next
     return -(-need // step) * step
@@ -275,7 +276,8 @@ def packing_shapes(prompt_range: tuple[int, int], group_size: int, rows: int, P:
     layout (``packing`` not true). Packed: one group a buffer, lengths on a ladder of 2 an octave from the shortest
     group's need (prompt less 1, then per row the copied token and a completion) to the longest's; with ``packing``
     None a length is kept only if it costs fewer `layout_flops` than the static layout for the shortest rows that
-    need it (the static layout costs the same whatever the rows, so longer rows would never take it)."""
+    need it (the static layout costs the same whatever the rows, so longer rows would never take it). At most
+    `MAX_PACKED_LENGTHS`, the longest: each is a program of the step and of each log-prob pass to compile."""
     static = ((0, 0),) if packing is not True else ()
     if packing is False or rows == 0:
         return static
@@ -300,7 +302,7 @@ def packing_shapes(prompt_range: tuple[int, int], group_size: int, rows: int, P:
         if packing or cost < static_flops:
             keep.append((L, K))
         shorter = L
-    return static + tuple(keep)
+    return static + tuple(keep[-MAX_PACKED_LENGTHS:])
 
 
 def _choose_listed(prompt_tokens_B, completion_tokens_B, group_size: int, P: int, T: int, flops, shapes, *,

@@ -38,11 +38,12 @@ class Compiles:
 def test_after_the_warm_up_no_round_or_step_compiles(tmp_path):
     """Prompts of 2-9 digits, completions of 1-12 tokens from a random policy (each round's groups need different
     packed lengths), 2 steps a round that gather their rows, and each round decoding at another of the listed slot
-    counts: the warm-up compiles each listed shape, and the rounds after it compile nothing."""
+    counts (the CPU switch off: on it a round decodes at one slot count): the warm-up compiles each listed shape,
+    and the rounds after it compile nothing."""
     config = load_config(None, [f"output_dir={tmp_path}", "train.num_generations=4", "train.train_batch_size=8",
                                 "train.steps_per_generation=2", "train.packing=true", "data.task_min_len=2",
                                 "data.task_max_len=9", "sampling.max_completion_length=12", "eval.num_examples=0",
-                                "max_steps=8"])
+                                "max_steps=8", "cpu_speedups=false"])
     listen = Compiles()
     run, state = trainer.build(config)
     listed = run.shapes
@@ -88,13 +89,16 @@ def test_choose_packing_within_listed_shapes_takes_the_cheapest_that_fits():
 
 def test_packing_shapes_cover_every_need_on_a_ladder_of_two_an_octave():
     """Prompts of 3-10 tokens, G = 4, T = 8: group needs from 3 - 1 + 4 * 2 = 10 to 10 - 1 + 4 * 9 = 45, so the
-    lengths 16, 24, 32, 48 (one group a buffer: 4 buffers of the 16 rows)."""
+    lengths 16, 24, 32, 48 (one group a buffer: 4 buffers of the 16 rows), of which the longest 3 are kept."""
+    assert trajectory.MAX_PACKED_LENGTHS == 3
     listed = trajectory.packing_shapes((3, 10), 4, 16, 10, 8, (1.0, 0.0), packing=True)
-    assert listed == ((16, 4), (24, 4), (32, 4), (48, 4))
+    assert listed == ((24, 4), (32, 4), (48, 4))
     # with the static layout weighed, lengths whose shortest rows cost more packed than static are left out: static
     # runs 4 * 10 + 16 * 8 = 168 slots; 4 buffers of 48 run 192 (> 168), of 32 run 128
     weighed = trajectory.packing_shapes((3, 10), 4, 16, 10, 8, (1.0, 0.0), packing=None)
     assert weighed == ((0, 0), (16, 4), (24, 4), (32, 4))
+    # T = 4: needs 10 to 10 - 1 + 4 * 5 = 29
+    assert trajectory.packing_shapes((3, 10), 4, 16, 10, 4, (1.0, 0.0), packing=True) == ((16, 4), (24, 4), (32, 4))
     assert trajectory.packing_shapes((3, 10), 4, 16, 10, 8, (1.0, 0.0), packing=False) == ((0, 0),)
     rng = np.random.default_rng(0)
     for _ in range(50):  # any rows within the ranges fit a listed shape
