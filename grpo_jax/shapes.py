@@ -12,6 +12,7 @@ second start's compilations into loads.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import NamedTuple
 
@@ -53,12 +54,14 @@ def prompt_range(dataset) -> tuple[int, int]:
     return max(int(lengths.min()), 1), int(lengths.max())
 
 
-def run_shapes(config, mesh, prompts: tuple[int, int], *, round_group_size: int, step_group_size: int,
-               decode_chunks: int = 1) -> RunShapes:
-    """The shapes of a run of `config` (its prompt length resolved) over `mesh`: ``prompts`` (`prompt_range`),
-    the G of the round's and of the step's log-prob forwards (`run.prompt_group_sizes`) and the host-thread chunks
-    of a round's decoding call (`programs.Decoder.chunks`)."""
+def run_shapes(config, mesh, prompts: tuple[int, int] | None = None, *, round_group_size: int = 1,
+               step_group_size: int = 1, decode_chunks: int = 1) -> RunShapes:
+    """The shapes of a run of `config` (its prompt length resolved) over `mesh`: ``prompts`` (`prompt_range`; None:
+    any length up to `data.max_prompt_length`, for a plan made before the data is read), the G of the round's and
+    of the step's log-prob forwards (`run.prompt_group_sizes`) and the host-thread chunks of a round's decoding call
+    (`programs.Decoder.chunks`)."""
     tc, P, T = config.train, config.data.max_prompt_length, config.sampling.max_completion_length
+    prompts = (1, P) if prompts is None else prompts
     on_cpu = cpu.enabled(config.cpu_speedups)
     cost = dict(dense_pair_cost=cpu.DENSE_PAIR_COST if on_cpu else 1.0,
                 blocked_pairs=cpu.blocked_pairs if on_cpu else None)
@@ -97,9 +100,11 @@ def _decode_programs(run, params, key, slots: int):
     N, P = tc.generation_batch_size, run.config.data.max_prompt_length
     k = decoder.chunks(N, tc.num_generations)
     options = decoder.options(N // k, N, False, slots)
+    if run.tooling is not None:  # multi-turn rows pause at EOS for their tools (`stream.decode`), never one program
+        options = dataclasses.replace(options, pause_at_eos=True)
     ids = _host((N // k, P), np.int32)
     offset = _host((), np.int32)
-    if not options.num_slots or options.num_slots >= N // k:
+    if run.tooling is None and (not options.num_slots or options.num_slots >= N // k):
         compiled = decoder.generate.lower(params, ids, ids, key, offset, options).compile()
         rows, count = compiled.out_info[0], 1
     else:
