@@ -268,38 +268,44 @@ def _level(need: int) -> int:
 
 
 def packing_shapes(prompt_range: tuple[int, int], group_size: int, rows: int, P: int, T: int,
-                   flops: tuple[float, float], *, packing: bool | None, micro_batches: int = 1,
+                   flops: tuple[float, float], *, packing: bool | None, micro_batches: int = 1, shards: int = 1,
                    dense_pair_cost: float = 1.0, blocked_pairs=None) -> tuple[tuple[int, int], ...]:
     """Every (buffer length, buffers a micro-batch) `choose_packing` may pick for ``rows`` rows in ``micro_batches``
     micro-batches of groups of G = ``group_size``, prompts of ``prompt_range`` = (fewest, most) real tokens and
     completions of 1 .. T: known before the first round, so each is compiled once ahead of it. (0, 0) is the static
-    layout (``packing`` not true). Packed: one group a buffer, lengths on a ladder of 2 an octave from the shortest
-    group's need (prompt less 1, then per row the copied token and a completion) to the longest's; with ``packing``
-    None a length is kept only if it costs fewer `layout_flops` than the static layout for the shortest rows that
-    need it (the static layout costs the same whatever the rows, so longer rows would never take it). At most
-    `MAX_PACKED_LENGTHS`, the longest: each is a program of the step and of each log-prob pass to compile."""
+    layout (``packing`` not true).
+
+    Packed: one buffer count K, `choose_packing`'s (over ``shards``, the same costs) for a round whose prompts are
+    the middle length and whose completions spread evenly over 1 .. T (seeded); lengths on a ladder of 2 an octave
+    from the need of K buffers of the shortest groups (prompt less 1, then per row the copied token and a
+    completion) to that of the longest. With ``packing`` None a length is kept only if it costs fewer `layout_flops`
+    than the static layout for the shortest rows that need it (the static layout costs the same whatever the rows,
+    so longer rows would never take it). At most `MAX_PACKED_LENGTHS`, the longest: each is a program of the step
+    and of each log-prob pass to compile."""
     static = ((0, 0),) if packing is not True else ()
     if packing is False or rows == 0:
         return static
     G, M = group_size, micro_batches
-    R = rows // G
-    K = R // M
+    cost = dict(micro_batches=M, dense_pair_cost=dense_pair_cost, blocked_pairs=blocked_pairs)
     low, high = prompt_range
-    lengths, level = [], _level(low - 1 + 2 * G)
+    spread = np.random.default_rng(0).integers(1, T + 1, rows)
+    _, K = choose_packing(np.full(rows, (low + high) // 2), spread, G, P, T, flops, packing=True, shards=shards,
+                          **cost)
+    per_buffer = rows // G // M // K  # groups a buffer holds
+    lengths, level = [], _level(per_buffer * (low - 1 + 2 * G))
     while True:
         lengths.append(level)
-        if level >= high - 1 + G * (T + 1):
+        if level >= per_buffer * (high - 1 + G * (T + 1)):
             break
         level = _level(level + 1)
     static_flops = layout_flops(np.full(rows, high), np.full(rows, T), G, P, T, flops, dense_pair_cost=dense_pair_cost)
     keep, shorter = [], 0
     for L in lengths:
         # the shortest rows that need L: prompts of ``low`` tokens and completions just past the shorter length
-        completion = min(max(-(-(shorter + 1 - (low - 1) - G) // G), 1), T)
-        counts = np.full(rows, low), np.full(rows, completion)
-        cost = layout_flops(*counts, G, P, T, flops, packed_length=L, packed_buffers=K, micro_batches=M,
-                            dense_pair_cost=dense_pair_cost, blocked_pairs=blocked_pairs)
-        if packing or cost < static_flops:
+        completion = min(max(-(-((shorter + 1) // per_buffer - (low - 1) - G) // G), 1), T)
+        packed = layout_flops(np.full(rows, low), np.full(rows, completion), G, P, T, flops, packed_length=L,
+                              packed_buffers=K, **cost)
+        if packing or packed < static_flops:
             keep.append((L, K))
         shorter = L
     return static + tuple(keep[-MAX_PACKED_LENGTHS:])
