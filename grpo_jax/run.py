@@ -408,9 +408,11 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
             graphdef, optimizer, options, rollout_mesh, TrainState(params_sharding, None, None, None, None),
             decoder=rollout_decoder, round_prompt_group_size=prompt_group_sizes(config, rollout_mesh)[0],
             advantage_options=advantage_options, mask_truncated=tc.mask_truncated_completions)
-    run_shapes = None if config.train.max_staleness or config.mesh.rollout else shapes.run_shapes(config, mesh, shapes.prompt_range(dataset), round_group_size=round_group,
-                                   step_group_size=step_group,
-                                   decode_chunks=decoder.chunks(tc.generation_batch_size, tc.num_generations))
+    run_shapes = None  # asynchronous rounds: their sampler's programs are not compiled ahead (`shapes.compile_ahead`)
+    if not (tc.max_staleness or config.mesh.rollout):
+        run_shapes = shapes.run_shapes(config, mesh, shapes.prompt_range(dataset), round_group_size=round_group,
+                                       step_group_size=step_group,
+                                       decode_chunks=decoder.chunks(tc.generation_batch_size, tc.num_generations))
     if jax.process_index() == 0:
         (output_dir / "config.yaml").write_text(yaml.safe_dump(given, sort_keys=False))
     run = Run(config=config, output_dir=output_dir, tokenizer=tokenizer, tokenizer_path=tokenizer_dir,

@@ -36,6 +36,7 @@ class RunShapes(NamedTuple):
     round_packings: tuple  # ((buffer length, buffers), ...) of the reference / old log-prob passes; (0, 0): static
     step_packings: tuple  # the same of the optimizer step (buffers a micro-batch)
     decode_slots: tuple  # slots a decoding call may take (`stream.plan_slots`), one per program; 0: every row
+    micro_batches: int = 1  # the step's (`train.gradient_accumulation_steps`)
 
     def describe(self) -> list[str]:
         """One line per phase: the shapes it is compiled for."""
@@ -44,8 +45,8 @@ class RunShapes(NamedTuple):
         return [f"decode: {self.round_rows} rows x {self.prompt_length} + {self.completion_length} tokens, slots "
                 + ", ".join(str(s) if s else "all" for s in self.decode_slots),
                 f"log-probs: {self.round_rows} rows, layouts {packings(self.round_packings)} (buffers x length)",
-                f"train step: {self.step_rows} rows, layouts {packings(self.step_packings)} (buffers x length a "
-                "micro-batch)"]
+                f"train step: {self.step_rows} rows in {self.micro_batches} micro-batch(es), layouts "
+                f"{packings(self.step_packings)} (buffers x length a micro-batch)"]
 
 
 def prompt_range(dataset) -> tuple[int, int]:
@@ -80,7 +81,7 @@ def run_shapes(config, mesh, prompts: tuple[int, int] | None = None, *, round_gr
                              for n in reversed(stream.slot_choices(N, decode_chunks))}  # the same program: once
         slots = tuple(sorted(programs_by_slots.values()))
     return RunShapes(tc.generation_batch_size, tc.train_batch_size, P, T, prompts, round_packings, step_packings,
-                     slots)
+                     slots, tc.gradient_accumulation_steps)
 
 
 def _abstract(tree):
