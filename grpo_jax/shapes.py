@@ -65,7 +65,8 @@ def run_shapes(config, mesh, prompts: tuple[int, int] | None = None, *, round_gr
     prompts = (1, P) if prompts is None else prompts
     on_cpu = cpu.enabled(config.cpu_speedups)
     cost = dict(dense_pair_cost=cpu.DENSE_PAIR_COST if on_cpu else 1.0,
-                blocked_pairs=cpu.blocked_pairs if on_cpu else None, shards=sharding.num_row_shards(mesh))
+                blocked_pairs=cpu.blocked_pairs if on_cpu else None, shards=sharding.num_row_shards(mesh),
+                max_lengths=tc.packed_lengths)
     flops = trajectory.forward_flops(config.model)
     round_packings = trajectory.packing_shapes(prompts, round_group_size, tc.generation_batch_size, P, T, flops,
                                                packing=tc.packing, **cost)

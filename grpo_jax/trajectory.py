@@ -256,9 +256,6 @@ def choose_packing(prompt_tokens_B, completion_tokens_B, group_size: int, P: int
     return best if best_flops < static else (0, 0)
 
 
-MAX_PACKED_LENGTHS = 3  # `packing_shapes` keeps the longest: groups needing less take the shortest, padded
-
-
 def _level(need: int) -> int:
     """The shortest length of `packing_shapes`' ladder holding ``need`` slots: 2 lengths an octave (16, 24, 32, 48, 64,
     96, ...), at most 1/2 padding, half as many programs as `packed_length`'s 4."""
@@ -269,7 +266,8 @@ def _level(need: int) -> int:
 
 def packing_shapes(prompt_range: tuple[int, int], group_size: int, rows: int, P: int, T: int,
                    flops: tuple[float, float], *, packing: bool | None, micro_batches: int = 1, shards: int = 1,
-                   dense_pair_cost: float = 1.0, blocked_pairs=None) -> tuple[tuple[int, int], ...]:
+                   dense_pair_cost: float = 1.0, blocked_pairs=None, max_lengths: int = 3
+                   ) -> tuple[tuple[int, int], ...]:
     """Every (buffer length, buffers a micro-batch) `choose_packing` may pick for ``rows`` rows in ``micro_batches``
     micro-batches of groups of G = ``group_size``, prompts of ``prompt_range`` = (fewest, most) real tokens and
     completions of 1 .. T: known before the first round, so each is compiled once ahead of it. (0, 0) is the static
@@ -280,8 +278,8 @@ def packing_shapes(prompt_range: tuple[int, int], group_size: int, rows: int, P:
     from the need of K buffers of the shortest groups (prompt less 1, then per row the copied token and a
     completion) to that of the longest. With ``packing`` None a length is kept only if it costs fewer `layout_flops`
     than the static layout for the shortest rows that need it (the static layout costs the same whatever the rows,
-    so longer rows would never take it). At most `MAX_PACKED_LENGTHS`, the longest: each is a program of the step
-    and of each log-prob pass to compile."""
+    so longer rows would never take it). At most ``max_lengths`` (`train.packed_lengths`), the longest (groups
+    needing less take the shortest, padded): each is a program of the step and of each log-prob pass to compile."""
     static = ((0, 0),) if packing is not True else ()
     if packing is False or rows == 0:
         return static
@@ -308,7 +306,7 @@ def packing_shapes(prompt_range: tuple[int, int], group_size: int, rows: int, P:
         if packing or packed < static_flops:
             keep.append((L, K))
         shorter = L
-    return static + tuple(keep[-MAX_PACKED_LENGTHS:])
+    return static + tuple(keep[-max_lengths:])
 
 
 def _choose_listed(prompt_tokens_B, completion_tokens_B, group_size: int, P: int, T: int, flops, shapes, *,
