@@ -266,7 +266,7 @@ def _level(need: int) -> int:
 
 def packing_shapes(prompt_range: tuple[int, int], group_size: int, rows: int, P: int, T: int,
                    flops: tuple[float, float], *, packing: bool | None, micro_batches: int = 1, shards: int = 1,
-                   dense_pair_cost: float = 1.0, blocked_pairs=None, max_lengths: int = 3
+                   dense_pair_cost: float = 1.0, blocked_pairs=None, max_lengths: int = 2
                    ) -> tuple[tuple[int, int], ...]:
     """Every (buffer length, buffers a micro-batch) `choose_packing` may pick for ``rows`` rows in ``micro_batches``
     micro-batches of groups of G = ``group_size``, prompts of ``prompt_range`` = (fewest, most) real tokens and

@@ -185,7 +185,7 @@ class TrainConfig:
     logps_chunk_size: int = 0  # rows per chunk for log-probs; 0: whole micro-batch at once
     share_prompt_prefix: bool = True  # run each group's prompt once in log-prob/update forwards (same numbers)
     packing: bool | None = None  # log-prob/update forwards over packed groups; null: when it costs fewer FLOPs
-    packed_lengths: int = 3  # packed buffer lengths a run compiles before its first step (`grpo_jax.shapes`)
+    packed_lengths: int = 2  # packed buffer lengths a run compiles before its first step (`grpo_jax.shapes`)
     ref_param_dtype: str | None = None  # reference params' storage dtype (float32, bfloat16); None: the params'
     offload_ref_params: bool = False  # keep the reference in pinned host memory (copied in for its log-probs)
     max_nonfinite_steps: int = 10  # steps skipped for a non-finite loss/gradient before the run stops
