@@ -176,9 +176,11 @@ def _counts(prompt_mask: np.ndarray, completion_mask: np.ndarray) -> np.ndarray:
     return np.stack([np.sum(prompt_mask, axis=1), np.sum(completion_mask, axis=1)], axis=1).astype(np.int32)
 
 
-def _packing(run: Run, counts_Nx2: np.ndarray, group_size: int, micro_batches: int = 1) -> tuple[int, int]:
+def _packing(run: Run, counts_Nx2: np.ndarray, group_size: int, micro_batches: int = 1, listed=None
+             ) -> tuple[int, int]:
     """(packed buffer length, buffers a micro-batch) of these rows' forwards, (0, 0) for the static layout:
-    `train.packing`, or when it is null whichever layout costs fewer FLOPs (`trajectory.choose_packing`).
+    `train.packing`, or when it is null whichever layout costs fewer FLOPs (`trajectory.choose_packing`), among the
+    ``listed`` shapes (`Run.shapes`' round or step packings, compiled ahead; None: any).
     ``micro_batches`` M: the rows are split as `train_step` splits them (micro-batch m takes rows m, m + M, ...)."""
     cfg = run.config
     M = micro_batches
@@ -188,14 +190,15 @@ def _packing(run: Run, counts_Nx2: np.ndarray, group_size: int, micro_batches: i
         counts_Nx2[:, 0], counts_Nx2[:, 1], group_size, cfg.data.max_prompt_length, cfg.sampling.max_completion_length,
         trajectory.forward_flops(cfg.model), packing=cfg.train.packing, micro_batches=M,
         shards=sharding.num_row_shards(run.mesh), dense_pair_cost=cpu.DENSE_PAIR_COST if on_cpu else 1.0,
-        blocked_pairs=cpu.blocked_pairs if on_cpu else None)
+        blocked_pairs=cpu.blocked_pairs if on_cpu else None, shapes=listed)
 
 
 def logps_args(run: Run, rows: Trajectory, counts_Nx2: np.ndarray) -> tuple:
     """A round's rows as the log-prob programs take them: the four row arrays, the experts the sampler chose (routing
     replay; None otherwise) and their packing (`_packing`)."""
     return (rows.prompt_ids, rows.prompt_mask, rows.completion_ids, rows.completion_mask, rows.routed_experts,
-            *_packing(run, counts_Nx2, run.round_prompt_group_size))
+            *_packing(run, counts_Nx2, run.round_prompt_group_size,
+                      listed=None if run.shapes is None else run.shapes.round_packings))
 
 
 def dispatch_logps(run: Run, state: TrainState, params, rows: Trajectory, counts_Nx2: np.ndarray, *, old: bool):
@@ -376,7 +379,8 @@ def run_steps(run: Run, state: TrainState, round_batch: RoundBatch, *, until: in
         # a step of all the round's rows in order (one step per round) takes them as they are, without a gather
         in_order = len(step_rows) == num_rows and np.array_equal(step_rows, np.arange(num_rows))
         length, buffers = _packing(run, rb.token_counts[step_rows], run.step_prompt_group_size,
-                                   run.config.train.gradient_accumulation_steps)
+                                   run.config.train.gradient_accumulation_steps,
+                                   None if run.shapes is None else run.shapes.step_packings)
         rows = rb.rows if in_order else run.programs.take(rb.rows, step_rows)
         state, metrics = run.programs.step(state, rows, length, buffers)
         pending.append({**metrics, "packed_length": length})

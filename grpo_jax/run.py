@@ -21,8 +21,8 @@ from flax import nnx
 from jax.sharding import Mesh
 from transformers import PreTrainedTokenizerBase
 
-from grpo_jax import (checkpoint, cpu, data, evaluation, lock, programs, reward_specs, rewards, runs, sharding,
-                      sources, task, tool_task, tools, trackers)
+from grpo_jax import (checkpoint, cpu, data, evaluation, lock, programs, reward_specs, rewards, runs, shapes,
+                      sharding, sources, task, tool_task, tools, trackers)
 from grpo_jax.config import Config, resolve_defaults, to_dict
 from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, lora, peft_io, resolve_config
 from grpo_jax.state import TrainState, optimizer_from_config
@@ -57,6 +57,7 @@ class Run:
     warned: set = dataclasses.field(default_factory=set)  # warnings given once a run, not every round (their keys)
     rollout_mesh: Mesh | None = None  # mesh.rollout > 0: the sampling devices (`mesh` holds the training ones)
     rollout_programs: programs.Programs | None = None  # the sampling programs over `rollout_mesh`
+    shapes: shapes.RunShapes | None = None  # what the programs are compiled for (None: asynchronous rounds, any)
 
     @property
     def keep_ref(self) -> bool:
@@ -409,11 +410,17 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
             graphdef, optimizer, options, rollout_mesh, TrainState(params_sharding, None, None, None, None),
             decoder=rollout_decoder, round_prompt_group_size=prompt_group_sizes(config, rollout_mesh)[0],
             advantage_options=advantage_options, mask_truncated=tc.mask_truncated_completions)
+    run_shapes = None  # asynchronous rounds: their sampler's programs are not compiled ahead (`shapes.compile_ahead`)
+    if not (tc.max_staleness or config.mesh.rollout):
+        run_shapes = shapes.run_shapes(config, mesh, shapes.prompt_range(dataset), round_group_size=round_group,
+                                       step_group_size=step_group,
+                                       decode_chunks=decoder.chunks(tc.generation_batch_size, tc.num_generations))
     if jax.process_index() == 0:
         (output_dir / "config.yaml").write_text(yaml.safe_dump(given, sort_keys=False))
     run = Run(config=config, output_dir=output_dir, tokenizer=tokenizer, tokenizer_path=tokenizer_dir,
               dataset=dataset, eval_rows=eval_rows, reward_fns=reward_fns, eval_reward_fns=eval_reward_fns,
               mesh=mesh, graphdef=graphdef, schedule=schedule, programs=run_programs,
               step_prompt_group_size=step_group, round_prompt_group_size=round_group, resuming=resuming,
-              output_lock=held, tooling=tooling, rollout_mesh=rollout_mesh, rollout_programs=rollout_programs)
+              output_lock=held, tooling=tooling, rollout_mesh=rollout_mesh, rollout_programs=rollout_programs,
+              shapes=run_shapes)
     return run, state

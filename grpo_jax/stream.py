@@ -178,6 +178,12 @@ def call_steps(lengths, slots: int, chunks: int = 1) -> int:
     return max(decode_steps(lengths[i * rows:(i + 1) * rows], share) for i in range(chunks))
 
 
+def slot_choices(rows: int, chunks: int = 1) -> tuple[int, ...]:
+    """Every slot count `plan_slots` may give a call of ``rows`` rows in ``chunks`` host-thread chunks, 0 (a static
+    batch) first: known before the first round, so each decoding program is compiled ahead of it."""
+    return tuple(dict.fromkeys((0, *(n for n in (rows // 2, rows // 4, rows // 8) if chunks <= n < rows))))
+
+
 def plan_slots(plan: SlotPlan, lengths, *, slots: int, steps: int, seconds: float, chunks: int = 1) -> SlotPlan:
     """The next round's slots, from a round whose rows of completion ``lengths`` (in call order) decoded over
     ``slots`` slots (0: static) in ``steps`` steps and ``seconds``, ``chunks`` host-thread chunks side by side.
@@ -199,6 +205,6 @@ def plan_slots(plan: SlotPlan, lengths, *, slots: int, steps: int, seconds: floa
     n_M, t_M = (np.array(v, float) for v in zip(*measured.items()))
     b, a = np.polyfit(n_M / chunks, t_M, 1)  # per chunk: slots / chunks each
     a, b = max(a, 0.0), max(b, 0.0)
-    candidates = [n for n in (rows, rows // 2, rows // 4, rows // 8) if n >= chunks]
+    candidates = [rows, *(n for n in slot_choices(rows, chunks) if n)]
     best = min(candidates, key=lambda n: call_steps(lengths, n, chunks) * (a + b * n / chunks))
     return plan._replace(slots=0 if best == rows else best)

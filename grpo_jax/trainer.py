@@ -13,7 +13,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from grpo_jax import async_rounds, checkpoint, data, export, preemption, sharding, sources, stream
+from grpo_jax import async_rounds, checkpoint, data, export, preemption, shapes, sharding, sources, stream
 from grpo_jax.config import Config, to_dict
 from grpo_jax.evaluation import evaluate, short_names
 from grpo_jax.reporting import MetricsWriter, is_eval, plot_run
@@ -132,6 +132,11 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
     round_batch, round_index, history, before, arrays = None, 0, [], None, {}
     if run.resuming:
         state, data_state, round_batch, round_index, history, before, arrays = _restore(run, state, data_state, mngr)
+    compile_seconds = 0.0
+    if run.shapes is not None:  # every program of the rounds compiled now, not inside a step
+        count, compile_seconds = shapes.compile_ahead(run, state, run.shapes)
+        print(f"grpo_jax: compiled {count} programs in {compile_seconds:.1f}s before the first step; "
+              + "; ".join(run.shapes.describe()))
     sampler = None  # asynchronous rounds: sampled ahead by a thread (`grpo_jax.async_rounds`)
     if async_rounds.enabled(config):
         sampler = async_rounds.Sampler(run, state, next_round=round_index + (round_batch is not None),
@@ -222,6 +227,7 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
         if writer.history and main and (failure is None or preemption.storage_error(failure) is None):
             plot_run(writer.history, run.output_dir)
     summary = {"output_dir": str(run.output_dir), "steps": int(state.step), "skipped_steps": skipped,
+               "compile_seconds": round(compile_seconds, 2),
                "eval_before": short_names(before), "eval_after": short_names(after),
                **_reward_summary(writer.history)}
     final = run.output_dir / "final"
@@ -240,6 +246,8 @@ def _plan(run: Run, plan: stream.SlotPlan, round_batch: RoundBatch) -> stream.Sl
     """The next round's decode slots (`stream.plan_slots`) when `sampling.max_batch_rows` is null."""
     tc = run.config.train
     if run.config.sampling.max_batch_rows is not None or tc.dynamic_sampling:  # set, or rows from several calls
+        return plan
+    if run.shapes is not None and len(run.shapes.decode_slots) == 1:  # one slot count compiled (the CPU switch's)
         return plan
     seconds = round_batch.seconds
     # from measured times: process 0's choice is every process's, as they run the same programs

@@ -220,15 +220,22 @@ def layout_flops(prompt_tokens_B, completion_tokens_B, group_size: int, P: int, 
 
 def choose_packing(prompt_tokens_B, completion_tokens_B, group_size: int, P: int, T: int, flops: tuple[float, float],
                    *, packing: bool | None, micro_batches: int = 1, shards: int = 1,
-                   dense_pair_cost: float = 1.0, blocked_pairs=None) -> tuple[int, int]:
+                   dense_pair_cost: float = 1.0, blocked_pairs=None, shapes=None) -> tuple[int, int]:
     """`train.packing` resolved for these rows (in micro-batch order, as `layout_flops`): (buffer length, buffers a
     micro-batch), or (0, 0) for the static layout (shared prompts when G > 1, else padded). The buffer counts tried
     are the multiples of ``shards`` (devices splitting a micro-batch's rows) that divide its groups; the one with
     the fewest `layout_flops` wins, and ``packing`` None also weighs the static layout: packing runs no padding,
     and fewer, longer buffers pad less, but a dense buffer's attention grows with the square of its length. A
-    buffer's [L, L] mask stays within the larger of 256 MiB and one buffer a group's."""
+    buffer's [L, L] mask stays within the larger of 256 MiB and one buffer a group's.
+
+    ``shapes`` (`packing_shapes`): the choice is one of these (the run's programs compiled ahead), the cheapest by
+    `layout_flops` of those the rows fit in; None: any length and count as above."""
     if packing is False or len(prompt_tokens_B) == 0:
         return 0, 0
+    if shapes is not None:
+        return _choose_listed(prompt_tokens_B, completion_tokens_B, group_size, P, T, flops, shapes,
+                              micro_batches=micro_batches, dense_pair_cost=dense_pair_cost,
+                              blocked_pairs=blocked_pairs)
     M = micro_batches
     R_m = len(prompt_tokens_B) // group_size // M
     counts = [K for K in range(shards, R_m + 1, shards) if R_m % K == 0] or [R_m]
@@ -247,3 +254,76 @@ def choose_packing(prompt_tokens_B, completion_tokens_B, group_size: int, P: int
     static = layout_flops(prompt_tokens_B, completion_tokens_B, group_size, P, T, flops,
                           dense_pair_cost=dense_pair_cost)
     return best if best_flops < static else (0, 0)
+
+
+def _level(need: int) -> int:
+    """The shortest length of `packing_shapes`' ladder holding ``need`` slots: 2 lengths an octave (16, 24, 32, 48, 64,
+    96, ...), at most 1/2 padding, half as many programs as `packed_length`'s 4."""
+    need = max(int(need), 16)
+    step = 1 << max(need.bit_length() - 2, 0)  # 2 lengths between each power of two and the next
+    return -(-need // step) * step
+
+
+def packing_shapes(prompt_range: tuple[int, int], group_size: int, rows: int, P: int, T: int,
+                   flops: tuple[float, float], *, packing: bool | None, micro_batches: int = 1, shards: int = 1,
+                   dense_pair_cost: float = 1.0, blocked_pairs=None, max_lengths: int = 2
+                   ) -> tuple[tuple[int, int], ...]:
+    """Every (buffer length, buffers a micro-batch) `choose_packing` may pick for ``rows`` rows in ``micro_batches``
+    micro-batches of groups of G = ``group_size``, prompts of ``prompt_range`` = (fewest, most) real tokens and
+    completions of 1 .. T: known before the first round, so each is compiled once ahead of it. (0, 0) is the static
+    layout (``packing`` not true).
+
+    Packed: one buffer count K, `choose_packing`'s (over ``shards``, the same costs) for a round whose prompts are
+    the middle length and whose completions spread evenly over 1 .. T (seeded); lengths on a ladder of 2 an octave
+    from the need of K buffers of the shortest groups (prompt less 1, then per row the copied token and a
+    completion) to that of the longest. With ``packing`` None a length is kept only if it costs fewer `layout_flops`
+    than the static layout for the shortest rows that need it (the static layout costs the same whatever the rows,
+    so longer rows would never take it). At most ``max_lengths`` (`train.packed_lengths`), the longest (groups
+    needing less take the shortest, padded): each is a program of the step and of each log-prob pass to compile."""
+    static = ((0, 0),) if packing is not True else ()
+    if packing is False or rows == 0:
+        return static
+    G, M = group_size, micro_batches
+    cost = dict(micro_batches=M, dense_pair_cost=dense_pair_cost, blocked_pairs=blocked_pairs)
+    low, high = prompt_range
+    spread = np.random.default_rng(0).integers(1, T + 1, rows)
+    _, K = choose_packing(np.full(rows, (low + high) // 2), spread, G, P, T, flops, packing=True, shards=shards,
+                          **cost)
+    per_buffer = rows // G // M // K  # groups a buffer holds
+    lengths, level = [], _level(per_buffer * (low - 1 + 2 * G))
+    while True:
+        lengths.append(level)
+        if level >= per_buffer * (high - 1 + G * (T + 1)):
+            break
+        level = _level(level + 1)
+    static_flops = layout_flops(np.full(rows, high), np.full(rows, T), G, P, T, flops, dense_pair_cost=dense_pair_cost)
+    keep, shorter = [], 0
+    for L in lengths:
+        # the shortest rows that need L: prompts of ``low`` tokens and completions just past the shorter length
+        completion = min(max(-(-((shorter + 1) // per_buffer - (low - 1) - G) // G), 1), T)
+        packed = layout_flops(np.full(rows, low), np.full(rows, completion), G, P, T, flops, packed_length=L,
+                              packed_buffers=K, **cost)
+        if packing or packed < static_flops:
+            keep.append((L, K))
+        shorter = L
+    return static + tuple(keep[-max_lengths:])
+
+
+def _choose_listed(prompt_tokens_B, completion_tokens_B, group_size: int, P: int, T: int, flops, shapes, *,
+                   micro_batches: int, dense_pair_cost: float, blocked_pairs) -> tuple[int, int]:
+    """`choose_packing` within ``shapes``: the cheapest by `layout_flops` of those these rows fit in."""
+    M = micro_batches
+    best, best_flops = None, float("inf")
+    for L, K in shapes:
+        if L and packed_need(prompt_tokens_B, completion_tokens_B, group_size, M * K) > L:
+            continue
+        cost = layout_flops(prompt_tokens_B, completion_tokens_B, group_size, P, T, flops, packed_length=L,
+                            packed_buffers=K, micro_batches=M, dense_pair_cost=dense_pair_cost,
+                            blocked_pairs=blocked_pairs if L else None)
+        if cost < best_flops:
+            best, best_flops = (L, K), cost
+    if best is None:
+        raise ValueError(f"rows needing {packed_need(prompt_tokens_B, completion_tokens_B, group_size)} packed slots "
+                         f"fit none of the listed shapes {shapes}: list them with `packing_shapes` over these rows' "
+                         "prompt lengths and max_completion_length")
+    return best

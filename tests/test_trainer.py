@@ -141,6 +141,7 @@ def test_run_directory_contents(tmp_path):
                                 "train.num_iterations=2", "train.gradient_accumulation_steps=2"])
     summary = trainer.train(config, show_progress=False)
     assert load_config(str(tmp_path / "config.yaml")) == resolve_defaults(config)  # the learning rate it ran with
+    assert summary["compile_seconds"] > 0  # the programs compiled ahead of the first step (`grpo_jax.shapes`)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [0, 1, 2, 3, 4, 4]  # held-out evaluation before and after
     evals, lines = [lines[0], lines[-1]], lines[1:-1]

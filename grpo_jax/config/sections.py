@@ -185,6 +185,7 @@ class TrainConfig:
     logps_chunk_size: int = 0  # rows per chunk for log-probs; 0: whole micro-batch at once
     share_prompt_prefix: bool = True  # run each group's prompt once in log-prob/update forwards (same numbers)
     packing: bool | None = None  # log-prob/update forwards over packed groups; null: when it costs fewer FLOPs
+    packed_lengths: int = 2  # packed buffer lengths a run compiles before its first step (`grpo_jax.shapes`)
     ref_param_dtype: str | None = None  # reference params' storage dtype (float32, bfloat16); None: the params'
     offload_ref_params: bool = False  # keep the reference in pinned host memory (copied in for its log-probs)
     max_nonfinite_steps: int = 10  # steps skipped for a non-finite loss/gradient before the run stops
@@ -195,6 +196,9 @@ class TrainConfig:
     def __post_init__(self):
         check(isinstance(self.max_staleness, int) and self.max_staleness >= 0,
               f"train.max_staleness={self.max_staleness!r} must be an integer >= 0 (0: synchronous rounds)")
+        check(isinstance(self.packed_lengths, int) and self.packed_lengths >= 1,
+              f"train.packed_lengths={self.packed_lengths!r} must be an integer >= 1 (buffer lengths compiled ahead; "
+              "more: less padding, more compiling)")
         check(not self.interruptible_rollouts or self.max_staleness > 0,
               "train.interruptible_rollouts=true hands rounds newer params while they decode: it needs "
               "train.max_staleness > 0")
