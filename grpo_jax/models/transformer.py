@@ -24,7 +24,7 @@ from flax import nnx
 
 from grpo_jax.config.model import ModelConfig  # noqa: F401  (re-exported)
 from grpo_jax.config.sections import check
-from grpo_jax.models import attention
+from grpo_jax.models import attention, paged
 from grpo_jax.models.families import family, kind_window, layer_kinds
 from grpo_jax.models.layers import KVCache, RMSNorm, linear
 from grpo_jax.models.moe import Routing
@@ -106,6 +106,9 @@ class Transformer(nnx.Module):
             else:
                 masks = [attention_mask(attention_mask_BxS, query_slot_T, kind_window(config, k), positions_BxT)
                          for k in kinds]
+            if isinstance(cache, paged.PagedKVCache) and T == 1 and attention.resolve(config.attention) in \
+                    attention.KERNELS:  # one token per row over its pages: a decode kernel (no window) reads them
+                masks = [None if kind_window(config, k) is None else m for k, m in zip(kinds, masks)]
         # one mask and one RoPE table per attention kind, built once; each layer takes its kind's
         rope = rotary_tables(config, S) if rope is None else rope
         cos_sins = [rope_cos_sin(positions_BxT, rope[k]) for k in kinds]
@@ -127,12 +130,15 @@ class Transformer(nnx.Module):
             layers = layer_params_from(stacked, config.num_hidden_layers) if layers is None else layers
             ks, vs, routed = [], [], []
             for l, (params, k, v, i) in enumerate(zip(layers, cache.k, cache.v, kind_of_layer)):
-                x, (k, v), _, r = run_layer(params, x, *cos_sins[i], masks[i], (k, v), cache_index,
+                layer_cache = paged.LayerPages(k, v, cache) if isinstance(cache, paged.PagedKVCache) else (k, v)
+                x, (k, v), _, r = run_layer(params, x, *cos_sins[i], masks[i], layer_cache, cache_index,
                                             replay=None if routing is None else routing[l])
                 ks.append(k)
                 vs.append(v)
                 routed.append(r)
-            out = self.norm(x), KVCache(tuple(ks), tuple(vs))
+            new_cache = (cache._replace(k=tuple(ks), v=tuple(vs)) if isinstance(cache, paged.PagedKVCache) else
+                         KVCache(tuple(ks), tuple(vs)))
+            out = self.norm(x), new_cache
             return (*out, _stack_routing(routed)) if return_routing else out
 
         # training and scoring: a loop or one scan over the stacked layers; a shared prefix's per-layer keys/values

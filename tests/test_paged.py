@@ -1,0 +1,96 @@
+"""The paged KV cache (`grpo_jax.models.paged`): decoding through it draws the contiguous cache's tokens and
+log-probs bit for bit (static batch, continuous batching, rows that pause for appended tokens); pages are taken and
+given back as rows grow and end; the decode kernel (Pallas, interpret mode) equals the dense path; and the sizing.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_jax import decoder
+from grpo_jax.models import attention, paged
+from test_decoder import PROMPT_IDS, PROMPT_MASK, _late_appends, make_decoder
+
+
+def _generate(model, options, key=3):
+    _, graphdef, params = model
+    d = decoder.start(graphdef, params, PROMPT_IDS, PROMPT_MASK, jax.random.key(key), options)
+    return jax.device_get(jax.jit(decoder.advance, static_argnums=3)(graphdef, params, d, options))
+
+
+def _assert_same(a, b):
+    for x, y in ((a.tokens, b.tokens), (a.logps, b.logps), (a.sampled, b.sampled), (a.length, b.length)):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("slots, group, eos", [(4, 1, (-1,)), (2, 1, (2, 5)), (3, 2, (2, 5)), (2, 4, (5,)),
+                                               (1, 4, (5,))])
+def test_paged_decoding_equals_the_contiguous_cache_bit_for_bit(tiny_model, slots, group, eos):
+    """Tokens, sampler log-probs and lengths equal the contiguous cache's, for a static batch and for fewer slots
+    than rows (slots reassigned as rows end, their pages given back and taken again); page size 4 does not divide
+    the 6 + 10 slots of a row. One slot: XLA:CPU compiles the one-row program's dots differently (log-probs within
+    an ulp or two; the tokens the same)."""
+    base = dataclasses.replace(make_decoder(tiny_model, eos=eos, group=group, max_completion_length=10)
+                               .options(4, 4, False), num_slots=slots, group_size=group)
+    want = _generate(tiny_model, base)
+    got = _generate(tiny_model, dataclasses.replace(base, page_size=4))
+    if slots == 1:
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        np.testing.assert_allclose(got.logps, want.logps, rtol=1e-6, atol=1e-6)
+    else:
+        _assert_same(got, want)
+    assert isinstance(got.cache, paged.PagedKVCache) and want.length.max() > 4
+    # every page held belongs to one slot and is not free; every other page is free
+    held = got.cache.pages_NxQ[got.cache.pages_NxQ < got.page_free.shape[0]]
+    assert len(set(held.tolist())) == len(held) and not got.page_free[held].any()
+    assert got.page_free.sum() + len(held) == got.page_free.shape[0]
+
+
+def test_paused_rows_with_appended_tokens_equal_the_contiguous_cache(tiny_model):
+    """Multi-turn rows (pause at EOS, tokens appended late, rows retired): a slot each (the row keeps its slot,
+    the appended tokens run into its pages) and 2 slots (a paused row gives its slot and pages up and is run again
+    into fresh pages when admitted again): the contiguous cache's tokens and log-probs bit for bit."""
+    want = {slots: _late_appends(tiny_model, slots, 1) for slots in (4, 2)}
+    for slots in (4, 2):
+        got = _late_appends(tiny_model, slots, 1, page_size=4)
+        assert np.any(got.turns == 1)
+        for x, y in ((got.completion_ids, want[slots].completion_ids), (got.loss_mask, want[slots].loss_mask),
+                     (got.sampler_per_token_logps, want[slots].sampler_per_token_logps)):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_decode_kernel_in_interpret_mode_equals_the_dense_path():
+    """The GPU Pallas paged-attention kernel (interpret mode) over scattered pages, rows of 1, 5 and 16 tokens
+    (pages past a row's length missing), equals dense attention over the same tokens gathered in order."""
+    B, K, G, Dh, ps, Q = 3, 2, 2, 16, 4, 4
+    pages = B * Q + 2
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    k_pool = jax.random.normal(k1, (K, pages, ps, Dh))
+    v_pool = jax.random.normal(k2, (K, pages, ps, Dh))
+    q = jax.random.normal(k3, (B, 1, K, G, Dh))
+    length = jnp.array([5, 16, 1], jnp.int32)
+    order = np.random.RandomState(0).permutation(pages)[:B * Q].reshape(B, Q)
+    table = jnp.where(jnp.arange(Q)[None] < -(-length[:, None] // ps), jnp.asarray(order), pages)
+    got = attention.paged_decode(q, k_pool, v_pool, table, length, scale=0.25, softcap=None, backend="cudnn",
+                                 interpret=True)
+    position = jnp.broadcast_to(jnp.arange(Q * ps)[None], (B, Q * ps))
+    keys, values = paged.gather(k_pool, table, position), paged.gather(v_pool, table, position)
+    want = attention.dense(q, keys, values, (jnp.arange(Q * ps)[None] < length[:, None])[:, None], 0.25, None)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+
+
+def test_pool_sizing_and_refusal():
+    """The default pool holds every slot's whole row; a smaller one is refused naming the key; the bytes are
+    layers x 2 x K x Dh x bytes per token held (hand count)."""
+    assert paged.num_pages(0, 16, 1024, 15360, 16) == 16 * 1024
+    assert paged.num_pages(16 * 16384, 16, 1024, 15360, 16) == 16 * 1024
+    with pytest.raises(ValueError, match="sampling.kv_cache_tokens"):
+        paged.num_pages(16 * 6144, 16, 1024, 15360, 16)
+    shape = dict(layers=28, kv_heads=4, head_dim=128, dtype_bytes=2, slots=16, prompt_length=1024,
+                 completion_length=15360)
+    per_token = 28 * 2 * 4 * 128 * 2
+    assert paged.cache_bytes(**shape) == (1024 + 16 * 16384) * per_token
+    assert paged.cache_bytes(**shape, page_size=16) == (1024 + 16 * 16384) * per_token
