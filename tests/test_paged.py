@@ -94,3 +94,24 @@ def test_pool_sizing_and_refusal():
     per_token = 28 * 2 * 4 * 128 * 2
     assert paged.cache_bytes(**shape) == (1024 + 16 * 16384) * per_token
     assert paged.cache_bytes(**shape, page_size=16) == (1024 + 16 * 16384) * per_token
+
+
+def test_decoding_through_the_kernel_draws_the_dense_paths_tokens(tiny_model_config, monkeypatch):
+    """A whole decode whose steps run the paged-attention kernel (``model.attention`` splash_interpret: the GPU
+    Pallas kernel in interpret mode) draws the contiguous dense cache's tokens, log-probs within float rounding:
+    the kernel reads each row's real tokens [0, length) where the dense path reads the left-padded slots."""
+    from grpo_jax.models import init_model
+    config = dataclasses.replace(tiny_model_config, attention="splash_interpret")
+    graphdef, params = init_model(config, seed=0)
+    model = (config, graphdef, params)
+    dense_graphdef, dense_params = init_model(tiny_model_config, seed=0)
+    base = dataclasses.replace(make_decoder(model, eos=(2, 5), max_completion_length=10).options(4, 4, False),
+                               num_slots=3)
+    want = _generate((tiny_model_config, dense_graphdef, dense_params), base)
+    traced = []
+    kernel = attention.paged_decode
+    monkeypatch.setattr(attention, "paged_decode", lambda *a, **kw: traced.append(kw["backend"]) or kernel(*a, **kw))
+    got = _generate(model, dataclasses.replace(base, page_size=4))
+    assert traced == ["splash_interpret"] * tiny_model_config.num_hidden_layers  # every layer's decode step
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.logps, want.logps, atol=1e-5)

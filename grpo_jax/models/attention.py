@@ -310,6 +310,17 @@ def attend(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask, *, scale: float, softcap:
 
 # --- decoding over a paged cache ------------------------------------------------------------------------------
 
+DECODE_KERNELS = ("splash", "splash_interpret", "cudnn")  # backends whose paged decode runs a Pallas kernel
+
+
+def paged_kernel(backend: str) -> bool:
+    """Whether a decode step over a paged cache runs `paged_decode`'s kernel for the resolved ``backend``: not
+    under a mesh of several devices (a Mosaic kernel is not partitioned automatically; the dense path reads the
+    pages back there)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return backend in DECODE_KERNELS and (mesh.empty or mesh.size == 1)
+
+
 PAGES_PER_BLOCK = 8  # pages a paged-attention kernel reads per compute block (fewer when a row has fewer)
 
 

@@ -85,7 +85,7 @@ class Transformer(nnx.Module):
         whole_mask = attention_mask_BxS.ndim == 3
         kinds, kind_of_layer = layer_kinds(config)
         # a kernel backend's training forward takes who-sees-whom as structure (`attention.Visibility`), never a
-        # [B, T, S] boolean; decoding with a cache keeps the dense masks
+        # [B, T, S] boolean; decoding with a contiguous cache keeps the dense masks (a paged one: lengths, below)
         kernel = attention.resolve(config.attention) in attention.KERNELS and cache is None and not whole_mask
         if whole_mask:  # who sees whom, given whole (packed layouts); a window counts positions, contiguous there
             check(cache is None and prefix is None and attention_mask_BxS.shape[1:] == (T, T),
@@ -106,8 +106,8 @@ class Transformer(nnx.Module):
             else:
                 masks = [attention_mask(attention_mask_BxS, query_slot_T, kind_window(config, k), positions_BxT)
                          for k in kinds]
-            if isinstance(cache, paged.PagedKVCache) and T == 1 and attention.resolve(config.attention) in \
-                    attention.KERNELS:  # one token per row over its pages: a decode kernel (no window) reads them
+            if isinstance(cache, paged.PagedKVCache) and T == 1 and attention.paged_kernel(
+                    attention.resolve(config.attention)):  # a token per row over its pages: a kernel reads them
                 masks = [None if kind_window(config, k) is None else m for k, m in zip(kinds, masks)]
         # one mask and one RoPE table per attention kind, built once; each layer takes its kind's
         rope = rotary_tables(config, S) if rope is None else rope
