@@ -115,3 +115,25 @@ def test_decoding_through_the_kernel_draws_the_dense_paths_tokens(tiny_model_con
     assert traced == ["splash_interpret"] * tiny_model_config.num_hidden_layers  # every layer's decode step
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_allclose(got.logps, want.logps, atol=1e-5)
+
+
+def test_tpu_decode_kernel_compiles_for_a_tpu_chip():
+    """The TPU Pallas paged-attention kernel (``splash``) has no interpret mode: it is compiled here for a v5e chip
+    with the pools, page table and lengths as `paged_decode` maps them (shapes, dtypes, page blocks accepted by
+    Mosaic; its values stay unmeasured without a TPU), its output [N, K, G, 1, Dh]."""
+    from test_attention import _tpu_devices
+    device = _tpu_devices()[0]
+    N, K, G, Dh, ps, Q = 8, 2, 4, 128, 16, 64
+    on_chip = jax.sharding.SingleDeviceSharding(device)
+    shapes = [((N, 1, K, G, Dh), jnp.bfloat16), ((K, N * Q, ps, Dh), jnp.bfloat16),
+              ((K, N * Q, ps, Dh), jnp.bfloat16), ((N, Q), jnp.int32), ((N,), jnp.int32)]
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=on_chip) for shape, dtype in shapes]
+
+    def kernel(q, k, v, table, length):
+        return attention.paged_decode(q, k, v, table, length, scale=Dh ** -0.5, softcap=None, backend="splash")
+
+    lowered = jax.jit(kernel).lower(*args)
+    assert "tpu_custom_call" in lowered.as_text()
+    compiled = lowered.compile()
+    assert compiled.out_info.shape == (N, K, G, 1, Dh)
+    print(f"v5e paged decode kernel temporaries: {compiled.memory_analysis().temp_size_in_bytes} bytes")

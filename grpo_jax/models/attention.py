@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
 from jax.experimental.pallas.ops.tpu import splash_attention as splash_lib
-from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged
+from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
 from jax.sharding import PartitionSpec
 
 # the mesh axes rows and heads are split over (grpo_jax/sharding.py: ROWS, TENSOR)
@@ -341,7 +341,7 @@ def paged_decode(q_BxTxKxGxDh, k_KxPagesxPsxDh, v_KxPagesxPsxDh, pages_BxQ, leng
     pages_BxQ = jnp.where(pages_BxQ < pages, pages_BxQ, 0).astype(jnp.int32)
     block = math.gcd(Q, PAGES_PER_BLOCK)
     if backend == "splash" and not interpret:
-        out_BxHxDh = tpu_paged.paged_attention(q_BxHxDh, k, v, length_B.astype(jnp.int32), pages_BxQ,
+        out_BxHxDh = tpu_paged_attention(q_BxHxDh, k, v, length_B.astype(jnp.int32), pages_BxQ,
                                                attn_logits_soft_cap=softcap, pages_per_compute_block=block)
     else:
         out_BxHxDh = gpu_paged.paged_attention(q_BxHxDh, k, v, pages_BxQ, length_B.astype(jnp.int32),
