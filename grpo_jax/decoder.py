@@ -95,6 +95,7 @@ class Decoding(NamedTuple):
     steps: jax.Array  # [] decode steps run (forward passes of the N slots)
     routing: jax.Array | None = None  # [B, P + T, L, K] each token's experts per layer, with ``record_routing``
     page_free: jax.Array | None = None  # [pages] bool: the paged cache's free list, with ``page_size``
+    preempted: jax.Array | None = None  # [] rows preempted for pages so far (a pool smaller than every slot's row)
 
 
 def _record(d: Decoding, routed, rows_M, places_MxA, valid_MxA) -> Decoding:
@@ -134,6 +135,10 @@ def _admit(d: Decoding, logits_NxV, group_size: int, options: DecodeOptions):
     free_N = _free(d)
     new_row_N = d.next_row + jnp.cumsum(free_N) - 1
     admit_N = free_N & (new_row_N < B) & ~jnp.any(d.ready)  # rows appended to go first: their groups end sooner
+    if d.preempted is not None:  # a small pool: rows wait, in order, until their prompt and first token fit
+        prompt_len_N = jnp.sum(d.prompt_mask[jnp.minimum(new_row_N, B - 1)], axis=1, dtype=jnp.int32)
+        pages_N = jnp.where(admit_N, -(-(prompt_len_N + 1) // options.page_size), 0)
+        admit_N &= jnp.cumsum(pages_N) <= jnp.sum(d.page_free)
     row_N = jnp.where(admit_N, new_row_N, jnp.where(free_N, B, d.slot_row))
     safe_N = jnp.minimum(row_N, B - 1)
     group_N = safe_N // group_size
@@ -239,13 +244,19 @@ def start(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options: Decod
     if options.noise_ahead and not options.greedy:
         noise = jax.vmap(lambda r: jax.vmap(lambda t: row_noise(key, row_offset + r, t, V))(jnp.arange(T)))(
             jnp.arange(B))
-    page_free = None
+    page_free = preempted = None
     if options.page_size:
         pages = paged.num_pages(options.kv_cache_tokens, N, P, T, options.page_size)
         _, Kh, _, Dh = prompt_kv.k[0].shape
         cache = paged.init(len(prompt_kv.k), Kh, Dh, prompt_kv.k[0].dtype, pages, options.page_size, N,
                            paged.pages_per_row(P, T, options.page_size), P + T)
         page_free = jnp.ones((pages,), bool)
+        preempted = None
+        if _small_pool(options, N, P):
+            if options.pause_at_eos and N == B:
+                raise ValueError(f"sampling.kv_cache_tokens={options.kv_cache_tokens} is below every slot's whole row "
+                                 "while paused rows keep their slots (a slot per row, multi-turn): raise it to 0")
+            preempted = jnp.zeros((), jnp.int32)
     else:
         cache = _constrain(jax.tree.map(lambda x_RxKxPxDh: jnp.zeros(
             (N, x_RxKxPxDh.shape[1], P + T, x_RxKxPxDh.shape[3]), x_RxKxPxDh.dtype), prompt_kv), options)
@@ -258,7 +269,7 @@ def start(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options: Decod
         length=jnp.zeros((B,), jnp.int32), turn=jnp.zeros((B,), jnp.int32), ended=jnp.zeros((B,), bool),
         paused=jnp.zeros((B,), bool), ready=jnp.zeros((B,), bool), at_eos=jnp.zeros((B,), bool),
         next_row=jnp.zeros((), jnp.int32),
-        steps=jnp.zeros((), jnp.int32), page_free=page_free)
+        steps=jnp.zeros((), jnp.int32), page_free=page_free, preempted=preempted)
     if options.record_routing:  # each row's prompt tokens took its group's prompt's experts
         experts_LxRxPxK = routed[0].experts
         L, _, _, K = experts_LxRxPxK.shape
@@ -284,6 +295,11 @@ def _readmit(graphdef, params, d: Decoding, options: DecodeOptions, layers, rope
     valid_K = (rows_K < B) & (slots_K < N)
     row_K = jnp.minimum(rows_K, B - 1)
     length_K = d.length[row_K]
+    if d.preempted is not None:  # a small pool: rows whose tokens so far and pending one fit, beside the live rows'
+        prompt_len_K = jnp.sum(d.prompt_mask[row_K], axis=1, dtype=jnp.int32)
+        pages_K = jnp.where(valid_K, -(-(prompt_len_K + length_K) // options.page_size), 0)
+        spare = jnp.sum(d.page_free) - jnp.sum(_page_need(d, options.page_size))
+        valid_K &= jnp.cumsum(pages_K) <= spare
     t_T = jnp.arange(T)
     mask_KxS = jnp.concatenate([d.prompt_mask[row_K].astype(d.cache_mask.dtype),
                                 (t_T[None] < length_K[:, None] - 1).astype(d.cache_mask.dtype)], axis=1)
@@ -312,6 +328,46 @@ def _readmit(graphdef, params, d: Decoding, options: DecodeOptions, layers, rope
         ready=d.ready.at[jnp.where(valid_K, row_K, B)].set(False, mode="drop"))
 
 
+def _small_pool(options: DecodeOptions, N: int, P: int) -> bool:
+    """Whether the paged pool holds fewer pages than every slot's whole row (rows then wait and are preempted)."""
+    T = options.sampling.max_completion_length
+    if not options.page_size:
+        return False
+    pages = paged.num_pages(options.kv_cache_tokens, N, P, T, options.page_size)
+    return pages < N * paged.pages_per_row(P, T, options.page_size)
+
+
+def _page_need(d: Decoding, page_size: int):
+    """[N] bool: the live slots whose pending token starts a page they do not hold yet."""
+    B, _ = d.prompt_mask.shape
+    rows_N = jnp.minimum(d.slot_row, B - 1)
+    position_N = jnp.sum(d.prompt_mask[rows_N], axis=1, dtype=jnp.int32) + d.length[rows_N] - 1
+    page_N, _ = paged.locate(d.cache.pages_NxQ, position_N[:, None], page_size, d.page_free.shape[0])
+    return d.live & (page_N[:, 0] == d.page_free.shape[0])
+
+
+def _preempt(d: Decoding, page_size: int) -> Decoding:
+    """With too few free pages for this step's new pages, the youngest live rows (highest row first) give their
+    slots and pages up until the rest fit; they wait to be admitted again (`_readmit`: recomputed in one pass). The
+    oldest live row is never preempted while the pool holds a whole row: every step decodes a token."""
+    B = d.tokens.shape[0]
+    pages = d.page_free.shape[0]
+    need_N = _page_need(d, page_size)
+    held_N = jnp.sum(d.cache.pages_NxQ < pages, axis=1)
+    order_N = jnp.argsort(jnp.where(d.live, -d.slot_row, 1))  # youngest live rows first, then the rest
+    freed_N = jnp.cumsum(jnp.where(d.live, held_N, 0)[order_N])
+    spared_N = jnp.cumsum(need_N[order_N])
+    free, total = jnp.sum(d.page_free), jnp.sum(need_N)
+    fits_N = free + freed_N >= total - spared_N
+    count = jnp.where(free >= total, 0, jnp.argmax(fits_N) + 1)
+    victim_N = jnp.zeros_like(d.live).at[order_N].set(jnp.arange(d.live.shape[0]) < count) & d.live
+    pages_NxQ, page_free = paged.release(d.cache.pages_NxQ, d.page_free, victim_N)
+    rows_at = jnp.where(victim_N, d.slot_row, B)  # B: dropped
+    return d._replace(cache=d.cache._replace(pages_NxQ=pages_NxQ), page_free=page_free, live=d.live & ~victim_N,
+                      slot_row=jnp.where(victim_N, B, d.slot_row), ready=d.ready.at[rows_at].set(True, mode="drop"),
+                      preempted=d.preempted + jnp.sum(victim_N))
+
+
 def _page_step(d: Decoding, prompt_len_N, completion_N, P: int, T: int, page_size: int) -> Decoding:
     """``d`` with a page for each live slot's pending token (completion index ``completion_N``) and the cache's
     maps for a decode step: write it there, read the slots back in the contiguous order of P + T slots."""
@@ -336,15 +392,18 @@ def advance(graphdef, params, decoding: Decoding, options: DecodeOptions, *, seg
 
     # a static batch (slots for every row, none pausing) feeds every row's token t at cache slot P + t - 1 in the
     # same step t: one slice write for all rows, not a scatter (rows that ended write where nothing reads)
-    in_step = decoding.slot_row.shape[0] == B and not options.pause_at_eos
+    small = decoding.preempted is not None  # rows may be preempted: slot n no longer holds row n
+    in_step = decoding.slot_row.shape[0] == B and not options.pause_at_eos and not small
 
     def body(d: Decoding) -> Decoding:
         if options.page_size:  # the pages of slots whose rows are over (ended, retired, parked) go back
             pages_NxQ, page_free = paged.release(d.cache.pages_NxQ, d.page_free, _free(d))
             d = d._replace(cache=d.cache._replace(pages_NxQ=pages_NxQ), page_free=page_free)
-        if options.pause_at_eos and decoding.slot_row.shape[0] < B:  # parked rows to admit again
+        if (options.pause_at_eos and decoding.slot_row.shape[0] < B) or small:  # parked rows to admit again
             d = jax.lax.cond(jnp.any(d.ready) & jnp.any(_free(d)),
                              lambda d: _readmit(graphdef, params, d, options, layers, rope), lambda d: d, d)
+        if small:  # too few free pages for this step's new ones: the youngest rows wait
+            d = _preempt(d, options.page_size)
         rows_N = jnp.minimum(d.slot_row, B - 1)
         if in_step:
             at_N = P + d.steps

@@ -83,17 +83,43 @@ def test_decode_kernel_in_interpret_mode_equals_the_dense_path():
 
 
 def test_pool_sizing_and_refusal():
-    """The default pool holds every slot's whole row; a smaller one is refused naming the key; the bytes are
-    layers x 2 x K x Dh x bytes per token held (hand count)."""
+    """The default pool holds every slot's whole row (a larger one is cut to it); one below a single row is refused
+    naming the key; the bytes are 2 x layers x K x Dh x bytes per token held (hand count). The 7B-like shape
+    (28 layers, 4 KV heads, Dh 128, bf16, 1k prompt, 15k completion, 16 rows of one prompt, mean completion 5k):
+    the contiguous cache holds 16 whole rows; a pool of the live tokens 16 x (1k + 5k)."""
     assert paged.num_pages(0, 16, 1024, 15360, 16) == 16 * 1024
-    assert paged.num_pages(16 * 16384, 16, 1024, 15360, 16) == 16 * 1024
+    assert paged.num_pages(10 ** 9, 16, 1024, 15360, 16) == 16 * 1024
+    assert paged.num_pages(16 * 6144, 16, 1024, 15360, 16) == 6144
     with pytest.raises(ValueError, match="sampling.kv_cache_tokens"):
-        paged.num_pages(16 * 6144, 16, 1024, 15360, 16)
+        paged.num_pages(16000, 16, 1024, 15360, 16)
     shape = dict(layers=28, kv_heads=4, head_dim=128, dtype_bytes=2, slots=16, prompt_length=1024,
                  completion_length=15360)
     per_token = 28 * 2 * 4 * 128 * 2
-    assert paged.cache_bytes(**shape) == (1024 + 16 * 16384) * per_token
-    assert paged.cache_bytes(**shape, page_size=16) == (1024 + 16 * 16384) * per_token
+    before = paged.cache_bytes(**shape)
+    assert before == (1024 + 16 * 16384) * per_token
+    assert paged.cache_bytes(**shape, page_size=16) == before
+    after = paged.cache_bytes(**shape, page_size=16, kv_cache_tokens=16 * (1024 + 5120))
+    assert after == (1024 + 16 * 6144) * per_token
+    print(f"7B-like decode KV cache: contiguous {before / 2**30:.2f} GiB, paged pool of live tokens "
+          f"{after / 2**30:.2f} GiB")
+
+
+@pytest.mark.parametrize("slots, tokens", [(4, 16), (4, 28), (2, 20)])
+def test_a_small_pool_makes_rows_wait_and_preempts_them_without_changing_their_tokens(tiny_model, slots, tokens):
+    """A pool of one or two rows' pages for 4 rows of 6 + 10 tokens: rows wait for pages to be admitted and the
+    youngest live rows are preempted (pages given back) and run again in one pass when pages free up; every row
+    still ends with the contiguous cache's tokens (log-probs within the recompute's float rounding), nothing
+    deadlocks, and every page is back or held by one slot at the end."""
+    base = dataclasses.replace(make_decoder(tiny_model, eos=(5,), max_completion_length=10).options(4, 4, False),
+                               num_slots=slots)
+    want = _generate(tiny_model, base)
+    got = _generate(tiny_model, dataclasses.replace(base, page_size=4, kv_cache_tokens=tokens))
+    assert got.page_free.shape == (tokens // 4,) and got.preempted > 0
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.length, want.length)
+    np.testing.assert_allclose(got.logps, want.logps, atol=1e-5)
+    held = got.cache.pages_NxQ[got.cache.pages_NxQ < got.page_free.shape[0]]
+    assert len(set(held.tolist())) == len(held) and got.page_free.sum() + len(held) == got.page_free.shape[0]
 
 
 def test_decoding_through_the_kernel_draws_the_dense_paths_tokens(tiny_model_config, monkeypatch):

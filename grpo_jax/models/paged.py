@@ -38,17 +38,16 @@ def pages_per_row(prompt_length: int, completion_length: int, page_size: int) ->
 
 
 def num_pages(kv_cache_tokens: int, num_slots: int, prompt_length: int, completion_length: int, page_size: int):
-    """The pool's pages for ``sampling.kv_cache_tokens`` (0: every slot's whole row). A smaller pool than that is
-    refused: a row that needs a page when none is free would have to wait or be preempted, which is not built."""
-    safe = num_slots * pages_per_row(prompt_length, completion_length, page_size)
+    """The pool's pages for ``sampling.kv_cache_tokens`` (0: every slot's whole row, nothing waits; never more).
+    A smaller pool must hold one whole row (the oldest row then always decodes; `decoder` preempts the others)."""
+    row = pages_per_row(prompt_length, completion_length, page_size)
     if kv_cache_tokens == 0:
-        return safe
+        return num_slots * row
     pages = -(-kv_cache_tokens // page_size)
-    if pages < safe:
-        raise ValueError(f"sampling.kv_cache_tokens={kv_cache_tokens} holds {pages} pages of {page_size}; "
-                         f"{num_slots} slots of {prompt_length} + {completion_length} tokens need {safe}: raise it "
-                         "to >= " f"{safe * page_size} or 0 (rows cannot wait for pages or be preempted yet)")
-    return pages
+    if pages < row:
+        raise ValueError(f"sampling.kv_cache_tokens={kv_cache_tokens} holds {pages} pages of {page_size}, fewer than "
+                         f"one row of {prompt_length} + {completion_length} tokens: raise it to >= {row * page_size}")
+    return min(pages, num_slots * row)
 
 
 def cache_bytes(*, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, slots: int, prompt_length: int,
