@@ -21,6 +21,12 @@ With ``record_routing`` (mixture-of-experts models, routing replay) every pass a
 chose for each token it runs into ``routing`` [B, P + T, L, K], at the token's place in the row (prompt ++
 completion): the trajectory carries them to the log-prob forwards.
 
+With ``page_size`` (`sampling.kv_cache` paged) the slots' keys/values live in a pool of pages (`models.paged`):
+a row holds its prompt's real tokens and its completion in pages taken as it grows and given back when its slot is
+freed; every pass reads them back in the contiguous order (or a decode kernel reads them), so the tokens are the
+contiguous cache's. A pool smaller than every slot's row makes rows wait for pages and preempts the youngest
+(`decoder_pages`), run again through the append path's one-pass recompute.
+
 Row b draws token t with the noise `sampling.row_noise(key, row_offset + b, t)`: a row's tokens are a function of
 (params, its prompt and earlier tokens, key, its row in the call), the same for any slot count, chunking (a chunk's
 ``row_offset``) or mesh.
@@ -39,6 +45,7 @@ from grpo_jax.config.sections import SamplingConfig
 from grpo_jax.models import (compute_dtype_params, forward, init_cache, layer_params, model_config, paged,
                              positions_from_mask, rotary_tables, unembed)
 from grpo_jax.models.layers import KVCache
+from grpo_jax import decoder_pages
 from grpo_jax.models.moe import routing_dtype
 from grpo_jax.sampling import draw, row_noise
 from grpo_jax.trajectory import Trajectory
@@ -252,7 +259,7 @@ def start(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options: Decod
                            paged.pages_per_row(P, T, options.page_size), P + T)
         page_free = jnp.ones((pages,), bool)
         preempted = None
-        if _small_pool(options, N, P):
+        if decoder_pages.small_pool(options, N, P):
             if options.pause_at_eos and N == B:
                 raise ValueError(f"sampling.kv_cache_tokens={options.kv_cache_tokens} is below every slot's whole row "
                                  "while paused rows keep their slots (a slot per row, multi-turn): raise it to 0")
@@ -298,7 +305,7 @@ def _readmit(graphdef, params, d: Decoding, options: DecodeOptions, layers, rope
     if d.preempted is not None:  # a small pool: rows whose tokens so far and pending one fit, beside the live rows'
         prompt_len_K = jnp.sum(d.prompt_mask[row_K], axis=1, dtype=jnp.int32)
         pages_K = jnp.where(valid_K, -(-(prompt_len_K + length_K) // options.page_size), 0)
-        spare = jnp.sum(d.page_free) - jnp.sum(_page_need(d, options.page_size))
+        spare = jnp.sum(d.page_free) - jnp.sum(decoder_pages.page_need(d, options.page_size))
         valid_K &= jnp.cumsum(pages_K) <= spare
     t_T = jnp.arange(T)
     mask_KxS = jnp.concatenate([d.prompt_mask[row_K].astype(d.cache_mask.dtype),
@@ -328,56 +335,6 @@ def _readmit(graphdef, params, d: Decoding, options: DecodeOptions, layers, rope
         ready=d.ready.at[jnp.where(valid_K, row_K, B)].set(False, mode="drop"))
 
 
-def _small_pool(options: DecodeOptions, N: int, P: int) -> bool:
-    """Whether the paged pool holds fewer pages than every slot's whole row (rows then wait and are preempted)."""
-    T = options.sampling.max_completion_length
-    if not options.page_size:
-        return False
-    pages = paged.num_pages(options.kv_cache_tokens, N, P, T, options.page_size)
-    return pages < N * paged.pages_per_row(P, T, options.page_size)
-
-
-def _page_need(d: Decoding, page_size: int):
-    """[N] bool: the live slots whose pending token starts a page they do not hold yet."""
-    B, _ = d.prompt_mask.shape
-    rows_N = jnp.minimum(d.slot_row, B - 1)
-    position_N = jnp.sum(d.prompt_mask[rows_N], axis=1, dtype=jnp.int32) + d.length[rows_N] - 1
-    page_N, _ = paged.locate(d.cache.pages_NxQ, position_N[:, None], page_size, d.page_free.shape[0])
-    return d.live & (page_N[:, 0] == d.page_free.shape[0])
-
-
-def _preempt(d: Decoding, page_size: int) -> Decoding:
-    """With too few free pages for this step's new pages, the youngest live rows (highest row first) give their
-    slots and pages up until the rest fit; they wait to be admitted again (`_readmit`: recomputed in one pass). The
-    oldest live row is never preempted while the pool holds a whole row: every step decodes a token."""
-    B = d.tokens.shape[0]
-    pages = d.page_free.shape[0]
-    need_N = _page_need(d, page_size)
-    held_N = jnp.sum(d.cache.pages_NxQ < pages, axis=1)
-    order_N = jnp.argsort(jnp.where(d.live, -d.slot_row, 1))  # youngest live rows first, then the rest
-    freed_N = jnp.cumsum(jnp.where(d.live, held_N, 0)[order_N])
-    spared_N = jnp.cumsum(need_N[order_N])
-    free, total = jnp.sum(d.page_free), jnp.sum(need_N)
-    fits_N = free + freed_N >= total - spared_N
-    count = jnp.where(free >= total, 0, jnp.argmax(fits_N) + 1)
-    victim_N = jnp.zeros_like(d.live).at[order_N].set(jnp.arange(d.live.shape[0]) < count) & d.live
-    pages_NxQ, page_free = paged.release(d.cache.pages_NxQ, d.page_free, victim_N)
-    rows_at = jnp.where(victim_N, d.slot_row, B)  # B: dropped
-    return d._replace(cache=d.cache._replace(pages_NxQ=pages_NxQ), page_free=page_free, live=d.live & ~victim_N,
-                      slot_row=jnp.where(victim_N, B, d.slot_row), ready=d.ready.at[rows_at].set(True, mode="drop"),
-                      preempted=d.preempted + jnp.sum(victim_N))
-
-
-def _page_step(d: Decoding, prompt_len_N, completion_N, P: int, T: int, page_size: int) -> Decoding:
-    """``d`` with a page for each live slot's pending token (completion index ``completion_N``) and the cache's
-    maps for a decode step: write it there, read the slots back in the contiguous order of P + T slots."""
-    position_N = jnp.where(d.live, prompt_len_N + completion_N, -1)
-    pages_NxQ, page_free = paged.grow(d.cache.pages_NxQ, d.page_free, position_N + 1, page_size)
-    cache = d.cache._replace(pages_NxQ=pages_NxQ, length_N=prompt_len_N + completion_N + 1,
-                             write_NxA=position_N[:, None], view_NxS=paged.contiguous_positions(prompt_len_N, P, T))
-    return d._replace(cache=cache, page_free=page_free)
-
-
 def advance(graphdef, params, decoding: Decoding, options: DecodeOptions, *, segment: bool = False) -> Decoding:
     """Decode steps until every row is over or paused, or (``segment``) until about 1 / `SEGMENTS` more of the
     call's groups are over (at least one) or a row pauses. Tokens do not depend on where a call stops."""
@@ -403,7 +360,7 @@ def advance(graphdef, params, decoding: Decoding, options: DecodeOptions, *, seg
             d = jax.lax.cond(jnp.any(d.ready) & jnp.any(_free(d)),
                              lambda d: _readmit(graphdef, params, d, options, layers, rope), lambda d: d, d)
         if small:  # too few free pages for this step's new ones: the youngest rows wait
-            d = _preempt(d, options.page_size)
+            d = decoder_pages.preempt(d, options.page_size)
         rows_N = jnp.minimum(d.slot_row, B - 1)
         if in_step:
             at_N = P + d.steps
@@ -415,8 +372,8 @@ def advance(graphdef, params, decoding: Decoding, options: DecodeOptions, *, seg
             cache_mask = d.cache_mask.at[slots_N, at_N].set(1)
             positions_Nx1 = (prompt_len_B[rows_N] + t_N - 1)[:, None]
         if options.page_size:  # the pending token goes to row position prompt length + t - 1, a page taken if new
-            d = _page_step(d, prompt_len_B[rows_N], jnp.broadcast_to(at_N - P, rows_N.shape), P, T,
-                           options.page_size)
+            d = decoder_pages.page_step(d, prompt_len_B[rows_N], jnp.broadcast_to(at_N - P, rows_N.shape), P, T,
+                                        options.page_size)
         hidden_Nx1xD, cache, *routed = forward(
             graphdef, params, d.pending[:, None], positions_Nx1, cache_mask, d.cache, at_N, layers=layers, rope=rope,
             return_routing=options.record_routing)

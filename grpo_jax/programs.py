@@ -247,7 +247,7 @@ class Decoder(NamedTuple):
 
 def paged_page_size(config, mesh) -> int:
     """The decoder's page size for ``sampling.kv_cache`` on ``mesh`` (0: the contiguous cache). ``auto`` pages on a
-    TPU/GPU mesh of one row shard: the pool is one per mesh, not split by row shards (it would be held whole on each)."""
+    TPU/GPU mesh of one row shard: the pool is one per mesh, not split by row shards (each would hold it whole)."""
     if config.kv_cache == "auto":
         accelerator = mesh.devices.flat[0].platform != "cpu"
         return config.kv_page_size if accelerator and sharding.num_row_shards(mesh) == 1 else 0

@@ -163,3 +163,18 @@ def test_tpu_decode_kernel_compiles_for_a_tpu_chip():
     compiled = lowered.compile()
     assert compiled.out_info.shape == (N, K, G, 1, Dh)
     print(f"v5e paged decode kernel temporaries: {compiled.memory_analysis().temp_size_in_bytes} bytes")
+
+
+def test_the_runs_decoding_programs_take_the_cache_from_config(tiny_model):
+    """``sampling.kv_cache``: the run's jitted decoder (`programs.jit_decoder`) pages with ``paged`` and gives the
+    contiguous cache's rows bit for bit; ``auto`` keeps the contiguous cache on this CPU mesh."""
+    from grpo_jax import programs
+    from test_decoder import one_device, run
+    from grpo_jax.sampling import SamplingConfig
+    assert programs.paged_page_size(SamplingConfig(), one_device()) == 0
+    assert programs.paged_page_size(SamplingConfig(kv_cache="paged", kv_page_size=8), one_device()) == 8
+    want, got = run(tiny_model), run(tiny_model, kv_cache="paged", kv_page_size=4)
+    for field in ("completion_ids", "completion_mask", "sampler_per_token_logps"):
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field))
+    with pytest.raises(ValueError, match="sampling.kv_cache="):
+        SamplingConfig(kv_cache="pages")
