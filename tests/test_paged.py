@@ -178,3 +178,25 @@ def test_the_runs_decoding_programs_take_the_cache_from_config(tiny_model):
         np.testing.assert_array_equal(getattr(got, field), getattr(want, field))
     with pytest.raises(ValueError, match="sampling.kv_cache="):
         SamplingConfig(kv_cache="pages")
+
+
+@pytest.mark.parametrize("family", [
+    dict(model_type="gemma2", sliding_window=4, attn_logit_softcapping=1.5, final_logit_softcapping=2.0,
+         query_pre_attn_scalar=20),
+    dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+         routing_replay=True)], ids=["gemma2", "qwen3_moe"])
+def test_windowed_soft_capped_and_routed_families_page_bit_for_bit(tiny_model_config, family):
+    """Gemma 2 (sliding windows over the read-back slots, soft caps) and a mixture of experts recording its routing:
+    paged decoding with fewer slots than rows gives the contiguous cache's tokens, log-probs and experts."""
+    from grpo_jax.models import init_model
+    config = dataclasses.replace(tiny_model_config, **family)
+    graphdef, params = init_model(config, seed=0)
+    model = (config, graphdef, params)
+    base = dataclasses.replace(make_decoder(model, eos=(2, 5), max_completion_length=10).options(4, 4, False),
+                               num_slots=2)
+    want = _generate(model, base)
+    got = _generate(model, dataclasses.replace(base, page_size=4))
+    _assert_same(got, want)
+    if config.routing_replay:
+        assert got.routing is not None and got.routing.any()
+        np.testing.assert_array_equal(got.routing, want.routing)
