@@ -200,3 +200,19 @@ def test_windowed_soft_capped_and_routed_families_page_bit_for_bit(tiny_model_co
     if config.routing_replay:
         assert got.routing is not None and got.routing.any()
         np.testing.assert_array_equal(got.routing, want.routing)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS in conftest)")
+def test_paged_decoding_on_a_mesh_equals_one_device(tiny_model):
+    """``kv_cache: paged`` forced on a (2, 2, 2) mesh (one pool per mesh, the dense read-back partitioned by XLA)
+    gives the one-device contiguous rows, static and continuously batched."""
+    from grpo_jax import sharding, stream
+    from test_decoder import EOS, IDS, MASK, assert_same_rows, decode_rows
+    ids, mask = np.concatenate([IDS, IDS[:1]]), np.concatenate([MASK, MASK[:1]])
+    want = decode_rows(tiny_model, ids=ids, mask=mask, group=1)
+    mesh = sharding.make_mesh(2, 2, 2)
+    params = jax.device_put(tiny_model[2], sharding.param_shardings(mesh, tiny_model[2]))
+    for slots in (0, 8):
+        dec = make_decoder(tiny_model, mesh, eos=EOS, group=1, max_completion_length=9, temperature=0.9, top_k=12,
+                           max_batch_rows=slots, kv_cache="paged", kv_page_size=4)
+        assert_same_rows(jax.device_get(stream.generate(dec, params, ids, mask, jax.random.key(3))), want)
