@@ -216,3 +216,19 @@ def test_paged_decoding_on_a_mesh_equals_one_device(tiny_model):
         dec = make_decoder(tiny_model, mesh, eos=EOS, group=1, max_completion_length=9, temperature=0.9, top_k=12,
                            max_batch_rows=slots, kv_cache="paged", kv_page_size=4)
         assert_same_rows(jax.device_get(stream.generate(dec, params, ids, mask, jax.random.key(3))), want)
+
+
+def test_a_small_pool_with_paused_rows_keeps_their_tokens(tiny_model, monkeypatch):
+    """Multi-turn rows with 2 slots and a pool of one row (6 + 14 tokens): parked rows and preempted rows wait
+    together for slots and pages; the tokens equal the contiguous cache's (log-probs within recompute rounding).
+    With a slot per row (paused rows keep their pages) a pool below every row is refused."""
+    want = _late_appends(tiny_model, 2, 1)
+    preempted, trajectory = [], decoder.trajectory
+    monkeypatch.setattr(decoder, "trajectory", lambda d: preempted.append(int(d.preempted)) or trajectory(d))
+    got = _late_appends(tiny_model, 2, 1, page_size=4, kv_cache_tokens=20)
+    assert preempted[0] > 0
+    np.testing.assert_array_equal(got.completion_ids, want.completion_ids)
+    np.testing.assert_array_equal(got.loss_mask, want.loss_mask)
+    np.testing.assert_allclose(got.sampler_per_token_logps, want.sampler_per_token_logps, atol=1e-5)
+    with pytest.raises(ValueError, match="sampling.kv_cache_tokens=20"):
+        _late_appends(tiny_model, 4, 1, page_size=4, kv_cache_tokens=20)
