@@ -41,11 +41,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from grpo_jax import decoder_pages
 from grpo_jax.config.sections import SamplingConfig
 from grpo_jax.models import (compute_dtype_params, forward, init_cache, layer_params, model_config, paged,
                              positions_from_mask, rotary_tables, unembed)
 from grpo_jax.models.layers import KVCache
-from grpo_jax import decoder_pages
 from grpo_jax.models.moe import routing_dtype
 from grpo_jax.sampling import draw, row_noise
 from grpo_jax.trajectory import Trajectory
@@ -258,7 +258,6 @@ def start(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options: Decod
         cache = paged.init(len(prompt_kv.k), Kh, Dh, prompt_kv.k[0].dtype, pages, options.page_size, N,
                            paged.pages_per_row(P, T, options.page_size), P + T)
         page_free = jnp.ones((pages,), bool)
-        preempted = None
         if decoder_pages.small_pool(options, N, P):
             if options.pause_at_eos and N == B:
                 raise ValueError(f"sampling.kv_cache_tokens={options.kv_cache_tokens} is below every slot's whole row "

@@ -274,6 +274,10 @@ def forward(graphdef, params, input_ids_BxT, positions_BxT, attention_mask_BxS, 
     left-padded or cached layout's are), the length of the RoPE tables built for the call (``rope``: `rotary_tables`
     covering them, made once by a decode loop's caller).
 
+    ``cache`` may instead be a `paged.PagedKVCache`: the new keys/values go to its row positions in its pages, and
+    each layer reads them back in the slot order above (the mask as for a contiguous cache), or for one token per
+    row under a kernel backend on one device, non-windowed layers read the pages through `attention.paged_decode`.
+
     With a cache the layers run one after another (``layers``: their `layer_params`, sliced once by a decode
     loop's caller); without one a Python loop runs them, or with ``model.scan_layers`` a single ``lax.scan``
     (whose compile time does not grow with depth).
