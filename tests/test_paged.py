@@ -62,10 +62,13 @@ def test_paused_rows_with_appended_tokens_equal_the_contiguous_cache(tiny_model)
             np.testing.assert_array_equal(x, y)
 
 
-def test_decode_kernel_in_interpret_mode_equals_the_dense_path():
-    """The GPU Pallas paged-attention kernel (interpret mode) over scattered pages, rows of 1, 5 and 16 tokens
-    (pages past a row's length missing), equals dense attention over the same tokens gathered in order."""
-    B, K, G, Dh, ps, Q = 3, 2, 2, 16, 4, 4
+@pytest.mark.parametrize("G, Q, softcap", [(2, 4, None), (7, 8, 1.5)])
+def test_decode_kernel_in_interpret_mode_equals_the_dense_path(G, Q, softcap):
+    """The GPU Pallas paged-attention kernel (interpret mode: its pages split over `attention.K_SPLITS`
+    partitions, some past a row's length) over scattered pages, rows of 1, 5 and 16 tokens (pages past a row's
+    length missing), equals dense attention over the same tokens gathered in order; 7 query heads per key/value
+    head (Qwen2.5-7B's) pad to the kernel's head block; a soft cap (Gemma 2) bends the scores alike."""
+    B, K, Dh, ps = 3, 2, 16, 4
     pages = B * Q + 2
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
     k_pool = jax.random.normal(k1, (K, pages, ps, Dh))
@@ -74,11 +77,11 @@ def test_decode_kernel_in_interpret_mode_equals_the_dense_path():
     length = jnp.array([5, 16, 1], jnp.int32)
     order = np.random.RandomState(0).permutation(pages)[:B * Q].reshape(B, Q)
     table = jnp.where(jnp.arange(Q)[None] < -(-length[:, None] // ps), jnp.asarray(order), pages)
-    got = attention.paged_decode(q, k_pool, v_pool, table, length, scale=0.25, softcap=None, backend="cudnn",
+    got = attention.paged_decode(q, k_pool, v_pool, table, length, scale=0.25, softcap=softcap, backend="cudnn",
                                  interpret=True)
     position = jnp.broadcast_to(jnp.arange(Q * ps)[None], (B, Q * ps))
     keys, values = paged.gather(k_pool, table, position), paged.gather(v_pool, table, position)
-    want = attention.dense(q, keys, values, (jnp.arange(Q * ps)[None] < length[:, None])[:, None], 0.25, None)
+    want = attention.dense(q, keys, values, (jnp.arange(Q * ps)[None] < length[:, None])[:, None], 0.25, softcap)
     np.testing.assert_allclose(got, want, atol=2e-6)
 
 

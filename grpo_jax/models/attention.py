@@ -322,6 +322,7 @@ def paged_kernel(backend: str) -> bool:
 
 
 PAGES_PER_BLOCK = 8  # pages a paged-attention kernel reads per compute block (fewer when a row has fewer)
+K_SPLITS = 16  # parts of a row's pages the GPU kernel reads in parallel (fewer when they do not divide its pages)
 
 
 def paged_decode(q_BxTxKxGxDh, k_KxPagesxPsxDh, v_KxPagesxPsxDh, pages_BxQ, length_B, *, scale: float,
@@ -339,13 +340,14 @@ def paged_decode(q_BxTxKxGxDh, k_KxPagesxPsxDh, v_KxPagesxPsxDh, pages_BxQ, leng
     q_BxHxDh = (q_BxTxKxGxDh.astype(jnp.float32) * scale).astype(q_BxTxKxGxDh.dtype).reshape(B, K * G, Dh)
     k, v = (x.astype(q_BxHxDh.dtype) for x in (k_KxPagesxPsxDh, v_KxPagesxPsxDh))
     pages_BxQ = jnp.where(pages_BxQ < pages, pages_BxQ, 0).astype(jnp.int32)
-    block = math.gcd(Q, PAGES_PER_BLOCK)
     if backend == "splash" and not interpret:
         out_BxHxDh = tpu_paged_attention(q_BxHxDh, k, v, length_B.astype(jnp.int32), pages_BxQ,
-                                               attn_logits_soft_cap=softcap, pages_per_compute_block=block)
-    else:
+                                         attn_logits_soft_cap=softcap,
+                                         pages_per_compute_block=math.gcd(Q, PAGES_PER_BLOCK))
+    else:  # a row's pages split K_SPLITS ways run in parallel (few rows, long rows), combined by the kernel
+        splits = math.gcd(Q, K_SPLITS)
         out_BxHxDh = gpu_paged.paged_attention(q_BxHxDh, k, v, pages_BxQ, length_B.astype(jnp.int32),
-                                               pages_per_compute_block=block, k_splits=1,
-                                               attn_logits_soft_cap=softcap,
+                                               pages_per_compute_block=math.gcd(Q // splits, PAGES_PER_BLOCK),
+                                               k_splits=splits, attn_logits_soft_cap=softcap,
                                                interpret=interpret or backend == "splash_interpret")
     return out_BxHxDh.reshape(B, K, G, 1, Dh)
