@@ -21,6 +21,12 @@ With ``record_routing`` (mixture-of-experts models, routing replay) every pass a
 chose for each token it runs into ``routing`` [B, P + T, L, K], at the token's place in the row (prompt ++
 completion): the trajectory carries them to the log-prob forwards.
 
+With ``page_size`` (`sampling.kv_cache` paged) the slots' keys/values live in a pool of pages (`models.paged`):
+a row holds its prompt's real tokens and its completion in pages taken as it grows and given back when its slot is
+freed; every pass reads them back in the contiguous order (or a decode kernel reads them), so the tokens are the
+contiguous cache's. A pool smaller than every slot's row makes rows wait for pages and preempts the youngest
+(`decoder_pages`), run again through the append path's one-pass recompute.
+
 Row b draws token t with the noise `sampling.row_noise(key, row_offset + b, t)`: a row's tokens are a function of
 (params, its prompt and earlier tokens, key, its row in the call), the same for any slot count, chunking (a chunk's
 ``row_offset``) or mesh.
@@ -35,9 +41,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from grpo_jax import decoder_pages
 from grpo_jax.config.sections import SamplingConfig
-from grpo_jax.models import (compute_dtype_params, forward, init_cache, layer_params, model_config, positions_from_mask,
-                             rotary_tables, unembed)
+from grpo_jax.models import (compute_dtype_params, forward, init_cache, layer_params, model_config, paged,
+                             positions_from_mask, rotary_tables, unembed)
+from grpo_jax.models.layers import KVCache
 from grpo_jax.models.moe import routing_dtype
 from grpo_jax.sampling import draw, row_noise
 from grpo_jax.trajectory import Trajectory
@@ -61,6 +69,8 @@ class DecodeOptions:
     argmax: Callable | None = None  # arg-max of the last axis (`cpu.argmax_last_axis`); None: jnp.argmax
     cache_sharding: Any = None  # the slots' KV cache layout over a mesh (`sharding.cache_sharding`); None: XLA's
     record_routing: bool = False  # keep each token's experts (mixture of experts, routing replay)
+    page_size: int = 0  # a paged KV cache of pages of this many tokens (`models.paged`); 0: contiguous per slot
+    kv_cache_tokens: int = 0  # the paged cache's pool in tokens (`paged.num_pages`); 0: every slot's whole row
 
 
 class Decoding(NamedTuple):
@@ -76,7 +86,7 @@ class Decoding(NamedTuple):
     slot_row: jax.Array  # [N] the row each slot holds (B: none)
     live: jax.Array  # [N] the slot's row is decoding (its pending token goes in next)
     pending: jax.Array  # [N] the row's last token, not fed through the model yet
-    cache: Any  # KVCache [N, K, S, Dh] per layer
+    cache: Any  # KVCache [N, K, S, Dh] per layer, or a `paged.PagedKVCache` (``page_size``)
     cache_mask: jax.Array  # [N, S] int32: the cache slots holding the row's tokens
     tokens: jax.Array  # [B, T] completion tokens, sampled or appended (pad after)
     sampled: jax.Array  # [B, T] int32: 1 on sampled tokens
@@ -91,6 +101,8 @@ class Decoding(NamedTuple):
     next_row: jax.Array  # [] the first row still waiting for a slot
     steps: jax.Array  # [] decode steps run (forward passes of the N slots)
     routing: jax.Array | None = None  # [B, P + T, L, K] each token's experts per layer, with ``record_routing``
+    page_free: jax.Array | None = None  # [pages] bool: the paged cache's free list, with ``page_size``
+    preempted: jax.Array | None = None  # [] rows preempted for pages so far (a pool smaller than every slot's row)
 
 
 def _record(d: Decoding, routed, rows_M, places_MxA, valid_MxA) -> Decoding:
@@ -105,7 +117,7 @@ def _record(d: Decoding, routed, rows_M, places_MxA, valid_MxA) -> Decoding:
 
 
 def _constrain(cache, options: DecodeOptions):
-    if options.cache_sharding is None:
+    if options.cache_sharding is None or isinstance(cache, paged.PagedKVCache):  # pools: XLA's layout
         return cache
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, options.cache_sharding), cache)
 
@@ -130,18 +142,38 @@ def _admit(d: Decoding, logits_NxV, group_size: int, options: DecodeOptions):
     free_N = _free(d)
     new_row_N = d.next_row + jnp.cumsum(free_N) - 1
     admit_N = free_N & (new_row_N < B) & ~jnp.any(d.ready)  # rows appended to go first: their groups end sooner
+    if d.preempted is not None:  # a small pool: rows wait, in order, until their prompt and first token fit
+        prompt_len_N = jnp.sum(d.prompt_mask[jnp.minimum(new_row_N, B - 1)], axis=1, dtype=jnp.int32)
+        pages_N = jnp.where(admit_N, -(-(prompt_len_N + 1) // options.page_size), 0)
+        admit_N &= jnp.cumsum(pages_N) <= jnp.sum(d.page_free)
     row_N = jnp.where(admit_N, new_row_N, jnp.where(free_N, B, d.slot_row))
     safe_N = jnp.minimum(row_N, B - 1)
     group_N = safe_N // group_size
+
+    def admit_mask(mask_NxS):
+        prompt_mask_NxS = jnp.zeros_like(mask_NxS).at[:, :P].set(d.prompt_mask[safe_N].astype(mask_NxS.dtype))
+        return jnp.where(admit_N[:, None], prompt_mask_NxS, mask_NxS)
 
     def copy_prompts(cache_and_mask):
         cache, mask_NxS = cache_and_mask
         cache = jax.tree.map(lambda c_NxKxSxDh, p_RxKxPxDh: c_NxKxSxDh.at[:, :, :P].set(jnp.where(
             admit_N[:, None, None, None], p_RxKxPxDh[group_N], c_NxKxSxDh[:, :, :P])), cache, d.prompt_kv)
-        prompt_mask_NxS = jnp.zeros_like(mask_NxS).at[:, :P].set(d.prompt_mask[safe_N].astype(mask_NxS.dtype))
-        return _constrain(cache, options), jnp.where(admit_N[:, None], prompt_mask_NxS, mask_NxS)
+        return _constrain(cache, options), admit_mask(mask_NxS)
 
-    cache, cache_mask = jax.lax.cond(jnp.any(admit_N), copy_prompts, lambda cm: cm, (d.cache, d.cache_mask))
+    def page_prompts(cache_mask_free):  # the prompt's real tokens into fresh pages, first in the row
+        cache, mask_NxS, free = cache_mask_free
+        prompt_len_N = jnp.sum(d.prompt_mask[safe_N], axis=1, dtype=jnp.int32)
+        cache, free = paged.store(cache, free, jnp.where(admit_N, jnp.arange(admit_N.shape[0]), admit_N.shape[0]),
+                                  tuple(tuple(p[group_N] for p in kv) for kv in d.prompt_kv),
+                                  paged.contiguous_positions(prompt_len_N, P, 0), prompt_len_N)
+        return cache, admit_mask(mask_NxS), free
+
+    if options.page_size:
+        cache, cache_mask, page_free = jax.lax.cond(jnp.any(admit_N), page_prompts, lambda c: c,
+                                                    (d.cache, d.cache_mask, d.page_free))
+        d = d._replace(page_free=page_free)
+    else:
+        cache, cache_mask = jax.lax.cond(jnp.any(admit_N), copy_prompts, lambda cm: cm, (d.cache, d.cache_mask))
     logits_NxV = jnp.where(admit_N[:, None], d.prompt_logits[group_N].astype(logits_NxV.dtype), logits_NxV)
     d = d._replace(slot_row=row_N, live=d.live | admit_N, next_row=d.next_row + jnp.sum(admit_N), cache=cache,
                    cache_mask=cache_mask)
@@ -219,8 +251,21 @@ def start(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options: Decod
     if options.noise_ahead and not options.greedy:
         noise = jax.vmap(lambda r: jax.vmap(lambda t: row_noise(key, row_offset + r, t, V))(jnp.arange(T)))(
             jnp.arange(B))
-    cache = _constrain(jax.tree.map(lambda x_RxKxPxDh: jnp.zeros(
-        (N, x_RxKxPxDh.shape[1], P + T, x_RxKxPxDh.shape[3]), x_RxKxPxDh.dtype), prompt_kv), options)
+    page_free = preempted = None
+    if options.page_size:
+        pages = paged.num_pages(options.kv_cache_tokens, N, P, T, options.page_size)
+        _, Kh, _, Dh = prompt_kv.k[0].shape
+        cache = paged.init(len(prompt_kv.k), Kh, Dh, prompt_kv.k[0].dtype, pages, options.page_size, N,
+                           paged.pages_per_row(P, T, options.page_size), P + T)
+        page_free = jnp.ones((pages,), bool)
+        if decoder_pages.small_pool(options, N, P):
+            if options.pause_at_eos and N == B:
+                raise ValueError(f"sampling.kv_cache_tokens={options.kv_cache_tokens} is below every slot's whole row "
+                                 "while paused rows keep their slots (a slot per row, multi-turn): raise it to 0")
+            preempted = jnp.zeros((), jnp.int32)
+    else:
+        cache = _constrain(jax.tree.map(lambda x_RxKxPxDh: jnp.zeros(
+            (N, x_RxKxPxDh.shape[1], P + T, x_RxKxPxDh.shape[3]), x_RxKxPxDh.dtype), prompt_kv), options)
     d = Decoding(
         key=key, row_offset=row_offset, prompt_ids=prompt_ids_BxP, prompt_mask=prompt_mask_BxP, prompt_kv=prompt_kv,
         prompt_logits=logits_RxV, noise=noise, slot_row=jnp.full((N,), B, jnp.int32), live=jnp.zeros((N,), bool),
@@ -230,7 +275,7 @@ def start(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options: Decod
         length=jnp.zeros((B,), jnp.int32), turn=jnp.zeros((B,), jnp.int32), ended=jnp.zeros((B,), bool),
         paused=jnp.zeros((B,), bool), ready=jnp.zeros((B,), bool), at_eos=jnp.zeros((B,), bool),
         next_row=jnp.zeros((), jnp.int32),
-        steps=jnp.zeros((), jnp.int32))
+        steps=jnp.zeros((), jnp.int32), page_free=page_free, preempted=preempted)
     if options.record_routing:  # each row's prompt tokens took its group's prompt's experts
         experts_LxRxPxK = routed[0].experts
         L, _, _, K = experts_LxRxPxK.shape
@@ -256,19 +301,32 @@ def _readmit(graphdef, params, d: Decoding, options: DecodeOptions, layers, rope
     valid_K = (rows_K < B) & (slots_K < N)
     row_K = jnp.minimum(rows_K, B - 1)
     length_K = d.length[row_K]
+    if d.preempted is not None:  # a small pool: rows whose tokens so far and pending one fit, beside the live rows'
+        prompt_len_K = jnp.sum(d.prompt_mask[row_K], axis=1, dtype=jnp.int32)
+        pages_K = jnp.where(valid_K, -(-(prompt_len_K + length_K) // options.page_size), 0)
+        spare = jnp.sum(d.page_free) - jnp.sum(decoder_pages.page_need(d, options.page_size))
+        valid_K &= jnp.cumsum(pages_K) <= spare
     t_T = jnp.arange(T)
     mask_KxS = jnp.concatenate([d.prompt_mask[row_K].astype(d.cache_mask.dtype),
                                 (t_T[None] < length_K[:, None] - 1).astype(d.cache_mask.dtype)], axis=1)
     positions_KxT = jnp.sum(d.prompt_mask[row_K], axis=1, dtype=jnp.int32)[:, None] + t_T[None]
-    cache_K = jax.tree.map(lambda c_NxKxSxDh, p_RxKxPxDh: jnp.zeros((K,) + c_NxKxSxDh.shape[1:], c_NxKxSxDh.dtype)
-                           .at[:, :, :P].set(p_RxKxPxDh[row_K // options.group_size]), d.cache, d.prompt_kv)
+    cache_K = jax.tree.map(lambda p_RxKxPxDh: jnp.zeros((K, p_RxKxPxDh.shape[1], P + T, p_RxKxPxDh.shape[3]),
+                                                       p_RxKxPxDh.dtype)
+                           .at[:, :, :P].set(p_RxKxPxDh[row_K // options.group_size]), d.prompt_kv)
     _, cache_K, *routed = forward(graphdef, params, d.tokens[row_K], positions_KxT, mask_KxS, cache_K, P,
                                   layers=layers, rope=rope,
                                   return_routing=options.record_routing)
     if options.record_routing:  # the completion so far ran again: its experts as this pass chose them
         d = _record(d, routed[0], row_K, P + t_T[None], valid_K[:, None] & (t_T[None] < length_K[:, None] - 1))
     into = jnp.where(valid_K, slots_K, N)  # N: dropped
-    cache = jax.tree.map(lambda c, new: c.at[into].set(new, mode="drop"), d.cache, cache_K)
+    if options.page_size:
+        prompt_len_K = jnp.sum(d.prompt_mask[row_K], axis=1, dtype=jnp.int32)
+        cache, page_free = paged.store(d.cache, d.page_free, into, tuple(cache_K),
+                                       paged.contiguous_positions(prompt_len_K, P, T, length_K - 1),
+                                       prompt_len_K + length_K - 1)
+        d = d._replace(page_free=page_free)
+    else:
+        cache = jax.tree.map(lambda c, new: c.at[into].set(new, mode="drop"), d.cache, cache_K)
     return d._replace(
         cache=_constrain(cache, options), cache_mask=d.cache_mask.at[into].set(mask_KxS, mode="drop"),
         slot_row=d.slot_row.at[into].set(row_K, mode="drop"), live=d.live.at[into].set(True, mode="drop"),
@@ -290,12 +348,18 @@ def advance(graphdef, params, decoding: Decoding, options: DecodeOptions, *, seg
 
     # a static batch (slots for every row, none pausing) feeds every row's token t at cache slot P + t - 1 in the
     # same step t: one slice write for all rows, not a scatter (rows that ended write where nothing reads)
-    in_step = decoding.slot_row.shape[0] == B and not options.pause_at_eos
+    small = decoding.preempted is not None  # rows may be preempted: slot n no longer holds row n
+    in_step = decoding.slot_row.shape[0] == B and not options.pause_at_eos and not small
 
     def body(d: Decoding) -> Decoding:
-        if options.pause_at_eos and decoding.slot_row.shape[0] < B:  # parked rows to admit again
+        if options.page_size:  # the pages of slots whose rows are over (ended, retired, parked) go back
+            pages_NxQ, page_free = paged.release(d.cache.pages_NxQ, d.page_free, _free(d))
+            d = d._replace(cache=d.cache._replace(pages_NxQ=pages_NxQ), page_free=page_free)
+        if (options.pause_at_eos and decoding.slot_row.shape[0] < B) or small:  # parked rows to admit again
             d = jax.lax.cond(jnp.any(d.ready) & jnp.any(_free(d)),
                              lambda d: _readmit(graphdef, params, d, options, layers, rope), lambda d: d, d)
+        if small:  # too few free pages for this step's new ones: the youngest rows wait
+            d = decoder_pages.preempt(d, options.page_size)
         rows_N = jnp.minimum(d.slot_row, B - 1)
         if in_step:
             at_N = P + d.steps
@@ -306,6 +370,9 @@ def advance(graphdef, params, decoding: Decoding, options: DecodeOptions, *, seg
             at_N = P + t_N - 1  # the pending token's cache slot (slots that hold no decoding row write harmlessly)
             cache_mask = d.cache_mask.at[slots_N, at_N].set(1)
             positions_Nx1 = (prompt_len_B[rows_N] + t_N - 1)[:, None]
+        if options.page_size:  # the pending token goes to row position prompt length + t - 1, a page taken if new
+            d = decoder_pages.page_step(d, prompt_len_B[rows_N], jnp.broadcast_to(at_N - P, rows_N.shape), P, T,
+                                        options.page_size)
         hidden_Nx1xD, cache, *routed = forward(
             graphdef, params, d.pending[:, None], positions_Nx1, cache_mask, d.cache, at_N, layers=layers, rope=rope,
             return_routing=options.record_routing)
@@ -361,11 +428,13 @@ def append(graphdef, params, decoding: Decoding, rows_M, tokens_MxA, counts_M, o
         feed_MxA = jnp.where(real_MxA, feed_MxA, options.pad_token_id)
         at_M = P + t_M - 1
         # A spare cache slots: a row near T writes its padded inputs there, not back over its tokens
-        cache_M = jax.tree.map(lambda c_NxKxSxDh: jnp.pad(c_NxKxSxDh[slot_M], ((0, 0), (0, 0), (0, A), (0, 0))),
-                               d.cache)
+        prompt_len_M = jnp.sum(d.prompt_mask[row_M], axis=1, dtype=jnp.int32)
+        # a paged slot is read back in the contiguous order, run as today, and its row written back
+        held = (KVCache(*paged.view(d.cache, slot_M, paged.contiguous_positions(prompt_len_M, P, T)))
+                if options.page_size else jax.tree.map(lambda c_NxKxSxDh: c_NxKxSxDh[slot_M], d.cache))
+        cache_M = jax.tree.map(lambda c_MxKxSxDh: jnp.pad(c_MxKxSxDh, ((0, 0), (0, 0), (0, A), (0, 0))), held)
         mask_MxS = jnp.pad(d.cache_mask[slot_M], ((0, 0), (0, A)))
         mask_MxS = mask_MxS.at[jnp.arange(M)[:, None], at_M[:, None] + i_A[None]].max(real_MxA.astype(mask_MxS.dtype))
-        prompt_len_M = jnp.sum(d.prompt_mask[row_M], axis=1, dtype=jnp.int32)
         positions_MxA = jnp.minimum(prompt_len_M[:, None] + t_M[:, None] - 1 + i_A[None], S - 1)  # finite RoPE
         rope = rotary_tables(model_config(graphdef, params), S)
         _, cache_M, *routed = forward(graphdef, params, feed_MxA, positions_MxA, mask_MxS, cache_M, at_M,
@@ -375,8 +444,14 @@ def append(graphdef, params, decoding: Decoding, rows_M, tokens_MxA, counts_M, o
             d = _record(d, routed[0], row_M, at_M[:, None] + i_A[None], real_MxA & resumed_M[:, None])
         into = jnp.where(resumed_M, slot_M, N)  # N: dropped
         last_M = jnp.take_along_axis(tokens_MxA, jnp.maximum(count_M - 1, 0)[:, None], axis=1)[:, 0]
-        d = d._replace(cache=_constrain(jax.tree.map(lambda c, new: c.at[into].set(new[:, :, :S], mode="drop"),
-                                                     d.cache, cache_M), options),
+        if options.page_size:
+            cache, page_free = paged.store(
+                d.cache, d.page_free, into, tuple(tuple(c[:, :, :S] for c in kv) for kv in cache_M),
+                paged.contiguous_positions(prompt_len_M, P, T, t_M + count_M - 1), prompt_len_M + t_M + count_M - 1)
+            d = d._replace(page_free=page_free)
+        else:
+            cache = jax.tree.map(lambda c, new: c.at[into].set(new[:, :, :S], mode="drop"), d.cache, cache_M)
+        d = d._replace(cache=_constrain(cache, options),
                        cache_mask=d.cache_mask.at[into].set(mask_MxS[:, :S], mode="drop"),
                        live=d.live.at[into].set(~full_M, mode="drop"), pending=d.pending.at[into].set(last_M,
                                                                                                     mode="drop"))

@@ -245,6 +245,15 @@ class Decoder(NamedTuple):
     place: Callable
 
 
+def paged_page_size(config, mesh) -> int:
+    """The decoder's page size for ``sampling.kv_cache`` on ``mesh`` (0: the contiguous cache). ``auto`` pages on a
+    TPU/GPU mesh of one row shard: the pool is one per mesh, not split by row shards (each would hold it whole)."""
+    if config.kv_cache == "auto":
+        accelerator = mesh.devices.flat[0].platform != "cpu"
+        return config.kv_page_size if accelerator and sharding.num_row_shards(mesh) == 1 else 0
+    return config.kv_page_size if config.kv_cache == "paged" else 0
+
+
 def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingConfig, eos_token_ids: tuple[int, ...],
                 pad_token_id: int, params_sharding=None, prompt_group_size: int = 1,
                 cpu_speedups: bool = False) -> Decoder:
@@ -273,7 +282,8 @@ def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingCo
         base = decoder.DecodeOptions(
             sampling=config, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, greedy=greedy, group_size=group,
             num_slots=continuous_slots(slots or config.max_batch_rows or 0, num_rows, total_rows, row_shards),
-            cache_sharding=sharding.cache_sharding(mesh, kv_heads), record_routing=model_config.routing_replay)
+            cache_sharding=sharding.cache_sharding(mesh, kv_heads), record_routing=model_config.routing_replay,
+            page_size=paged_page_size(config, mesh), kv_cache_tokens=config.kv_cache_tokens)
         return cpu.decode_options(base, num_rows, model_config.vocab_size) if cpu_speedups else base
 
     def start(params, prompt_ids_BxP, prompt_mask_BxP, key, row_offset, options):

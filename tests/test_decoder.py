@@ -385,13 +385,13 @@ def test_appended_tokens_that_fill_the_completion_end_the_row_truncated(tiny_mod
     assert out.loss_mask[0].tolist() == [1, 1, 0, 0, 0, 0]
 
 
-def _late_appends(model, slots, delay):
+def _late_appends(model, slots, delay, **options):
     """`_multi_turn` with each paused row's tokens appended only after ``delay`` more decode segments, as a slow
-    tool would return them."""
+    tool would return them (``options``: more `decoder.DecodeOptions`)."""
     _, graphdef, params = model
     options = dataclasses.replace(
         make_decoder(model, eos=(2, 5, 6), max_completion_length=14, temperature=0.8).options(4, 4, False),
-        pause_at_eos=True, num_slots=slots)
+        pause_at_eos=True, num_slots=slots, **options)
     start = jax.jit(decoder.start, static_argnums=5)
     advance = jax.jit(functools.partial(decoder.advance, segment=True), static_argnums=3)
     d = start(graphdef, params, PROMPT_IDS, PROMPT_MASK, jax.random.key(5), options)

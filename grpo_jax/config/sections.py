@@ -86,7 +86,11 @@ class SamplingConfig:
 
     With tools (`Config.tools`, `Config.environment_factory`) a completion holds every turn and its tool results,
     all within ``max_completion_length``; ``max_tool_calling_iterations`` (TRL's) caps a rollout's rounds of tool
-    calls (None: no cap) and ``tool_timeout`` (grpo_jax) a call's seconds, past which its result is an error."""
+    calls (None: no cap) and ``tool_timeout`` (grpo_jax) a call's seconds, past which its result is an error.
+
+    ``kv_cache`` (grpo_jax): the decoding KV cache, ``contiguous`` (prompt + completion per slot) or ``paged``
+    (`models.paged`: pages of ``kv_page_size`` tokens from a pool of ``kv_cache_tokens``, 0: every slot's whole
+    row); ``auto``: paged on TPU/GPU meshes of one row shard, contiguous elsewhere (`programs.paged_page_size`)."""
 
     max_completion_length: int = 8
     temperature: float = 1.0
@@ -97,6 +101,9 @@ class SamplingConfig:
     max_batch_rows: int | None = None
     max_tool_calling_iterations: int | None = None
     tool_timeout: float = 60.0
+    kv_cache: str = "auto"
+    kv_page_size: int = 16
+    kv_cache_tokens: int = 0
 
     def __post_init__(self):
         if not isinstance(self.max_completion_length, int) or self.max_completion_length < 1:
@@ -116,6 +123,12 @@ class SamplingConfig:
         check(self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 0,
               f"sampling.max_tool_calling_iterations={self.max_tool_calling_iterations} must be >= 0, or null (no cap)")
         check(self.tool_timeout > 0, f"sampling.tool_timeout={self.tool_timeout} must be > 0 seconds")
+        check(self.kv_cache in ("auto", "paged", "contiguous"),
+              f"sampling.kv_cache={self.kv_cache!r}: use 'auto', 'paged' or 'contiguous'")
+        check(isinstance(self.kv_page_size, int) and self.kv_page_size >= 1,
+              f"sampling.kv_page_size={self.kv_page_size!r} must be an integer >= 1 (tokens per page)")
+        check(isinstance(self.kv_cache_tokens, int) and self.kv_cache_tokens >= 0,
+              f"sampling.kv_cache_tokens={self.kv_cache_tokens!r} must be an integer >= 0 (0: every slot's whole row)")
         if not isinstance(self.host_threads, int) or self.host_threads < 0:
             raise ValueError(f"sampling.host_threads={self.host_threads!r} must be an integer >= 0 (0: one per CPU "
                              "core on CPU, 1 elsewhere)")

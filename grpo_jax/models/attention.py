@@ -1,6 +1,7 @@
 """The attention function every layer calls, with its backends (``model.attention``): the dense softmax (the
 reference), block-by-block attention over a whole [B, T, T] mask (packed layouts), and the kernels that ship with
-jax: Pallas splash attention (TPU) and ``jax.nn.dot_product_attention`` (cuDNN on GPU). Kernels never see a
+jax: Pallas splash attention (TPU) and ``jax.nn.dot_product_attention`` (cuDNN on GPU), and for decoding over a
+paged cache (`models.paged`) Pallas paged attention (TPU and GPU). Kernels never see a
 [B, T, S] boolean: `Visibility` says who sees whom from structure (segment ids, the causal offset, a window).
 
 Dimension letters as in `models.layers`: B rows, T queries, S keys, K key/value heads, G query heads per key/value
@@ -16,7 +17,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
 from jax.experimental.pallas.ops.tpu import splash_attention as splash_lib
+from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
 from jax.sharding import PartitionSpec
 
 # the mesh axes rows and heads are split over (grpo_jax/sharding.py: ROWS, TENSOR)
@@ -303,3 +306,48 @@ def attend(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask, *, scale: float, softcap:
         if attend_whole is not None:
             out = attend_whole(*args, mask, scale, softcap)
     return dense(*args, mask, scale, softcap) if out is None else out
+
+
+# --- decoding over a paged cache ------------------------------------------------------------------------------
+
+DECODE_KERNELS = ("splash", "splash_interpret", "cudnn")  # backends whose paged decode runs a Pallas kernel
+
+
+def paged_kernel(backend: str) -> bool:
+    """Whether a decode step over a paged cache runs `paged_decode`'s kernel for the resolved ``backend``: not
+    under a mesh of several devices (a Mosaic kernel is not partitioned automatically; the dense path reads the
+    pages back there)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return backend in DECODE_KERNELS and (mesh.empty or mesh.size == 1)
+
+
+PAGES_PER_BLOCK = 8  # pages a paged-attention kernel reads per compute block (fewer when a row has fewer)
+K_SPLITS = 16  # parts of a row's pages the GPU kernel reads in parallel (fewer when they do not divide its pages)
+
+
+def paged_decode(q_BxTxKxGxDh, k_KxPagesxPsxDh, v_KxPagesxPsxDh, pages_BxQ, length_B, *, scale: float,
+                 softcap: float | None, backend: str, interpret: bool = False):
+    """One query per row over its pages -> [B, K, G, 1, Dh]: row b sees its tokens [0, ``length_B[b]``) (page j //
+    page_size of ``pages_BxQ``). ``backend`` splash: the TPU Pallas kernel; cudnn or xla: the GPU Pallas kernel,
+    which ``interpret`` (or splash_interpret) runs in Pallas interpret mode on any backend (the TPU kernel has
+    none). Queries are scaled before the kernels (they do not
+    scale); pages past a row's length may be missing (the pool's page count), clamped to page 0, never read."""
+    B, T, K, G, Dh = q_BxTxKxGxDh.shape
+    if T != 1:
+        raise ValueError(f"paged_decode takes one query per row, got {T}")
+    pages = k_KxPagesxPsxDh.shape[1]
+    Q = pages_BxQ.shape[1]
+    q_BxHxDh = (q_BxTxKxGxDh.astype(jnp.float32) * scale).astype(q_BxTxKxGxDh.dtype).reshape(B, K * G, Dh)
+    k, v = (x.astype(q_BxHxDh.dtype) for x in (k_KxPagesxPsxDh, v_KxPagesxPsxDh))
+    pages_BxQ = jnp.where(pages_BxQ < pages, pages_BxQ, 0).astype(jnp.int32)
+    if backend == "splash" and not interpret:
+        out_BxHxDh = tpu_paged_attention(q_BxHxDh, k, v, length_B.astype(jnp.int32), pages_BxQ,
+                                         attn_logits_soft_cap=softcap,
+                                         pages_per_compute_block=math.gcd(Q, PAGES_PER_BLOCK))
+    else:  # a row's pages split K_SPLITS ways run in parallel (few rows, long rows), combined by the kernel
+        splits = math.gcd(Q, K_SPLITS)
+        out_BxHxDh = gpu_paged.paged_attention(q_BxHxDh, k, v, pages_BxQ, length_B.astype(jnp.int32),
+                                               pages_per_compute_block=math.gcd(Q // splits, PAGES_PER_BLOCK),
+                                               k_splits=splits, attn_logits_soft_cap=softcap,
+                                               interpret=interpret or backend == "splash_interpret")
+    return out_BxHxDh.reshape(B, K, G, 1, Dh)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from grpo_jax.config.model import ModelConfig
-from grpo_jax.models import attention
+from grpo_jax.models import attention, paged
 from grpo_jax.models.attention import attention_scores  # noqa: F401  (re-exported)
 from grpo_jax.models.lora import LoRALinear
 from grpo_jax.models.positional import apply_rope
@@ -89,7 +89,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BxTxD, cos, sin, mask_BxTxS, cache_kv, cache_index, prefix_kv=None,
                  prefix_group_size: int = 1, whole_mask: bool = False):
-        """Attend from T new tokens; with ``cache_kv`` (this layer's k, v [B,K,S,Dh]) write them at cache_index.
+        """Attend from T new tokens; with ``cache_kv`` (this layer's k, v [B,K,S,Dh]) write them at cache_index,
+        or with a `paged.LayerPages` at its row positions (``mask_BxTxS`` None there: a decode kernel reads the pages).
 
         ``prefix_kv`` (k, v [R,K,P,Dh], R = B / ``prefix_group_size``): this layer's keys/values of a prefix
         shared by each group of rows, attended before the T new tokens (S = P + T). ``whole_mask``: the mask was
@@ -115,6 +116,16 @@ class Attention(nnx.Module):
                 k_BxKxSxDh, v_BxKxSxDh = (
                     jnp.concatenate([jnp.repeat(p.astype(new.dtype), prefix_group_size, axis=0), new], axis=2)
                     for p, new in zip(prefix_kv, (k_BxKxTxDh, v_BxKxTxDh)))
+        elif isinstance(cache_kv, paged.LayerPages):  # a paged cache: write into pages, read them back
+            pages = cache_kv.cache
+            cache_kv = tuple(paged.write(pool, pages.pages_NxQ, pages.write_NxA, new)
+                             for pool, new in zip(cache_kv[:2], (k_BxKxTxDh, v_BxKxTxDh)))
+            if mask_BxTxS is None:  # a decode kernel (`models.transformer`): each row's tokens [0, length)
+                out_BxKxGxTxDh = attention.paged_decode(
+                    q_BxTxHxDh.reshape(B, T, K, H // K, Dh), *cache_kv, pages.pages_NxQ, pages.length_N,
+                    scale=self.scale, softcap=self.softcap, backend=attention.resolve(self.backend))
+                return self._out(out_BxKxGxTxDh), cache_kv, (k_BxKxTxDh, v_BxKxTxDh)
+            k_BxKxSxDh, v_BxKxSxDh = (paged.gather(pool, pages.pages_NxQ, pages.view_NxS) for pool in cache_kv)
         elif cache_index.ndim == 1:  # a slot of its own per row (continuous batching): a scatter
             write = jax.vmap(lambda c_KxSxDh, new_KxTxDh, i: jax.lax.dynamic_update_slice(c_KxSxDh, new_KxTxDh,
                                                                                          (0, i, 0)))
@@ -130,9 +141,13 @@ class Attention(nnx.Module):
         out_BxKxGxTxDh = attention.attend(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxTxS, scale=self.scale,
                                           softcap=self.softcap, backend=attention.resolve(self.backend),
                                           whole_mask=whole_mask, whole_mask_hook=self.attend_whole_mask)
+        return self._out(out_BxKxGxTxDh), cache_kv, (k_BxKxTxDh, v_BxKxTxDh)
+
+    def _out(self, out_BxKxGxTxDh):
+        """The heads' outputs [B, K, G, T, Dh] through o_proj -> [B, T, D]."""
+        B, K, G, T, Dh = out_BxKxGxTxDh.shape
         out_BxTxKxGxDh = out_BxKxGxTxDh.transpose(0, 3, 1, 2, 4)
-        out_BxTxD = self.o_proj(out_BxTxKxGxDh.reshape(B * T, H * Dh)).reshape(B, T, -1)
-        return out_BxTxD, cache_kv, (k_BxKxTxDh, v_BxKxTxDh)
+        return self.o_proj(out_BxTxKxGxDh.reshape(B * T, K * G * Dh)).reshape(B, T, -1)
 
 
 class MLP(nnx.Module):

@@ -24,7 +24,7 @@ from flax import nnx
 
 from grpo_jax.config.model import ModelConfig  # noqa: F401  (re-exported)
 from grpo_jax.config.sections import check
-from grpo_jax.models import attention
+from grpo_jax.models import attention, paged
 from grpo_jax.models.families import family, kind_window, layer_kinds
 from grpo_jax.models.layers import KVCache, RMSNorm, linear
 from grpo_jax.models.moe import Routing
@@ -85,7 +85,7 @@ class Transformer(nnx.Module):
         whole_mask = attention_mask_BxS.ndim == 3
         kinds, kind_of_layer = layer_kinds(config)
         # a kernel backend's training forward takes who-sees-whom as structure (`attention.Visibility`), never a
-        # [B, T, S] boolean; decoding with a cache keeps the dense masks
+        # [B, T, S] boolean; decoding with a contiguous cache keeps the dense masks (a paged one: lengths, below)
         kernel = attention.resolve(config.attention) in attention.KERNELS and cache is None and not whole_mask
         if whole_mask:  # who sees whom, given whole (packed layouts); a window counts positions, contiguous there
             check(cache is None and prefix is None and attention_mask_BxS.shape[1:] == (T, T),
@@ -106,6 +106,9 @@ class Transformer(nnx.Module):
             else:
                 masks = [attention_mask(attention_mask_BxS, query_slot_T, kind_window(config, k), positions_BxT)
                          for k in kinds]
+            if isinstance(cache, paged.PagedKVCache) and T == 1 and attention.paged_kernel(
+                    attention.resolve(config.attention)):  # a token per row over its pages: a kernel reads them
+                masks = [None if kind_window(config, k) is None else m for k, m in zip(kinds, masks)]
         # one mask and one RoPE table per attention kind, built once; each layer takes its kind's
         rope = rotary_tables(config, S) if rope is None else rope
         cos_sins = [rope_cos_sin(positions_BxT, rope[k]) for k in kinds]
@@ -127,12 +130,15 @@ class Transformer(nnx.Module):
             layers = layer_params_from(stacked, config.num_hidden_layers) if layers is None else layers
             ks, vs, routed = [], [], []
             for l, (params, k, v, i) in enumerate(zip(layers, cache.k, cache.v, kind_of_layer)):
-                x, (k, v), _, r = run_layer(params, x, *cos_sins[i], masks[i], (k, v), cache_index,
+                layer_cache = paged.LayerPages(k, v, cache) if isinstance(cache, paged.PagedKVCache) else (k, v)
+                x, (k, v), _, r = run_layer(params, x, *cos_sins[i], masks[i], layer_cache, cache_index,
                                             replay=None if routing is None else routing[l])
                 ks.append(k)
                 vs.append(v)
                 routed.append(r)
-            out = self.norm(x), KVCache(tuple(ks), tuple(vs))
+            new_cache = (cache._replace(k=tuple(ks), v=tuple(vs)) if isinstance(cache, paged.PagedKVCache) else
+                         KVCache(tuple(ks), tuple(vs)))
+            out = self.norm(x), new_cache
             return (*out, _stack_routing(routed)) if return_routing else out
 
         # training and scoring: a loop or one scan over the stacked layers; a shared prefix's per-layer keys/values
@@ -267,6 +273,10 @@ def forward(graphdef, params, input_ids_BxT, positions_BxT, attention_mask_BxS, 
     ``positions_BxT`` drive RoPE (left padding: ``cumsum(mask) - 1`` clipped at 0); they must be below S (every
     left-padded or cached layout's are), the length of the RoPE tables built for the call (``rope``: `rotary_tables`
     covering them, made once by a decode loop's caller).
+
+    ``cache`` may instead be a `paged.PagedKVCache`: the new keys/values go to its row positions in its pages, and
+    each layer reads them back in the slot order above (the mask as for a contiguous cache), or for one token per
+    row under a kernel backend on one device, non-windowed layers read the pages through `attention.paged_decode`.
 
     With a cache the layers run one after another (``layers``: their `layer_params`, sliced once by a decode
     loop's caller); without one a Python loop runs them, or with ``model.scan_layers`` a single ``lax.scan``
