@@ -23,7 +23,6 @@ from grpo_jax.chips import GIB, Chip, device_chip, topology_chip
 from grpo_jax.config import Config
 
 FIT_FRACTION = 0.9  # a phase fits when its peak is under this share of the chip's HBM (XLA's own buffers, fragments)
-UNLIMITED_HBM_MIB = 1 << 22  # 4 TiB: a TPU compile that would not fit still reports its sizes
 PHASES = ("prefill", "decode_step", "logps", "train_step")
 
 
@@ -173,7 +172,7 @@ def plan(config: Config, devices, *, chip: Chip | None = None, hbm_bytes: int | 
         hbm_bytes = chip.hbm_bytes if (chip is not None and tpu) else local_hbm(devices[0])
     m = config.mesh
     mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor, devices=devices, expert=m.expert)
-    phases = _phases(config, mesh, hbm_mib=hbm_bytes // 2 ** 20 if tpu else None)
+    phases = _phases(config, mesh, tpu)
     tc = config.train
     tokens = tc.generation_batch_size * (config.data.max_prompt_length + config.sampling.max_completion_length)
     return Plan(tuple(phases), chip, hbm_bytes, len(devices), sharding.num_row_shards(mesh), tokens, config)
@@ -184,12 +183,12 @@ def hint(plan_: Plan, phase: Phase) -> str:
     c = plan_.config
     tc, mesh, model = c.train, c.mesh, c.model
     shards = mesh.fsdp if mesh.fsdp > 0 else plan_.chips
-    need = f"{phase.name} needs {phase.peak / GIB:.1f} GiB per chip of {plan_.hbm_bytes / GIB:.1f} GiB"
+    need = f"{phase.name} needs {_size(phase.peak)} per chip of {_size(plan_.hbm_bytes)}"
     if phase.arguments > 0.5 * plan_.hbm_bytes:
         if shards < plan_.chips:
-            return f"{need}, {phase.arguments / GIB:.1f} GiB of it the state: raise mesh.fsdp (now {mesh.fsdp})"
+            return f"{need}, {_size(phase.arguments)} of it the state: raise mesh.fsdp (now {mesh.fsdp})"
         if not model.lora.enabled:
-            return f"{need}, {phase.arguments / GIB:.1f} GiB of it the state: train LoRA adapters (model.lora.rank=16)"
+            return f"{need}, {_size(phase.arguments)} of it the state: train LoRA adapters (model.lora.rank=16)"
     if phase.name == "train_step" and model.remat == "none":
         return f"{need}: set model.remat=full (each layer's activations recomputed in the backward)"
     if phase.name in ("train_step", "logps") and tc.logps_chunk_size != 1:
@@ -207,20 +206,24 @@ def hint(plan_: Plan, phase: Phase) -> str:
             "with the sequence), or use more chips")
 
 
+def _size(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2 ** 20:.1f} MiB"
+
+
 def report(plan_: Plan, topology: str) -> list[str]:
     """The plan as printable lines: a table of phases, the round's estimate, whether it fits, and the hints."""
     c = plan_.config
     chip = plan_.chip.name if plan_.chip else "no chip table entry (no roofline)"
-    lines = [f"grpo-jax plan: {topology}, {plan_.chips} chips ({chip}), HBM {plan_.hbm_bytes / GIB:.1f} GiB per "
+    lines = [f"grpo-jax plan: {topology}, {plan_.chips} chips ({chip}), HBM {_size(plan_.hbm_bytes)} per "
              f"chip; {c.train.generation_batch_size} rows a round x ({c.data.max_prompt_length} prompt + "
              f"{c.sampling.max_completion_length} completion) tokens",
-             "phase        runs/round  args GiB  temps GiB  peak GiB  of HBM    TFLOP   GB read+written   est s",
-             "-" * 100]
+             f"{'phase':<12} {'runs/round':>10} {'arguments':>10} {'temporaries':>11} {'peak':>10} {'of HBM':>7} "
+             f"{'FLOPs':>9} {'bytes':>10} {'est. s':>9}"]
     for p in plan_.phases:
         t = plan_.seconds(p)
-        lines.append(f"{p.name:<12} {p.runs:>10g} {p.arguments / GIB:>9.2f} {p.temporaries / GIB:>10.2f} "
-                     f"{p.peak / GIB:>9.2f} {p.peak / plan_.hbm_bytes:>7.0%} {p.flops / 1e12:>8.3f} "
-                     f"{p.bytes_accessed / 1e9:>17.3f} {'-' if t is None else f'{t:.4f}':>7}")
+        lines.append(f"{p.name:<12} {p.runs:>10g} {_size(p.arguments):>10} {_size(p.temporaries):>11} "
+                     f"{_size(p.peak):>10} {p.peak / plan_.hbm_bytes:>7.0%} {p.flops:>9.3g} "
+                     f"{_size(p.bytes_accessed):>10} {'-' if t is None else f'{t:.3g}':>9}")
     seconds = plan_.round_seconds
     if seconds is not None:
         rate = plan_.tokens / seconds / plan_.chips
@@ -240,21 +243,14 @@ def _abstract(shapes, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
 
 
-def _compile(lowered, hbm_mib: int | None):
-    """XLA's executable for ``lowered``; a TPU program over ``hbm_mib`` is compiled again without the limit so that
-    its sizes come back (the plan judges the fit itself)."""
-    if hbm_mib is None:
-        return lowered.compile()
-    try:
-        return lowered.compile({"xla_tpu_max_hbm_size_mib": hbm_mib})
-    except Exception as e:  # noqa: BLE001 - XLA's RESOURCE_EXHAUSTED is a JaxRuntimeError
-        if "RESOURCE_EXHAUSTED" not in str(e) and "memory" not in str(e).lower():
-            raise
-    return lowered.compile({"xla_tpu_max_hbm_size_mib": UNLIMITED_HBM_MIB})
+def _compile(lowered, tpu: bool):
+    """XLA's executable for ``lowered``. On a TPU, a program over the chip's HBM is still compiled (XLA's
+    ``xla_tpu_no_crash_on_oom``), so that its sizes come back: the plan judges the fit itself."""
+    return lowered.compile({"xla_tpu_no_crash_on_oom": True} if tpu else None)
 
 
 def _programs(config: Config, mesh, model, *, train_rows: int, micro_batches: int, chunk: int,
-              hbm_mib: int | None) -> dict:
+              tpu: bool) -> dict:
     """{phase: compiled program} of a run of ``model`` over ``mesh``, for abstract inputs (nothing allocated)."""
     import jax
     import jax.numpy as jnp
@@ -290,15 +286,15 @@ def _programs(config: Config, mesh, model, *, train_rows: int, micro_batches: in
     options = decoder.options(B, B, False)
     start_args = (state.params, array(B, P), array(B, P), array(2, dtype=jnp.uint32, where=replicated),
                   array(dtype=jnp.int32, where=replicated))
-    out["prefill"] = _compile(decoder.start.lower(*start_args, options), hbm_mib)
+    out["prefill"] = _compile(decoder.start.lower(*start_args, options), tpu)
     decoding = _abstract(jax.eval_shape(lambda *a: decoder.start(*a, options), *start_args),
                          out["prefill"].output_shardings)
-    out["decode_step"] = _compile(decoder.advance.lower(state.params, decoding, options, False), hbm_mib)
+    out["decode_step"] = _compile(decoder.advance.lower(state.params, decoding, options, False), tpu)
     if tc.needs_old_logps or beta != 0.0:
         logps = programs.jit_logps(graphdef, mesh, temperature=config.sampling.temperature, chunk_size=chunk,
                                    params_sharding=shardings.params, prompt_group_size=round_group)
         out["logps"] = _compile(logps.lower(state.params, array(B, P), array(B, P), array(B, T), array(B, T),
-                                            routed(B)), hbm_mib)
+                                            routed(B)), tpu)
     options = StepOptions(loss=dataclasses.replace(config.loss, max_completion_length=T),
                           temperature=config.sampling.temperature, gradient_accumulation_steps=micro_batches,
                           logps_chunk_size=chunk, prompt_group_size=step_group, ref_sync=tc.ref_sync,
@@ -311,7 +307,7 @@ def _programs(config: Config, mesh, model, *, train_rows: int, micro_batches: in
                        old_per_token_logps=array(b, T, dtype=f32) if tc.needs_old_logps else None,
                        ref_per_token_logps=array(b, T, dtype=f32) if beta != 0.0 else None, routed_experts=routed(b))
     step = programs.jit_train_step(graphdef, optimizer, options, mesh, shardings)
-    out["train_step"] = _compile(step.lower(state, batch), hbm_mib)
+    out["train_step"] = _compile(step.lower(state, batch), tpu)
     return out
 
 
@@ -322,7 +318,7 @@ def _cost(compiled) -> tuple[float, float]:
     return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
 
 
-def _costs(config: Config, mesh, hbm_mib: int | None) -> dict:
+def _costs(config: Config, mesh, tpu: bool) -> dict:
     """{phase: (FLOPs, bytes)} of one run, per chip. XLA's cost analysis counts a loop's body once, so it reads the
     same programs with their loops taken apart: layers unrolled (1 and 2 of them, one model per layer kind,
     extrapolated to the model's depth: a layer's cost is the same at any depth), one micro-batch (times the
@@ -332,10 +328,12 @@ def _costs(config: Config, mesh, hbm_mib: int | None) -> dict:
     kinds = sorted(set(model.layer_types)) if model.layer_types else [None]
 
     def costs(kind_list):
-        variant = dataclasses.replace(model, scan_layers=False, num_hidden_layers=len(kind_list),
+        # a scan (as the run's, when it scans) unrolled whole: one trip, and the remat's recomputed forward stays
+        # in the backward's loop (unscanned, XLA may merge it with the forward: prevent_cse=False)
+        variant = dataclasses.replace(model, num_hidden_layers=len(kind_list), scan_unroll=len(kind_list),
                                       layer_types=None if kind_list[0] is None else tuple(kind_list))
         compiled = _programs(config, mesh, variant, train_rows=micro, micro_batches=1, chunk=0,
-                             hbm_mib=None if hbm_mib is None else UNLIMITED_HBM_MIB)
+                             tpu=tpu)
         return {name: _cost(c) for name, c in compiled.items()}
 
     one = {kind: costs([kind]) for kind in kinds}
@@ -352,12 +350,12 @@ def _costs(config: Config, mesh, hbm_mib: int | None) -> dict:
     return out
 
 
-def _phases(config: Config, mesh, hbm_mib: int | None) -> list[Phase]:
+def _phases(config: Config, mesh, tpu: bool) -> list[Phase]:
     """The run's phases over ``mesh``: memory from the programs as the run compiles them, costs from `_costs`."""
     tc = config.train
     compiled = _programs(config, mesh, config.model, train_rows=tc.train_batch_size,
-                         micro_batches=tc.gradient_accumulation_steps, chunk=tc.logps_chunk_size, hbm_mib=hbm_mib)
-    costs = _costs(config, mesh, hbm_mib)
+                         micro_batches=tc.gradient_accumulation_steps, chunk=tc.logps_chunk_size, tpu=tpu)
+    costs = _costs(config, mesh, tpu)
     slots = config.sampling.max_batch_rows or tc.generation_batch_size
     runs = {"prefill": 1, "decode_step": config.sampling.max_completion_length * -(-tc.generation_batch_size // slots),
             "logps": int(tc.needs_old_logps) + int(config.loss.beta != 0.0), "train_step": tc.steps_per_round}
