@@ -81,6 +81,8 @@ def main() -> int:
     parser.add_argument("--completions", nargs="+", type=int, default=list(COMPLETIONS))
     parser.add_argument("--lora", choices=("none", "only", "both"), default="both",
                         help="LoRA rows (rank 16): none, only, or both (LoRA for the first model only)")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="no FLOPs or bytes (no roofline): a third of the compiles")
     parser.add_argument("--json", help="also write every plan's `grpo-jax plan --json` object here")
     args = parser.parse_args()
     if args.quick:
@@ -98,17 +100,19 @@ def main() -> int:
                 for lora in variants[args.lora]:
                     timer = time.perf_counter()
                     try:
-                        p = plan.plan(load_config(None, overrides(folder, name, completion, lora)), devices)
+                        p = plan.plan(load_config(None, overrides(folder, name, completion, lora)), devices,
+                                      costs=not args.memory_only)
                     except Exception as e:  # noqa: BLE001 - a row that cannot be planned says why and the rest go on
                         print(f"| {name} | {'LoRA 16' if lora else 'full'} | {topology} | {PROMPT} + {completion} | "
                               f"error: {str(e).splitlines()[0][:200]} | | | | | |", flush=True)
                         continue
                     seconds = time.perf_counter() - timer
-                    peaks = " / ".join(f"{ph.peak / GIB:.1f}" for ph in p.phases)
-                    rate = p.tokens / p.round_seconds / p.chips
+                    peaks = " / ".join(f"{'≥' if ph.error else ''}{ph.peak / GIB:.1f}" for ph in p.phases)
+                    seconds_round = "-" if p.round_seconds is None else f"{p.round_seconds:.1f}"
+                    rate = "-" if p.round_seconds is None else f"{p.tokens / p.round_seconds / p.chips:,.0f}"
                     print(f"| {name} | {'LoRA 16' if lora else 'full'} | {topology} | {PROMPT} + {completion} | "
-                          f"{peaks} | {p.hbm_bytes / GIB:.0f} | {'yes' if p.fits else 'no'} | {p.round_seconds:.1f} "
-                          f"| {rate:,.0f} | {seconds:.0f} |", flush=True)
+                          f"{peaks} | {p.hbm_bytes / GIB:.0f} | {'yes' if p.fits else 'no'} | {seconds_round} "
+                          f"| {rate} | {seconds:.0f} |", flush=True)
                     for ph in p.phases:
                         if not p.phase_fits(ph):
                             print(f"<!-- {name} {topology} {completion}: {plan.hint(p, ph)} -->", flush=True)

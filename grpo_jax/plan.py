@@ -35,8 +35,9 @@ class Phase(NamedTuple):
     outputs: int
     aliased: int
     temporaries: int
-    flops: float
+    flops: float  # nan: unknown (its loop-free variant did not compile)
     bytes_accessed: float
+    error: str | None = None  # XLA refused to compile it: its sizes are what the refusal names (a lower bound)
 
     @property
     def peak(self) -> int:
@@ -59,7 +60,7 @@ class Plan:
 
     def seconds(self, phase: Phase) -> float | None:
         """Roofline time of one run: max(FLOPs / peak FLOP/s, bytes / HBM bandwidth); None without a chip."""
-        if self.chip is None:
+        if self.chip is None or math.isnan(phase.flops):
             return None
         return max(phase.flops / self.chip.bf16_flops, phase.bytes_accessed / self.chip.hbm_bandwidth)
 
@@ -74,14 +75,19 @@ class Plan:
     def round_seconds(self) -> float | None:
         """One round (sampling, log-probs, its optimizer steps) at the roofline."""
         times = [self.seconds(p) for p in self.phases]
-        return None if self.chip is None else sum(p.runs * t for p, t in zip(self.phases, times))
+        return None if None in times else sum(p.runs * t for p, t in zip(self.phases, times))
 
     def as_json(self) -> dict:
         """{"fits", "phases": {name: {"peak_bytes", "hbm_bytes", "flops", "bytes_accessed", "est_seconds"}}}."""
         return {"fits": self.fits, "phases": {p.name: {
-            "peak_bytes": p.peak, "hbm_bytes": self.hbm_bytes, "flops": p.flops, "bytes_accessed": p.bytes_accessed,
-            "est_seconds": self.seconds(p), "runs_per_round": p.runs, "arguments_bytes": p.arguments,
-            "temporaries_bytes": p.temporaries} for p in self.phases}}
+            "peak_bytes": p.peak, "hbm_bytes": self.hbm_bytes, "flops": _known(p.flops),
+            "bytes_accessed": _known(p.bytes_accessed), "est_seconds": self.seconds(p), "runs_per_round": p.runs,
+            "arguments_bytes": p.arguments, "temporaries_bytes": p.temporaries, "error": p.error}
+            for p in self.phases}}
+
+
+def _known(x: float) -> float | None:
+    return None if math.isnan(x) else x
 
 
 def _tpu_attached() -> bool:
@@ -157,11 +163,13 @@ def resolved(config: Config) -> Config:
     return dataclasses.replace(config, model=model)
 
 
-def plan(config: Config, devices, *, chip: Chip | None = None, hbm_bytes: int | None = None) -> Plan:
+def plan(config: Config, devices, *, chip: Chip | None = None, hbm_bytes: int | None = None,
+         costs: bool = True) -> Plan:
     """The run's phases compiled for ``devices`` (`topology_devices`): memory per chip, FLOPs, bytes, roofline.
 
     ``chip`` (None: by the devices' kind) gives the roofline's FLOP/s and bandwidth; ``hbm_bytes`` (None: the
-    chip's, or a device at hand's limit) what a phase must fit in."""
+    chip's, or a device at hand's limit) what a phase must fit in; ``costs`` False skips FLOPs and bytes (memory
+    only: a third of the compiles)."""
     from grpo_jax import sharding
 
     config = resolved(config)
@@ -172,7 +180,7 @@ def plan(config: Config, devices, *, chip: Chip | None = None, hbm_bytes: int | 
         hbm_bytes = chip.hbm_bytes if (chip is not None and tpu) else local_hbm(devices[0])
     m = config.mesh
     mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor, devices=devices, expert=m.expert)
-    phases = _phases(config, mesh, tpu)
+    phases = _phases(config, mesh, tpu, costs)
     tc = config.train
     tokens = tc.generation_batch_size * (config.data.max_prompt_length + config.sampling.max_completion_length)
     return Plan(tuple(phases), chip, hbm_bytes, len(devices), sharding.num_row_shards(mesh), tokens, config)
@@ -183,7 +191,8 @@ def hint(plan_: Plan, phase: Phase) -> str:
     c = plan_.config
     tc, mesh, model = c.train, c.mesh, c.model
     shards = mesh.fsdp if mesh.fsdp > 0 else plan_.chips
-    need = f"{phase.name} needs {_size(phase.peak)} per chip of {_size(plan_.hbm_bytes)}"
+    need = f"{phase.name} needs {'at least ' if phase.error else ''}{_size(phase.peak)} per chip of " \
+           f"{_size(plan_.hbm_bytes)}"
     if phase.arguments > 0.5 * plan_.hbm_bytes:
         if shards < plan_.chips:
             return f"{need}, {_size(phase.arguments)} of it the state: raise mesh.fsdp (now {mesh.fsdp})"
@@ -221,6 +230,9 @@ def report(plan_: Plan, topology: str) -> list[str]:
              f"{'FLOPs':>9} {'bytes':>10} {'est. s':>9}"]
     for p in plan_.phases:
         t = plan_.seconds(p)
+        if p.error:
+            lines.append(f"{p.name:<12} {p.runs:>10g} refused by XLA, needs at least {_size(p.peak)}: {p.error}")
+            continue
         lines.append(f"{p.name:<12} {p.runs:>10g} {_size(p.arguments):>10} {_size(p.temporaries):>11} "
                      f"{_size(p.peak):>10} {p.peak / plan_.hbm_bytes:>7.0%} {p.flops:>9.3g} "
                      f"{_size(p.bytes_accessed):>10} {'-' if t is None else f'{t:.3g}':>9}")
@@ -243,10 +255,34 @@ def _abstract(shapes, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
 
 
+class Refused(NamedTuple):
+    """A program XLA would not compile for want of memory: its message and the bytes it names (a lower bound)."""
+
+    message: str
+    needs: int
+
+
+def _needs(message: str) -> int:
+    """The bytes an XLA out-of-memory message names: an allocation's size, or the temporaries' total (0: none)."""
+    found = re.search(r"Allocation \(size=(\d+)\)", message)
+    if found:
+        return int(found.group(1))
+    found = re.search(r"HLO temporaries \(([\d.]+)([KMGT]?)\)", message)
+    if found:
+        return int(float(found.group(1)) * 1024 ** " KMGT".index(found.group(2) or " "))
+    return 0
+
+
 def _compile(lowered, tpu: bool):
-    """XLA's executable for ``lowered``. On a TPU, a program over the chip's HBM is still compiled (XLA's
-    ``xla_tpu_no_crash_on_oom``), so that its sizes come back: the plan judges the fit itself."""
-    return lowered.compile({"xla_tpu_no_crash_on_oom": True} if tpu else None)
+    """XLA's executable for ``lowered``, or `Refused`. On a TPU a program over the chip's HBM is still compiled
+    (``xla_tpu_no_crash_on_oom``) so that its sizes come back: the plan judges the fit itself; an allocation larger
+    than the whole HBM is refused all the same."""
+    try:
+        return lowered.compile({"xla_tpu_no_crash_on_oom": True} if tpu else None)
+    except Exception as e:  # noqa: BLE001 - XLA's RESOURCE_EXHAUSTED is a JaxRuntimeError
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return Refused(str(e).strip().splitlines()[0][:300], _needs(str(e)))
 
 
 def _programs(config: Config, mesh, model, *, train_rows: int, micro_batches: int, chunk: int,
@@ -287,9 +323,12 @@ def _programs(config: Config, mesh, model, *, train_rows: int, micro_batches: in
     start_args = (state.params, array(B, P), array(B, P), array(2, dtype=jnp.uint32, where=replicated),
                   array(dtype=jnp.int32, where=replicated))
     out["prefill"] = _compile(decoder.start.lower(*start_args, options), tpu)
-    decoding = _abstract(jax.eval_shape(lambda *a: decoder.start(*a, options), *start_args),
-                         out["prefill"].output_shardings)
-    out["decode_step"] = _compile(decoder.advance.lower(state.params, decoding, options, False), tpu)
+    if isinstance(out["prefill"], Refused):  # the decode step's inputs are the prefill's outputs, as it lays them out
+        out["decode_step"] = Refused("not compiled: the prefill was refused", 0)
+    else:
+        decoding = _abstract(jax.eval_shape(lambda *a: decoder.start(*a, options), *start_args),
+                             out["prefill"].output_shardings)
+        out["decode_step"] = _compile(decoder.advance.lower(state.params, decoding, options, False), tpu)
     if tc.needs_old_logps or beta != 0.0:
         logps = programs.jit_logps(graphdef, mesh, temperature=config.sampling.temperature, chunk_size=chunk,
                                    params_sharding=shardings.params, prompt_group_size=round_group)
@@ -312,7 +351,9 @@ def _programs(config: Config, mesh, model, *, train_rows: int, micro_batches: in
 
 
 def _cost(compiled) -> tuple[float, float]:
-    """(FLOPs, bytes accessed) per chip of one run of ``compiled``, by XLA's cost analysis."""
+    """(FLOPs, bytes accessed) per chip of one run of ``compiled``, by XLA's cost analysis (nan: refused)."""
+    if isinstance(compiled, Refused):
+        return math.nan, math.nan
     cost = compiled.cost_analysis()
     cost = (cost[0] if cost else {}) if isinstance(cost, list) else (cost or {})
     return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
@@ -322,7 +363,9 @@ def _costs(config: Config, mesh, tpu: bool) -> dict:
     """{phase: (FLOPs, bytes)} of one run, per chip. XLA's cost analysis counts a loop's body once, so it reads the
     same programs with their loops taken apart: layers unrolled (1 and 2 of them, one model per layer kind,
     extrapolated to the model's depth: a layer's cost is the same at any depth), one micro-batch (times the
-    micro-batches), log-probs unchunked; the decoder's loop body is one decode step, as wanted."""
+    micro-batches); the decoder's loop body is one decode step, as wanted. With ``train.logps_chunk_size`` the
+    unembedding's loop over row chunks stays (unchunked, XLA may lay the [rows, T, vocab] logits out unsplit): its
+    FLOPs count one chunk's."""
     tc, model = config.train, config.model
     micro = tc.train_batch_size // tc.gradient_accumulation_steps
     kinds = sorted(set(model.layer_types)) if model.layer_types else [None]
@@ -332,7 +375,7 @@ def _costs(config: Config, mesh, tpu: bool) -> dict:
         # in the backward's loop (unscanned, XLA may merge it with the forward: prevent_cse=False)
         variant = dataclasses.replace(model, num_hidden_layers=len(kind_list), scan_unroll=len(kind_list),
                                       layer_types=None if kind_list[0] is None else tuple(kind_list))
-        compiled = _programs(config, mesh, variant, train_rows=micro, micro_batches=1, chunk=0,
+        compiled = _programs(config, mesh, variant, train_rows=micro, micro_batches=1, chunk=tc.logps_chunk_size,
                              tpu=tpu)
         return {name: _cost(c) for name, c in compiled.items()}
 
@@ -350,17 +393,20 @@ def _costs(config: Config, mesh, tpu: bool) -> dict:
     return out
 
 
-def _phases(config: Config, mesh, tpu: bool) -> list[Phase]:
+def _phases(config: Config, mesh, tpu: bool, with_costs: bool) -> list[Phase]:
     """The run's phases over ``mesh``: memory from the programs as the run compiles them, costs from `_costs`."""
     tc = config.train
     compiled = _programs(config, mesh, config.model, train_rows=tc.train_batch_size,
                          micro_batches=tc.gradient_accumulation_steps, chunk=tc.logps_chunk_size, tpu=tpu)
-    costs = _costs(config, mesh, tpu)
+    costs = _costs(config, mesh, tpu) if with_costs else {name: (math.nan, math.nan) for name in compiled}
     slots = config.sampling.max_batch_rows or tc.generation_batch_size
     runs = {"prefill": 1, "decode_step": config.sampling.max_completion_length * -(-tc.generation_batch_size // slots),
             "logps": int(tc.needs_old_logps) + int(config.loss.beta != 0.0), "train_step": tc.steps_per_round}
     phases = []
     for name, c in compiled.items():
+        if isinstance(c, Refused):
+            phases.append(Phase(name, runs[name], 0, 0, 0, c.needs, *costs[name], error=c.message))
+            continue
         m = c.memory_analysis()
         phases.append(Phase(name, runs[name], m.argument_size_in_bytes, m.output_size_in_bytes,
                             m.alias_size_in_bytes, m.temp_size_in_bytes, *costs[name]))
