@@ -140,3 +140,30 @@ def test_topology_names_map_to_chips():
     assert chips.device_chip("NVIDIA H100 80GB HBM3") is chips.CHIPS["h100"]
     assert chips.device_chip("cpu") is None
     assert plan._accelerator_type("v5p", 64) == "v5p-128" and plan._accelerator_type("v5e", 4) == "v5litepod-4"
+
+
+def test_the_plan_tables_model_folders_hold_the_released_shapes(tmp_path):
+    """benchmarks/plan_table.py's config.json-only folders read back (transformers, `resolve_config`) as the
+    released models: Qwen2.5-7B, Qwen3-30B-A3B's 128 experts (8 a token), Gemma-3-27B's 5 local : 1 global layers."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import plan_table
+    from grpo_jax.models import ModelConfig, resolve_config
+
+    def read(name):
+        return resolve_config(ModelConfig(path=str(plan_table.write_folder(tmp_path, name))))
+
+    qwen = read("qwen2.5-7b")
+    assert (qwen.hidden_size, qwen.num_hidden_layers, qwen.num_attention_heads, qwen.num_key_value_heads,
+            qwen.intermediate_size, qwen.vocab_size) == (3584, 28, 28, 4, 18944, 152064)
+    moe = read("qwen3-30b-a3b")
+    assert (moe.hidden_size, moe.num_hidden_layers, moe.num_attention_heads, moe.num_key_value_heads, moe.head_dim,
+            moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size, moe.vocab_size) == (
+        2048, 48, 32, 4, 128, 128, 8, 768, 151936)
+    gemma = read("gemma-3-27b")
+    assert (gemma.hidden_size, gemma.num_hidden_layers, gemma.num_attention_heads, gemma.num_key_value_heads,
+            gemma.head_dim, gemma.intermediate_size, gemma.vocab_size, gemma.sliding_window) == (
+        5376, 62, 32, 16, 128, 21504, 262208, 1024)
+    assert gemma.layer_types.count("full_attention") == 10 and gemma.layer_types[5] == "full_attention"
