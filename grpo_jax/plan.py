@@ -206,13 +206,16 @@ def hint(plan_: Plan, phase: Phase) -> str:
     if phase.name == "train_step" and rows > 1:
         return (f"{need}: raise train.gradient_accumulation_steps (now {tc.gradient_accumulation_steps}; {rows} rows "
                 "per chip per micro-batch)")
+    rows = tc.generation_batch_size // plan_.row_shards
+    if phase.name == "logps" and rows > 1:
+        return (f"{need}: lower train.train_batch_size * train.steps_per_generation (the log-prob pass runs the "
+                f"round's {rows} rows per chip at once)")
     slots = c.sampling.max_batch_rows or tc.generation_batch_size
     if phase.name in ("prefill", "decode_step") and slots > plan_.row_shards:
         return f"{need}: lower sampling.max_batch_rows (decode slots, each with a cache of prompt + completion)"
-    if not model.lora.enabled:
-        return f"{need}: train LoRA adapters (model.lora.rank=16: no optimizer state, no reference copy)"
-    return (f"{need}: lower sampling.max_completion_length or data.max_prompt_length (attention memory grows "
-            "with the sequence), or use more chips")
+    return (f"{need}, {_size(phase.temporaries)} of it temporaries: lower sampling.max_completion_length or "
+            "data.max_prompt_length (dense attention's [rows, heads, L, L] scores grow with the square of the "
+            "sequence), or use more chips")
 
 
 def _size(n: float) -> str:
