@@ -63,9 +63,9 @@ def write_folder(root: Path, name: str) -> Path:
     return folder
 
 
-def overrides(folder: Path, name: str, completion: int, lora: bool) -> list[str]:
+def overrides(folder: Path, name: str, completion: int, lora: bool, expert: int = 8) -> list[str]:
     """The run's config: GRPO at the users' lengths, the state split over every chip (experts over `expert`)."""
-    mesh = ["mesh.data=1", "mesh.expert=8", "mesh.fsdp=8"] if "a3b" in name else ["mesh.data=1", "mesh.fsdp=-1"]
+    mesh = ["mesh.data=1", "mesh.fsdp=-1"] + ([f"mesh.expert={expert}"] if "a3b" in name else [])
     lora_keys = ["model.lora.rank=16", "model.lora.alpha=32"] if lora else []
     return [f"model.path={folder}", "model.dtype=bfloat16", "model.param_dtype=float32", "model.remat=full",
             "model.scan_layers=true", f"data.max_prompt_length={PROMPT}", f"sampling.max_completion_length={completion}",
@@ -81,6 +81,8 @@ def main() -> int:
     parser.add_argument("--completions", nargs="+", type=int, default=list(COMPLETIONS))
     parser.add_argument("--lora", choices=("none", "only", "both"), default="both",
                         help="LoRA rows (rank 16): none, only, or both (LoRA for the first model only)")
+    parser.add_argument("--expert", type=int, default=8,
+                        help="the mixture of experts' mesh.expert (the rest of the chips: fsdp); 1: experts over fsdp")
     parser.add_argument("--memory-only", action="store_true",
                         help="no FLOPs or bytes (no roofline): a third of the compiles")
     parser.add_argument("--json", help="also write every plan's `grpo-jax plan --json` object here")
@@ -100,7 +102,7 @@ def main() -> int:
                 for lora in variants[args.lora]:
                     timer = time.perf_counter()
                     try:
-                        p = plan.plan(load_config(None, overrides(folder, name, completion, lora)), devices,
+                        p = plan.plan(load_config(None, overrides(folder, name, completion, lora, args.expert)), devices,
                                       costs=not args.memory_only)
                     except Exception as e:  # noqa: BLE001 - a row that cannot be planned says why and the rest go on
                         print(f"| {name} | {'LoRA 16' if lora else 'full'} | {topology} | {PROMPT} + {completion} | "

@@ -219,6 +219,8 @@ def hint(plan_: Plan, phase: Phase) -> str:
 
 
 def _size(n: float) -> str:
+    if math.isnan(n):
+        return "-"
     return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2 ** 20:.1f} MiB"
 
 
@@ -237,7 +239,7 @@ def report(plan_: Plan, topology: str) -> list[str]:
             lines.append(f"{p.name:<12} {p.runs:>10g} refused by XLA, needs at least {_size(p.peak)}: {p.error}")
             continue
         lines.append(f"{p.name:<12} {p.runs:>10g} {_size(p.arguments):>10} {_size(p.temporaries):>11} "
-                     f"{_size(p.peak):>10} {p.peak / plan_.hbm_bytes:>7.0%} {p.flops:>9.3g} "
+                     f"{_size(p.peak):>10} {p.peak / plan_.hbm_bytes:>7.0%} {'-' if math.isnan(p.flops) else f'{p.flops:.3g}':>9} "
                      f"{_size(p.bytes_accessed):>10} {'-' if t is None else f'{t:.3g}':>9}")
     seconds = plan_.round_seconds
     if seconds is not None:
