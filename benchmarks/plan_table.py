@@ -68,7 +68,8 @@ def overrides(folder: Path, name: str, completion: int, lora: bool, expert: int 
     mesh = ["mesh.data=1", "mesh.fsdp=-1"] + ([f"mesh.expert={expert}"] if "a3b" in name else [])
     lora_keys = ["model.lora.rank=16", "model.lora.alpha=32"] if lora else []
     return [f"model.path={folder}", "model.dtype=bfloat16", "model.param_dtype=float32", "model.remat=full",
-            "model.scan_layers=true", f"data.max_prompt_length={PROMPT}", f"sampling.max_completion_length={completion}",
+            "model.scan_layers=true", f"data.max_prompt_length={PROMPT}",
+            f"sampling.max_completion_length={completion}",
             f"train.num_generations={GROUP}", f"train.train_batch_size={ROWS}", "train.gradient_accumulation_steps=4",
             "train.logps_chunk_size=1", "train.ref_param_dtype=bfloat16", "loss.beta=0.04", *mesh, *lora_keys]
 
@@ -102,8 +103,8 @@ def main() -> int:
                 for lora in variants[args.lora]:
                     timer = time.perf_counter()
                     try:
-                        p = plan.plan(load_config(None, overrides(folder, name, completion, lora, args.expert)), devices,
-                                      costs=not args.memory_only)
+                        config = load_config(None, overrides(folder, name, completion, lora, args.expert))
+                        p = plan.plan(config, devices, costs=not args.memory_only)
                     except Exception as e:  # noqa: BLE001 - a row that cannot be planned says why and the rest go on
                         print(f"| {name} | {'LoRA 16' if lora else 'full'} | {topology} | {PROMPT} + {completion} | "
                               f"error: {str(e).splitlines()[0][:200]} | | | | | |", flush=True)

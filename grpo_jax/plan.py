@@ -238,8 +238,9 @@ def report(plan_: Plan, topology: str) -> list[str]:
         if p.error:
             lines.append(f"{p.name:<12} {p.runs:>10g} refused by XLA, needs at least {_size(p.peak)}: {p.error}")
             continue
+        flops = "-" if math.isnan(p.flops) else f"{p.flops:.3g}"
         lines.append(f"{p.name:<12} {p.runs:>10g} {_size(p.arguments):>10} {_size(p.temporaries):>11} "
-                     f"{_size(p.peak):>10} {p.peak / plan_.hbm_bytes:>7.0%} {'-' if math.isnan(p.flops) else f'{p.flops:.3g}':>9} "
+                     f"{_size(p.peak):>10} {p.peak / plan_.hbm_bytes:>7.0%} {flops:>9} "
                      f"{_size(p.bytes_accessed):>10} {'-' if t is None else f'{t:.3g}':>9}")
     seconds = plan_.round_seconds
     if seconds is not None:
@@ -347,7 +348,8 @@ def _programs(config: Config, mesh, model, *, train_rows: int, micro_batches: in
     b, f32 = train_rows, jnp.float32
     batch = Trajectory(array(b, P), array(b, P), array(b, T), array(b, T), array(b, T), array(b, T, dtype=f32),
                        array(b, T), array(b, dtype=jnp.bool_),
-                       advantages=array(b, T, dtype=f32) if tc.advantage_estimator == "process" else array(b, dtype=f32),
+                       advantages=array(b, T, dtype=f32) if tc.advantage_estimator == "process"
+                       else array(b, dtype=f32),
                        old_per_token_logps=array(b, T, dtype=f32) if tc.needs_old_logps else None,
                        ref_per_token_logps=array(b, T, dtype=f32) if beta != 0.0 else None, routed_experts=routed(b))
     step = programs.jit_train_step(graphdef, optimizer, options, mesh, shardings)

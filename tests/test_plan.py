@@ -12,7 +12,8 @@ from grpo_jax import chips, cli, plan
 from grpo_jax.config import load_config
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                  reason="libtpu not installed (pip install -e '.[tpu]'): no TPU topology to compile for")
+                                  reason="libtpu not installed (pip install -e '.[tpu]'): no TPU topology to "
+                                  "compile for")
 
 # a Llama-shaped model whose per-chip shards fill TPU tiles (8 x 128) over 4 chips, so XLA's sizes carry no padding:
 # hidden 512 (128 a chip), 4 heads and 4 KV heads of 32, MLP 512, vocab 1024, tied embeddings, no biases
