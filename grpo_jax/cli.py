@@ -1,8 +1,8 @@
-"""Command line: `grpo-jax [train] [--config FILE] [section.key=value | --key value ...]`, `grpo-jax export` and
-`grpo-jax verify`.
+"""Command line: `grpo-jax [train] [--config FILE] [section.key=value | --key value ...]`, `grpo-jax export`,
+`grpo-jax verify` and `grpo-jax plan`.
 
-Parses a config and calls `train`, exports a checkpoint's policy, or checks a run's checkpoints against their
-checksums; no maths here.
+Parses a config and calls `train`, exports a checkpoint's policy, checks a run's checkpoints against their
+checksums, or plans a run's memory and time on a topology (`grpo_jax.plan`); no maths here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ def _train_parser() -> argparse.ArgumentParser:
         "task (a tiny model learns to reverse digit strings on CPU in a few minutes). Run the same command with "
         "the same output_dir again to resume from its newest checkpoint.",
         epilog="other commands: `grpo-jax export --help` (a checkpoint's policy to a Hugging Face folder), "
-        "`grpo-jax verify --help` (a run's checkpoints against their checksums)")
+        "`grpo-jax verify --help` (a run's checkpoints against their checksums), `grpo-jax plan --help` (a run's "
+        "memory per chip and time on a TPU topology, compiled from here)")
     parser.add_argument("--config", help="YAML config file, or the name of a packaged recipe (see configs/: "
                         "cispo, dapo, dr_grpo, grpo_deepseekmath, gspo, ...); keys not given keep their defaults")
     parser.add_argument("--no-progress", action="store_true",
@@ -33,9 +34,9 @@ def _train_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def flags_as_overrides(argv: list[str]) -> list[str]:
+def flags_as_overrides(argv: list[str], own: tuple[str, ...] = ()) -> list[str]:
     """TRL's `--key value`, `--key=value`, `--key v1 v2` (a list) and `--flag` (true) as `key=value` overrides;
-    `--config`, `--no-progress` and `--help` stay the parser's."""
+    `--config`, `--no-progress`, `--help` and the flags in ``own`` stay the parser's."""
     import yaml  # here: `grpo-jax --help` stays fast
 
     out, i = [], 0
@@ -43,8 +44,11 @@ def flags_as_overrides(argv: list[str]) -> list[str]:
         token, i = argv[i], i + 1
         if token == "--":  # argparse's end of options: the rest are overrides as written
             return out + argv[i - 1:]
-        if not token.startswith("--") or token.split("=", 1)[0] in OWN_FLAGS:
+        if not token.startswith("--") or token.split("=", 1)[0] in OWN_FLAGS + own:
             out.append(token)
+            if token in own and i < len(argv):  # its value, whatever it looks like
+                out.append(argv[i])
+                i += 1
             continue
         key, eq, value = token[2:].partition("=")
         values = []
@@ -77,6 +81,54 @@ def _verify_parser() -> argparse.ArgumentParser:
         "it was written; exits 1 when any file differs.")
     parser.add_argument("output_dir", help="a run's output_dir, or one checkpoint step folder checkpoints/<step>")
     return parser
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="grpo-jax plan", description="Compile a run's programs (prefill, a decode step, the log-prob forward, "
+        "the train step) for a topology without allocating anything, and print each phase's memory per chip, "
+        "FLOPs, bytes and roofline time; exits 1 when a phase does not fit in 90%% of a chip's HBM.")
+    parser.add_argument("--topology", required=True,
+                        help="a TPU slice such as v5p:4x4x4, v6e:8x8, v5e:2x2 (compiled here with libtpu), or local "
+                        "(the devices at hand)")
+    parser.add_argument("--config", help="YAML config file or packaged recipe, as for train; model.path may hold "
+                        "only config.json")
+    parser.add_argument("--json", help="also write {fits, phases: {name: {peak_bytes, hbm_bytes, flops, "
+                        "bytes_accessed, est_seconds}}} to this file")
+    parser.add_argument("--hbm-gib", type=float, help="judge the fit against this much memory per chip instead of "
+                        "the chip's (memory kept for something else, or a what-if)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, as for train")
+    return parser
+
+
+def plan_main(argv: list[str]) -> int:
+    """`grpo-jax plan --topology T [--config FILE] [--json FILE] [overrides]`."""
+    parser = _plan_parser()
+    args = parser.parse_intermixed_args(flags_as_overrides(argv, own=("--topology", "--json", "--hbm-gib")))
+    from grpo_jax.config import load_config
+
+    try:
+        config = load_config(args.config, args.overrides)
+    except ValueError as e:
+        parser.exit(2, f"grpo-jax plan: config error: {e}\n")
+    if args.hbm_gib is not None and args.hbm_gib <= 0:
+        parser.exit(2, f"grpo-jax plan: --hbm-gib={args.hbm_gib} must be > 0 (GiB per chip)\n")
+    from grpo_jax import plan
+
+    try:
+        devices = plan.topology_devices(args.topology)
+        hbm = None if args.hbm_gib is None else int(args.hbm_gib * 2 ** 30)
+        result = plan.plan(config, devices, hbm_bytes=hbm)
+    except ValueError as e:
+        print(f"grpo-jax plan: {e}", file=sys.stderr)
+        return 1
+    print("\n".join(plan.report(result, args.topology)))
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump(result.as_json(), f, indent=1)
+    return 0 if result.fits else 1
 
 
 def verify_main(argv: list[str]) -> int:
@@ -116,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         return export_main(argv[1:])
     if argv and argv[0] == "verify":
         return verify_main(argv[1:])
+    if argv and argv[0] == "plan":
+        return plan_main(argv[1:])
     if argv and argv[0] == "train":
         argv = argv[1:]  # `grpo-jax` alone trains, like `grpo-jax train`
     parser = _train_parser()
