@@ -97,7 +97,8 @@ def _host(shape, dtype):
 
 
 def _decode_programs(run, params, key, slots: int):
-    """Compiles one round's decoding call at ``slots``; returns (the call's trajectory stand-in, programs)."""
+    """Compiles one round's decoding call at ``slots``; returns (the call's trajectory stand-in, programs, the
+    largest peak bytes of one)."""
     decoder, tc = run.programs.decoder, run.config.train
     N, P = tc.generation_batch_size, run.config.data.max_prompt_length
     k = decoder.chunks(N, tc.num_generations)
@@ -108,22 +109,40 @@ def _decode_programs(run, params, key, slots: int):
     offset = _host((), np.int32)
     if run.tooling is None and (not options.num_slots or options.num_slots >= N // k):
         compiled = decoder.generate.lower(params, ids, ids, key, offset, options).compile()
-        rows, count = compiled.out_info[0], 1
+        rows, count, peak = compiled.out_info[0], 1, _peak(compiled)
     else:
         start = decoder.start.lower(params, ids, ids, key, offset, options).compile()
         advance = decoder.advance.lower(params, start.out_info, options, True).compile()
         rows = decoder.trajectory.lower(advance.out_info[0]).compile().out_info
-        count = 3
+        count, peak = 3, max(_peak(start), _peak(advance))
     if k > 1:
         rows = decoder.concat.lower([rows] * k).compile().out_info
         count += 1
-    return rows, count
+    return rows, count, peak
 
 
-def compile_ahead(run, state, shapes: RunShapes) -> tuple[int, float]:
+class Warmup(NamedTuple):
+    """What `compile_ahead` did: programs compiled, seconds, and each phase's largest peak bytes per device."""
+
+    count: int
+    seconds: float
+    peaks: dict  # "decode", "logps", "train_step" -> bytes (XLA's buffer assignment of the real devices' programs)
+
+
+def _peak(compiled) -> int:
+    """A compiled program's peak bytes per device: arguments + outputs - donated aliases + temporaries (0 where the
+    backend reports no memory analysis)."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return 0
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
+def compile_ahead(run, state, shapes: RunShapes) -> Warmup:
     """Compiles the programs of ``run``'s rounds and steps at every one of ``shapes`` before the first round, for
     ``state`` (its shardings): decoding (each slot count), reference / old log-probs and the step (each packing),
-    and the small programs between them. Returns (programs compiled, seconds); records `COMPILE_EVENT`.
+    and the small programs between them. Returns a `Warmup` (the phases' peaks are `grpo-jax plan`'s numbers for
+    the devices at hand); records `COMPILE_EVENT`.
 
     Not covered (they still compile on first use): multi-turn rows' appends, DAPO dynamic sampling's merges,
     asynchronous rounds' sampler, process supervision's step arrays, evaluation (before the first step anyway)."""
@@ -131,23 +150,23 @@ def compile_ahead(run, state, shapes: RunShapes) -> tuple[int, float]:
     programs, tc = run.programs, run.config.train
     N, T = tc.generation_batch_size, run.config.sampling.max_completion_length
     params, key = _abstract(state.params), _abstract(state.key)
-    count = 0
+    count, peaks = 0, {"decode": 0, "logps": 0, "train_step": 0}
     sample_key = programs.sample_key.lower(key, 0, 0).compile()
     count += 1
     rows = None
     for slots in shapes.decode_slots:
-        rows, n = _decode_programs(run, params, sample_key.out_info, slots)
-        count += n
+        rows, n, peak = _decode_programs(run, params, sample_key.out_info, slots)
+        count, peaks["decode"] = count + n, max(peaks["decode"], peak)
     args = (rows.prompt_ids, rows.prompt_mask, rows.completion_ids, rows.completion_mask, rows.routed_experts)
     old = rows.sampler_per_token_logps if tc.needs_old_logps else None
     ref = None
     for L, K in shapes.round_packings:
         if programs.ref_logps is not None:
-            ref = programs.ref_logps.lower(_abstract(state.reference_params), *args, L, K).compile().out_info
-            count += 1
+            compiled = programs.ref_logps.lower(_abstract(state.reference_params), *args, L, K).compile()
+            ref, count, peaks["logps"] = compiled.out_info, count + 1, max(peaks["logps"], _peak(compiled))
         if tc.needs_old_logps and run.config.model.dtype != "float32":  # float32: the sampler's (`dispatch_logps`)
-            old = programs.logps.lower(params, *args, L, K).compile().out_info
-            count += 1
+            compiled = programs.logps.lower(params, *args, L, K).compile()
+            old, count, peaks["logps"] = compiled.out_info, count + 1, max(peaks["logps"], _peak(compiled))
     advantages = _host((N, T) if tc.advantage_estimator == "process" else (N,), np.float32)
     batch = programs.rows.lower(rows, advantages, old, ref).compile().out_info
     count += 1
@@ -161,9 +180,19 @@ def compile_ahead(run, state, shapes: RunShapes) -> tuple[int, float]:
         count += 1
     abstract_state = _abstract(state)
     for L, K in shapes.step_packings:
-        programs.step.lower(abstract_state, batch, L, K).compile()
+        peaks["train_step"] = max(peaks["train_step"], _peak(programs.step.lower(abstract_state, batch, L, K).compile()))
         count += 1
     float(run.schedule(0))  # the step metrics' learning rate (`run_steps`): eager ops, compiled once
     seconds = time.perf_counter() - timer
     jax.monitoring.record_event_duration_secs(COMPILE_EVENT, seconds)
-    return count, seconds
+    return Warmup(count, seconds, peaks)
+
+
+def describe_peaks(peaks: dict, device) -> str:
+    """The phases' peaks per device as one line (phases that do not run left out), against the device's memory
+    limit where it reports one (an accelerator's HBM), e.g. ``decode 1.20 GiB, logps 3.40 GiB, train_step 9.80 GiB
+    of 95.7 GiB``."""
+    stats = (device.memory_stats() if hasattr(device, "memory_stats") else None) or {}
+    limit = stats.get("bytes_limit")
+    text = ", ".join(f"{name} {peak / 2**30:.2f} GiB" for name, peak in peaks.items() if peak)
+    return text + (f" of {limit / 2**30:.1f} GiB" if limit else "")

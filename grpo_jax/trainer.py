@@ -134,9 +134,10 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
         state, data_state, round_batch, round_index, history, before, arrays = _restore(run, state, data_state, mngr)
     compile_seconds = 0.0
     if run.shapes is not None:  # every program of the rounds compiled now, not inside a step
-        count, compile_seconds = shapes.compile_ahead(run, state, run.shapes)
+        count, compile_seconds, peaks = shapes.compile_ahead(run, state, run.shapes)
         print(f"grpo_jax: compiled {count} programs in {compile_seconds:.1f}s before the first step; "
-              + "; ".join(run.shapes.describe()))
+              + "; ".join(run.shapes.describe())
+              + f"; peak per device: {shapes.describe_peaks(peaks, jax.local_devices()[0])}")
     sampler = None  # asynchronous rounds: sampled ahead by a thread (`grpo_jax.async_rounds`)
     if async_rounds.enabled(config):
         sampler = async_rounds.Sampler(run, state, next_round=round_index + (round_batch is not None),

@@ -50,8 +50,13 @@ def test_after_the_warm_up_no_round_or_step_compiles(tmp_path):
     assert listed.step_packings and (0, 0) not in listed.step_packings  # packing=true: packed layouts only
     assert len(listed.decode_slots) > 1 and listed.decode_slots[0] == 0
 
-    (count, seconds), warm = listen.during(shapes.compile_ahead, run, state, listed)
-    assert count == sum(warm.values()) and seconds > 0
+    (count, seconds, peaks), warm = listen.during(shapes.compile_ahead, run, state, listed)
+    # fewer executables than programs where an earlier test of this process compiled the same small program
+    # (`sample_key`, `advantages`): jit's in-memory cache holds it, and no executable is made
+    assert count >= sum(warm.values()) and seconds > 0
+    # the phases' peaks per device (a run's plan for the devices at hand): the step holds at least its state's shards
+    state_bytes = sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards[:1])
+    assert peaks["train_step"] >= state_bytes and peaks["decode"] > 0 and peaks["logps"] > 0
     # each listed shape compiled once: a step and a reference pass per packing, a call's programs per slot count
     continuous = len(listed.decode_slots) - 1
     assert warm["jit(train_step)"] == len(listed.step_packings)
