@@ -66,12 +66,13 @@ def write_folder(root: Path, name: str) -> Path:
 def overrides(folder: Path, name: str, completion: int, lora: bool, expert: int = 8) -> list[str]:
     """The run's config: GRPO at the users' lengths, the state split over every chip (experts over `expert`)."""
     mesh = ["mesh.data=1", "mesh.fsdp=-1"] + ([f"mesh.expert={expert}"] if "a3b" in name else [])
-    lora_keys = ["model.lora.rank=16", "model.lora.alpha=32"] if lora else []
+    # LoRA's reference is the frozen base itself: no bf16 copy to cast
+    lora_keys = ["model.lora.rank=16", "model.lora.alpha=32"] if lora else ["train.ref_param_dtype=bfloat16"]
     return [f"model.path={folder}", "model.dtype=bfloat16", "model.param_dtype=float32", "model.remat=full",
             "model.scan_layers=true", f"data.max_prompt_length={PROMPT}",
             f"sampling.max_completion_length={completion}",
             f"train.num_generations={GROUP}", f"train.train_batch_size={ROWS}", "train.gradient_accumulation_steps=4",
-            "train.logps_chunk_size=1", "train.ref_param_dtype=bfloat16", "loss.beta=0.04", *mesh, *lora_keys]
+            "train.logps_chunk_size=1", "loss.beta=0.04", *mesh, *lora_keys]
 
 
 def main() -> int:
