@@ -188,11 +188,15 @@ def compile_ahead(run, state, shapes: RunShapes) -> Warmup:
     return Warmup(count, seconds, peaks)
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def describe_peaks(peaks: dict, device) -> str:
     """The phases' peaks per device as one line (phases that do not run left out), against the device's memory
     limit where it reports one (an accelerator's HBM), e.g. ``decode 1.20 GiB, logps 3.40 GiB, train_step 9.80 GiB
     of 95.7 GiB``."""
     stats = (device.memory_stats() if hasattr(device, "memory_stats") else None) or {}
     limit = stats.get("bytes_limit")
-    text = ", ".join(f"{name} {peak / 2**30:.2f} GiB" for name, peak in peaks.items() if peak)
+    text = ", ".join(f"{name} {_size(peak)}" for name, peak in peaks.items() if peak)
     return text + (f" of {limit / 2**30:.1f} GiB" if limit else "")
