@@ -1,4 +1,4 @@
-"""Rewards -> advantages, once per round on the whole global round (ALGORITHMS.md §2).
+"""Rewards -> advantages, once per round on the whole global round (docs/algorithms.md §2).
 
 Dimension letters: N rows (= P prompts x G generations, group-major: rows [g*G:(g+1)*G] are the G
 completions of prompt g), F reward functions, P prompts, G generations.
@@ -98,14 +98,14 @@ def batch_std(r_N: jax.Array) -> jax.Array:
 
 
 def nan_to_zero(x: jax.Array) -> jax.Array:
-    """NaN -> 0: unscorable rows and singleton groups get advantage 0 (ALGORITHMS.md §2)."""
+    """NaN -> 0: unscorable rows and singleton groups get advantage 0 (docs/algorithms.md §2)."""
     return jnp.where(jnp.isnan(x), 0.0, x)
 
 
 def group_advantages(rewards_NxF: jax.Array, reward_weights_F: jax.Array, *, num_generations: int,
                      scale_rewards: str = "group", multi_objective_aggregation: str = "sum_then_normalize"
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """GRPO group-relative advantages (ALGORITHMS.md §2), TRL 1.16's `multi_objective_aggregation`.
+    """GRPO group-relative advantages (docs/algorithms.md §2), TRL 1.16's `multi_objective_aggregation`.
 
     "normalize_then_sum" (GDPO) is `normalize_then_sum_advantages` (`scale_rewards` does not apply to it);
     "sum_then_normalize" (default):

@@ -1,4 +1,4 @@
-"""Per-token log-probabilities (and entropies) of completions under a model (ALGORITHMS.md §1).
+"""Per-token log-probabilities (and entropies) of completions under a model (docs/algorithms.md §1).
 
 Dimension letters: B rows, P prompt tokens (left-padded), T completion tokens (right-padded), D hidden, V vocab,
 R buffers of L slots.

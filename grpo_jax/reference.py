@@ -1,4 +1,4 @@
-"""The reference policy over a run: frozen, TR-DPO mixing, or iterative-GRPO resets (ALGORITHMS.md §8).
+"""The reference policy over a run: frozen, TR-DPO mixing, or iterative-GRPO resets (docs/algorithms.md §8).
 
 An optax-style `init`/`update` pair on `TrainState.ref_params`: `init(params)` copies the initial policy,
 `update(ref_params, params, step, config)` returns the next reference after optimizer step `step` (counted

@@ -1,4 +1,4 @@
-"""Round-level options between sampling and the updates (ALGORITHMS.md §2, §6, §8), as pure host functions.
+"""Round-level options between sampling and the updates (docs/algorithms.md §2, §6, §8), as pure host functions.
 
 Dimension letters: N rows of one sampling pass (P prompts x G generations, group-major), T completion
 tokens, F reward functions. A round's arrays are the host copies the trainer already fetched (the reward
@@ -56,7 +56,7 @@ def zero_std_groups(draw: Draw, weights_F: np.ndarray, num_generations: int) -> 
     """[P] bool: groups whose rewards are all equal (or fewer than 2 of them are scored).
 
     Outcome rewards compare r = nansum(R·w) over the G rows; process supervision compares every step reward
-    of the group. Such groups get advantage 0 from every estimator (ALGORITHMS.md §2): no policy gradient.
+    of the group. Such groups get advantage 0 from every estimator (docs/algorithms.md §2): no policy gradient.
     """
     if draw.step_rewards is not None:
         values_PxK = np.asarray(draw.step_rewards, np.float64).reshape(-1, num_generations * draw.step_rewards.shape[1])

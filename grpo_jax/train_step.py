@@ -53,7 +53,7 @@ class StepOptions:
     router_aux_loss_coef: float = 0.0  # mixture of experts: loss += coef * load-balancing loss / micro-batches
 
 
-# LossAux field -> metric name as TRL logs it (ALGORITHMS.md §9); other fields keep their own name
+# LossAux field -> metric name as TRL logs it (docs/algorithms.md §9); other fields keep their own name
 AUX_METRIC_NAMES = {"kl": "kl", "clip_ratio_low": "clip_ratio/low_mean", "clip_ratio_high": "clip_ratio/high_mean",
                     "clip_ratio_region": "clip_ratio/region_mean"}
 

@@ -13,7 +13,7 @@ NAN = float("nan")
 
 
 def naive_advantages(rewards, weights, G, scale):
-    """Per-row Python loop over plain lists: the independent reference for ALGORITHMS.md §2."""
+    """Per-row Python loop over plain lists: the independent reference for docs/algorithms.md §2."""
     rewards = np.asarray(rewards, np.float64)
     n = rewards.shape[0]
     r = []

@@ -27,7 +27,7 @@ def make_batch(seed=0, B=8, T=6, off_policy=True):
 
 
 def naive_loss(logp, old, ref, adv, mask, cfg, num_items=None, num_seqs=None):
-    """Token-by-token Python loop of ALGORITHMS.md §3-§7 (float64), masks of §6 left out."""
+    """Token-by-token Python loop of docs/algorithms.md §3-§7 (float64), masks of §6 left out."""
     B, T = logp.shape
     eps_lo = cfg.epsilon
     eps_hi = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high

@@ -1,4 +1,4 @@
-"""`LossConfig`: the policy-loss options, with TRL 1.16 `GRPOConfig` names and validation (ALGORITHMS.md §3–§7)."""
+"""`LossConfig`: the policy-loss options, TRL 1.16 `GRPOConfig` names and validation (docs/algorithms.md §3–§7)."""
 from __future__ import annotations
 
 import dataclasses

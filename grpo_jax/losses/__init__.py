@@ -1,4 +1,4 @@
-"""GRPO-family policy losses from per-token log-probabilities (ALGORITHMS.md §3–§7, §9), TRL 1.16 numbers.
+"""GRPO-family policy losses from per-token log-probabilities (docs/algorithms.md §3–§7, §9), TRL 1.16 numbers.
 
 Dimension letters: B rows of this (micro-)batch, T completion tokens. A loss never calls the model: it takes
 `per_token_logps` (carries gradient), `old_per_token_logps` and `ref_per_token_logps` (no gradient).
@@ -67,7 +67,7 @@ __all__ = [
 ]
 
 class LossAux(NamedTuple):
-    """Loss metrics (ALGORITHMS.md §9, TRL's names): float32 scalars, each a masked *mean* over this batch's
+    """Loss metrics (docs/algorithms.md §9, TRL's names): float32 scalars, each a masked *mean* over this batch's
     active tokens, so a token-weighted average over micro-batches is the step's value.
 
     kl is 0 when beta == 0 (TRL then logs none); it includes the bias correction when that is on, as in TRL.

@@ -1,4 +1,4 @@
-"""Per-token losses -> one scalar, with the normaliser of each loss_type (ALGORITHMS.md §7), and metrics (§9).
+"""Per-token losses -> one scalar, with the normaliser of each loss_type (docs/algorithms.md §7), and metrics (§9).
 
 Every normaliser is global to the optimizer step: `num_sequences` rows and `num_items_in_batch` active tokens
 of the whole step (all devices, all micro-batches), so the sum of `aggregate` over micro-batches is the

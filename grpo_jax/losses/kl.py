@@ -1,4 +1,4 @@
-"""Per-token KL estimators to the reference policy (ALGORITHMS.md §5)."""
+"""Per-token KL estimators to the reference policy (docs/algorithms.md §5)."""
 from __future__ import annotations
 
 import jax

@@ -1,4 +1,4 @@
-"""Multiplicative masks and weights on the per-token loss, all without gradient (ALGORITHMS.md §6).
+"""Multiplicative masks and weights on the per-token loss, all without gradient (docs/algorithms.md §6).
 
 B rows, T tokens. Each returns a float32 array that multiplies ℓ: [B, T], or [B, 1] per sequence.
 Also the masked reductions every other piece uses.

@@ -1,4 +1,4 @@
-"""Importance ratios between the current and the sampling policy (ALGORITHMS.md §3).
+"""Importance ratios between the current and the sampling policy (docs/algorithms.md §3).
 
 B rows, T completion tokens. Inputs are per-token log-probabilities; `per_token_logps` carries gradient,
 `old_per_token_logps` does not. Every function returns the *log* weight; the ratio is `exp` of it.
@@ -34,7 +34,7 @@ def sequence_token_log_importance_weights(per_token_logps: jax.Array, old_per_to
 
 def log_importance_weights(per_token_logps: jax.Array, old_per_token_logps: jax.Array,
                            completion_mask: jax.Array | None = None, *, level: str = "token") -> jax.Array:
-    """log_w at `level` (ALGORITHMS.md §3): token (default) -> logp - old, [B, T]; sequence -> [B, 1];
+    """log_w at `level` (docs/algorithms.md §3): token (default) -> logp - old, [B, T]; sequence -> [B, 1];
     sequence_token -> [B, T]. The sequence levels need `completion_mask` [B, T].
     """
     if level == "token":

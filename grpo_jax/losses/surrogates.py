@@ -1,4 +1,4 @@
-"""Per-token surrogates to minimise, one per loss family (ALGORITHMS.md §4).
+"""Per-token surrogates to minimise, one per loss family (docs/algorithms.md §4).
 
 B rows, T tokens. `ratio` is exp(log_w) from `ratios` ([B, T] or [B, 1]); `advantages` is [B, 1] or [B, T]
 and carries no gradient. The results broadcast to [B, T] (or stay [B, 1] when everything is per sequence);
