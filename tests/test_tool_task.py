@@ -272,3 +272,37 @@ def test_a_run_stopped_after_a_rounds_tools_resumes_bitwise_without_calling_them
     line = [line for line in _lines(tmp_path / "whole") if "loss" in line][-1]  # the last step's, not an eval's
     assert {"tools/call_frequency", "tools/failure_frequency", "tools/turns_per_rollout"} <= set(line)
     assert ("rewards/CountingEnv/mean" in line) == source.startswith("environment")
+
+
+def test_a_tampered_journal_warns_calls_those_turns_again_and_resumes_bitwise(tmp_path):
+    """After the stop, three foreign lines (JSON without the keys, a JSON list, binary junk) are appended to round
+    3's journal and one recorded outcome is changed ('123' -> '923'). Old outcome: "KeyError: 'row'" on every
+    rerun, or the changed outcome trained on silently. New: one warning naming the journal and its bad lines, the
+    changed turn's tool called again (once), and the run ends as the uninterrupted one, bit for bit."""
+    import importlib
+
+    from grpo_jax.config import load_config
+    from grpo_jax.preemption import RunFailed
+    from tests.test_checkpoint import _assert_same_state, _lines, _state
+
+    calls = importlib.import_module("tests.test_tool_task").CALLS
+    run = lambda out: trainer.train(load_config(None, [f"output_dir={out}", *TOOL_RUN,  # noqa: E731
+                                                       "tools=[tests.test_tool_task:lookup]"]), show_progress=False)
+    calls.update(lookup=0, raise_at_step=None)
+    run(tmp_path / "whole")
+    whole_calls = calls["lookup"]
+    calls.update(lookup=0, raise_at_step=2)
+    with pytest.raises(RunFailed, match="the grader went away"):
+        run(tmp_path / "split")
+    journal = tmp_path / "split" / "tool_calls" / "round-2-pass-0.jsonl"
+    lines = journal.read_bytes().splitlines()
+    changed = next(i for i, line in enumerate(lines) if b'"123"' in line)
+    lines[changed] = lines[changed].replace(b'"123"', b'"923"', 1)
+    journal.write_bytes(b"\n".join(lines) + b'\n{"note": "hello"}\n[1, 2, 3]\n\xff\xfe\x00junk')
+    n = len(lines)
+    with pytest.warns(RuntimeWarning, match=rf"tool journal {journal}: lines {changed + 1}, {n + 1}, {n + 2}, "
+                                            rf"{n + 3} did not parse as an entry or failed its checksum"):
+        run(tmp_path / "split")
+    assert calls["lookup"] == whole_calls + 1
+    assert _lines(tmp_path / "split") == _lines(tmp_path / "whole")
+    _assert_same_state(_state(tmp_path / "split")[0], _state(tmp_path / "whole")[0])
