@@ -205,13 +205,13 @@ def _train(config, no_progress: bool) -> int:
     from grpo_jax.distributed import initialize
 
     initialize(config.distributed)  # before any computation: every process of a multi-host run joins here
-    from grpo_jax.preemption import Preempted, RunFailed, quiet_storage_logs
+    from grpo_jax.preemption import Interrupted, Preempted, RunFailed, quiet_storage_logs
     from grpo_jax.trainer import train
 
     quiet_storage_logs()
     try:
         train(config, show_progress=not no_progress)
-    except Preempted as e:
+    except (Preempted, Interrupted) as e:
         print(f"grpo-jax: {e}", file=sys.stderr)
         return e.exit_code
     except (RunFailed, ValueError, OSError) as e:  # what failed and what to do, in one line (no traceback)

@@ -93,8 +93,10 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
     Continues the run in `output_dir` from its newest checkpoint when there is one (`resume`). Saves every
     `save_steps` steps and at the end, then exports the policy to `output_dir/final/`. On SIGTERM/SIGINT it
     finishes the step, saves, and raises `preemption.Preempted`; any other exception during training saves the
-    last good state first and raises `preemption.RunFailed` saying what failed (`preemption.failed`).
-    `loss_fn`: a custom loss with `compute_loss`'s signature, used instead of it; `train_dataset`, `eval_dataset`,
+    last good state first and raises `preemption.RunFailed` saying what failed (`preemption.failed`); a
+    KeyboardInterrupt raised by Python code (a reward function, a tool, a tracker) saves alike and raises
+    `preemption.Interrupted`, still a KeyboardInterrupt. `loss_fn`: a custom loss with `compute_loss`'s signature,
+    used instead of it; `train_dataset`, `eval_dataset`,
     `reward_funcs` (callables, paths, reward model folders or transformers objects), `reward_processing_classes`,
     `tools` and `environment_factory` as TRL's GRPOTrainer takes them, and `eval_reward_funcs` (default: the
     training ones) for the held-out evaluation (see `build`). The run holds `output_dir`'s lock (one writer per run)
@@ -105,7 +107,7 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
                        eval_reward_funcs=eval_reward_funcs, reward_processing_classes=reward_processing_classes)
     try:
         return _train(run.config, run, state, show_progress)  # its defaults resolved (learning rate)
-    except (preemption.Preempted, preemption.RunFailed):
+    except (preemption.Preempted, preemption.RunFailed, preemption.Interrupted):
         raise
     except Exception as error:
         if preemption.storage_error(error) is None:
@@ -210,11 +212,14 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
                                            preemption.again(run.output_dir, named))
     except preemption.Preempted:
         raise
-    except (Exception, SystemExit) as error:  # SystemExit: a library's sys.exit (a tracker's) stops the run alike
+    except (Exception, SystemExit, KeyboardInterrupt) as error:  # a library's sys.exit, or Python's interrupt
         failure = error
-        raise preemption.failed(error, run.output_dir, checkpoint.nbytes(state, run.keep_ref, saved_arrays()),
-                                state=state, steps=sum(not is_eval(h) for h in writer.history),
-                                saved_step=saved_step, save=save, named=named) from error
+        stopped = preemption.failed(error, run.output_dir, checkpoint.nbytes(state, run.keep_ref, saved_arrays()),
+                                    state=state, steps=sum(not is_eval(h) for h in writer.history),
+                                    saved_step=saved_step, save=save, named=named)
+        if isinstance(error, KeyboardInterrupt):  # raised by Python code, not a signal: still an interrupt
+            raise preemption.Interrupted(str(stopped)) from error
+        raise stopped from error
     finally:
         if sampler is not None:
             sampler.close()
