@@ -28,6 +28,9 @@ def resolve_reward_fn(path: str) -> Callable:
             f"reward function {path!r}: module {module_name!r} could not be imported ({type(e).__name__}: {e}); "
             "check the module is on PYTHONPATH"
         ) from e
+    except Exception as e:  # the module's own code failed while it was imported: said in one line, chained
+        raise ValueError(f"reward function {path!r}: importing module {module_name!r} raised {type(e).__name__}: "
+                         f"{e}; fix the module (the full error is chained to this one)") from e
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from grpo_jax import async_rounds, checkpoint, data, export, preemption, shapes, sharding, sources, stream
+from grpo_jax.arguments import check_arguments
 from grpo_jax.config import Config, to_dict
 from grpo_jax.evaluation import evaluate, short_names
 from grpo_jax.reporting import MetricsWriter, is_eval, plot_run
@@ -102,6 +103,9 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
     training ones) for the held-out evaluation (see `build`). The run holds `output_dir`'s lock (one writer per run)
     until it returns.
     """
+    check_arguments(config, loss_fn=loss_fn, reward_funcs=reward_funcs, train_dataset=train_dataset,
+                    eval_dataset=eval_dataset, tools=tools, environment_factory=environment_factory,
+                    eval_reward_funcs=eval_reward_funcs)
     run, state = build(config, loss_fn=loss_fn, train_dataset=train_dataset, eval_dataset=eval_dataset,
                        reward_funcs=reward_funcs, tools=tools, environment_factory=environment_factory,
                        eval_reward_funcs=eval_reward_funcs, reward_processing_classes=reward_processing_classes)

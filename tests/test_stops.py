@@ -268,7 +268,7 @@ def test_sighup_with_the_console_gone_saves_and_logs_the_message(tmp_path):
 
 
 def test_ctrl_c_while_starting_is_one_line(monkeypatch, capsys):
-    def interrupted(config, no_progress):
+    def interrupted(config, no_progress, debug=False):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli, "_train", interrupted)
