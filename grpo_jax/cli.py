@@ -112,7 +112,7 @@ def plan_main(argv: list[str]) -> int:
     try:
         config = load_config(args.config, args.overrides)
     except ValueError as e:
-        parser.exit(2, f"grpo-jax plan: config error: {e}\n")
+        parser.exit(2, f"grpo-jax plan: config error: {_one_line(e)}\n")
     if args.hbm_gib is not None and args.hbm_gib <= 0:
         parser.exit(2, f"grpo-jax plan: --hbm-gib={args.hbm_gib} must be > 0 (GiB per chip)\n")
     from grpo_jax import plan
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
     except ValueError as e:
-        parser.exit(2, f"grpo-jax: config error: {e}\n")
+        parser.exit(2, f"grpo-jax: config error: {_one_line(e)}\n")
     from grpo_jax.trackers import check_installed
 
     try:  # before jax loads: a missing tracker package is said at once (`run.check_inputs` says it for `train`)
