@@ -142,13 +142,13 @@ class Toolbox:
         if pending:
             async def guarded(fn, args):
                 try:
-                    return await asyncio.wait_for(fn(**args), self.timeout)
-                except (SystemExit, KeyboardInterrupt) as e:  # would end the event loop's thread, not the call
+                    return await fn(**args)
+                except (SystemExit, KeyboardInterrupt) as e:  # out of a task they would end the loop's thread
                     return _Stop(e)
 
             async def gather():
-                return await asyncio.gather(*(guarded(fn, args) for _, _, fn, args in pending),
-                                            return_exceptions=True)
+                return await asyncio.gather(*(asyncio.wait_for(guarded(fn, args), self.timeout)
+                                              for _, _, fn, args in pending), return_exceptions=True)
 
             outs = asyncio.run_coroutine_threadsafe(gather(), self._loop).result()
             for (i, name, _, _), out in zip(pending, outs):
