@@ -78,11 +78,14 @@ def _mismatch(where: str, key: str, value, weights, tensor: str, file: str) -> V
                       "config.json and weights disagree; fix config.json or point model.path at a matching folder")
 
 
-def check_folder(path: str) -> None:
+def check_folder(path: str, model_types=None) -> None:
     """Raises a one-line ValueError when config.json disagrees with itself (layer_types) or with the weights'
-    shapes (read from the safetensors headers only)."""
+    shapes (read from the safetensors headers only). ``model_types``: the ones checked (another is left to the
+    family lookup's own message); None: any."""
     where = os.path.join(path, "config.json")
     raw = _raw_config(path)
+    if model_types is not None and raw.get("model_type") not in model_types:
+        return
     refs = _weights(path)
     facts = _facts(refs) if refs else {}
     file = lambda tensor: os.path.basename(refs[tensor].file) if refs and tensor in refs else "the weights"  # noqa
