@@ -9,9 +9,9 @@ next free one when rows wait for slots); a row whose turn calls nothing, whose r
 rounds is retired. Each post-tool turn decodes only the budget left, where TRL decodes a full
 ``max_completion_length`` and cuts it.
 
-Every turn's outcomes are written to a `journal.Journal` (checksummed lines) as they arrive: a pass sampled again after a restart (its tokens
-are the same: `decoder` draws each row's tokens with its own noise, whenever its tools return) gets a standalone
-tool's recorded outcome back instead of calling it again, so tools with side effects run once; an environment's
+Every turn's outcomes are written to a `journal.Journal` (checksummed lines) as they arrive: a pass sampled again
+after a restart (its tokens are the same: `decoder` draws each row's tokens with its own noise, whenever its tools
+return) gets a standalone tool's recorded outcome back instead of calling it again, so tools with side effects run once; an environment's
 methods run again on the freshly reset instance, whose state they rebuild. The resumed run equals the uninterrupted
 one.
 

@@ -1,6 +1,6 @@
 """Every stop keeps the steps it finished: a reward function, an evaluation or a tracker that fails late, a
-`sys.exit`, a KeyboardInterrupt raised by Python code, SIGHUP with the console gone, Ctrl-C while starting; and a run started without output_dir resumes by
-the command its message prints, or by `resume_from_checkpoint=true`. Each rerun ends as the uninterrupted run,
+`sys.exit`, a KeyboardInterrupt raised by Python code, SIGHUP with the console gone, Ctrl-C while starting; and a run
+started without output_dir resumes by the command its message prints, or by `resume_from_checkpoint=true`. Each rerun ends as the uninterrupted run,
 bit for bit (metrics and state)."""
 
 import importlib
