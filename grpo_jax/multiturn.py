@@ -11,9 +11,9 @@ rounds is retired. Each post-tool turn decodes only the budget left, where TRL d
 
 Every turn's outcomes are written to a `journal.Journal` (checksummed lines) as they arrive: a pass sampled again
 after a restart (its tokens are the same: `decoder` draws each row's tokens with its own noise, whenever its tools
-return) gets a standalone tool's recorded outcome back instead of calling it again, so tools with side effects run once; an environment's
-methods run again on the freshly reset instance, whose state they rebuild. The resumed run equals the uninterrupted
-one.
+return) gets a standalone tool's recorded outcome back instead of calling it again, so tools with side effects run
+once; an environment's methods run again on the freshly reset instance, whose state they rebuild. The resumed run
+equals the uninterrupted one.
 
 With several processes every process decodes every row and must append the same tokens, so process 0 alone runs the
 tools and environments (its `Journal` the only one) and hands each loop's returned results to the others
