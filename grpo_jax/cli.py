@@ -13,7 +13,7 @@ import re
 import sys
 
 OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")  # a `key=value` item, never a flag's value
-OWN_FLAGS = ("--config", "--no-progress", "--help")
+OWN_FLAGS = ("--config", "--no-progress", "--debug", "--help")
 
 
 def _train_parser() -> argparse.ArgumentParser:
@@ -28,6 +28,8 @@ def _train_parser() -> argparse.ArgumentParser:
                         "cispo, dapo, dr_grpo, grpo_deepseekmath, gspo, ...); keys not given keep their defaults")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar: one line every logging_steps steps on stderr instead")
+    parser.add_argument("--debug", action="store_true",
+                        help="on an error, print Python's full traceback (with the chained causes) instead of one line")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="override any config key, e.g. train.learning_rate=1e-4 loss.beta=0; TRL's style works "
                         "too: --beta 0.0 --learning_rate=1e-6 --use_peft (a flag alone is true)")
@@ -110,7 +112,7 @@ def plan_main(argv: list[str]) -> int:
     try:
         config = load_config(args.config, args.overrides)
     except ValueError as e:
-        parser.exit(2, f"grpo-jax plan: config error: {e}\n")
+        parser.exit(2, f"grpo-jax plan: config error: {_one_line(e)}\n")
     if args.hbm_gib is not None and args.hbm_gib <= 0:
         parser.exit(2, f"grpo-jax plan: --hbm-gib={args.hbm_gib} must be > 0 (GiB per chip)\n")
     from grpo_jax import plan
@@ -182,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
     except ValueError as e:
-        parser.exit(2, f"grpo-jax: config error: {e}\n")
+        parser.exit(2, f"grpo-jax: config error: {_one_line(e)}\n")
     from grpo_jax.trackers import check_installed
 
     try:  # before jax loads: a missing tracker package is said at once (`run.check_inputs` says it for `train`)
@@ -192,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     preemption.COMMAND = ["grpo-jax", *argv]  # what a message to rerun shows, while this command runs
     try:
-        return _train(config, args.no_progress)
+        return _train(config, args.no_progress, args.debug)
     except KeyboardInterrupt:  # outside the loop, whose steps a SIGINT saves: starting, or the final export
         print("grpo-jax: interrupted outside the training steps: none was lost (a stop during training saves "
               "them first); run the same command again to start or resume", file=sys.stderr)
@@ -201,20 +203,32 @@ def main(argv: list[str] | None = None) -> int:
         preemption.COMMAND = None
 
 
-def _train(config, no_progress: bool) -> int:
+def _train(config, no_progress: bool, debug: bool = False) -> int:
     from grpo_jax.distributed import initialize
+    from grpo_jax.preemption import Interrupted, Preempted, RunFailed, describe, quiet_storage_logs
 
-    initialize(config.distributed)  # before any computation: every process of a multi-host run joins here
-    from grpo_jax.preemption import Preempted, RunFailed, quiet_storage_logs
-    from grpo_jax.trainer import train
-
-    quiet_storage_logs()
     try:
+        initialize(config.distributed)  # before any computation: every process of a multi-host run joins here
+        from grpo_jax.trainer import train
+
+        quiet_storage_logs()
         train(config, show_progress=not no_progress)
-    except Preempted as e:
+    except (Preempted, Interrupted) as e:
         print(f"grpo-jax: {e}", file=sys.stderr)
         return e.exit_code
     except (RunFailed, ValueError, OSError) as e:  # what failed and what to do, in one line (no traceback)
-        print(f"grpo-jax: {e}", file=sys.stderr)
+        if debug:
+            raise
+        print(f"grpo-jax: {_one_line(e)}", file=sys.stderr)
+        return 1
+    except Exception as e:  # user code or a library failing while the run is built: where, in one line
+        if debug:
+            raise
+        print(f"grpo-jax: {_one_line(describe(e))} (--debug prints the traceback)", file=sys.stderr)
         return 1
     return 0
+
+
+def _one_line(error) -> str:
+    """An error's message on one line: a library's multi-line message folded."""
+    return re.sub(r"\s*\n\s*", " ", str(error).strip())

@@ -9,11 +9,11 @@ next free one when rows wait for slots); a row whose turn calls nothing, whose r
 rounds is retired. Each post-tool turn decodes only the budget left, where TRL decodes a full
 ``max_completion_length`` and cuts it.
 
-Every turn's outcomes are written to a `Journal` as they arrive: a pass sampled again after a restart (its tokens
-are the same: `decoder` draws each row's tokens with its own noise, whenever its tools return) gets a standalone
-tool's recorded outcome back instead of calling it again, so tools with side effects run once; an environment's
-methods run again on the freshly reset instance, whose state they rebuild. The resumed run equals the uninterrupted
-one.
+Every turn's outcomes are written to a `journal.Journal` (checksummed lines) as they arrive: a pass sampled again
+after a restart (its tokens are the same: `decoder` draws each row's tokens with its own noise, whenever its tools
+return) gets a standalone tool's recorded outcome back instead of calling it again, so tools with side effects run
+once; an environment's methods run again on the freshly reset instance, whose state they rebuild. The resumed run
+equals the uninterrupted one.
 
 With several processes every process decodes every row and must append the same tokens, so process 0 alone runs the
 tools and environments (its `Journal` the only one) and hands each loop's returned results to the others
@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
-import os
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +33,7 @@ import jax
 import numpy as np
 
 from grpo_jax import sharding, tools
+from grpo_jax.journal import Journal
 from grpo_jax.toolbox import Results, Toolbox
 
 
@@ -59,41 +57,6 @@ class Episode:
 
     def turns(self) -> int:
         return sum(m["role"] == "assistant" for m in self.messages)
-
-
-class Journal:
-    """Tool results of one sampling pass by (row, round), appended to a JSONL file as they arrive and read back
-    when the pass is sampled again: a call whose turn asks the same again is not run twice."""
-
-    def __init__(self, path: Path | None):
-        self.path, self._lock, self._seen = path, threading.Lock(), {}
-        if path is not None and path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    entry = json.loads(line)
-                except json.JSONDecodeError:  # a line cut by the stop: that call runs again
-                    continue
-                self._seen[(entry["row"], entry["round"])] = entry
-
-    def get(self, row: int, round_: int, calls: list) -> list | None:
-        """The recorded outcomes of row ``row``'s round ``round_`` of calls, if it asked for the same ``calls``."""
-        entry = self._seen.get((row, round_))
-        if entry is None or entry["calls"] != json.loads(json.dumps(calls, default=str)):
-            return None
-        return entry["outcomes"]
-
-    def put(self, row: int, round_: int, calls: list, results: Results) -> None:
-        if self.path is None:
-            return
-        entry = {"row": row, "round": round_, "calls": calls, "outcomes": results.outcomes}
-        line = json.dumps(entry, default=str) + "\n"
-        with self._lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(line)
-                f.flush()
-                os.fsync(f.fileno())  # on disk before the result is used: a stop after it never calls again
-            self._seen[(row, round_)] = json.loads(line)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,9 @@ turns the first signal into a flag the round loop polls between steps (a second 
 `Preempted` is what `train` raises after that checkpoint is written, with the exit code of the signal. Any
 other exception during training (a reward function, the data, a tracker, a device; `SystemExit` too) saves the
 last good state the same way and surfaces as `RunFailed`, whose message names what failed, where, and the
-checkpoint a rerun resumes from; `storage_error` tells a full or read-only disk, where no save is attempted, apart.
+checkpoint a rerun resumes from; a KeyboardInterrupt raised in Python code (not a signal) saves alike and
+surfaces as `Interrupted`, still a KeyboardInterrupt; `storage_error` tells a full or read-only disk, where no
+save is attempted, apart.
 `Console` keeps a console whose reader is gone (a closed pipe) from stopping any of this.
 """
 
@@ -85,6 +87,14 @@ class PreemptionGuard:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
+
+
+class Interrupted(KeyboardInterrupt):
+    """Raised by `train` when a KeyboardInterrupt came from Python code inside the run (a reward function, a tool,
+    an environment, a tracker) rather than as a signal: the finished steps were saved as for `RunFailed`, and it is
+    still a KeyboardInterrupt for the caller. The interrupt is its `__cause__`."""
+
+    exit_code = 130  # 128 + SIGINT, as the signal would have ended the process
 
 
 class RunFailed(RuntimeError):

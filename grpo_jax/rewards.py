@@ -209,13 +209,15 @@ def _outputs(reward_fns, arguments: list[dict]) -> list:
         async def guarded(f):
             try:
                 return await reward_fns[f][1](**arguments[f])
-            except (Exception, SystemExit) as e:  # a SystemExit would end the event loop's thread, not the call
+            except BaseException as e:  # noqa: BLE001 - a SystemExit or interrupt would end the loop's thread
                 return e
 
         async def gather():
             return await asyncio.gather(*(guarded(f) for f in pending))
 
         for f, out in zip(pending, _Loop.run(gather())):
+            if isinstance(out, KeyboardInterrupt):  # an interrupt stays one: the run saves, then re-raises it
+                raise out
             if isinstance(out, BaseException):
                 raise _failure(reward_fns[f][0], out) from out
             outputs[f] = out

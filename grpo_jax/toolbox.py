@@ -50,6 +50,21 @@ def _error(e: BaseException) -> dict:
     return {"error": str(e)}
 
 
+class _Stop(NamedTuple):
+    """An async tool's SystemExit or KeyboardInterrupt, carried out of the event loop as a value."""
+
+    error: BaseException
+
+
+def _stopped(name: str, error: BaseException) -> BaseException:
+    """What a tool's SystemExit or KeyboardInterrupt becomes: the run stops (and saves its finished steps) with a
+    message naming the tool; an interrupt stays a KeyboardInterrupt."""
+    if isinstance(error, SystemExit):
+        return RuntimeError(f"tool {name!r} called sys.exit({error.code!r}): raise an exception (the model sees its "
+                            "message) instead")
+    return KeyboardInterrupt(f"tool {name!r} raised KeyboardInterrupt")
+
+
 class Toolbox:
     """Runs tool calls off the decoding thread: each sync call on a daemon thread of its own, async ones on one
     event loop thread, each call under ``timeout`` seconds (past it the call's message is an error; a sync tool's
@@ -122,13 +137,23 @@ class Toolbox:
             except Exception as e:  # noqa: BLE001 - TRL: a failing tool is part of the episode
                 failed.add(i)
                 done.append((i, name, _error(e)))
+            except (SystemExit, KeyboardInterrupt) as e:  # stops the run (which saves first), naming the tool
+                raise _stopped(name, e) from e
         if pending:
+            async def guarded(fn, args):
+                try:
+                    return await fn(**args)
+                except (SystemExit, KeyboardInterrupt) as e:  # out of a task they would end the loop's thread
+                    return _Stop(e)
+
             async def gather():
-                return await asyncio.gather(*(asyncio.wait_for(fn(**args), self.timeout)
+                return await asyncio.gather(*(asyncio.wait_for(guarded(fn, args), self.timeout)
                                               for _, _, fn, args in pending), return_exceptions=True)
 
             outs = asyncio.run_coroutine_threadsafe(gather(), self._loop).result()
             for (i, name, _, _), out in zip(pending, outs):
+                if isinstance(out, _Stop):
+                    raise _stopped(name, out.error) from out.error
                 if isinstance(out, asyncio.TimeoutError | TimeoutError):
                     out = TimeoutError(f"tool {name!r} did not return within {self.timeout:g} s")
                 if isinstance(out, BaseException):

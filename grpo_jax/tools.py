@@ -29,7 +29,7 @@ def resolve(spec: str | Callable) -> Callable:
     """A tool or environment factory: a callable as it is, a 'module:name' path imported."""
     if callable(spec):
         return spec
-    return resolve_reward_fn(spec)
+    return resolve_reward_fn(spec, what="tool or environment")
 
 
 def environment_factories(spec) -> dict | None:

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from grpo_jax import async_rounds, checkpoint, data, export, preemption, shapes, sharding, sources, stream
+from grpo_jax.arguments import check_arguments
 from grpo_jax.config import Config, to_dict
 from grpo_jax.evaluation import evaluate, short_names
 from grpo_jax.reporting import MetricsWriter, is_eval, plot_run
@@ -93,19 +94,24 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
     Continues the run in `output_dir` from its newest checkpoint when there is one (`resume`). Saves every
     `save_steps` steps and at the end, then exports the policy to `output_dir/final/`. On SIGTERM/SIGINT it
     finishes the step, saves, and raises `preemption.Preempted`; any other exception during training saves the
-    last good state first and raises `preemption.RunFailed` saying what failed (`preemption.failed`).
-    `loss_fn`: a custom loss with `compute_loss`'s signature, used instead of it; `train_dataset`, `eval_dataset`,
+    last good state first and raises `preemption.RunFailed` saying what failed (`preemption.failed`); a
+    KeyboardInterrupt raised by Python code (a reward function, a tool, a tracker) saves alike and raises
+    `preemption.Interrupted`, still a KeyboardInterrupt. `loss_fn`: a custom loss with `compute_loss`'s signature,
+    used instead of it; `train_dataset`, `eval_dataset`,
     `reward_funcs` (callables, paths, reward model folders or transformers objects), `reward_processing_classes`,
     `tools` and `environment_factory` as TRL's GRPOTrainer takes them, and `eval_reward_funcs` (default: the
     training ones) for the held-out evaluation (see `build`). The run holds `output_dir`'s lock (one writer per run)
     until it returns.
     """
+    check_arguments(config, loss_fn=loss_fn, reward_funcs=reward_funcs, train_dataset=train_dataset,
+                    eval_dataset=eval_dataset, tools=tools, environment_factory=environment_factory,
+                    eval_reward_funcs=eval_reward_funcs)
     run, state = build(config, loss_fn=loss_fn, train_dataset=train_dataset, eval_dataset=eval_dataset,
                        reward_funcs=reward_funcs, tools=tools, environment_factory=environment_factory,
                        eval_reward_funcs=eval_reward_funcs, reward_processing_classes=reward_processing_classes)
     try:
         return _train(run.config, run, state, show_progress)  # its defaults resolved (learning rate)
-    except (preemption.Preempted, preemption.RunFailed):
+    except (preemption.Preempted, preemption.RunFailed, preemption.Interrupted):
         raise
     except Exception as error:
         if preemption.storage_error(error) is None:
@@ -210,11 +216,14 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
                                            preemption.again(run.output_dir, named))
     except preemption.Preempted:
         raise
-    except (Exception, SystemExit) as error:  # SystemExit: a library's sys.exit (a tracker's) stops the run alike
+    except (Exception, SystemExit, KeyboardInterrupt) as error:  # a library's sys.exit, or Python's interrupt
         failure = error
-        raise preemption.failed(error, run.output_dir, checkpoint.nbytes(state, run.keep_ref, saved_arrays()),
-                                state=state, steps=sum(not is_eval(h) for h in writer.history),
-                                saved_step=saved_step, save=save, named=named) from error
+        stopped = preemption.failed(error, run.output_dir, checkpoint.nbytes(state, run.keep_ref, saved_arrays()),
+                                    state=state, steps=sum(not is_eval(h) for h in writer.history),
+                                    saved_step=saved_step, save=save, named=named)
+        if isinstance(error, KeyboardInterrupt):  # raised by Python code, not a signal: still an interrupt
+            raise preemption.Interrupted(str(stopped)) from error
+        raise stopped from error
     finally:
         if sampler is not None:
             sampler.close()

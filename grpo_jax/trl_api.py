@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from grpo_jax.arguments import check_arguments
 from grpo_jax.config import Config, LoRAConfig, make_config
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "lora_options", "model_folder"]
@@ -123,6 +124,8 @@ class GRPOTrainer:
         if not isinstance(config, Config):
             raise ValueError(f"args is a {type(config).__name__}: build it with grpo_jax's GRPOConfig(...), which "
                              "takes TRL's GRPOConfig keywords")
+        check_arguments(config, reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                        tools=tools, environment_factory=environment_factory)
         path = model_folder(model)
         if config.model.path not in (None, path):
             raise ValueError(f"model={path!r} and args' model.path={config.model.path!r} differ: give the model once")

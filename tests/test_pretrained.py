@@ -375,8 +375,8 @@ BAD_FOLDERS = [
     ("missing", r"bad/model.safetensors: tensor model.layers.1.mlp.up_proj.weight \(for layers.mlp.up_proj.kernel\) is "
                 r"missing"),
     ("extra", r"unexpected tensors \['model.layers.0.mlp.extra.weight'\] \(in .*bad/model.safetensors\)"),
-    ("shape", r"bad/model.safetensors: tensor model.layers.0.mlp.down_proj.weight has shape \[64, 128\], "
-              r"expected \[64, 96\] from config.json"),
+    ("shape", r"bad/config.json: intermediate_size=96 but the weights hold 128 \(model.layers.0.mlp.gate_proj."
+              r"weight in model.safetensors\)"),
     ("truncated", r"model.safetensors: .*truncated or corrupt"),
     ("gpt2", r"model_type 'gpt2' is not supported: supported are \['gemma2', 'gemma3_text', 'llama', 'mistral', "
              r"'qwen2', 'qwen3', 'qwen3_moe'\]"),

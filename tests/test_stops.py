@@ -1,6 +1,6 @@
 """Every stop keeps the steps it finished: a reward function, an evaluation or a tracker that fails late, a
-`sys.exit`, SIGHUP with the console gone, Ctrl-C while starting; and a run started without output_dir resumes by
-the command its message prints, or by `resume_from_checkpoint=true`. Each rerun ends as the uninterrupted run,
+`sys.exit`, a KeyboardInterrupt raised by Python code, SIGHUP with the console gone, Ctrl-C while starting; and a run
+started without output_dir resumes by the command its message prints, or by `resume_from_checkpoint=true`. Each rerun ends as the uninterrupted run,
 bit for bit (metrics and state)."""
 
 import importlib
@@ -54,6 +54,8 @@ def stopping_reward(prompts, completions, **kwargs):
             raise MemoryError("the grader ran out of memory")
         if kind == "exit":
             sys.exit(3)
+        if kind == "interrupt":
+            raise KeyboardInterrupt
     return task.char_accuracy(prompts, completions, **kwargs)
 
 
@@ -185,6 +187,59 @@ def test_a_tracker_failing_saves_every_finished_step(tmp_path, stops, whole, mon
     _same_as_whole(tmp_path, whole)
 
 
+@pytest.mark.parametrize("function", ["stopping_reward", "async_stopping_reward"])
+def test_a_keyboard_interrupt_raised_by_a_reward_saves_the_finished_steps(tmp_path, stops, whole, function):
+    """Old outcome: the interrupt reached the caller and no checkpoint was written (the rerun started at step 0).
+    New: step 4 is saved first, then `Interrupted` (a KeyboardInterrupt) says so; the rerun ends as the
+    uninterrupted run."""
+    stops[0].update(kind="interrupt", at=FAILING_AT_ROUND_3)
+    overrides = [o.replace("stopping_reward", function) for o in RUN]
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        _train(tmp_path, *overrides)
+    assert isinstance(stopped.value, preemption.Interrupted)
+    assert isinstance(stopped.value.__cause__, KeyboardInterrupt)
+    assert str(stopped.value).startswith("training stopped after optimizer step 4: KeyboardInterrupt"), stopped.value
+    assert f"The state after step 4 was saved first. Run the same command again to resume from the newest " \
+           f"complete checkpoint, {tmp_path / 'checkpoints' / '4'} (step 4)" in str(stopped.value)
+    assert _state(tmp_path)[1] == 4
+    stops[0].update(kind=None, at=None)
+    _train(tmp_path, *overrides)
+    if function == "stopping_reward":
+        _same_as_whole(tmp_path, whole)
+    else:
+        assert _state(tmp_path)[1] == 6
+
+
+class _InterruptingTracker(_FailingTracker):
+    def scalars(self, values, step):
+        if step == 3:
+            raise KeyboardInterrupt
+
+
+def test_a_keyboard_interrupt_raised_by_a_tracker_saves_every_finished_step(tmp_path, stops, whole, monkeypatch):
+    real = reporting.open_tracker
+    monkeypatch.setattr(reporting, "open_tracker", lambda name, *a: _InterruptingTracker() if name == "tensorboard"
+                        else real(name, *a))
+    with pytest.raises(preemption.Interrupted, match="training stopped after optimizer step 4: KeyboardInterrupt.*"
+                                                     "The state after step 4 was saved first"):
+        _train(tmp_path, *RUN, "report_to=[jsonl,tensorboard]")
+    monkeypatch.setattr(reporting, "open_tracker", real)
+    _train(tmp_path, *RUN)
+    _same_as_whole(tmp_path, whole)
+
+
+def test_a_keyboard_interrupt_from_python_code_is_one_line_on_the_cli(tmp_path):
+    """The CLI prints `Interrupted`'s message (what was saved, how to resume) and exits 130, no traceback."""
+    env = {**os.environ, "GRPO_JAX_TEST_STOP": f"interrupt:{FAILING_AT_ROUND_3}", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-m", "grpo_jax", "--no-progress", f"output_dir={tmp_path / 'run'}",
+                             *TINY, *RUN], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 130, result.stderr
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("grpo-jax: training stopped after optimizer step 4: KeyboardInterrupt"), result.stderr
+    assert _state(tmp_path / "run")[1] == 4
+
+
 def test_sighup_with_the_console_gone_saves_and_logs_the_message(tmp_path):
     """The terminal closes: the pipes of stdout and stderr lose their reader, then SIGHUP comes. The step
     finishes and is saved (exit 129), what could not be printed is in console.log, and the run resumes to the
@@ -213,7 +268,7 @@ def test_sighup_with_the_console_gone_saves_and_logs_the_message(tmp_path):
 
 
 def test_ctrl_c_while_starting_is_one_line(monkeypatch, capsys):
-    def interrupted(config, no_progress):
+    def interrupted(config, no_progress, debug=False):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli, "_train", interrupted)

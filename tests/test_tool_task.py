@@ -1,5 +1,8 @@
 """Tests for grpo_jax.tool_task: rows, tokenizer, chat template against TRL's checks, response parsing, rewards."""
 
+import re
+import sys
+
 import pytest
 import transformers
 from transformers.utils import get_json_schema
@@ -183,7 +186,16 @@ def test_tool_use_hand_computed():
 
 # --- training on the task: resumed mid-round, no tool is called twice --------------------------------------------
 
-CALLS = {"lookup": 0, "raise_at_step": None}
+CALLS = {"lookup": 0, "raise_at_step": None, "stop_at_call": None, "stop": None}
+
+
+def _maybe_stop():
+    """The lookup call numbered CALLS["stop_at_call"] raises CALLS["stop"]: KeyboardInterrupt, or calls sys.exit."""
+    if CALLS["stop_at_call"] is not None and CALLS["lookup"] == CALLS["stop_at_call"]:
+        CALLS["stop_at_call"] = None
+        if CALLS["stop"] == "exit":
+            sys.exit(4)
+        raise KeyboardInterrupt
 
 
 def lookup() -> str:
@@ -193,6 +205,7 @@ def lookup() -> str:
         The value, a string of digits.
     """
     CALLS["lookup"] += 1
+    _maybe_stop()
     return "123"
 
 
@@ -210,6 +223,7 @@ class CountingEnv(tool_task.LookupEnv):
             The value, a string of digits.
         """
         CALLS["lookup"] += 1
+        _maybe_stop()
         self.called += 1
         return super().lookup()
 
@@ -272,3 +286,73 @@ def test_a_run_stopped_after_a_rounds_tools_resumes_bitwise_without_calling_them
     line = [line for line in _lines(tmp_path / "whole") if "loss" in line][-1]  # the last step's, not an eval's
     assert {"tools/call_frequency", "tools/failure_frequency", "tools/turns_per_rollout"} <= set(line)
     assert ("rewards/CountingEnv/mean" in line) == source.startswith("environment")
+
+
+def test_a_tampered_journal_warns_calls_those_turns_again_and_resumes_bitwise(tmp_path):
+    """After the stop, three foreign lines (JSON without the keys, a JSON list, binary junk) are appended to round
+    3's journal and one recorded outcome is changed ('123' -> '923'). Old outcome: "KeyError: 'row'" on every
+    rerun, or the changed outcome trained on silently. New: one warning naming the journal and its bad lines, the
+    changed turn's tool called again (once), and the run ends as the uninterrupted one, bit for bit."""
+    import importlib
+
+    from grpo_jax.config import load_config
+    from grpo_jax.preemption import RunFailed
+    from tests.test_checkpoint import _assert_same_state, _lines, _state
+
+    calls = importlib.import_module("tests.test_tool_task").CALLS
+    run = lambda out: trainer.train(load_config(None, [f"output_dir={out}", *TOOL_RUN,  # noqa: E731
+                                                       "tools=[tests.test_tool_task:lookup]"]), show_progress=False)
+    calls.update(lookup=0, raise_at_step=None)
+    run(tmp_path / "whole")
+    whole_calls = calls["lookup"]
+    calls.update(lookup=0, raise_at_step=2)
+    with pytest.raises(RunFailed, match="the grader went away"):
+        run(tmp_path / "split")
+    journal = tmp_path / "split" / "tool_calls" / "round-2-pass-0.jsonl"
+    lines = journal.read_bytes().splitlines()
+    changed = next(i for i, line in enumerate(lines) if b'"123"' in line)
+    lines[changed] = lines[changed].replace(b'"123"', b'"923"', 1)
+    journal.write_bytes(b"\n".join(lines) + b'\n{"note": "hello"}\n[1, 2, 3]\n\xff\xfe\x00junk')
+    n = len(lines)
+    with pytest.warns(RuntimeWarning, match=rf"tool journal {journal}: lines {changed + 1}, {n + 1}, {n + 2}, "
+                                            rf"{n + 3} did not parse as an entry or failed its checksum"):
+        run(tmp_path / "split")
+    assert calls["lookup"] == whole_calls + 1
+    assert _lines(tmp_path / "split") == _lines(tmp_path / "whole")
+    _assert_same_state(_state(tmp_path / "split")[0], _state(tmp_path / "whole")[0])
+
+
+@pytest.mark.parametrize("source, stop", [("tools=[tests.test_tool_task:lookup]", "interrupt"),
+                                          ("environment_factory=tests.test_tool_task:CountingEnv", "interrupt"),
+                                          ("tools=[tests.test_tool_task:lookup]", "exit")],
+                         ids=["tool", "environment", "tool_exit"])
+def test_a_tool_raising_keyboard_interrupt_or_calling_sys_exit_saves_and_names_it(tmp_path, source, stop):
+    """A tool (standalone, or an environment's method) raises KeyboardInterrupt or calls sys.exit halfway through
+    the run's calls. Old outcome: the interrupt reached the caller with no checkpoint; sys.exit's message did not
+    name the tool. New: the finished steps are saved, then `Interrupted` (a KeyboardInterrupt) or `RunFailed`
+    naming the tool; the rerun ends as the uninterrupted run, bit for bit."""
+    import importlib
+
+    from grpo_jax.config import load_config
+    from grpo_jax.preemption import Interrupted, RunFailed
+    from tests.test_checkpoint import _assert_same_state, _lines, _state
+
+    calls = importlib.import_module("tests.test_tool_task").CALLS
+    run = lambda out: trainer.train(load_config(None, [f"output_dir={out}", *TOOL_RUN, source]),  # noqa: E731
+                                    show_progress=False)
+    calls.update(lookup=0, raise_at_step=None, stop_at_call=None, stop=None)
+    run(tmp_path / "whole")
+    calls.update(lookup=0, stop_at_call=calls["lookup"] // 2 + 1, stop=stop)
+    expected = Interrupted if stop == "interrupt" else RunFailed
+    with pytest.raises(expected) as stopped:
+        run(tmp_path / "split")
+    message = str(stopped.value)
+    assert "\n" not in message
+    named = "tool 'lookup' raised KeyboardInterrupt" if stop == "interrupt" else "tool 'lookup' called sys.exit(4)"
+    assert named in message, message
+    step = int(re.match(r"training stopped after optimizer step (\d+)", message).group(1))
+    assert 0 < step < 4 and _state(tmp_path / "split")[1] == step
+    assert f"The state after step {step} was saved first" in message or f"(step {step})" in message
+    run(tmp_path / "split")
+    assert _lines(tmp_path / "split") == _lines(tmp_path / "whole")
+    _assert_same_state(_state(tmp_path / "split")[0], _state(tmp_path / "whole")[0])

@@ -63,6 +63,39 @@ def test_a_turns_calls_run_with_trls_order_failures_and_a_timeout():
     assert (out.calls, out.failures) == (5, 3)
 
 
+def quits(x: int) -> int:
+    """Calls sys.exit.
+
+    Args:
+        x: A number.
+    """
+    sys.exit(x)
+
+
+async def interrupts(x: int) -> int:
+    """Raises KeyboardInterrupt.
+
+    Args:
+        x: A number.
+    """
+    raise KeyboardInterrupt
+
+
+def test_a_tool_stopping_the_process_stops_the_turn_naming_it_and_the_toolbox_still_works():
+    """Old outcome: sys.exit's message named no tool; an async tool's KeyboardInterrupt ended the event loop's thread
+    (the turn never returned). New: a RuntimeError naming the tool, a KeyboardInterrupt naming it; the next turn's
+    async calls still run."""
+    box = Toolbox(timeout=2.0)
+    fns = tools.tool_dict([double, later, quits, interrupts])
+    with pytest.raises(RuntimeError, match=r"^tool 'quits' called sys.exit\(3\): raise an exception"):
+        box.submit([call("double", x=1), call("quits", x=3)], fns).result(timeout=5)
+    with pytest.raises(KeyboardInterrupt, match="tool 'interrupts' raised KeyboardInterrupt"):
+        box.submit([call("later", x=1), call("interrupts", x=1)], fns).result(timeout=5)
+    out = box.submit([call("later", x=2)], fns).result(timeout=5)
+    box.close()
+    assert [m["content"] for m in out.messages] == ["2"]
+
+
 class NoReset:
     def act(self) -> str:
         """Acts."""
@@ -86,7 +119,7 @@ def test_environments_and_tool_paths_fail_with_errors_naming_them():
         tools.build((), NoReset, tok, **build)
     with pytest.raises(RuntimeError, match=r"environment_factory\['box'\] \(Broken\) raised OSError: no sandbox"):
         tools.build((), {"box": Broken}, tok, **build)
-    with pytest.raises(ValueError, match="tools: .*no_such_module"):
+    with pytest.raises(ValueError, match="tools: tool or environment 'no_such_module:f': module 'no_such_module'"):
         tools.build(("no_such_module:f",), None, tok, **build)
     tooling = tools.build((), {"a": tool_task.LookupEnv}, tok, **build)
     with pytest.raises(ValueError, match=r"environment='b', which is not among environment_factory's \['a'\]"):

@@ -13,6 +13,7 @@ import os
 
 from grpo_jax.config.model import LAYER_TYPES, ROPE_TYPES, ModelConfig
 from grpo_jax.models.families import family, supported_model_types
+from grpo_jax.models.folder_check import check_folder
 
 
 def rope_parameters(hf) -> dict:
@@ -113,6 +114,8 @@ def resolve_config(config: ModelConfig) -> ModelConfig:
     if not os.path.isfile(where):
         raise ValueError(f"model.path={path!r} has no config.json: it must be a Hugging Face model folder "
                          "(config.json + model.safetensors)")
+    # config.json against itself and the weights' shapes, before transformers validates it
+    check_folder(path, model_types=supported_model_types())
     try:
         hf = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, KeyError, OSError) as e:
