@@ -11,15 +11,39 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from grpo_jax import trl_keys
 from grpo_jax.config import Config, LoRAConfig, make_config
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "lora_options", "model_folder"]
 
 
+# TRL 1.16 GRPOConfig's defaults where ours differ (the CLI and recipes keep ours): a script that relies on them trains
+# what it trains under TRL; report_to stays jsonl (metrics.jsonl is this trainer's own record, not a tracker) and
+# gradient_checkpointing off (it changes memory, not numbers)
+TRL_DEFAULTS = {"beta": 0.0, "loss_type": "dapo", "use_bias_correction_kl": True, "learning_rate": 1e-6,
+                "lr_scheduler_type": "linear", "adam_beta2": 0.999, "per_device_train_batch_size": 8,
+                "max_completion_length": 512, "num_train_epochs": 3.0, "max_steps": -1, "seed": 42,
+                "logging_steps": 10, "save_total_limit": None}
+# a default that another key given by the script replaces (its rows per step, its own step count)
+_REPLACED_BY = {"per_device_train_batch_size": ("train_batch_size", "train.train_batch_size")}
+
+
 def GRPOConfig(**kwargs: Any) -> Config:  # noqa: N802 - TRL's name for what builds the run's config
-    """TRL's `GRPOConfig(...)` as a grpo_jax `Config`: TRL's flat names (`beta=0.0`, `learning_rate=1e-6`), our dotted
-    keys (`**{"sampling.top_k": 50}`) or sections (`train={...}`), checked as `make_config` checks them."""
-    return make_config(**kwargs)
+    """TRL's `GRPOConfig(...)` as a grpo_jax `Config`, with TRL 1.16's defaults (`TRL_DEFAULTS`): TRL's flat names
+    (`beta=0.0`, `per_device_train_batch_size=4`), our dotted keys (`**{"sampling.top_k": 50}`) or sections
+    (`train={...}`), checked as `make_config` checks them."""
+    given = set(kwargs)
+    for section, values in kwargs.items():
+        if isinstance(values, Mapping):
+            given |= {f"{section}.{leaf}" for leaf in values}
+        elif dataclasses.is_dataclass(values):
+            given |= {f"{section}.{f.name}" for f in dataclasses.fields(values)}
+    defaults = {}
+    for name, value in TRL_DEFAULTS.items():
+        dotted = trl_keys.ALIASES.get(name, name)
+        if not given & {name, dotted, *_REPLACED_BY.get(name, ())}:
+            defaults[name] = value
+    return make_config(**defaults, **kwargs)
 
 
 # PEFT's LoraConfig fields with a model.lora counterpart, and their PEFT defaults (a dict leaves some out)
@@ -119,7 +143,7 @@ class GRPOTrainer:
                 ("rollout_func", rollout_func, "tools and environment_factory run multi-turn rollouts")):
             if value:
                 raise ValueError(f"{name} is TRL's PyTorch hook, which grpo_jax has no counterpart for: {instead}")
-        config = Config() if args is None else args
+        config = GRPOConfig() if args is None else args
         if not isinstance(config, Config):
             raise ValueError(f"args is a {type(config).__name__}: build it with grpo_jax's GRPOConfig(...), which "
                              "takes TRL's GRPOConfig keywords")

@@ -245,8 +245,8 @@ def test_trl_flat_names_are_our_dotted_keys(tmp_path):
     path.write_text("beta: 0.1\nloss:\n  beta: 0.2\n")
     with pytest.raises(ValueError, match=r"beta=0.1 and loss.beta=0.2 set the same option \(loss.beta\)"):
         load_config(str(path))
-    with pytest.raises(ValueError, match="per_device_train_batch_size is TRL's: .* set train.train_batch_size = "):
-        load_config(None, ["per_device_train_batch_size=8"])
+    with pytest.raises(ValueError, match="per_device_train_batch_size .* and train.train_batch_size both set"):
+        load_config(None, ["per_device_train_batch_size=8", "train.train_batch_size=16"])
     with pytest.raises(ValueError, match="fp16=True is TRL's: .* set model.dtype=bfloat16"):
         load_config(None, ["fp16=true"])
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -26,7 +27,7 @@ from grpo_jax.distributed import DistributedConfig
 
 __all__ = ["Config", "DataConfig", "DistributedConfig", "EvalConfig", "LoRAConfig", "LossConfig", "MeshConfig",
            "ModelConfig", "RefSyncConfig", "RewardConfig", "SamplingConfig", "TrainConfig", "apply_overrides",
-           "from_dict", "load_config", "make_config", "recipes", "resolve_defaults", "to_dict", "with_defaults"]
+           "for_run", "from_dict", "load_config", "make_config", "recipes", "resolve_defaults", "to_dict", "with_defaults"]
 
 PRETRAINED_LEARNING_RATE = 1e-6  # TRL's default, for model.path's weights
 RANDOM_INIT_LEARNING_RATE = 5e-4  # the embedded tasks' random 64-wide model learns in a few hundred steps with it
@@ -38,7 +39,8 @@ class Config:
 
     seed: int = 0
     output_dir: str | None = None  # None: runs/<task>-<timestamp>
-    max_steps: int = 5000
+    max_steps: int = 5000  # optimizer steps; -1 with num_train_epochs: that many passes over the prompts (TRL)
+    num_train_epochs: float | None = None  # TRL's: with max_steps -1, the steps of this many passes (`for_run`)
     logging_steps: int = 1  # period of the progress bar, console line and completion tables; metrics: every step
     report_to: tuple[str, ...] = ("jsonl",)  # jsonl, tensorboard, wandb (TRL's name); [] logs to none
     log_completions: bool = False  # every logging_steps: the round's completions, rewards and advantages (TRL)
@@ -65,7 +67,10 @@ class Config:
     def __post_init__(self):
         check(0 <= self.seed < 2**63, f"seed={self.seed} must be in [0, 2**63) (numpy's generators take no negative "
               "seed)")
-        check(self.max_steps >= 1, f"max_steps={self.max_steps} must be >= 1")
+        check(self.max_steps >= 1 or (self.max_steps == -1 and self.num_train_epochs is not None),
+              f"max_steps={self.max_steps} must be >= 1 (-1 only with num_train_epochs, as in TRL)")
+        check(self.num_train_epochs is None or self.num_train_epochs > 0,
+              f"num_train_epochs={self.num_train_epochs} must be > 0, or null (max_steps counts the steps)")
         check(self.logging_steps >= 1, f"logging_steps={self.logging_steps} must be >= 1")
         check(all(r in REPORT_TO for r in self.report_to) and len(set(self.report_to)) == len(self.report_to),
                f"report_to={list(self.report_to)}: list each of {', '.join(REPORT_TO)} at most once ([] for none)")
@@ -123,6 +128,34 @@ def resolve_defaults(config: Config, saved: dict | None = None) -> Config:
     if rate is None:
         rate = RANDOM_INIT_LEARNING_RATE if config.model.path is None else PRETRAINED_LEARNING_RATE
     return dataclasses.replace(config, train=dataclasses.replace(config.train, learning_rate=float(rate)))
+
+
+def for_run(config: Config, *, row_devices: int, num_prompts: int | None) -> Config:
+    """`config` with TRL's run-dependent options turned into ours once the run is built: `per_device_train_batch_size`
+    as `train.train_batch_size` (x `row_devices`, the devices the rows are split over, x gradient accumulation),
+    `max_steps=-1` as the steps of `num_train_epochs` passes over `num_prompts` prompts (TRL's count: whole rounds
+    per pass x optimizer steps per round), and `train.warmup_ratio` as `train.warmup_steps` (ceil of ratio x steps,
+    transformers' `get_warmup_steps`)."""
+    tc = config.train
+    if tc.per_device_train_batch_size is not None:
+        rows = tc.per_device_train_batch_size * row_devices * tc.gradient_accumulation_steps
+        try:
+            tc = dataclasses.replace(tc, train_batch_size=rows, per_device_train_batch_size=None)
+        except ValueError as e:
+            raise ValueError(f"per_device_train_batch_size={config.train.per_device_train_batch_size} x {row_devices} "
+                             f"devices x gradient_accumulation_steps={tc.gradient_accumulation_steps} = {rows} rows "
+                             f"per step: {e}") from e
+    max_steps = config.max_steps
+    if max_steps == -1:
+        check(num_prompts is not None, "max_steps=-1 with num_train_epochs needs a dataset of known size: set "
+              "max_steps")
+        rounds = num_prompts // tc.prompts_per_round  # TRL's sampler drops the last partial generation batch
+        check(rounds >= 1, f"num_train_epochs with {num_prompts} prompts: a round takes {tc.prompts_per_round} "
+              "prompts, so an epoch holds no whole round; set max_steps or use more prompts")
+        max_steps = max(1, math.ceil(config.num_train_epochs * rounds * tc.steps_per_round))
+    if tc.warmup_ratio and not tc.warmup_steps:
+        tc = dataclasses.replace(tc, warmup_steps=math.ceil(max_steps * tc.warmup_ratio))
+    return dataclasses.replace(config, train=tc, max_steps=max_steps)
 
 
 def to_dict(config: Any) -> dict:
