@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import shutil
+import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from grpo_jax import trl_keys
 from grpo_jax.config import Config, LoRAConfig, make_config
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "lora_options", "model_folder"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "TrainerState", "lora_options", "model_folder", "trl_checkpoint", "trl_line"]
 
 
 # TRL 1.16 GRPOConfig's defaults where ours differ (the CLI and recipes keep ours): a script that relies on them trains
@@ -53,6 +57,7 @@ LORA_KEYS = {"r": ("rank", 8), "lora_alpha": ("alpha", 8), "lora_dropout": ("dro
 # fields that describe the adapter file or PEFT's runtime, not what is trained: any value does
 LORA_IGNORED = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
                 "inference_mode", "runtime_config"}
+CHECKPOINTS_DIR = "checkpoints"  # `grpo_jax.checkpoint.CHECKPOINTS`, named here without importing jax
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's target_modules=None for every supported model_type
 
 
@@ -170,16 +175,86 @@ class GRPOTrainer:
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.reward_processing_classes, self.tools = reward_processing_classes, tools
         self.environment_factory = environment_factory
+        self.state, self._output_dir = TrainerState(), None
 
-    def train(self, resume_from_checkpoint: bool | str | None = None) -> dict:
-        """Trains (`grpo_jax.trainer.train`) and returns its summary. A run in `args.output_dir` continues from its
-        newest checkpoint (`resume`, on by default); `resume_from_checkpoint` as the config key (`grpo_jax.runs`):
-        True, or a run folder or its newest checkpoint folder."""
-        from grpo_jax import trainer  # jax and the models: only once training starts
+    def train(self, resume_from_checkpoint: bool | str | None = None):
+        """Trains (`grpo_jax.trainer.train`) and returns transformers' `TrainOutput` (global_step, training_loss,
+        metrics: the run's summary, which `output["steps"]` also reads) when transformers is importable, else the
+        summary; `self.state.log_history` then holds every logged line. A run in `args.output_dir` continues from
+        its newest checkpoint (`resume`, on by default); `resume_from_checkpoint` as the config key
+        (`grpo_jax.runs`): True, a run folder, its newest checkpoint folder, or TRL's `RUN/checkpoint-N`."""
+        from grpo_jax import checkpoint, trainer  # jax and the models: only once training starts
 
         config = self.args
         if resume_from_checkpoint is not None:
             config = dataclasses.replace(config, resume_from_checkpoint=resume_from_checkpoint)
-        return trainer.train(config, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
-                             reward_funcs=self.reward_funcs, reward_processing_classes=self.reward_processing_classes,
-                             tools=self.tools, environment_factory=self.environment_factory)
+        config = dataclasses.replace(config, resume_from_checkpoint=trl_checkpoint(config.resume_from_checkpoint))
+        started = time.perf_counter()
+        summary = trainer.train(config, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
+                                reward_funcs=self.reward_funcs,
+                                reward_processing_classes=self.reward_processing_classes, tools=self.tools,
+                                environment_factory=self.environment_factory)
+        self._output_dir = summary["output_dir"]
+        meta = checkpoint.saved_meta(self._output_dir) or {}  # its history: every line, whatever report_to
+        history = [trl_line(line) for line in meta.get("history", [])]
+        losses = [line["loss"] for line in history if line.get("loss") is not None]
+        train_loss = sum(losses) / len(losses) if losses else float("nan")
+        history.append({"train_runtime": round(time.perf_counter() - started, 4), "train_loss": train_loss,
+                        "step": summary["steps"]})
+        self.state = TrainerState(global_step=summary["steps"], max_steps=summary["steps"], log_history=history)
+        try:
+            from transformers.trainer_utils import TrainOutput
+        except ImportError:
+            return summary
+
+        class Output(TrainOutput):
+            """TRL's `TrainOutput`; a string key reads the summary, as `train()` returned before."""
+            def __getitem__(self, key):
+                return self.metrics[key] if isinstance(key, str) else super().__getitem__(key)
+        return Output(summary["steps"], train_loss, {**summary, "train_runtime": history[-1]["train_runtime"],
+                                                     "train_loss": train_loss})
+
+    def save_model(self, output_dir: str | os.PathLike | None = None) -> None:
+        """TRL's `save_model`: the trained policy as a Hugging Face folder (the run's `final/`, tokenizer included)
+        copied to `output_dir` (default: `args.output_dir`, where it already is as `final/`)."""
+        if self._output_dir is None:
+            raise ValueError("save_model before train(): nothing is trained yet; call trainer.train() first, or "
+                             "export a checkpoint with `grpo-jax export`")
+        final = Path(self._output_dir) / "final"
+        if output_dir is None or Path(output_dir).resolve() in (final.resolve(), Path(self._output_dir).resolve()):
+            return  # the run's own folder: the policy is in final/ already, beside the checkpoints
+        shutil.copytree(final, output_dir, dirs_exist_ok=True)
+
+
+@dataclasses.dataclass
+class TrainerState:
+    """TRL's `trainer.state` as far as scripts read it: the steps taken and every logged line."""
+
+    global_step: int = 0
+    max_steps: int = 0
+    log_history: list = dataclasses.field(default_factory=list)
+
+
+# our metric names that TRL logs under another
+TRL_METRIC_NAMES = {"router_aux_loss": "aux_loss"}
+
+
+def trl_line(line: dict) -> dict:
+    """One metrics line as TRL's `log_history` holds it: evaluation under `eval_` (TRL's prefix), TRL's names."""
+    out = {}
+    for key, value in line.items():
+        key = "eval_" + key[len("eval/"):] if key.startswith("eval/") else TRL_METRIC_NAMES.get(key, key)
+        out[key] = value
+    return out
+
+
+def trl_checkpoint(value: bool | str | None) -> bool | str | None:
+    """TRL's `RUN/checkpoint-N` folder (which grpo_jax never writes) as our `RUN/checkpoints/N`; anything else as
+    it is."""
+    if not isinstance(value, (str, os.PathLike)):
+        return value
+    path = Path(value)
+    match = re.fullmatch(r"checkpoint-(\d+)", path.name)
+    if match and not path.exists() and (path.parent / CHECKPOINTS_DIR).is_dir():
+        return str(path.parent / CHECKPOINTS_DIR / match.group(1))
+    return os.fspath(value)

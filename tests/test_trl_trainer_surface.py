@@ -1,0 +1,57 @@
+"""What a TRL script reads from its trainer after `.train()` (grpo_jax/trl_api.py): transformers' `TrainOutput`,
+`state.log_history` whatever `report_to` says (the lines metrics.jsonl holds, under TRL's names), `save_model`, and
+TRL's `RUN/checkpoint-N` folder for `resume_from_checkpoint`."""
+
+import json
+
+import pytest
+
+from grpo_jax.trl_api import trl_checkpoint, trl_line
+
+ROWS = [{"prompt": f"{i % 10}{(3 * i) % 10}>", "answer": str(i % 10)} for i in range(16)]
+
+
+def answer_reward(prompts, completions, answer, **kwargs):
+    return [float(i % 2) + 0.25 * len(c) + 0.5 * a.endswith("1") for i, (c, a) in enumerate(zip(completions, answer))]
+
+
+def test_trl_names_and_checkpoint_folders(tmp_path):
+    assert trl_line({"step": 3, "loss": 0.5, "router_aux_loss": 0.1, "eval/reward": 1.0}) == \
+        {"step": 3, "loss": 0.5, "aux_loss": 0.1, "eval_reward": 1.0}
+    (tmp_path / "run" / "checkpoints" / "2").mkdir(parents=True)
+    assert trl_checkpoint(str(tmp_path / "run" / "checkpoint-2")) == str(tmp_path / "run" / "checkpoints" / "2")
+    assert trl_checkpoint(str(tmp_path / "other" / "checkpoint-2")) == str(tmp_path / "other" / "checkpoint-2")
+    assert trl_checkpoint(True) is True and trl_checkpoint(None) is None
+
+
+def test_train_returns_trls_output_and_keeps_the_history_in_memory(tmp_path):
+    pytest.importorskip("torch")
+    import hf_fixtures
+    from transformers.trainer_utils import TrainOutput
+
+    from grpo_jax import GRPOConfig, GRPOTrainer, task
+
+    folder = hf_fixtures.save_model(hf_fixtures.build_model("qwen2", tied=True), tmp_path / "hf")
+    task.build_tokenizer(folder)
+    args = dict(output_dir=str(tmp_path / "run"), max_steps=2, num_generations=4, max_completion_length=4,
+                per_device_train_batch_size=1, report_to="none", save_steps=1, **{"eval.num_examples": 0})
+    trainer = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS, args=GRPOConfig(**args))
+    with pytest.raises(ValueError, match="save_model before train"):
+        trainer.save_model(tmp_path / "saved")
+    output = trainer.train()
+    assert isinstance(output, TrainOutput) and output.global_step == 2 and output["steps"] == 2
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # report_to=none: no file, the history in memory
+    steps = [line for line in trainer.state.log_history if "loss" in line]
+    assert [line["step"] for line in steps] == [1, 2] and trainer.state.global_step == 2
+    assert output.training_loss == pytest.approx(sum(line["loss"] for line in steps) / 2)
+    assert trainer.state.log_history[-1]["train_loss"] == output.training_loss
+    trainer.save_model(tmp_path / "saved")
+    assert (tmp_path / "saved" / "config.json").is_file() and (tmp_path / "saved" / "model.safetensors").is_file()
+
+    # TRL's layout names checkpoint 2 RUN/checkpoint-2: it resumes the run, whose history goes on
+    more = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS,
+                       args=GRPOConfig(**{**args, "max_steps": 3, "report_to": "jsonl"}))
+    assert more.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2")).global_step == 3
+    assert [line["step"] for line in more.state.log_history if "loss" in line] == [1, 2, 3]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [trl_line(line) for line in lines] == more.state.log_history[:-1]  # the same lines as the file
