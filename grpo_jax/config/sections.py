@@ -141,6 +141,7 @@ class RewardConfig:
     functions: tuple[str, ...] = TASK_REWARDS
     weights: tuple[float, ...] | None = None  # TRL's reward_weights; None: all 1
     soft_punish_cache: int = 0  # DAPO L_cache in tokens for grpo_jax.rewards:soft_overlong_punishment
+    allow_changed: bool = False  # resume with reward functions, tools or environments whose code changed (warned)
 
     def __post_init__(self):
         check(len(self.functions) >= 1, "reward.functions is empty: list at least one 'module:function'")
