@@ -266,10 +266,42 @@ def _config_file(path: str) -> Path:
                      f"a packaged recipe: {', '.join(recipes())}")
 
 
+# the keys of a file that name files or folders: relative ones are read from the working directory, else from the
+# file's own folder (a recipe's shipped example data, from any folder)
+PATH_KEYS = ("model.path", "model.lora.path", "data.path", "data.tokenizer_path", "eval.path")
+
+
+def _beside(values: dict, folder: Path) -> dict:
+    """A file's `values` with each relative `PATH_KEYS` entry that is missing from the working directory but present
+    in `folder` (the file's) made to point there."""
+    for dotted in PATH_KEYS:
+        *sections, leaf = dotted.split(".")
+        node = values
+        for name in sections:
+            node = node.get(name) if isinstance(node, dict) else None
+        value = node.get(leaf) if isinstance(node, dict) else None
+        if isinstance(value, str) and not Path(value).is_absolute() and not Path(value).exists() \
+                and (folder / value).exists():
+            node[leaf] = str(folder / value)
+    return values
+
+
+def _needs(path: str, values: dict) -> None:
+    """A recipe that trains on data with no model or tokenizer given: the one line that says what to set, before
+    the checks of `Config` that do not know it came from a recipe."""
+    data = values.get("data") or {}
+    model = values.get("model") or {}
+    if data.get("path") and not data.get("tokenizer_path") and not model.get("path") and model.get("init") != "random":
+        raise ValueError(f"recipe {path!r} trains a pretrained model on {data['path']}: add model.path=<a Hugging Face "
+                         "folder> (it gives the tokenizer and weights), e.g. grpo-jax --config "
+                         f"{path} model.path=models/Qwen2.5-0.5B-Instruct")
+
+
 def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Builds a `Config` from an optional YAML file (or packaged recipe name, `recipes()`) and `dotted.key=value`
     overrides (values parsed as YAML; TRL's flat names allowed, `grpo_jax.trl_keys`). The command line wins over
-    the file; within one of them a TRL name and ours set to different values are refused."""
+    the file; within one of them a TRL name and ours set to different values are refused. A relative path in the
+    file that is missing from the working directory is read beside the file (`PATH_KEYS`)."""
     values: dict = {}
     if path is not None:
         file = _config_file(path)
@@ -278,7 +310,11 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
         except yaml.YAMLError as e:
             raise ValueError(f"config file {path!r} is not valid YAML: {e}") from e
         check(isinstance(values, dict), f"config file {path!r} must hold a mapping of keys")
-    return from_dict(Config, trl_keys.resolve(_merged(trl_keys.layer(values), _override_layer(overrides))))
+        values = _beside(values, file.parent.absolute())
+    merged = trl_keys.resolve(_merged(trl_keys.layer(values), _override_layer(overrides)))
+    if path is not None:
+        _needs(path, merged)
+    return from_dict(Config, merged)
 
 
 def make_config(**values: Any) -> Config:
