@@ -18,7 +18,7 @@ from typing import Any
 from grpo_jax import trl_keys
 from grpo_jax.config import Config, LoRAConfig, make_config
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "TrainerState", "lora_options", "model_folder", "trl_checkpoint", "trl_line"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "PolicyView", "TrainerState", "lora_options", "model_folder", "trl_checkpoint", "trl_line"]
 
 
 # TRL 1.16 GRPOConfig's defaults where ours differ (the CLI and recipes keep ours): a script that relies on them trains
@@ -96,12 +96,45 @@ def _default(field: dataclasses.Field) -> Any:
     return field.default
 
 
+MODEL_CACHE = Path("~/.cache/grpo_jax/models")  # model objects saved as folders, by the hash of their weights
+
+
+def saved_model_object(model: Any, cache: str | os.PathLike | None = None) -> str:
+    """A transformers model object (TRL's `model=AutoModelForCausalLM...`) as a Hugging Face folder, as reward model
+    objects are converted: saved with its tokenizer (from its `name_or_path`, when one is there) to
+    `cache/<xxh3 of its config and weights>`, so the same weights give the same folder and a rerun resumes."""
+    import torch
+    import xxhash
+
+    h = xxhash.xxh3_128(model.config.to_json_string(use_diff=False).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    folder = Path(MODEL_CACHE if cache is None else cache).expanduser() / h.hexdigest()
+    if not (folder / "config.json").is_file():
+        partial = folder.with_name(folder.name + ".partial")
+        model.save_pretrained(partial)
+        name = str(getattr(model.config, "_name_or_path", "") or "")
+        try:
+            from transformers import AutoTokenizer
+            AutoTokenizer.from_pretrained(name, local_files_only=True).save_pretrained(partial)
+        except Exception:  # noqa: BLE001 - no tokenizer beside it: processing_class gives it, or the run says so
+            pass
+        if folder.exists():  # another process saved the same weights meanwhile
+            shutil.rmtree(partial)
+        else:
+            partial.replace(folder)
+    return str(folder)
+
+
 def model_folder(model: Any) -> str:
-    """TRL's `model` as a folder: a local Hugging Face model folder, or a model id already in the local Hugging Face
-    cache (never downloaded)."""
+    """TRL's `model` as a folder: a local Hugging Face model folder, a model id already in the local Hugging Face
+    cache (never downloaded), or a transformers model object (`saved_model_object`)."""
+    if hasattr(model, "config") and hasattr(model, "state_dict") and hasattr(model, "save_pretrained"):
+        return saved_model_object(model)
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model is a {type(model).__name__}: grpo_jax reads Hugging Face folders into JAX itself; "
-                         "save it with model.save_pretrained(folder) and pass the folder")
+                         "pass a folder, a cached model id or a transformers model object")
     path = os.fspath(model)
     if os.path.isdir(path):
         return path
@@ -135,7 +168,7 @@ class GRPOTrainer:
     `environment_factory` go to `train` as TRL's. `.args` is the config the run gets.
     """
 
-    def __init__(self, model: Any, reward_funcs: Any, args: Config | None = None, train_dataset=None,
+    def __init__(self, model: Any, reward_funcs: Any = None, args: Config | None = None, train_dataset=None,
                  eval_dataset=None, processing_class: Any = None, reward_processing_classes: Any = None,
                  callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
                  peft_config: Any = None, tools: list | None = None, rollout_func: Any = None,
@@ -171,11 +204,14 @@ class GRPOTrainer:
                                  f"{data_config.tokenizer_path!r} differ: give the tokenizer once")
             data_config = dataclasses.replace(data_config, tokenizer_path=None if folder == path else folder)
         self.args = dataclasses.replace(config, model=model_config, data=data_config)  # checked as a whole again
-        self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        # None: args' reward.functions (TRL: reward_funcs may be left out when the environment scores)
+        self.reward_funcs = None if reward_funcs is None else \
+            list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.reward_processing_classes, self.tools = reward_processing_classes, tools
         self.environment_factory = environment_factory
         self.state, self._output_dir = TrainerState(), None
+        self.model = PolicyView(self)
 
     def train(self, resume_from_checkpoint: bool | str | None = None):
         """Trains (`grpo_jax.trainer.train`) and returns transformers' `TrainOutput` (global_step, training_loss,
@@ -224,6 +260,44 @@ class GRPOTrainer:
         if output_dir is None or Path(output_dir).resolve() in (final.resolve(), Path(self._output_dir).resolve()):
             return  # the run's own folder: the policy is in final/ already, beside the checkpoints
         shutil.copytree(final, output_dir, dirs_exist_ok=True)
+
+
+class PolicyView:
+    """TRL's `trainer.model` as far as scripts read it: the policy's weights under their Hugging Face names, read
+    from the model folder before training and from the run's `final/` after (torch tensors when torch is installed,
+    else numpy arrays), and `save_pretrained`. A view: grpo_jax trains JAX arrays, not this object."""
+
+    def __init__(self, trainer: GRPOTrainer):
+        self._trainer = trainer
+
+    @property
+    def folder(self) -> Path:
+        """The folder the weights are read from: the run's `final/` once trained, else the model folder."""
+        out = self._trainer._output_dir
+        return Path(out) / "final" if out is not None else Path(self._trainer.args.model.path)
+
+    def named_parameters(self):
+        """(name, tensor) of every weight the folder's safetensors files hold, file by file."""
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            from safetensors.numpy import load_file
+        for file in sorted(self.folder.glob("*.safetensors")):
+            yield from load_file(file).items()
+
+    def parameters(self):
+        return (tensor for _, tensor in self.named_parameters())
+
+    def get_parameter(self, name: str):
+        for key, tensor in self.named_parameters():
+            if key == name:
+                return tensor
+        raise AttributeError(f"the policy has no parameter {name!r} (its Hugging Face names are those of "
+                             f"{self.folder}'s safetensors files)")
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
+        """The folder (weights, config and tokenizer) copied to `save_directory`."""
+        shutil.copytree(self.folder, save_directory, dirs_exist_ok=True)
 
 
 @dataclasses.dataclass

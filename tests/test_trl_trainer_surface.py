@@ -55,3 +55,38 @@ def test_train_returns_trls_output_and_keeps_the_history_in_memory(tmp_path):
     assert [line["step"] for line in more.state.log_history if "loss" in line] == [1, 2, 3]
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [trl_line(line) for line in lines] == more.state.log_history[:-1]  # the same lines as the file
+
+
+def test_a_model_object_trains_as_its_folder_and_trainer_model_reads_the_weights(tmp_path, monkeypatch):
+    """`model=<transformers object>` is saved once to a folder named by its weights' hash (the same object, the same
+    folder: a rerun resumes) and trains bit for bit as that folder does; `trainer.model` reads the policy's weights
+    under transformers' names, before (the model's) and after (the trained ones) `train()`."""
+    torch = pytest.importorskip("torch")
+    import hf_fixtures
+
+    from grpo_jax import GRPOConfig, GRPOTrainer, task, trl_api
+
+    monkeypatch.setattr(trl_api, "MODEL_CACHE", tmp_path / "cache")
+    model = hf_fixtures.build_model("qwen2", tied=True)
+    folder = hf_fixtures.save_model(model, tmp_path / "hf")
+    task.build_tokenizer(folder)
+    args = dict(max_steps=1, num_generations=4, max_completion_length=4, train_batch_size=8,
+                **{"eval.num_examples": 0})
+    from_object = GRPOTrainer(model=model, reward_funcs=answer_reward, train_dataset=ROWS, processing_class=folder,
+                              args=GRPOConfig(output_dir=str(tmp_path / "object"), **args))
+    assert from_object.args.model.path == GRPOTrainer(model=model, reward_funcs=answer_reward).args.model.path
+    assert from_object.args.model.path.startswith(str(tmp_path / "cache"))
+    before = dict(from_object.model.named_parameters())
+    assert before.keys() == dict(model.named_parameters()).keys()  # tied: no lm_head, as transformers names them
+    assert all(torch.equal(before[n], p.detach()) for n, p in model.named_parameters())
+    from_object.train()
+    from_folder = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS,
+                              args=GRPOConfig(output_dir=str(tmp_path / "folder"), **args))
+    from_folder.train()
+    after = dict(from_object.model.named_parameters())
+    assert all(torch.equal(after[n], from_folder.model.get_parameter(n)) for n in after)  # bit for bit
+    assert any(not torch.equal(after[n], before[n]) for n in after)  # it trained
+    from_object.model.save_pretrained(tmp_path / "copy")
+    assert (tmp_path / "copy" / "model.safetensors").is_file()
+    with pytest.raises(AttributeError, match="the policy has no parameter 'nope'"):
+        from_object.model.get_parameter("nope")

@@ -152,7 +152,8 @@ class RewardConfig:
                f"{'lists' if listed else 'does not list'} {SOFT_OVERLONG}: the soft overlong punishment needs "
                "both (a cache > 0 and the function listed) or neither")
         if self.weights is not None:
-            check(len(self.weights) == len(self.functions),
+            # the default functions may be replaced by reward_funcs from Python (TRL's GRPOTrainer): `build` checks
+            check(len(self.weights) == len(self.functions) or self.functions == TASK_REWARDS,
                    f"reward.weights has {len(self.weights)} entries for {len(self.functions)} reward.functions: "
                    "give one weight per function")
             check(all(math.isfinite(w) for w in self.weights),
