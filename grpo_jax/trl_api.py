@@ -7,6 +7,7 @@ refused in one line naming what to pass instead. Imports no jax until `.train()`
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import shutil
@@ -210,6 +211,7 @@ class GRPOTrainer:
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.reward_processing_classes, self.tools = reward_processing_classes, tools
         self.environment_factory = environment_factory
+        _trl_checks(self.args, self.reward_funcs, reward_processing_classes)
         self.state, self._output_dir = TrainerState(), None
         self.model = PolicyView(self)
 
@@ -260,6 +262,33 @@ class GRPOTrainer:
         if output_dir is None or Path(output_dir).resolve() in (final.resolve(), Path(self._output_dir).resolve()):
             return  # the run's own folder: the policy is in final/ already, beside the checkpoints
         shutil.copytree(final, output_dir, dirs_exist_ok=True)
+
+
+logger = logging.getLogger("trl.trainer.grpo_trainer")  # TRL's logger, so a script's log filters apply
+
+
+def _trl_checks(config: Config, reward_funcs: list | None, processing_classes: Any) -> None:
+    """TRL's GRPOTrainer `__init__` checks on the arguments together (its messages), and its warnings."""
+    if reward_funcs is not None:
+        weights = config.reward.weights
+        if weights is not None and len(weights) != len(reward_funcs):
+            raise ValueError(f"Number of reward weights ({len(weights)}) must match number of reward functions "
+                             f"({len(reward_funcs)})")
+        if isinstance(processing_classes, (list, tuple)) and len(processing_classes) != len(reward_funcs):
+            raise ValueError(f"The number of reward processing classes ({len(processing_classes)}) must match the "
+                             f"number of reward functions ({len(reward_funcs)}).")
+    loss = config.loss
+    if loss.loss_type == "luspo" and loss.importance_sampling_level != "sequence":
+        logger.warning("When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'` to "
+                       "mirror the paper's setup.")
+    if loss.loss_type == "vespo" and loss.importance_sampling_level != "token":
+        logger.warning("VESPO computes sequence-level importance weights internally. `importance_sampling_level` "
+                       "should be set to `'token'` (the default).")
+    if loss.importance_sampling_level == "sequence" and loss.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        logger.warning(f"When using `importance_sampling_level='sequence'`, the `'{loss.loss_type}'` loss sums "
+                       "per-token contributions, which effectively weights each sequence by its completion length "
+                       "instead of optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set "
+                       "`loss_type='grpo'`.")
 
 
 class PolicyView:

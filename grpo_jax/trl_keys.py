@@ -76,6 +76,26 @@ def _dtype(value):
                      "model.dtype (the compute), each float32 or bfloat16")
 
 
+# model_init_kwargs entries that only choose how PyTorch loads the weights (grpo_jax reads them into JAX itself)
+LOADING_KWARGS = ("device_map", "attn_implementation", "low_cpu_mem_usage", "revision")
+
+
+def _model_init_kwargs(value):
+    """TRL's `model_init_kwargs` (from_pretrained's keywords): its `dtype` (or `torch_dtype`) is model.param_dtype;
+    loading options are ignored; anything else is refused."""
+    if value is None:
+        return SKIP
+    if not isinstance(value, dict):
+        raise ValueError(f"config key model_init_kwargs={value!r} must be a mapping (TRL's from_pretrained keywords)")
+    other = [k for k in value if k not in ("dtype", "torch_dtype", *LOADING_KWARGS)]
+    if other:
+        raise ValueError(f"config key model_init_kwargs.{other[0]} has no counterpart here (grpo_jax loads the "
+                         "weights itself): keep dtype only, and set model.* keys for the rest")
+    dtype = value.get("dtype", value.get("torch_dtype"))
+    dtype = getattr(dtype, "__name__", None) or str(dtype).removeprefix("torch.") if dtype is not None else None
+    return SKIP if dtype in (None, "auto") else _dtype(dtype)
+
+
 # TRL name -> (our dotted key, value as TRL writes it -> ours, or SKIP)
 CONVERTED = {
     "report_to": ("report_to", _report_to),  # a string, or "none", as TRL takes it
@@ -90,6 +110,7 @@ CONVERTED = {
     "gradient_checkpointing": ("model.remat", lambda v: _bool("gradient_checkpointing", v, "full", "none")),
     "activation_checkpointing": ("model.remat", lambda v: _bool("activation_checkpointing", v, "full", "none")),
     "dtype": ("model.param_dtype", _dtype),
+    "model_init_kwargs": ("model.param_dtype", _model_init_kwargs),
 }
 
 # TRL names whose meaning differs here, or that have no counterpart: what to write instead
@@ -126,7 +147,6 @@ OFF = {
     "use_cpu": ((False,), "run with the environment variable JAX_PLATFORMS=cpu"),
     "train_sampling_strategy": (("random",), "grpo_jax shuffles the prompts every epoch (by seed)"),
     "shuffle_dataset": ((True, None), "grpo_jax always shuffles the prompts (by seed)"),
-    "model_init_kwargs": ((None,), "set model.dtype / model.param_dtype; other loading options do not apply"),
     "trust_remote_code": ((False,), "grpo_jax runs its own model code (the Llama, Gemma and Qwen3-MoE families)"),
     "generation_kwargs": ((None,), "set sampling.temperature / top_p / top_k / min_p"),
     "chat_template_kwargs": ((None,), "grpo_jax renders prompts with the tokenizer's chat template, no arguments"),

@@ -90,3 +90,39 @@ def test_a_model_object_trains_as_its_folder_and_trainer_model_reads_the_weights
     assert (tmp_path / "copy" / "model.safetensors").is_file()
     with pytest.raises(AttributeError, match="the policy has no parameter 'nope'"):
         from_object.model.get_parameter("nope")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(args=dict(reward_weights=[0.7, 0.3]), reward_funcs=[answer_reward]), "Number of reward weights"),
+    (dict(reward_funcs=[answer_reward], reward_processing_classes=[None, None]),
+     "The number of reward processing classes"),
+])
+def test_trls_init_checks_raise_trls_message(tmp_path, kwargs, message):
+    """Arguments that TRL 1.16 refuses in GRPOTrainer.__init__ are refused with its message (grpo_trainer.py)."""
+    from grpo_jax import GRPOConfig, GRPOTrainer
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    ours = dict(kwargs, args=GRPOConfig(**kwargs.get("args", {})))
+    with pytest.raises(ValueError, match=message):
+        GRPOTrainer(model=str(folder), **ours)
+    assert GRPOConfig(reward_weights=[0.7, 0.3]).reward.weights == (0.7, 0.3)  # reward_funcs arrive later
+
+
+def test_trls_warnings(tmp_path, caplog):
+    from grpo_jax import GRPOConfig, GRPOTrainer
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    with caplog.at_level("WARNING", logger="trl.trainer.grpo_trainer"):
+        GRPOTrainer(model=str(folder), reward_funcs=[answer_reward],
+                    args=GRPOConfig(importance_sampling_level="sequence"))
+    assert "the `'dapo'` loss sums per-token contributions" in caplog.text  # TRL's default loss_type
+
+
+def test_model_init_kwargs_dtype_is_the_weights_dtype():
+    from grpo_jax import GRPOConfig
+
+    assert GRPOConfig(model_init_kwargs={"dtype": "bfloat16", "device_map": "auto"}).model.param_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="model_init_kwargs.trust_remote_code has no counterpart"):
+        GRPOConfig(model_init_kwargs={"trust_remote_code": True})
