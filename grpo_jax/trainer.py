@@ -149,7 +149,8 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
                                        data_state=data_state, arrays=arrays)
     saved_step = int(state.step) if history else -1
     writer = MetricsWriter(run.output_dir, max_steps=config.max_steps, initial_step=int(state.step),
-                           logging_steps=config.logging_steps, show_progress=show_progress, history=history,
+                           logging_steps=config.logging_steps, show_progress=show_progress and not config.disable_tqdm,
+                           history=history,
                            write_file=main, report_to=config.report_to,
                            num_completions_to_print=config.num_completions_to_print, run_config=to_dict(config))
     if before is None:

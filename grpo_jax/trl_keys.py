@@ -111,6 +111,7 @@ CONVERTED = {
     "activation_checkpointing": ("model.remat", lambda v: _bool("activation_checkpointing", v, "full", "none")),
     "dtype": ("model.param_dtype", _dtype),
     "model_init_kwargs": ("model.param_dtype", _model_init_kwargs),
+    "disable_tqdm": ("disable_tqdm", lambda v: _bool("disable_tqdm", v, True, False)),
 }
 
 # TRL names whose meaning differs here, or that have no counterpart: what to write instead
@@ -137,7 +138,6 @@ OFF = {
     "neftune_noise_alpha": ((None,), "grpo_jax adds no embedding noise: remove the key"),
     "auto_find_batch_size": ((False,), "TRL's GRPO refuses it too: set train.train_batch_size"),
     "logging_strategy": (("steps",), "grpo_jax logs every logging_steps optimizer steps: set logging_steps"),
-    "disable_tqdm": ((None, False), "pass --no-progress on the command line (show_progress=False in train())"),
     "save_strategy": (("steps",), "grpo_jax checkpoints every save_steps steps: set save_steps (0: at the end)"),
     "push_to_hub": ((False,), "write a Hugging Face folder with `grpo-jax export`, then upload it "
                               "(`huggingface-cli upload`)"),

@@ -24,7 +24,7 @@ def test_trl_names_and_checkpoint_folders(tmp_path):
     assert trl_checkpoint(True) is True and trl_checkpoint(None) is None
 
 
-def test_train_returns_trls_output_and_keeps_the_history_in_memory(tmp_path):
+def test_train_returns_trls_output_and_keeps_the_history_in_memory(tmp_path, capfd):
     pytest.importorskip("torch")
     import hf_fixtures
     from transformers.trainer_utils import TrainOutput
@@ -34,11 +34,13 @@ def test_train_returns_trls_output_and_keeps_the_history_in_memory(tmp_path):
     folder = hf_fixtures.save_model(hf_fixtures.build_model("qwen2", tied=True), tmp_path / "hf")
     task.build_tokenizer(folder)
     args = dict(output_dir=str(tmp_path / "run"), max_steps=2, num_generations=4, max_completion_length=4,
-                per_device_train_batch_size=1, report_to="none", save_steps=1, **{"eval.num_examples": 0})
+                per_device_train_batch_size=1, report_to="none", save_steps=1, disable_tqdm=True,
+                **{"eval.num_examples": 0})
     trainer = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS, args=GRPOConfig(**args))
     with pytest.raises(ValueError, match="save_model before train"):
         trainer.save_model(tmp_path / "saved")
     output = trainer.train()
+    assert "%|" not in capfd.readouterr().err  # disable_tqdm: the console line, no progress bar
     assert isinstance(output, TrainOutput) and output.global_step == 2 and output["steps"] == 2
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # report_to=none: no file, the history in memory
     steps = [line for line in trainer.state.log_history if "loss" in line]

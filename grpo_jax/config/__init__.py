@@ -41,6 +41,7 @@ class Config:
     output_dir: str | None = None  # None: runs/<task>-<timestamp>
     max_steps: int = 5000  # optimizer steps; -1 with num_train_epochs: that many passes over the prompts (TRL)
     num_train_epochs: float | None = None  # TRL's: with max_steps -1, the steps of this many passes (`for_run`)
+    disable_tqdm: bool = False  # TRL's: no progress bar (the console line every logging_steps instead; --no-progress)
     logging_steps: int = 1  # period of the progress bar, console line and completion tables; metrics: every step
     report_to: tuple[str, ...] = ("jsonl",)  # jsonl, tensorboard, wandb (TRL's name); [] logs to none
     log_completions: bool = False  # every logging_steps: the round's completions, rewards and advantages (TRL)
