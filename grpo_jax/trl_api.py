@@ -252,6 +252,15 @@ class GRPOTrainer:
         return Output(summary["steps"], train_loss, {**summary, "train_runtime": history[-1]["train_runtime"],
                                                      "train_loss": train_loss})
 
+    def evaluate(self) -> dict:
+        """TRL's `evaluate()` after `train()`: the held-out evaluation of the trained policy that the run made at its
+        last step (`eval.*`: eval_dataset or the held-out rows), under TRL's `eval_` names."""
+        evaluations = [line for line in self.state.log_history if any(k.startswith("eval_") for k in line)]
+        if not evaluations:
+            raise ValueError("evaluate() needs a trained run with an evaluation: call trainer.train() first, with "
+                             "eval_dataset (or eval.num_examples > 0) so the run evaluates its policy")
+        return dict(evaluations[-1])
+
     def save_model(self, output_dir: str | os.PathLike | None = None) -> None:
         """TRL's `save_model`: the trained policy as a Hugging Face folder (the run's `final/`, tokenizer included)
         copied to `output_dir` (default: `args.output_dir`, where it already is as `final/`)."""

@@ -40,23 +40,27 @@ def test_train_returns_trls_output_and_keeps_the_history_in_memory(tmp_path, cap
     with pytest.raises(ValueError, match="save_model before train"):
         trainer.save_model(tmp_path / "saved")
     output = trainer.train()
-    assert "%|" not in capfd.readouterr().err  # disable_tqdm: the console line, no progress bar
+    assert "grpo:" not in capfd.readouterr().err  # disable_tqdm: no "grpo: 50%|..." bar, the console line
     assert isinstance(output, TrainOutput) and output.global_step == 2 and output["steps"] == 2
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # report_to=none: no file, the history in memory
     steps = [line for line in trainer.state.log_history if "loss" in line]
     assert [line["step"] for line in steps] == [1, 2] and trainer.state.global_step == 2
     assert output.training_loss == pytest.approx(sum(line["loss"] for line in steps) / 2)
     assert trainer.state.log_history[-1]["train_loss"] == output.training_loss
+    with pytest.raises(ValueError, match="evaluate.. needs a trained run with an evaluation"):
+        trainer.evaluate()  # eval.num_examples=0: the run evaluated nothing
     trainer.save_model(tmp_path / "saved")
     assert (tmp_path / "saved" / "config.json").is_file() and (tmp_path / "saved" / "model.safetensors").is_file()
 
     # TRL's layout names checkpoint 2 RUN/checkpoint-2: it resumes the run, whose history goes on
-    more = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS,
-                       args=GRPOConfig(**{**args, "max_steps": 3, "report_to": "jsonl"}))
+    more = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS, eval_dataset=ROWS[:4],
+                       args=GRPOConfig(**{**args, "max_steps": 3, "report_to": "jsonl", "eval.num_examples": 4}))
     assert more.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2")).global_step == 3
     assert [line["step"] for line in more.state.log_history if "loss" in line] == [1, 2, 3]
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [trl_line(line) for line in lines] == more.state.log_history[:-1]  # the same lines as the file
+    final_eval = [line for line in lines if "eval/greedy/answer_reward" in line][-1]
+    assert final_eval["step"] == 3 and more.evaluate() == trl_line(final_eval)  # the trained policy's evaluation
 
 
 def test_a_model_object_trains_as_its_folder_and_trainer_model_reads_the_weights(tmp_path, monkeypatch):
