@@ -13,7 +13,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from grpo_jax import async_rounds, checkpoint, code_fingerprints, data, export, preemption, shapes, sharding, sources, stream
+from grpo_jax import (async_rounds, checkpoint, code_fingerprints, data, export, preemption, shapes, sharding, sources,
+                      stream)
 from grpo_jax.config import Config, to_dict
 from grpo_jax.evaluation import evaluate, short_names
 from grpo_jax.reporting import MetricsWriter, is_eval, plot_run

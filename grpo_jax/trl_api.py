@@ -19,7 +19,8 @@ from typing import Any
 from grpo_jax import trl_keys
 from grpo_jax.config import Config, LoRAConfig, make_config
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "PolicyView", "TrainerState", "lora_options", "model_folder", "trl_checkpoint", "trl_line"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "PolicyView", "TrainerState", "lora_options", "model_folder", "trl_checkpoint",
+           "trl_line"]
 
 
 # TRL 1.16 GRPOConfig's defaults where ours differ (the CLI and recipes keep ours): a script that relies on them trains

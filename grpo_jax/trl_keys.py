@@ -224,8 +224,10 @@ def layer(values: dict) -> dict:
     names = set(ALIASES) | set(CONVERTED) | set(REFUSED) | set(OFF) | set(IGNORED)
     out = copy.deepcopy({k: v for k, v in values.items() if k not in names or k == "report_to"})
     section = values.get("train") if isinstance(values.get("train"), dict) else {}
-    for name, ours in (("steps_per_generation", "steps_per_generation"), ("generation_batch_size", "steps_per_generation"),
-                       ("per_device_train_batch_size", "train_batch_size"), ("train_batch_size", "per_device_train_batch_size")):
+    for name, ours in (("steps_per_generation", "steps_per_generation"),
+                       ("generation_batch_size", "steps_per_generation"),
+                       ("per_device_train_batch_size", "train_batch_size"),
+                       ("train_batch_size", "per_device_train_batch_size")):
         if name in values and ours in section:  # the two count rows differently: which one was meant is unclear
             raise ValueError(f"config keys {name} (TRL's) and train.{ours} both set the batch geometry: give one")
     for name in [n for n in values if n in REFUSED]:

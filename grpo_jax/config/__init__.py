@@ -27,7 +27,8 @@ from grpo_jax.distributed import DistributedConfig
 
 __all__ = ["Config", "DataConfig", "DistributedConfig", "EvalConfig", "LoRAConfig", "LossConfig", "MeshConfig",
            "ModelConfig", "RefSyncConfig", "RewardConfig", "SamplingConfig", "TrainConfig", "apply_overrides",
-           "for_run", "from_dict", "load_config", "make_config", "recipes", "resolve_defaults", "to_dict", "with_defaults"]
+           "for_run", "from_dict", "load_config", "make_config", "recipes", "resolve_defaults", "to_dict",
+           "with_defaults"]
 
 PRETRAINED_LEARNING_RATE = 1e-6  # TRL's default, for model.path's weights
 RANDOM_INIT_LEARNING_RATE = 5e-4  # the embedded tasks' random 64-wide model learns in a few hundred steps with it
