@@ -148,6 +148,20 @@ def model_folder(model: Any) -> str:
                          f"download it first (`hf download {path} --local-dir models/NAME`) and pass the folder") from e
 
 
+def cached_reward_model(spec: Any) -> Any:
+    """A reward function as TRL takes it, with a Hub id (`org/name`, no ':') of a reward model in the local Hugging
+    Face cache as its snapshot folder (never downloaded); anything else as it is."""
+    if not isinstance(spec, str) or ":" in spec or os.path.exists(spec) or spec.count("/") != 1:
+        return spec
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(repo_id=spec, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - not cached, or not a repo id: the same advice
+        raise ValueError(f"reward_funcs entry {spec!r} is neither a 'module:function', a reward model folder nor a "
+                         f"model id in the local Hugging Face cache: download it first (`hf download {spec} "
+                         "--local-dir models/NAME`) and pass the folder") from e
+
+
 def _tokenizer_folder(processing_class: Any) -> str:
     """TRL's `processing_class` as a folder: a path, or a tokenizer loaded from a folder, which is read again."""
     if isinstance(processing_class, (str, os.PathLike)):
@@ -207,8 +221,8 @@ class GRPOTrainer:
             data_config = dataclasses.replace(data_config, tokenizer_path=None if folder == path else folder)
         self.args = dataclasses.replace(config, model=model_config, data=data_config)  # checked as a whole again
         # None: args' reward.functions (TRL: reward_funcs may be left out when the environment scores)
-        self.reward_funcs = None if reward_funcs is None else \
-            list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        self.reward_funcs = None if reward_funcs is None else [cached_reward_model(f) for f in (
+            reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])]
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.reward_processing_classes, self.tools = reward_processing_classes, tools
         self.environment_factory = environment_factory

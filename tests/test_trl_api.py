@@ -91,6 +91,11 @@ def test_the_trainer_takes_a_cached_model_id_and_refuses_objects(tmp_path, monke
     (snapshot.parent.parent / "refs" / "main").write_text("0123abcd")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     trainer = GRPOTrainer("me/tiny", answer_reward, args=GRPOConfig(beta=0.0), peft_config={"r": 4})
+    # TRL's reward_funcs take Hub ids of reward models too: the cached snapshot, as for model
+    assert GRPOTrainer("me/tiny", ["me/tiny", answer_reward, "grpo_jax.task:exact_match"]).reward_funcs == \
+        [str(snapshot), answer_reward, "grpo_jax.task:exact_match"]
+    with pytest.raises(ValueError, match=r"reward_funcs entry 'me/other' is neither .* in the local Hugging Face"):
+        GRPOTrainer("me/tiny", "me/other")
     assert trainer.args.model.path == str(snapshot) and trainer.args.loss.beta == 0.0
     assert trainer.args.model.lora == LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
     assert trainer.reward_funcs == [answer_reward]
