@@ -39,7 +39,7 @@ UNHASHED = (CHECKSUMS, "_CHECKPOINT_METADATA")  # orbax rewrites its step metada
 RESUMABLE_KEYS = ("output_dir", "max_steps", "logging_steps", "save_steps", "save_total_limit", "resume",
                   "resume_from_checkpoint",
                   "cpu_speedups", "host_allocator", "compilation_cache_dir", "eval", "train.max_nonfinite_steps",
-                  "data.allow_changed",
+                  "data.allow_changed", "reward.allow_changed", "num_train_epochs", "disable_tqdm",
                   "sampling.host_threads", "sampling.max_batch_rows", "sampling.tool_timeout", "report_to",
                   "log_completions", "num_completions_to_print")
 
@@ -284,17 +284,24 @@ def verify_run(path: str | os.PathLike) -> tuple[bool, list[str]]:
     return ok, lines
 
 
-def saved_config(output_dir: Path) -> dict | None:
-    """The config (a dict) held by the newest checkpoint of `output_dir` that reads, or None."""
+def saved_meta(output_dir: Path) -> dict | None:
+    """The JSON meta (config, metrics history, fingerprints) of the newest checkpoint of `output_dir` that reads, or
+    None."""
     directory = Path(output_dir).absolute() / CHECKPOINTS
     mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
     for step in sorted(mngr.all_steps(), reverse=True):
         try:
-            return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta["config"]
+            return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         except Exception as e:  # noqa: BLE001 - an unreadable step: try the previous one
-            warnings.warn(f"checkpoint {directory / str(step)}: its config could not be read ({e})", RuntimeWarning,
+            warnings.warn(f"checkpoint {directory / str(step)}: its meta could not be read ({e})", RuntimeWarning,
                           stacklevel=2)
     return None
+
+
+def saved_config(output_dir: Path) -> dict | None:
+    """The config (a dict) held by the newest checkpoint of `output_dir` that reads, or None."""
+    meta = saved_meta(output_dir)
+    return None if meta is None else meta["config"]
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

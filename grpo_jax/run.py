@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo_jax import (checkpoint, cpu, data, evaluation, lock, programs, reward_specs, rewards, runs, shapes,
                       sharding, sources, task, tool_task, tools, trackers)
-from grpo_jax.config import Config, resolve_defaults, to_dict
+from grpo_jax.config import Config, for_run, resolve_defaults, to_dict
 from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, lora, peft_io, resolve_config
 from grpo_jax.state import TrainState, optimizer_from_config
 from grpo_jax.train_step import StepOptions
@@ -324,12 +324,14 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
                                                                   max_prompt_length=dataset.max_prompt_length))
     if config.model.vocab_size is None:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=len(tokenizer)))
-    tc = config.train
     devices = jax.devices()
     check_async(config, len(devices))
     # split placement: the first mesh.rollout devices sample, the others train
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, expert=config.mesh.expert,
                               devices=devices[config.mesh.rollout:])
+    # TRL's per-device batch, epochs and warmup ratio in our counts, now that devices and prompts are known
+    config = for_run(config, row_devices=sharding.num_row_shards(mesh), num_prompts=len(dataset))
+    tc = config.train
     lengths = dict(max_completion_length=config.sampling.max_completion_length,
                    soft_punish_cache=config.reward.soft_punish_cache)
     reward_fns = reward_specs.resolve_all(config.reward.functions if reward_funcs is None else reward_funcs, mesh,

@@ -13,7 +13,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from grpo_jax import async_rounds, checkpoint, data, export, preemption, shapes, sharding, sources, stream
+from grpo_jax import (async_rounds, checkpoint, code_fingerprints, data, export, preemption, shapes, sharding, sources,
+                      stream)
 from grpo_jax.arguments import check_arguments
 from grpo_jax.config import Config, to_dict
 from grpo_jax.evaluation import evaluate, short_names
@@ -37,7 +38,8 @@ def _meta(run: Run, data_state: data.DataState, round_index: int, round_batch: R
     # a copy: the save writes in the background while the loop appends to the history
     return {"round_index": round_index, "data": data_state._asdict(), "buffer": scalars, "history": list(history),
             "eval_before": eval_before, "config": to_dict(run.config), "model_config": to_dict(run.config.model),
-            "tokenizer_path": str(run.tokenizer_path), "data_fingerprint": run.dataset.fingerprint}
+            "tokenizer_path": str(run.tokenizer_path), "data_fingerprint": run.dataset.fingerprint,
+            "code_fingerprint": code_fingerprints.fingerprint(run.reward_fns, run.tooling)}
 
 
 def _arrays(round_batch: RoundBatch | None) -> dict:
@@ -72,6 +74,10 @@ def _restore(run: Run, state: TrainState, data_state: data.DataState, mngr):
     step, state, meta, arrays = restored
     changed = sources.check_fingerprint(meta.get("data_fingerprint"), run.dataset.fingerprint, step=step,
                                         allow_changed=run.config.data.allow_changed)  # older checkpoints: none
+    if changed:
+        warnings.warn(changed, RuntimeWarning, stacklevel=2)
+    changed = code_fingerprints.check(meta.get("code_fingerprint"), code_fingerprints.fingerprint(
+        run.reward_fns, run.tooling), step=step, allow_changed=run.config.reward.allow_changed)
     if changed:
         warnings.warn(changed, RuntimeWarning, stacklevel=2)
     data_state = data.DataState(**{"seed": run.config.seed, **meta["data"]})  # older runs saved no seed
@@ -150,7 +156,8 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
                                        data_state=data_state, arrays=arrays)
     saved_step = int(state.step) if history else -1
     writer = MetricsWriter(run.output_dir, max_steps=config.max_steps, initial_step=int(state.step),
-                           logging_steps=config.logging_steps, show_progress=show_progress, history=history,
+                           logging_steps=config.logging_steps, show_progress=show_progress and not config.disable_tqdm,
+                           history=history,
                            write_file=main, report_to=config.report_to,
                            num_completions_to_print=config.num_completions_to_print, run_config=to_dict(config))
     if before is None:

@@ -7,20 +7,50 @@ refused in one line naming what to pass instead. Imports no jax until `.train()`
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import re
+import shutil
+import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+from grpo_jax import trl_keys
 from grpo_jax.arguments import check_arguments
 from grpo_jax.config import Config, LoRAConfig, make_config
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "lora_options", "model_folder"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "PolicyView", "TrainerState", "lora_options", "model_folder", "trl_checkpoint",
+           "trl_line"]
+
+
+# TRL 1.16 GRPOConfig's defaults where ours differ (the CLI and recipes keep ours): a script that relies on them trains
+# what it trains under TRL; report_to stays jsonl (metrics.jsonl is this trainer's own record, not a tracker) and
+# gradient_checkpointing off (it changes memory, not numbers)
+TRL_DEFAULTS = {"beta": 0.0, "loss_type": "dapo", "use_bias_correction_kl": True, "learning_rate": 1e-6,
+                "lr_scheduler_type": "linear", "adam_beta2": 0.999, "per_device_train_batch_size": 8,
+                "max_completion_length": 512, "num_train_epochs": 3.0, "max_steps": -1, "seed": 42,
+                "logging_steps": 10, "save_total_limit": None}
+# a default that another key given by the script replaces (its rows per step, its own step count)
+_REPLACED_BY = {"per_device_train_batch_size": ("train_batch_size", "train.train_batch_size")}
 
 
 def GRPOConfig(**kwargs: Any) -> Config:  # noqa: N802 - TRL's name for what builds the run's config
-    """TRL's `GRPOConfig(...)` as a grpo_jax `Config`: TRL's flat names (`beta=0.0`, `learning_rate=1e-6`), our dotted
-    keys (`**{"sampling.top_k": 50}`) or sections (`train={...}`), checked as `make_config` checks them."""
-    return make_config(**kwargs)
+    """TRL's `GRPOConfig(...)` as a grpo_jax `Config`, with TRL 1.16's defaults (`TRL_DEFAULTS`): TRL's flat names
+    (`beta=0.0`, `per_device_train_batch_size=4`), our dotted keys (`**{"sampling.top_k": 50}`) or sections
+    (`train={...}`), checked as `make_config` checks them."""
+    given = set(kwargs)
+    for section, values in kwargs.items():
+        if isinstance(values, Mapping):
+            given |= {f"{section}.{leaf}" for leaf in values}
+        elif dataclasses.is_dataclass(values):
+            given |= {f"{section}.{f.name}" for f in dataclasses.fields(values)}
+    defaults = {}
+    for name, value in TRL_DEFAULTS.items():
+        dotted = trl_keys.ALIASES.get(name, name)
+        if not given & {name, dotted, *_REPLACED_BY.get(name, ())}:
+            defaults[name] = value
+    return make_config(**defaults, **kwargs)
 
 
 # PEFT's LoraConfig fields with a model.lora counterpart, and their PEFT defaults (a dict leaves some out)
@@ -30,6 +60,7 @@ LORA_KEYS = {"r": ("rank", 8), "lora_alpha": ("alpha", 8), "lora_dropout": ("dro
 # fields that describe the adapter file or PEFT's runtime, not what is trained: any value does
 LORA_IGNORED = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
                 "inference_mode", "runtime_config"}
+CHECKPOINTS_DIR = "checkpoints"  # `grpo_jax.checkpoint.CHECKPOINTS`, named here without importing jax
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's target_modules=None for every supported model_type
 
 
@@ -68,12 +99,45 @@ def _default(field: dataclasses.Field) -> Any:
     return field.default
 
 
+MODEL_CACHE = Path("~/.cache/grpo_jax/models")  # model objects saved as folders, by the hash of their weights
+
+
+def saved_model_object(model: Any, cache: str | os.PathLike | None = None) -> str:
+    """A transformers model object (TRL's `model=AutoModelForCausalLM...`) as a Hugging Face folder, as reward model
+    objects are converted: saved with its tokenizer (from its `name_or_path`, when one is there) to
+    `cache/<xxh3 of its config and weights>`, so the same weights give the same folder and a rerun resumes."""
+    import torch
+    import xxhash
+
+    h = xxhash.xxh3_128(model.config.to_json_string(use_diff=False).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    folder = Path(MODEL_CACHE if cache is None else cache).expanduser() / h.hexdigest()
+    if not (folder / "config.json").is_file():
+        partial = folder.with_name(folder.name + ".partial")
+        model.save_pretrained(partial)
+        name = str(getattr(model.config, "_name_or_path", "") or "")
+        try:
+            from transformers import AutoTokenizer
+            AutoTokenizer.from_pretrained(name, local_files_only=True).save_pretrained(partial)
+        except Exception:  # noqa: BLE001 - no tokenizer beside it: processing_class gives it, or the run says so
+            pass
+        if folder.exists():  # another process saved the same weights meanwhile
+            shutil.rmtree(partial)
+        else:
+            partial.replace(folder)
+    return str(folder)
+
+
 def model_folder(model: Any) -> str:
-    """TRL's `model` as a folder: a local Hugging Face model folder, or a model id already in the local Hugging Face
-    cache (never downloaded)."""
+    """TRL's `model` as a folder: a local Hugging Face model folder, a model id already in the local Hugging Face
+    cache (never downloaded), or a transformers model object (`saved_model_object`)."""
+    if hasattr(model, "config") and hasattr(model, "state_dict") and hasattr(model, "save_pretrained"):
+        return saved_model_object(model)
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model is a {type(model).__name__}: grpo_jax reads Hugging Face folders into JAX itself; "
-                         "save it with model.save_pretrained(folder) and pass the folder")
+                         "pass a folder, a cached model id or a transformers model object")
     path = os.fspath(model)
     if os.path.isdir(path):
         return path
@@ -83,6 +147,20 @@ def model_folder(model: Any) -> str:
     except Exception as e:  # noqa: BLE001 - not cached, or not a repo id: the same advice
         raise ValueError(f"model={path!r} is neither a folder nor a model id in the local Hugging Face cache: "
                          f"download it first (`hf download {path} --local-dir models/NAME`) and pass the folder") from e
+
+
+def cached_reward_model(spec: Any) -> Any:
+    """A reward function as TRL takes it, with a Hub id (`org/name`, no ':') of a reward model in the local Hugging
+    Face cache as its snapshot folder (never downloaded); anything else as it is."""
+    if not isinstance(spec, str) or ":" in spec or os.path.exists(spec) or spec.count("/") != 1:
+        return spec
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(repo_id=spec, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - not cached, or not a repo id: the same advice
+        raise ValueError(f"reward_funcs entry {spec!r} is neither a 'module:function', a reward model folder nor a "
+                         f"model id in the local Hugging Face cache: download it first (`hf download {spec} "
+                         "--local-dir models/NAME`) and pass the folder") from e
 
 
 def _tokenizer_folder(processing_class: Any) -> str:
@@ -107,7 +185,7 @@ class GRPOTrainer:
     `environment_factory` go to `train` as TRL's. `.args` is the config the run gets.
     """
 
-    def __init__(self, model: Any, reward_funcs: Any, args: Config | None = None, train_dataset=None,
+    def __init__(self, model: Any, reward_funcs: Any = None, args: Config | None = None, train_dataset=None,
                  eval_dataset=None, processing_class: Any = None, reward_processing_classes: Any = None,
                  callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
                  peft_config: Any = None, tools: list | None = None, rollout_func: Any = None,
@@ -120,7 +198,7 @@ class GRPOTrainer:
                 ("rollout_func", rollout_func, "tools and environment_factory run multi-turn rollouts")):
             if value:
                 raise ValueError(f"{name} is TRL's PyTorch hook, which grpo_jax has no counterpart for: {instead}")
-        config = Config() if args is None else args
+        config = GRPOConfig() if args is None else args
         if not isinstance(config, Config):
             raise ValueError(f"args is a {type(config).__name__}: build it with grpo_jax's GRPOConfig(...), which "
                              "takes TRL's GRPOConfig keywords")
@@ -145,20 +223,168 @@ class GRPOTrainer:
                                  f"{data_config.tokenizer_path!r} differ: give the tokenizer once")
             data_config = dataclasses.replace(data_config, tokenizer_path=None if folder == path else folder)
         self.args = dataclasses.replace(config, model=model_config, data=data_config)  # checked as a whole again
-        self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        # None: args' reward.functions (TRL: reward_funcs may be left out when the environment scores)
+        self.reward_funcs = None if reward_funcs is None else [cached_reward_model(f) for f in (
+            reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])]
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.reward_processing_classes, self.tools = reward_processing_classes, tools
         self.environment_factory = environment_factory
+        _trl_checks(self.args, self.reward_funcs, reward_processing_classes)
+        self.state, self._output_dir = TrainerState(), None
+        self.model = PolicyView(self)
 
-    def train(self, resume_from_checkpoint: bool | str | None = None) -> dict:
-        """Trains (`grpo_jax.trainer.train`) and returns its summary. A run in `args.output_dir` continues from its
-        newest checkpoint (`resume`, on by default); `resume_from_checkpoint` as the config key (`grpo_jax.runs`):
-        True, or a run folder or its newest checkpoint folder."""
-        from grpo_jax import trainer  # jax and the models: only once training starts
+    def train(self, resume_from_checkpoint: bool | str | None = None):
+        """Trains (`grpo_jax.trainer.train`) and returns transformers' `TrainOutput` (global_step, training_loss,
+        metrics: the run's summary, which `output["steps"]` also reads) when transformers is importable, else the
+        summary; `self.state.log_history` then holds every logged line. A run in `args.output_dir` continues from
+        its newest checkpoint (`resume`, on by default); `resume_from_checkpoint` as the config key
+        (`grpo_jax.runs`): True, a run folder, its newest checkpoint folder, or TRL's `RUN/checkpoint-N`."""
+        from grpo_jax import checkpoint, trainer  # jax and the models: only once training starts
 
         config = self.args
         if resume_from_checkpoint is not None:
             config = dataclasses.replace(config, resume_from_checkpoint=resume_from_checkpoint)
-        return trainer.train(config, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
-                             reward_funcs=self.reward_funcs, reward_processing_classes=self.reward_processing_classes,
-                             tools=self.tools, environment_factory=self.environment_factory)
+        config = dataclasses.replace(config, resume_from_checkpoint=trl_checkpoint(config.resume_from_checkpoint))
+        started = time.perf_counter()
+        summary = trainer.train(config, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
+                                reward_funcs=self.reward_funcs,
+                                reward_processing_classes=self.reward_processing_classes, tools=self.tools,
+                                environment_factory=self.environment_factory)
+        self._output_dir = summary["output_dir"]
+        meta = checkpoint.saved_meta(self._output_dir) or {}  # its history: every line, whatever report_to
+        history = [trl_line(line) for line in meta.get("history", [])]
+        losses = [line["loss"] for line in history if line.get("loss") is not None]
+        train_loss = sum(losses) / len(losses) if losses else float("nan")
+        history.append({"train_runtime": round(time.perf_counter() - started, 4), "train_loss": train_loss,
+                        "step": summary["steps"]})
+        self.state = TrainerState(global_step=summary["steps"], max_steps=summary["steps"], log_history=history)
+        try:
+            from transformers.trainer_utils import TrainOutput
+        except ImportError:
+            return summary
+
+        class Output(TrainOutput):
+            """TRL's `TrainOutput`; a string key reads the summary, as `train()` returned before."""
+            def __getitem__(self, key):
+                return self.metrics[key] if isinstance(key, str) else super().__getitem__(key)
+        return Output(summary["steps"], train_loss, {**summary, "train_runtime": history[-1]["train_runtime"],
+                                                     "train_loss": train_loss})
+
+    def evaluate(self) -> dict:
+        """TRL's `evaluate()` after `train()`: the held-out evaluation of the trained policy that the run made at its
+        last step (`eval.*`: eval_dataset or the held-out rows), under TRL's `eval_` names."""
+        evaluations = [line for line in self.state.log_history if any(k.startswith("eval_") for k in line)]
+        if not evaluations:
+            raise ValueError("evaluate() needs a trained run with an evaluation: call trainer.train() first, with "
+                             "eval_dataset (or eval.num_examples > 0) so the run evaluates its policy")
+        return dict(evaluations[-1])
+
+    def save_model(self, output_dir: str | os.PathLike | None = None) -> None:
+        """TRL's `save_model`: the trained policy as a Hugging Face folder (the run's `final/`, tokenizer included)
+        copied to `output_dir` (default: `args.output_dir`, where it already is as `final/`)."""
+        if self._output_dir is None:
+            raise ValueError("save_model before train(): nothing is trained yet; call trainer.train() first, or "
+                             "export a checkpoint with `grpo-jax export`")
+        final = Path(self._output_dir) / "final"
+        if output_dir is None or Path(output_dir).resolve() in (final.resolve(), Path(self._output_dir).resolve()):
+            return  # the run's own folder: the policy is in final/ already, beside the checkpoints
+        shutil.copytree(final, output_dir, dirs_exist_ok=True)
+
+
+logger = logging.getLogger("trl.trainer.grpo_trainer")  # TRL's logger, so a script's log filters apply
+
+
+def _trl_checks(config: Config, reward_funcs: list | None, processing_classes: Any) -> None:
+    """TRL's GRPOTrainer `__init__` checks on the arguments together (its messages), and its warnings."""
+    if reward_funcs is not None:
+        weights = config.reward.weights
+        if weights is not None and len(weights) != len(reward_funcs):
+            raise ValueError(f"Number of reward weights ({len(weights)}) must match number of reward functions "
+                             f"({len(reward_funcs)})")
+        if isinstance(processing_classes, (list, tuple)) and len(processing_classes) != len(reward_funcs):
+            raise ValueError(f"The number of reward processing classes ({len(processing_classes)}) must match the "
+                             f"number of reward functions ({len(reward_funcs)}).")
+    loss = config.loss
+    if loss.loss_type == "luspo" and loss.importance_sampling_level != "sequence":
+        logger.warning("When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'` to "
+                       "mirror the paper's setup.")
+    if loss.loss_type == "vespo" and loss.importance_sampling_level != "token":
+        logger.warning("VESPO computes sequence-level importance weights internally. `importance_sampling_level` "
+                       "should be set to `'token'` (the default).")
+    if loss.importance_sampling_level == "sequence" and loss.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        logger.warning(f"When using `importance_sampling_level='sequence'`, the `'{loss.loss_type}'` loss sums "
+                       "per-token contributions, which effectively weights each sequence by its completion length "
+                       "instead of optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set "
+                       "`loss_type='grpo'`.")
+
+
+class PolicyView:
+    """TRL's `trainer.model` as far as scripts read it: the policy's weights under their Hugging Face names, read
+    from the model folder before training and from the run's `final/` after (torch tensors when torch is installed,
+    else numpy arrays), and `save_pretrained`. A view: grpo_jax trains JAX arrays, not this object."""
+
+    def __init__(self, trainer: GRPOTrainer):
+        self._trainer = trainer
+
+    @property
+    def folder(self) -> Path:
+        """The folder the weights are read from: the run's `final/` once trained, else the model folder."""
+        out = self._trainer._output_dir
+        return Path(out) / "final" if out is not None else Path(self._trainer.args.model.path)
+
+    def named_parameters(self):
+        """(name, tensor) of every weight the folder's safetensors files hold, file by file."""
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            from safetensors.numpy import load_file
+        for file in sorted(self.folder.glob("*.safetensors")):
+            yield from load_file(file).items()
+
+    def parameters(self):
+        return (tensor for _, tensor in self.named_parameters())
+
+    def get_parameter(self, name: str):
+        for key, tensor in self.named_parameters():
+            if key == name:
+                return tensor
+        raise AttributeError(f"the policy has no parameter {name!r} (its Hugging Face names are those of "
+                             f"{self.folder}'s safetensors files)")
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
+        """The folder (weights, config and tokenizer) copied to `save_directory`."""
+        shutil.copytree(self.folder, save_directory, dirs_exist_ok=True)
+
+
+@dataclasses.dataclass
+class TrainerState:
+    """TRL's `trainer.state` as far as scripts read it: the steps taken and every logged line."""
+
+    global_step: int = 0
+    max_steps: int = 0
+    log_history: list = dataclasses.field(default_factory=list)
+
+
+# our metric names that TRL logs under another
+TRL_METRIC_NAMES = {"router_aux_loss": "aux_loss"}
+
+
+def trl_line(line: dict) -> dict:
+    """One metrics line as TRL's `log_history` holds it: evaluation under `eval_` (TRL's prefix), TRL's names."""
+    out = {}
+    for key, value in line.items():
+        key = "eval_" + key[len("eval/"):] if key.startswith("eval/") else TRL_METRIC_NAMES.get(key, key)
+        out[key] = value
+    return out
+
+
+def trl_checkpoint(value: bool | str | None) -> bool | str | None:
+    """TRL's `RUN/checkpoint-N` folder (which grpo_jax never writes) as our `RUN/checkpoints/N`; anything else as
+    it is."""
+    if not isinstance(value, (str, os.PathLike)):
+        return value
+    path = Path(value)
+    match = re.fullmatch(r"checkpoint-(\d+)", path.name)
+    if match and not path.exists() and (path.parent / CHECKPOINTS_DIR).is_dir():
+        return str(path.parent / CHECKPOINTS_DIR / match.group(1))
+    return os.fspath(value)

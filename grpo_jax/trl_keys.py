@@ -28,13 +28,14 @@ ALIASES = {
     **{name: f"train.{name}" for name in (
         "adam_beta1", "adam_beta2", "adam_epsilon", "gradient_accumulation_steps", "learning_rate",
         "lr_scheduler_type", "mask_truncated_completions", "max_grad_norm", "multi_objective_aggregation",
-        "num_generations", "num_iterations", "ref_model_mixup_alpha", "ref_model_sync_steps",
-        "steps_per_generation", "sync_ref_model", "warmup_steps", "weight_decay")},
+        "num_generations", "num_iterations", "per_device_train_batch_size", "ref_model_mixup_alpha",
+        "ref_model_sync_steps", "sync_ref_model", "train_batch_size", "warmup_ratio", "warmup_steps", "weight_decay")},
     **{name: f"sampling.{name}" for name in (
         "max_completion_length", "max_tool_calling_iterations", "temperature", "top_k", "top_p")},
     "reward_weights": "reward.weights",
     "max_prompt_length": "data.max_prompt_length",  # TRL < 1.0
     "model_name_or_path": "model.path",
+    "num_train_epochs": "num_train_epochs",
     "lora_r": "model.lora.rank",
     "lora_alpha": "model.lora.alpha",
     "lora_dropout": "model.lora.dropout",
@@ -75,6 +76,26 @@ def _dtype(value):
                      "model.dtype (the compute), each float32 or bfloat16")
 
 
+# model_init_kwargs entries that only choose how PyTorch loads the weights (grpo_jax reads them into JAX itself)
+LOADING_KWARGS = ("device_map", "attn_implementation", "low_cpu_mem_usage", "revision")
+
+
+def _model_init_kwargs(value):
+    """TRL's `model_init_kwargs` (from_pretrained's keywords): its `dtype` (or `torch_dtype`) is model.param_dtype;
+    loading options are ignored; anything else is refused."""
+    if value is None:
+        return SKIP
+    if not isinstance(value, dict):
+        raise ValueError(f"config key model_init_kwargs={value!r} must be a mapping (TRL's from_pretrained keywords)")
+    other = [k for k in value if k not in ("dtype", "torch_dtype", *LOADING_KWARGS)]
+    if other:
+        raise ValueError(f"config key model_init_kwargs.{other[0]} has no counterpart here (grpo_jax loads the "
+                         "weights itself): keep dtype only, and set model.* keys for the rest")
+    dtype = value.get("dtype", value.get("torch_dtype"))
+    dtype = getattr(dtype, "__name__", None) or str(dtype).removeprefix("torch.") if dtype is not None else None
+    return SKIP if dtype in (None, "auto") else _dtype(dtype)
+
+
 # TRL name -> (our dotted key, value as TRL writes it -> ours, or SKIP)
 CONVERTED = {
     "report_to": ("report_to", _report_to),  # a string, or "none", as TRL takes it
@@ -89,16 +110,12 @@ CONVERTED = {
     "gradient_checkpointing": ("model.remat", lambda v: _bool("gradient_checkpointing", v, "full", "none")),
     "activation_checkpointing": ("model.remat", lambda v: _bool("activation_checkpointing", v, "full", "none")),
     "dtype": ("model.param_dtype", _dtype),
+    "model_init_kwargs": ("model.param_dtype", _model_init_kwargs),
+    "disable_tqdm": ("disable_tqdm", lambda v: _bool("disable_tqdm", v, True, False)),
 }
 
 # TRL names whose meaning differs here, or that have no counterpart: what to write instead
 REFUSED = {
-    "per_device_train_batch_size": "TRL counts it per device and micro-step; grpo_jax's train.train_batch_size "
-                                   "counts a whole optimizer step's completions: set train.train_batch_size = "
-                                   "per_device_train_batch_size x number of devices x gradient_accumulation_steps",
-    "generation_batch_size": "grpo_jax derives it: train.train_batch_size x train.steps_per_generation",
-    "num_train_epochs": "grpo_jax runs max_steps optimizer steps: set max_steps",
-    "warmup_ratio": "set train.warmup_steps = warmup_ratio x max_steps",
     "dataset_name": "set data.path (a local file, folder or dataset)",
 }
 
@@ -121,7 +138,6 @@ OFF = {
     "neftune_noise_alpha": ((None,), "grpo_jax adds no embedding noise: remove the key"),
     "auto_find_batch_size": ((False,), "TRL's GRPO refuses it too: set train.train_batch_size"),
     "logging_strategy": (("steps",), "grpo_jax logs every logging_steps optimizer steps: set logging_steps"),
-    "disable_tqdm": ((None, False), "pass --no-progress on the command line (show_progress=False in train())"),
     "save_strategy": (("steps",), "grpo_jax checkpoints every save_steps steps: set save_steps (0: at the end)"),
     "push_to_hub": ((False,), "write a Hugging Face folder with `grpo-jax export`, then upload it "
                               "(`huggingface-cli upload`)"),
@@ -131,7 +147,6 @@ OFF = {
     "use_cpu": ((False,), "run with the environment variable JAX_PLATFORMS=cpu"),
     "train_sampling_strategy": (("random",), "grpo_jax shuffles the prompts every epoch (by seed)"),
     "shuffle_dataset": ((True, None), "grpo_jax always shuffles the prompts (by seed)"),
-    "model_init_kwargs": ((None,), "set model.dtype / model.param_dtype; other loading options do not apply"),
     "trust_remote_code": ((False,), "grpo_jax runs its own model code (the Llama, Gemma and Qwen3-MoE families)"),
     "generation_kwargs": ((None,), "set sampling.temperature / top_p / top_k / min_p"),
     "chat_template_kwargs": ((None,), "grpo_jax renders prompts with the tokenizer's chat template, no arguments"),
@@ -208,6 +223,13 @@ def layer(values: dict) -> dict:
     """
     names = set(ALIASES) | set(CONVERTED) | set(REFUSED) | set(OFF) | set(IGNORED)
     out = copy.deepcopy({k: v for k, v in values.items() if k not in names or k == "report_to"})
+    section = values.get("train") if isinstance(values.get("train"), dict) else {}
+    for name, ours in (("steps_per_generation", "steps_per_generation"),
+                       ("generation_batch_size", "steps_per_generation"),
+                       ("per_device_train_batch_size", "train_batch_size"),
+                       ("train_batch_size", "per_device_train_batch_size")):
+        if name in values and ours in section:  # the two count rows differently: which one was meant is unclear
+            raise ValueError(f"config keys {name} (TRL's) and train.{ours} both set the batch geometry: give one")
     for name in [n for n in values if n in REFUSED]:
         raise ValueError(f"config key {name} is TRL's: {REFUSED[name]}")
     for name in [n for n in values if n in OFF and not any(_same(values[n], ok) for ok in OFF[n][0])]:
@@ -237,9 +259,39 @@ def layer(values: dict) -> dict:
     return out
 
 
+def _geometry(values: dict) -> None:
+    """TRL's `steps_per_generation` (micro-batches per generation) or `generation_batch_size` (rows per generation)
+    as our `train.steps_per_generation` (optimizer steps per round), in place; where no exact conversion exists
+    (not a whole number of optimizer steps, or rows that depend on the device count) a ValueError says what to set."""
+    steps, rows = values.pop("steps_per_generation", None), values.pop("generation_batch_size", None)
+    if steps is None and rows is None:
+        return
+    if steps is not None and rows is not None:
+        raise ValueError("config keys steps_per_generation and generation_batch_size (TRL's) cannot both be set: give "
+                         "one (TRL refuses both too)")
+    train, _ = _target(values, "train.steps_per_generation", "steps_per_generation")
+    accumulation = train.get("gradient_accumulation_steps", 1)
+    if steps is not None:
+        if not isinstance(steps, int) or steps < 1 or steps % accumulation:
+            raise ValueError(f"config key steps_per_generation={steps!r} (TRL's: micro-batches per generation) must "
+                             f"be a multiple of gradient_accumulation_steps={accumulation}: grpo_jax samples once "
+                             "per whole number of optimizer steps (train.steps_per_generation counts those)")
+        train["steps_per_generation"] = steps // accumulation
+        return
+    if train.get("per_device_train_batch_size") is not None:
+        raise ValueError(f"config key generation_batch_size={rows!r} with per_device_train_batch_size: its steps "
+                         "depend on the device count; set steps_per_generation (micro-batches per generation) instead")
+    step_rows = train.get("train_batch_size", 64)
+    if not isinstance(rows, int) or rows < 1 or rows % step_rows:
+        raise ValueError(f"config key generation_batch_size={rows!r} (TRL's: rows per generation) must be a multiple "
+                         f"of train.train_batch_size={step_rows} (the rows of one optimizer step)")
+    train["steps_per_generation"] = rows // step_rows
+
+
 def resolve(values: dict) -> dict:
-    """Merged values with TRL's `use_peft` applied: true turns on LoRA with TRL's rank 16 and alpha 32 unless
-    given (`lora_r`, `model.lora.rank`, ...); false refuses adapters given another way."""
+    """Merged values with TRL's batch geometry (`_geometry`) and `use_peft` applied: true turns on LoRA with TRL's
+    rank 16 and alpha 32 unless given (`lora_r`, `model.lora.rank`, ...); false refuses adapters given another way."""
+    _geometry(values)
     use_peft = values.pop("use_peft", None)
     if use_peft is None:
         return values

@@ -59,7 +59,8 @@ def test_every_shipped_config_loads():
     (["sampling.temperature=0"], "sampling.temperature"),
     (["sampling.top_p=1.5"], "sampling.top_p"),
     (["model.num_attention_heads=3"], "model.num_attention_heads"),
-    (["reward.weights=[1.0, 2.0]"], "reward.weights has 2 entries for 1 reward.functions"),
+    (["reward.weights=[1.0, 2.0]", "reward.functions=[grpo_jax.task:exact_match]"],
+     "reward.weights has 2 entries for 1 reward.functions"),
     (["data.truncation=right"], "data.truncation='right'"),
     (["mesh.data=-1", "mesh.fsdp=-1"], "at most one of mesh.data"),
     (["max_steps=0"], "max_steps=0 must be >= 1"),
@@ -245,8 +246,8 @@ def test_trl_flat_names_are_our_dotted_keys(tmp_path):
     path.write_text("beta: 0.1\nloss:\n  beta: 0.2\n")
     with pytest.raises(ValueError, match=r"beta=0.1 and loss.beta=0.2 set the same option \(loss.beta\)"):
         load_config(str(path))
-    with pytest.raises(ValueError, match="per_device_train_batch_size is TRL's: .* set train.train_batch_size = "):
-        load_config(None, ["per_device_train_batch_size=8"])
+    with pytest.raises(ValueError, match="per_device_train_batch_size .* and train.train_batch_size both set"):
+        load_config(None, ["per_device_train_batch_size=8", "train.train_batch_size=16"])
     with pytest.raises(ValueError, match="fp16=True is TRL's: .* set model.dtype=bfloat16"):
         load_config(None, ["fp16=true"])
 

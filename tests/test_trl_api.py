@@ -17,6 +17,12 @@ TINY = dict(max_steps=2, num_generations=4, max_completion_length=4, beta=0.0,
             train={"train_batch_size": 8}, **{"eval.num_examples": 0})  # TRL's flat names, a section, a dotted key
 
 
+# TRL 1.16's defaults that GRPOConfig takes where ours differ (grpo_jax.trl_api.TRL_DEFAULTS), in our keys
+TRL_DEFAULTS_OURS = ["seed=42", "logging_steps=10", "save_total_limit=null", "num_train_epochs=3",
+                     "loss.loss_type=dapo", "loss.use_bias_correction_kl=true", "train.lr_scheduler_type=linear",
+                     "train.adam_beta2=0.999"]
+
+
 def answer_reward(prompts, completions, answer, **kwargs):
     """Differs inside every group (the update is not zero) and reads a column of the rows."""
     return [float(i % 2) + 0.25 * len(c) + 0.5 * a.endswith("1") for i, (c, a) in enumerate(zip(completions, answer))]
@@ -37,15 +43,15 @@ def test_a_config_from_keywords_is_the_config_of_the_same_overrides():
                                   "train.num_generations=4", "train.train_batch_size=16"])
     assert make_config(beta=0.0, train={"learning_rate": 1e-6, "train_batch_size": 16}, num_generations=4,
                        **{"sampling.temperature": 0.7}) == expected
-    assert GRPOConfig(beta=0.0, learning_rate=1e-6, temperature=0.7, num_generations=4,
-                      **{"train.train_batch_size": 16}) == expected
+    assert make_config(beta=0.0, learning_rate=1e-6, temperature=0.7, num_generations=4,
+                       **{"train.train_batch_size": 16}) == expected
     with pytest.raises(ValueError, match=r"config keys learning_rate=1e-06 and train.learning_rate=1e-05 set the "
                                          r"same option \(train.learning_rate\) to different values"):
         make_config(learning_rate=1e-6, train={"learning_rate": 1e-5})
     with pytest.raises(ValueError, match="config key train.learning_rate is given twice"):
         make_config(train={"learning_rate": 1e-6}, **{"train.learning_rate": 1e-5})
     for override, keywords in (("train.nope=1", dict(train={"nope": 1})), ("sampling.top_p=2", dict(top_p=2.0)),
-                               ("per_device_train_batch_size=8", dict(per_device_train_batch_size=8))):
+                               ("dataset_name=x", dict(dataset_name="x"))):
         with pytest.raises(ValueError) as theirs:
             load_config(None, [override])
         with pytest.raises(ValueError) as ours:
@@ -85,12 +91,17 @@ def test_the_trainer_takes_a_cached_model_id_and_refuses_objects(tmp_path, monke
     (snapshot.parent.parent / "refs" / "main").write_text("0123abcd")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     trainer = GRPOTrainer("me/tiny", answer_reward, args=GRPOConfig(beta=0.0), peft_config={"r": 4})
+    # TRL's reward_funcs take Hub ids of reward models too: the cached snapshot, as for model
+    assert GRPOTrainer("me/tiny", ["me/tiny", answer_reward, "grpo_jax.task:exact_match"]).reward_funcs == \
+        [str(snapshot), answer_reward, "grpo_jax.task:exact_match"]
+    with pytest.raises(ValueError, match=r"reward_funcs entry 'me/other' is neither .* in the local Hugging Face"):
+        GRPOTrainer("me/tiny", "me/other")
     assert trainer.args.model.path == str(snapshot) and trainer.args.loss.beta == 0.0
     assert trainer.args.model.lora == LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
     assert trainer.reward_funcs == [answer_reward]
     with pytest.raises(ValueError, match=r"model='me/other' is neither a folder nor a model id in the local"):
         GRPOTrainer("me/other", answer_reward)
-    with pytest.raises(ValueError, match=r"model is a dict: .* model.save_pretrained\(folder\)"):
+    with pytest.raises(ValueError, match=r"model is a dict: .* or a transformers model object"):
         GRPOTrainer({"weights": 1}, answer_reward)
     with pytest.raises(ValueError, match=r"processing_class is a \w+ not loaded from a folder"):
         GRPOTrainer(str(snapshot), answer_reward, processing_class=task.build_tokenizer())
@@ -123,14 +134,14 @@ def test_the_trl_shaped_trainer_is_train_on_the_same_config_bit_for_bit(tmp_path
                           args=GRPOConfig(output_dir=str(tmp_path / "trl"), **TINY)).train()
     config = load_config(None, [f"output_dir={tmp_path / 'ours'}", "max_steps=2", "train.num_generations=4",
                                 "sampling.max_completion_length=4", "loss.beta=0", "train.train_batch_size=8",
-                                "eval.num_examples=0", f"model.path={folder}"])
+                                "eval.num_examples=0", f"model.path={folder}", *TRL_DEFAULTS_OURS])
     train(config, train_dataset=ROWS, reward_funcs=[answer_reward], show_progress=False)
 
     def untimed(run):
         return [{k: v for k, v in json.loads(line).items() if not k.startswith("step_time")}
                 for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
     assert summary["steps"] == 2 and untimed("trl") == untimed("ours")
-    assert [line["learning_rate"] for line in untimed("trl")] == [1e-6, 1e-6]
+    assert [line["learning_rate"] for line in untimed("trl")] == pytest.approx([1e-6, 5e-7])  # TRL's linear decay
     saved = tmp_path / "ours" / "config.yaml"
     assert yaml.safe_load(saved.read_text())["train"]["learning_rate"] == 1e-6  # the resolved value
     ours, theirs = load_file(tmp_path / "ours" / "final" / "model.safetensors"), \

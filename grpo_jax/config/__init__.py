@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -26,7 +27,8 @@ from grpo_jax.distributed import DistributedConfig
 
 __all__ = ["Config", "DataConfig", "DistributedConfig", "EvalConfig", "LoRAConfig", "LossConfig", "MeshConfig",
            "ModelConfig", "RefSyncConfig", "RewardConfig", "SamplingConfig", "TrainConfig", "apply_overrides",
-           "from_dict", "load_config", "make_config", "recipes", "resolve_defaults", "to_dict", "with_defaults"]
+           "for_run", "from_dict", "load_config", "make_config", "recipes", "resolve_defaults", "to_dict",
+           "with_defaults"]
 
 PRETRAINED_LEARNING_RATE = 1e-6  # TRL's default, for model.path's weights
 RANDOM_INIT_LEARNING_RATE = 5e-4  # the embedded tasks' random 64-wide model learns in a few hundred steps with it
@@ -38,7 +40,9 @@ class Config:
 
     seed: int = 0
     output_dir: str | None = None  # None: runs/<task>-<timestamp>
-    max_steps: int = 5000
+    max_steps: int = 5000  # optimizer steps; -1 with num_train_epochs: that many passes over the prompts (TRL)
+    num_train_epochs: float | None = None  # TRL's: with max_steps -1, the steps of this many passes (`for_run`)
+    disable_tqdm: bool = False  # TRL's: no progress bar (the console line every logging_steps instead; --no-progress)
     logging_steps: int = 1  # period of the progress bar, console line and completion tables; metrics: every step
     report_to: tuple[str, ...] = ("jsonl",)  # jsonl, tensorboard, wandb (TRL's name); [] logs to none
     log_completions: bool = False  # every logging_steps: the round's completions, rewards and advantages (TRL)
@@ -65,7 +69,10 @@ class Config:
     def __post_init__(self):
         check(0 <= self.seed < 2**63, f"seed={self.seed} must be in [0, 2**63) (numpy's generators take no negative "
               "seed)")
-        check(self.max_steps >= 1, f"max_steps={self.max_steps} must be >= 1")
+        check(self.max_steps >= 1 or (self.max_steps == -1 and self.num_train_epochs is not None),
+              f"max_steps={self.max_steps} must be >= 1 (-1 only with num_train_epochs, as in TRL)")
+        check(self.num_train_epochs is None or self.num_train_epochs > 0,
+              f"num_train_epochs={self.num_train_epochs} must be > 0, or null (max_steps counts the steps)")
         check(self.logging_steps >= 1, f"logging_steps={self.logging_steps} must be >= 1")
         check(all(r in REPORT_TO for r in self.report_to) and len(set(self.report_to)) == len(self.report_to),
                f"report_to={list(self.report_to)}: list each of {', '.join(REPORT_TO)} at most once ([] for none)")
@@ -123,6 +130,34 @@ def resolve_defaults(config: Config, saved: dict | None = None) -> Config:
     if rate is None:
         rate = RANDOM_INIT_LEARNING_RATE if config.model.path is None else PRETRAINED_LEARNING_RATE
     return dataclasses.replace(config, train=dataclasses.replace(config.train, learning_rate=float(rate)))
+
+
+def for_run(config: Config, *, row_devices: int, num_prompts: int | None) -> Config:
+    """`config` with TRL's run-dependent options turned into ours once the run is built: `per_device_train_batch_size`
+    as `train.train_batch_size` (x `row_devices`, the devices the rows are split over, x gradient accumulation),
+    `max_steps=-1` as the steps of `num_train_epochs` passes over `num_prompts` prompts (TRL's count: whole rounds
+    per pass x optimizer steps per round), and `train.warmup_ratio` as `train.warmup_steps` (ceil of ratio x steps,
+    transformers' `get_warmup_steps`)."""
+    tc = config.train
+    if tc.per_device_train_batch_size is not None:
+        rows = tc.per_device_train_batch_size * row_devices * tc.gradient_accumulation_steps
+        try:
+            tc = dataclasses.replace(tc, train_batch_size=rows, per_device_train_batch_size=None)
+        except ValueError as e:
+            raise ValueError(f"per_device_train_batch_size={config.train.per_device_train_batch_size} x {row_devices} "
+                             f"devices x gradient_accumulation_steps={tc.gradient_accumulation_steps} = {rows} rows "
+                             f"per step: {e}") from e
+    max_steps = config.max_steps
+    if max_steps == -1:
+        check(num_prompts is not None, "max_steps=-1 with num_train_epochs needs a dataset of known size: set "
+              "max_steps")
+        rounds = num_prompts // tc.prompts_per_round  # TRL's sampler drops the last partial generation batch
+        check(rounds >= 1, f"num_train_epochs with {num_prompts} prompts: a round takes {tc.prompts_per_round} "
+              "prompts, so an epoch holds no whole round; set max_steps or use more prompts")
+        max_steps = max(1, math.ceil(config.num_train_epochs * rounds * tc.steps_per_round))
+    if tc.warmup_ratio and not tc.warmup_steps:
+        tc = dataclasses.replace(tc, warmup_steps=math.ceil(max_steps * tc.warmup_ratio))
+    return dataclasses.replace(config, train=tc, max_steps=max_steps)
 
 
 def to_dict(config: Any) -> dict:
@@ -233,10 +268,42 @@ def _config_file(path: str) -> Path:
                      f"a packaged recipe: {', '.join(recipes())}")
 
 
+# the keys of a file that name files or folders: relative ones are read from the working directory, else from the
+# file's own folder (a recipe's shipped example data, from any folder)
+PATH_KEYS = ("model.path", "model.lora.path", "data.path", "data.tokenizer_path", "eval.path")
+
+
+def _beside(values: dict, folder: Path) -> dict:
+    """A file's `values` with each relative `PATH_KEYS` entry that is missing from the working directory but present
+    in `folder` (the file's) made to point there."""
+    for dotted in PATH_KEYS:
+        *sections, leaf = dotted.split(".")
+        node = values
+        for name in sections:
+            node = node.get(name) if isinstance(node, dict) else None
+        value = node.get(leaf) if isinstance(node, dict) else None
+        if isinstance(value, str) and not Path(value).is_absolute() and not Path(value).exists() \
+                and (folder / value).exists():
+            node[leaf] = str(folder / value)
+    return values
+
+
+def _needs(path: str, values: dict) -> None:
+    """A recipe that trains on data with no model or tokenizer given: the one line that says what to set, before
+    the checks of `Config` that do not know it came from a recipe."""
+    data = values.get("data") or {}
+    model = values.get("model") or {}
+    if data.get("path") and not data.get("tokenizer_path") and not model.get("path") and model.get("init") != "random":
+        raise ValueError(f"recipe {path!r} trains a pretrained model on {data['path']}: add model.path=<a Hugging Face "
+                         "folder> (it gives the tokenizer and weights), e.g. grpo-jax --config "
+                         f"{path} model.path=models/Qwen2.5-0.5B-Instruct")
+
+
 def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Builds a `Config` from an optional YAML file (or packaged recipe name, `recipes()`) and `dotted.key=value`
     overrides (values parsed as YAML; TRL's flat names allowed, `grpo_jax.trl_keys`). The command line wins over
-    the file; within one of them a TRL name and ours set to different values are refused."""
+    the file; within one of them a TRL name and ours set to different values are refused. A relative path in the
+    file that is missing from the working directory is read beside the file (`PATH_KEYS`)."""
     values: dict = {}
     if path is not None:
         file = _config_file(path)
@@ -245,7 +312,11 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
         except yaml.YAMLError as e:
             raise ValueError(f"config file {path!r} is not valid YAML: {e}") from e
         check(isinstance(values, dict), f"config file {path!r} must hold a mapping of keys")
-    return from_dict(Config, trl_keys.resolve(_merged(trl_keys.layer(values), _override_layer(overrides))))
+        values = _beside(values, file.parent.absolute())
+    merged = trl_keys.resolve(_merged(trl_keys.layer(values), _override_layer(overrides)))
+    if path is not None:
+        _needs(path, merged)
+    return from_dict(Config, merged)
 
 
 def make_config(**values: Any) -> Config:

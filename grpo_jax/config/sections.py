@@ -141,6 +141,7 @@ class RewardConfig:
     functions: tuple[str, ...] = TASK_REWARDS
     weights: tuple[float, ...] | None = None  # TRL's reward_weights; None: all 1
     soft_punish_cache: int = 0  # DAPO L_cache in tokens for grpo_jax.rewards:soft_overlong_punishment
+    allow_changed: bool = False  # resume with reward functions, tools or environments whose code changed (warned)
 
     def __post_init__(self):
         check(len(self.functions) >= 1, "reward.functions is empty: list at least one 'module:function'")
@@ -151,7 +152,8 @@ class RewardConfig:
                f"{'lists' if listed else 'does not list'} {SOFT_OVERLONG}: the soft overlong punishment needs "
                "both (a cache > 0 and the function listed) or neither")
         if self.weights is not None:
-            check(len(self.weights) == len(self.functions),
+            # the default functions may be replaced by reward_funcs from Python (TRL's GRPOTrainer): `build` checks
+            check(len(self.weights) == len(self.functions) or self.functions == TASK_REWARDS,
                    f"reward.weights has {len(self.weights)} entries for {len(self.functions)} reward.functions: "
                    "give one weight per function")
             check(all(math.isfinite(w) for w in self.weights),
@@ -174,6 +176,7 @@ class TrainConfig:
 
     num_generations: int = 8  # G completions per prompt
     train_batch_size: int = 64  # rows (completions) per optimizer step, over all devices
+    per_device_train_batch_size: int | None = None  # TRL's: set, train_batch_size = it x row devices x accumulation
     gradient_accumulation_steps: int = 1  # micro-batches inside one optimizer step
     steps_per_generation: int = 1  # optimizer steps per sampling round, on disjoint slices
     num_iterations: int = 1  # mu: passes over each round
@@ -190,6 +193,7 @@ class TrainConfig:
     learning_rate: float | None = None  # None: TRL's 1e-6 with model.path, 5e-4 for a random model (resolve_defaults)
     lr_scheduler_type: str = "constant"  # constant, linear, cosine
     warmup_steps: int = 0
+    warmup_ratio: float = 0.0  # TRL's: with warmup_steps 0, ceil(warmup_ratio x max_steps) warmup steps
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
@@ -220,12 +224,20 @@ class TrainConfig:
             check(getattr(self, name) >= 1, f"train.{name}={getattr(self, name)} must be >= 1")
         check(self.num_generations >= 2,
                f"train.num_generations={self.num_generations}: GRPO needs >= 2 completions per prompt")
+        check(0.0 <= self.warmup_ratio < 1.0, f"train.warmup_ratio={self.warmup_ratio} must be in [0, 1)")
+        if self.per_device_train_batch_size is not None:  # the rows checks run once the device count is known
+            check(isinstance(self.per_device_train_batch_size, int) and self.per_device_train_batch_size >= 1,
+                  f"train.per_device_train_batch_size={self.per_device_train_batch_size!r} must be an integer >= 1")
+            return self._check_rest()
         check(self.train_batch_size % self.gradient_accumulation_steps == 0,
                f"train.train_batch_size={self.train_batch_size} is not divisible by "
                f"train.gradient_accumulation_steps={self.gradient_accumulation_steps}: change either")
         check(self.generation_batch_size % self.num_generations == 0,
                f"train.train_batch_size * train.steps_per_generation = {self.generation_batch_size} rows per "
                f"round is not divisible by train.num_generations={self.num_generations}: make it a multiple")
+        self._check_rest()
+
+    def _check_rest(self):
         check(self.scale_rewards in ("group", "batch", "none"),
                f"train.scale_rewards={self.scale_rewards!r}: use group, batch or none")
         check(self.multi_objective_aggregation in MULTI_OBJECTIVE_AGGREGATIONS,

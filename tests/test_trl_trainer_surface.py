@@ -1,0 +1,134 @@
+"""What a TRL script reads from its trainer after `.train()` (grpo_jax/trl_api.py): transformers' `TrainOutput`,
+`state.log_history` whatever `report_to` says (the lines metrics.jsonl holds, under TRL's names), `save_model`, and
+TRL's `RUN/checkpoint-N` folder for `resume_from_checkpoint`."""
+
+import json
+
+import pytest
+
+from grpo_jax.trl_api import trl_checkpoint, trl_line
+
+ROWS = [{"prompt": f"{i % 10}{(3 * i) % 10}>", "answer": str(i % 10)} for i in range(16)]
+
+
+def answer_reward(prompts, completions, answer, **kwargs):
+    return [float(i % 2) + 0.25 * len(c) + 0.5 * a.endswith("1") for i, (c, a) in enumerate(zip(completions, answer))]
+
+
+def test_trl_names_and_checkpoint_folders(tmp_path):
+    assert trl_line({"step": 3, "loss": 0.5, "router_aux_loss": 0.1, "eval/reward": 1.0}) == \
+        {"step": 3, "loss": 0.5, "aux_loss": 0.1, "eval_reward": 1.0}
+    (tmp_path / "run" / "checkpoints" / "2").mkdir(parents=True)
+    assert trl_checkpoint(str(tmp_path / "run" / "checkpoint-2")) == str(tmp_path / "run" / "checkpoints" / "2")
+    assert trl_checkpoint(str(tmp_path / "other" / "checkpoint-2")) == str(tmp_path / "other" / "checkpoint-2")
+    assert trl_checkpoint(True) is True and trl_checkpoint(None) is None
+
+
+def test_train_returns_trls_output_and_keeps_the_history_in_memory(tmp_path, capfd):
+    pytest.importorskip("torch")
+    import hf_fixtures
+    from transformers.trainer_utils import TrainOutput
+
+    from grpo_jax import GRPOConfig, GRPOTrainer, task
+
+    folder = hf_fixtures.save_model(hf_fixtures.build_model("qwen2", tied=True), tmp_path / "hf")
+    task.build_tokenizer(folder)
+    args = dict(output_dir=str(tmp_path / "run"), max_steps=2, num_generations=4, max_completion_length=4,
+                per_device_train_batch_size=1, report_to="none", save_steps=1, disable_tqdm=True,
+                **{"eval.num_examples": 0})
+    trainer = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS, args=GRPOConfig(**args))
+    with pytest.raises(ValueError, match="save_model before train"):
+        trainer.save_model(tmp_path / "saved")
+    output = trainer.train()
+    assert "grpo:" not in capfd.readouterr().err  # disable_tqdm: no "grpo: 50%|..." bar, the console line
+    assert isinstance(output, TrainOutput) and output.global_step == 2 and output["steps"] == 2
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # report_to=none: no file, the history in memory
+    steps = [line for line in trainer.state.log_history if "loss" in line]
+    assert [line["step"] for line in steps] == [1, 2] and trainer.state.global_step == 2
+    assert output.training_loss == pytest.approx(sum(line["loss"] for line in steps) / 2)
+    assert trainer.state.log_history[-1]["train_loss"] == output.training_loss
+    with pytest.raises(ValueError, match="evaluate.. needs a trained run with an evaluation"):
+        trainer.evaluate()  # eval.num_examples=0: the run evaluated nothing
+    trainer.save_model(tmp_path / "saved")
+    assert (tmp_path / "saved" / "config.json").is_file() and (tmp_path / "saved" / "model.safetensors").is_file()
+
+    # TRL's layout names checkpoint 2 RUN/checkpoint-2: it resumes the run, whose history goes on
+    more = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS, eval_dataset=ROWS[:4],
+                       args=GRPOConfig(**{**args, "max_steps": 3, "report_to": "jsonl", "eval.num_examples": 4}))
+    assert more.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2")).global_step == 3
+    assert [line["step"] for line in more.state.log_history if "loss" in line] == [1, 2, 3]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [trl_line(line) for line in lines] == more.state.log_history[:-1]  # the same lines as the file
+    final_eval = [line for line in lines if "eval/greedy/answer_reward" in line][-1]
+    assert final_eval["step"] == 3 and more.evaluate() == trl_line(final_eval)  # the trained policy's evaluation
+
+
+def test_a_model_object_trains_as_its_folder_and_trainer_model_reads_the_weights(tmp_path, monkeypatch):
+    """`model=<transformers object>` is saved once to a folder named by its weights' hash (the same object, the same
+    folder: a rerun resumes) and trains bit for bit as that folder does; `trainer.model` reads the policy's weights
+    under transformers' names, before (the model's) and after (the trained ones) `train()`."""
+    torch = pytest.importorskip("torch")
+    import hf_fixtures
+
+    from grpo_jax import GRPOConfig, GRPOTrainer, task, trl_api
+
+    monkeypatch.setattr(trl_api, "MODEL_CACHE", tmp_path / "cache")
+    model = hf_fixtures.build_model("qwen2", tied=True)
+    folder = hf_fixtures.save_model(model, tmp_path / "hf")
+    task.build_tokenizer(folder)
+    args = dict(max_steps=1, num_generations=4, max_completion_length=4, train_batch_size=8,
+                **{"eval.num_examples": 0})
+    from_object = GRPOTrainer(model=model, reward_funcs=answer_reward, train_dataset=ROWS, processing_class=folder,
+                              args=GRPOConfig(output_dir=str(tmp_path / "object"), **args))
+    assert from_object.args.model.path == GRPOTrainer(model=model, reward_funcs=answer_reward).args.model.path
+    assert from_object.args.model.path.startswith(str(tmp_path / "cache"))
+    before = dict(from_object.model.named_parameters())
+    assert before.keys() == dict(model.named_parameters()).keys()  # tied: no lm_head, as transformers names them
+    assert all(torch.equal(before[n], p.detach()) for n, p in model.named_parameters())
+    from_object.train()
+    from_folder = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS,
+                              args=GRPOConfig(output_dir=str(tmp_path / "folder"), **args))
+    from_folder.train()
+    after = dict(from_object.model.named_parameters())
+    assert all(torch.equal(after[n], from_folder.model.get_parameter(n)) for n in after)  # bit for bit
+    assert any(not torch.equal(after[n], before[n]) for n in after)  # it trained
+    from_object.model.save_pretrained(tmp_path / "copy")
+    assert (tmp_path / "copy" / "model.safetensors").is_file()
+    with pytest.raises(AttributeError, match="the policy has no parameter 'nope'"):
+        from_object.model.get_parameter("nope")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(args=dict(reward_weights=[0.7, 0.3]), reward_funcs=[answer_reward]), "Number of reward weights"),
+    (dict(reward_funcs=[answer_reward], reward_processing_classes=[None, None]),
+     "The number of reward processing classes"),
+])
+def test_trls_init_checks_raise_trls_message(tmp_path, kwargs, message):
+    """Arguments that TRL 1.16 refuses in GRPOTrainer.__init__ are refused with its message (grpo_trainer.py)."""
+    from grpo_jax import GRPOConfig, GRPOTrainer
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    ours = dict(kwargs, args=GRPOConfig(**kwargs.get("args", {})))
+    with pytest.raises(ValueError, match=message):
+        GRPOTrainer(model=str(folder), **ours)
+    assert GRPOConfig(reward_weights=[0.7, 0.3]).reward.weights == (0.7, 0.3)  # reward_funcs arrive later
+
+
+def test_trls_warnings(tmp_path, caplog):
+    from grpo_jax import GRPOConfig, GRPOTrainer
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    with caplog.at_level("WARNING", logger="trl.trainer.grpo_trainer"):
+        GRPOTrainer(model=str(folder), reward_funcs=[answer_reward],
+                    args=GRPOConfig(importance_sampling_level="sequence"))
+    assert "the `'dapo'` loss sums per-token contributions" in caplog.text  # TRL's default loss_type
+
+
+def test_model_init_kwargs_dtype_is_the_weights_dtype():
+    from grpo_jax import GRPOConfig
+
+    assert GRPOConfig(model_init_kwargs={"dtype": "bfloat16", "device_map": "auto"}).model.param_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="model_init_kwargs.trust_remote_code has no counterpart"):
+        GRPOConfig(model_init_kwargs={"trust_remote_code": True})
