@@ -20,13 +20,13 @@ BIN = Path(sys.executable).parent
 TIMES: list[tuple[str, float]] = []
 
 
-def step(name):
-    """Decorator: run the function now, timed, and record it."""
+def step(name, what):
+    """Decorator: run the function now, timed, and record it under ``name``."""
     def run(fn):
         start = time.perf_counter()
         fn()
         TIMES.append((name, time.perf_counter() - start))
-        print(f"plain smoke: {name}: {TIMES[-1][1]:.1f} s", flush=True)
+        print(f"plain smoke: {name} ({what}): {TIMES[-1][1]:.1f} s", flush=True)
     return run
 
 
@@ -45,13 +45,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
 
-        @step("a plain install: no torch, no trl, jinja2 present")
+        @step("clean venv", "a plain install: no torch, no trl, jinja2 present")
         def _():
             extras = [m for m in ("torch", "trl", "peft") if importlib.util.find_spec(m) is not None]
             assert not extras, f"the plain venv has {extras}: it must be a clean `pip install -e .`"
             assert importlib.util.find_spec("jinja2") is not None, "jinja2 is missing from the dependencies"
 
-        @step("default task: 8 steps, eval every 4, checkpoints, final/")
+        @step("default+eval", "the default task: 8 steps, eval every 4, checkpoints, final/")
         def _():
             grpo_jax(f"output_dir={tmp / 'run'}", "max_steps=8", "eval.steps=4", *tiny,
                      expect="held-out eval at step 8")
@@ -59,7 +59,7 @@ def main() -> None:
             assert "greedy/exact_match" in str(summary), summary
             assert (tmp / "run" / "final" / "config.json").is_file() and (tmp / "run" / "reward.png").is_file()
 
-        @step("resume: the same run to step 12, then verify")
+        @step("resume+verify", "the same run resumed to step 12, then verified")
         def _():
             grpo_jax(f"output_dir={tmp / 'run'}", "max_steps=12", "eval.steps=4", *tiny,
                      expect="resuming from checkpoint")
@@ -67,7 +67,7 @@ def main() -> None:
             assert max(s for s in steps if s is not None) == 12, steps
             grpo_jax("verify", str(tmp / "run"))
 
-        @step("LoRA on the run's final/ model, exported as an adapter and merged")
+        @step("lora+export", "LoRA on the run's final/ model, exported as an adapter and merged")
         def _():
             grpo_jax(f"output_dir={tmp / 'lora'}", f"model.path={tmp / 'run' / 'final'}", "model.lora.rank=4",
                      "max_steps=4", "train.learning_rate=1e-3", *tiny)
@@ -76,7 +76,7 @@ def main() -> None:
             grpo_jax("export", "--checkpoint", str(tmp / "lora"), "--out", str(tmp / "merged"), "--merge")
             assert (tmp / "merged" / "config.json").is_file()
 
-        @step("conversational data from a JSONL file (chat template: jinja2)")
+        @step("chat data", "conversational data from a JSONL file (a chat template: jinja2)")
         def _():
             from grpo_jax import task, tool_task
             tool_task.build_tokenizer(tmp / "tok")
@@ -86,12 +86,12 @@ def main() -> None:
                      "reward.functions=[grpo_jax.tool_task:answer_accuracy]",
                      "sampling.max_completion_length=8", "max_steps=4", *tiny)
 
-        @step("tools: the lookup recipe (an environment called between turns), 6 steps")
+        @step("tools", "the lookup recipe (an environment called between turns), 6 steps")
         def _():
             grpo_jax("--config", "tools_lookup", f"output_dir={tmp / 'tools'}", "max_steps=6", *tiny)
             assert "tools/call_frequency" in (tmp / "tools" / "metrics.jsonl").read_text()
 
-        @step("tool-call parsers of Qwen, Llama 3, Mistral and Gemma 4 without TRL")
+        @step("tool parsers", "tool calls of Qwen, Llama 3, Mistral and Gemma 4 read without TRL")
         def _():
             from grpo_jax import tool_parsers
             texts = {"qwen": '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call><|im_end|>',
@@ -102,7 +102,7 @@ def main() -> None:
                 message = tool_parsers.parse_response(fmt, texts[fmt.name])
                 assert message["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]
 
-    print("plain smoke: all passed in " + ", ".join(f"{name.split(':')[0]} {t:.0f} s" for name, t in TIMES)
+    print("plain smoke: all passed: " + ", ".join(f"{name} {t:.0f} s" for name, t in TIMES)
           + f"; total {sum(t for _, t in TIMES):.0f} s")
 
 
