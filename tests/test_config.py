@@ -230,17 +230,6 @@ def test_the_learning_rate_default_is_trls_for_a_model_folder_and_the_embedded_t
     assert rate("train.learning_rate=2e-3", saved={"train": {"learning_rate": 5e-4}}) == 2e-3
 
 
-def test_the_kl_default_is_deepseekmaths_for_a_model_folder_and_larger_for_a_random_model():
-    from grpo_jax.config import LossConfig, resolve_defaults
-    beta = lambda *overrides, saved=None: resolve_defaults(load_config(None, overrides), saved).loss.beta
-    assert Config().loss.beta is None and LossConfig().beta == 0.04  # the root's null is resolved when built
-    assert beta() == 0.1 and beta("loss.loss_type=dapo") == 0.1  # a loss section without beta: still null
-    assert beta("model.path=models/x") == 0.04 and beta("model.path=models/x", "beta=0") == 0.0
-    assert beta(saved={"loss": {"beta": 0.04}}) == 0.04  # a run saved before this default resumes with its own
-    assert beta("loss.beta=0.3", saved={"loss": {"beta": 0.04}}) == 0.3
-    assert load_config("configs/grpo_deepseekmath.yaml").loss.beta == 0.04
-
-
 def test_trl_flat_names_are_our_dotted_keys(tmp_path):
     """A TRL user's GRPOConfig names work in a YAML file and on the command line, mean the same option, and are
     refused with the key to use where TRL's meaning differs."""

@@ -30,10 +30,6 @@ __all__ = ["Config", "DataConfig", "DistributedConfig", "EvalConfig", "LoRAConfi
 
 PRETRAINED_LEARNING_RATE = 1e-6  # TRL's default, for model.path's weights
 RANDOM_INIT_LEARNING_RATE = 5e-4  # the embedded tasks' random 64-wide model learns in a few hundred steps with it
-PRETRAINED_BETA = 0.04  # DeepSeekMath's KL coefficient
-# A random model's KL to its own init keeps it sampling alternatives: with 0.04 (or 0) the 64-wide model's entropy
-# collapses onto a partly wrong answer on some seeds (held-out exact match 0.1-0.98 over seeds); 0.1 reaches >= 0.9
-RANDOM_INIT_BETA = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +55,7 @@ class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
-    loss: LossConfig = dataclasses.field(default_factory=lambda: LossConfig(beta=None))  # beta: resolve_defaults
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -119,24 +115,14 @@ class Config:
 
 def resolve_defaults(config: Config, saved: dict | None = None) -> Config:
     """`config` with the defaults that depend on other keys filled in, as config.yaml and checkpoints record them: a
-    null train.learning_rate or loss.beta is a resumed run's (`saved`: its config as plain data), else with model.path
-    1e-6 (TRL's) and 0.04 (DeepSeekMath's), for a random model 5e-4 and 0.1."""
-    saved = saved or {}
-    random_init = config.model.path is None
-    train, loss = config.train, config.loss
-    if train.learning_rate is None:
-        rate = (saved.get("train") or {}).get("learning_rate")
-        if rate is None:
-            rate = RANDOM_INIT_LEARNING_RATE if random_init else PRETRAINED_LEARNING_RATE
-        train = dataclasses.replace(train, learning_rate=float(rate))
-    if loss.beta is None:
-        beta = (saved.get("loss") or {}).get("beta")
-        if beta is None:
-            beta = RANDOM_INIT_BETA if random_init else PRETRAINED_BETA
-        loss = dataclasses.replace(loss, beta=float(beta))
-    if train is config.train and loss is config.loss:
+    null train.learning_rate is a resumed run's (`saved`: its config as plain data), else 1e-6 with model.path (TRL's)
+    and 5e-4 for a random model."""
+    if config.train.learning_rate is not None:
         return config
-    return dataclasses.replace(config, train=train, loss=loss)
+    rate = ((saved or {}).get("train") or {}).get("learning_rate")
+    if rate is None:
+        rate = RANDOM_INIT_LEARNING_RATE if config.model.path is None else PRETRAINED_LEARNING_RATE
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, learning_rate=float(rate)))
 
 
 def to_dict(config: Any) -> dict:
@@ -214,10 +200,6 @@ def from_dict(cls: type, values: dict, prefix: str = "") -> Any:
     if unknown:
         hint = trl_keys.suggestions(prefix + unknown[0], names, trl_keys.every_key(to_dict(Config())))
         raise ValueError(f"unknown config key {prefix}{unknown[0]}{hint}: valid keys here are {', '.join(names)}")
-    if cls is Config:  # a section's missing keys are the root's defaults (loss.beta null, not LossConfig's 0.04)
-        defaults = to_dict(Config())
-        values = {k: {**defaults[k], **v} if isinstance(v, dict) and isinstance(defaults.get(k), dict) else v
-                  for k, v in values.items()}
     kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in values.items()}
     return cls(**kwargs)
 

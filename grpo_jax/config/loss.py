@@ -25,8 +25,7 @@ class LossConfig:
     """
 
     loss_type: str = "grpo"             # grpo | bnpo | dr_grpo | dapo | cispo | sapo | luspo | vespo
-    beta: float | None = 0.04           # KL coefficient; 0 disables the KL and the reference model; None (the root
-                                        # Config's default): by the model, `config.resolve_defaults`
+    beta: float = 0.04                  # KL coefficient; 0 disables the KL and the reference model
     epsilon: float = 0.2                # ε_low
     epsilon_high: float | None = None   # None -> epsilon (DAPO clip-higher: 0.28; cispo: the ratio cap, e.g. 5.0)
     delta: float | None = None          # two-sided clipping (INTELLECT-2): cap on the unclipped ratio, > 1 + ε
@@ -71,7 +70,7 @@ class LossConfig:
         if self.off_policy_correction == "decoupled" and not self.vllm_importance_sampling_correction:
             raise ValueError("loss.off_policy_correction='decoupled' weights by the proximal/behaviour ratio that "
                              "loss.vllm_importance_sampling_* shape: set vllm_importance_sampling_correction=true")
-        if self.beta is not None and self.beta < 0:
+        if self.beta < 0:
             raise ValueError(f"loss.beta={self.beta} is negative: use beta >= 0 (0 disables the KL term)")
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
