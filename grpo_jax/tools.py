@@ -7,9 +7,10 @@ an optional `get_reward()` is one more reward function (weight 1, named after th
 one per row by the row's ``environment`` column.
 
 A turn's tool calls are parsed from its tokens with the tokenizer's response parser (`parse_turn`, TRL's
-`parse_response`) and run by a `toolbox.Toolbox` (TRL's failure semantics, each call under a timeout); `suffix_ids`
-renders the tool messages with the chat template exactly as TRL's `_get_tool_suffix_ids` does, tokens appended after
-the turn's own end. A call the parser cannot read leaves the turn plain text, as in TRL, but is counted
+`parse_response`), for a tokenizer without one with ours of its family (`tool_parsers`: no TRL needed), and run
+by a `toolbox.Toolbox` (TRL's failure semantics, each call under a timeout); `suffix_ids` renders the tool
+messages with the chat template exactly as TRL's `_get_tool_suffix_ids` does, tokens appended after the turn's own
+end. A call the parser cannot read leaves the turn plain text, as in TRL, but is counted
 (``malformed``), which TRL does not.
 """
 
@@ -19,7 +20,7 @@ import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
 
-from grpo_jax import toolbox
+from grpo_jax import tool_parsers, toolbox
 from grpo_jax.reward_specs import resolve_reward_fn
 
 RESERVED = ("reset", "get_reward")  # an environment's methods that are not tools
@@ -84,10 +85,13 @@ def _validate_calls(calls) -> None:
 
 def compiled_template(tokenizer):
     """The tokenizer's ``response_template`` compiled once (transformers compiles it on every `parse_response`
-    call otherwise), or None (a legacy ``response_schema``)."""
+    call otherwise); without one, our parser of its chat template's family (`tool_parsers.detect`); None for a
+    legacy ``response_schema`` or an unknown family."""
     template = getattr(tokenizer, "response_template", None)
     if template is None:
-        return None
+        if getattr(tokenizer, "response_schema", None) is not None:
+            return None
+        return tool_parsers.detect(getattr(tokenizer, "chat_template", None))
     from transformers.utils.chat_parsing.response_templates import load_response_template
     return load_response_template(template)
 
@@ -113,9 +117,12 @@ def parse_turn(tokenizer, ids: Sequence[int], prefix: Sequence[int] | None, tool
                template=None) -> tuple[dict, bool]:
     """(the turn as an assistant message, whether it failed to parse): TRL 1.16's `parse_response` (a turn that does
     not parse is its text, special tokens skipped), and the flag TRL does not keep. Needs the tokenizer's
-    ``response_template`` (``template``: it compiled, `compiled_template`) or legacy ``response_schema``."""
+    ``response_template`` (``template``: it compiled, `compiled_template`), a legacy ``response_schema`` or
+    ``template`` one of our `tool_parsers.Format`."""
     try:
-        if getattr(tokenizer, "response_template", None) is not None and prefix is not None:
+        if isinstance(template, tool_parsers.Format):
+            parsed = _parse_own(tokenizer, template, ids, prefix, tools)
+        elif getattr(tokenizer, "response_template", None) is not None and prefix is not None:
             parsed = tokenizer.parse_response(list(ids), template, prefix=list(prefix), tools=tools or None)
         else:
             parsed = tokenizer.parse_response(list(ids))
@@ -130,6 +137,19 @@ def parse_turn(tokenizer, ids: Sequence[int], prefix: Sequence[int] | None, tool
         return parsed, False
     except (ValueError, TypeError):
         return {"role": "assistant", "content": tokenizer.decode(list(ids), skip_special_tokens=True)}, True
+
+
+def _parse_own(tokenizer, fmt: tool_parsers.Format, ids, prefix, tools) -> dict:
+    """`tool_parsers.parse_response` of the turn's text; a reasoning block the prompt opened (a template that
+    pre-writes ``<think>``) is reopened first, as transformers' parser reads the prefix."""
+    text = tokenizer.decode(list(ids), skip_special_tokens=False)
+    if fmt.reasoning is not None and prefix:
+        tail = tokenizer.decode(list(prefix)[-16:], skip_special_tokens=False)
+        opened, closed = tail.rfind(fmt.reasoning[0]), tail.rfind(fmt.reasoning[1])
+        if opened >= 0 and opened > closed and not tail[opened + len(fmt.reasoning[0]):].strip():
+            text = fmt.reasoning[0] + text
+    schemas = json_schemas([t for t in tools or () if callable(t)]) + [t for t in tools or () if isinstance(t, dict)]
+    return tool_parsers.parse_response(fmt, text, schemas)
 
 
 def suffix_ids(tokenizer, tool_messages: list[dict], chat_template: str | None = None, cache: dict | None = None,
@@ -178,17 +198,19 @@ def reward_of(environment_type: type) -> Callable:
 
 
 def _parser_and_template(tokenizer) -> str | None:
-    """Sets TRL's response parser on a tokenizer of a known family that has none (`add_response_schema`) and returns
+    """Checks the tokenizer has a response parser (its own, ours for its family, else TRL's `add_response_schema`
+    set on it) and returns
     the chat template multi-turn rendering needs: None (the tokenizer's) where it is prefix-preserving, else TRL's
     training template for it (`get_training_chat_template`), as TRL's GRPOTrainer does."""
-    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
-        try:
+    if compiled_template(tokenizer) is None and getattr(tokenizer, "response_schema", None) is None:
+        try:  # families we do not parse ourselves (GPT-OSS, GLM-4-MoE, ...) that TRL knows
             from trl.chat_template_utils import add_response_schema
         except ImportError:
             raise ValueError("tools need the tokenizer's response parser (its response_template) to read tool calls, "
-                             "and this tokenizer has none: set tokenizer.response_template (transformers' response "
-                             "parsing docs) and save it with the tokenizer, or `pip install trl`, whose "
-                             "add_response_schema knows the Qwen, Llama 3, Gemma 4, GPT-OSS ... templates") from None
+                             "and this tokenizer has none and a chat template of none of the families grpo_jax "
+                             f"parses ({', '.join(f.name for f in tool_parsers.FORMATS)}): set "
+                             "tokenizer.response_template (transformers' response parsing docs) and save it with the "
+                             "tokenizer, or `pip install trl` for its add_response_schema") from None
         try:
             add_response_schema(tokenizer)
         except ValueError as e:

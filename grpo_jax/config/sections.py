@@ -330,7 +330,7 @@ class EvalConfig:
     path: str | None = None  # held-out prompts, any form data.path takes (with the columns the rewards need)
     split: str = "test"  # the split of a save_to_disk DatasetDict or a cached dataset id
     reward_functions: tuple[str, ...] | None = None  # None: the training ones (the embedded task: its own)
-    steps: int = 0  # also evaluate every N optimizer steps (TRL's eval_steps); 0: before and after training only
+    steps: int = 500  # also evaluate every N optimizer steps (TRL's eval_steps); 0: before and after training only
     num_generations: int = 0  # n sampled completions per prompt (pass@k, maj@n); 0: greedy only
     temperature: float = 1.0  # of the sampled completions
     pass_at_k: tuple[int, ...] | None = None  # k of the pass@k reported; None: 1 and num_generations
