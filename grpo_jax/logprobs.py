@@ -24,6 +24,11 @@ from grpo_jax.models import forward, model_config, unembed
 from grpo_jax.models.moe import load_balancing_loss
 
 
+# With a logps chunk, a chunk's float32 logits at most (a 16k-token row over Gemma's 262k vocabulary is 16 GiB,
+# and its softmax, entropy and backward hold several such buffers)
+LOGITS_PIECE_BYTES = 2 ** 30
+
+
 def token_logps_from_logits(logits_BxTxV, token_ids_BxT, *, temperature: float, with_entropy: bool = False):
     """log softmax(logits / temperature)[token] in float32, and entropy -sum_v p log p (or None)."""
     scaled_BxTxV = logits_BxTxV.astype(jnp.float32) / temperature
@@ -45,17 +50,39 @@ def _logps_of_hidden(graphdef, params, hidden_NxCxD, ids_NxC, *, temperature: fl
 
     if chunk_size <= 0:
         return rows(hidden_NxCxD, ids_NxC)
+    N, C, D = hidden_NxCxD.shape
+    piece = _slots_per_piece(C, chunk_size * model_config(graphdef, params).vocab_size)
 
     # checkpointed: the backward pass recomputes each chunk's logits instead of keeping all of them
     @jax.checkpoint
-    def one_row(args):
+    def one_piece(args):
         hidden_CxD, ids_C = args
         logps_1xC, entropy_1xC = rows(hidden_CxD[None], ids_C[None])
         return logps_1xC[0], (entropy_1xC[0] if with_entropy else jnp.zeros((), jnp.float32))
 
+    def one_row(args):
+        if piece == C:
+            return one_piece(args)
+        # a long row over a large vocabulary in pieces of its slots: each slot's log-prob is its own row of logits
+        hidden_CxD, ids_C = args
+        pad = -C % piece
+        hidden_QxSxD = jnp.pad(hidden_CxD, ((0, pad), (0, 0))).reshape(-1, piece, D)
+        ids_QxS = jnp.pad(ids_C, (0, pad)).reshape(-1, piece)
+        logps_QxS, entropy_QxS = jax.lax.map(one_piece, (hidden_QxSxD, ids_QxS))
+        return logps_QxS.reshape(-1)[:C], (entropy_QxS.reshape(-1)[:C] if with_entropy else entropy_QxS[0])
+
     # batch_size vmaps chunk_size rows per map step (and handles a ragged last chunk)
     logps_NxC, entropy = jax.lax.map(one_row, (hidden_NxCxD, ids_NxC), batch_size=chunk_size)
     return logps_NxC, (entropy if with_entropy else None)
+
+
+def _slots_per_piece(C: int, values_per_slot: int) -> int:
+    """Slots of a row unembedded at once under ``chunk_size``: all C, unless a chunk's float32 logits would pass
+    `LOGITS_PIECE_BYTES`; then the largest power of two that keeps them under it."""
+    per_slot = 4 * values_per_slot
+    if C * per_slot <= LOGITS_PIECE_BYTES:
+        return C
+    return 2 ** max(0, (LOGITS_PIECE_BYTES // per_slot).bit_length() - 1)
 
 
 def _slot_sources(prompt_mask_BxP, completion_mask_BxT, layout_of):

@@ -9,7 +9,7 @@ import pytest
 
 from grpo_jax.logprobs import completion_logps
 from grpo_jax.trajectory import packed_length
-from grpo_jax.models import forward, init_model, unembed
+from grpo_jax.models import forward, init_model, model_config, unembed
 
 PROMPT_IDS = np.array([[0, 0, 0, 5, 7, 9], [0, 3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8], [0, 0, 0, 0, 0, 6]], np.int32)
 PROMPT_MASK = (np.arange(6)[None] >= np.array([[3], [1], [0], [5]])).astype(np.int32)
@@ -256,3 +256,54 @@ def test_packed_length_is_the_longest_group_rounded_to_four_steps_an_octave():
     assert packed_length(wide[:, 0], wide[:, :255].sum(1), 1) == 256
     assert packed_length(np.array([1]), np.array([1024]), 1) == 1280  # 1025 slots: steps of 256 past 1024
     assert packed_length(np.zeros(0), np.zeros(0), 1) == 0
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3])
+def test_long_rows_in_pieces_equal_unchunked_values_and_gradients(tiny_model, chunk_size, monkeypatch):
+    """A chunk whose float32 logits pass LOGITS_PIECE_BYTES runs its rows in pieces of slots (here 2 of a row's
+    slots, which do not divide it): the same log-probs, entropies and gradients as the whole batch at once."""
+    from grpo_jax import logprobs
+    _, graphdef, params = tiny_model
+    V, C = model_config(graphdef, params).vocab_size, COMPLETION_IDS.shape[1]
+    monkeypatch.setattr(logprobs, "LOGITS_PIECE_BYTES", 2 * chunk_size * V * 4)
+    assert logprobs._slots_per_piece(C, chunk_size * V) == 2 and C % 2
+    weights = jnp.asarray(np.random.default_rng(3).normal(size=COMPLETION_IDS.shape), jnp.float32)
+
+    def objective(p, chunk):
+        logps, entropy = completion_logps(graphdef, p, PROMPT_IDS, PROMPT_MASK, COMPLETION_IDS, COMPLETION_MASK,
+                                          temperature=0.7, with_entropy=True, chunk_size=chunk)
+        return jnp.sum((logps + 0.1 * entropy) * weights * COMPLETION_MASK), (logps, entropy)
+
+    grad_fn = jax.jit(jax.value_and_grad(objective, has_aux=True), static_argnums=1)
+    (full, (logps, entropy)), g_full = grad_fn(params, 0)
+    (pieces, (logps_p, entropy_p)), g_pieces = grad_fn(params, chunk_size)
+    np.testing.assert_allclose(logps_p, logps, atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(entropy_p, entropy, atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(pieces, full, atol=1e-5, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_pieces), jax.tree.leaves(g_full)):
+        np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, float(np.abs(b).max())), rtol=1e-5)
+
+
+def test_long_rows_in_pieces_never_hold_a_whole_rows_logits(monkeypatch):
+    """Compiled buffer assignment: chunk 1 holds several copies of one row's float32 logits (logits, softmax,
+    their gradients); in pieces of 8 of its 64 slots, under one copy (the rest: the [V, D] weight gradients)."""
+    from grpo_jax import logprobs
+    from grpo_jax.models import ModelConfig, init_model
+    B, P, T, V = 2, 4, 64, 8192
+    graphdef, params = init_model(ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32,
+                                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1), 0)
+    ids = jnp.zeros((B, P), jnp.int32), jnp.ones((B, P), jnp.int32), jnp.zeros((B, T), jnp.int32)
+    mask = jnp.ones((B, T), jnp.int32)
+
+    def temp_bytes():
+        def objective(p):
+            logps, entropy = completion_logps(graphdef, p, *ids, mask, temperature=1.0, with_entropy=True,
+                                              chunk_size=1)
+            return jnp.sum(logps + entropy)
+        return jax.jit(jax.grad(objective)).lower(params).compile().memory_analysis().temp_size_in_bytes
+
+    row_logits_bytes = T * V * 4
+    whole_rows = temp_bytes()
+    assert whole_rows > 3 * row_logits_bytes
+    monkeypatch.setattr(logprobs, "LOGITS_PIECE_BYTES", 8 * V * 4)
+    assert temp_bytes() < min(row_logits_bytes, whole_rows / 4)

@@ -168,3 +168,22 @@ def test_the_plan_tables_model_folders_hold_the_released_shapes(tmp_path):
             gemma.head_dim, gemma.intermediate_size, gemma.vocab_size, gemma.sliding_window) == (
         5376, 62, 32, 16, 128, 21504, 262208, 1024)
     assert gemma.layer_types.count("full_attention") == 10 and gemma.layer_types[5] == "full_attention"
+
+
+@needs_libtpu
+def test_tpu_plan_compiles_a_mixture_of_experts_over_expert_and_fsdp(tmp_path):
+    """A tiny qwen3_moe on v5e:2x2 with its experts over mesh.expert=2 and the rest over fsdp 2: every phase
+    compiles for the TPU (the expert-parallel block without axis_index: tests/test_moe.py checks its program holds
+    no partition_id, which Qwen3-30B-A3B's train step over expert 8 x fsdp 8 was refused for)."""
+    folder = tmp_path / "moe"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(dict(
+        model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=V, hidden_size=256,
+        intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=512, tie_word_embeddings=False)))
+    overrides = [o for o in OVERRIDES if not o.startswith("mesh.")] + [
+        f"model.path={folder}", "mesh.data=1", "mesh.fsdp=2", "mesh.expert=2"]
+    result = plan.plan(load_config(None, overrides), plan.topology_devices("v5e:2x2"), costs=False)
+    assert [p.name for p in result.phases] == list(plan.PHASES)
+    assert all(p.error is None and p.peak > 0 for p in result.phases)

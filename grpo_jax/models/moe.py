@@ -96,16 +96,21 @@ def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF,
     if E % n:
         raise ValueError(f"model.num_experts={E} does not split over mesh.expert={n}: make mesh.expert divide it")
 
-    def local(x, experts, weights, gate, up, down):
-        first = jax.lax.axis_index(EXPERT) * (E // n)
+    def local(first_1, x, experts, weights, gate, up, down):
+        first = first_1[0]
         # the tokens cast to varying over the axis up front, so the cast's transpose sums every device's part of
         # their gradient (left to jax 0.10's implicit casts, x's gradient came back wrong: tests/test_moe.py)
         x = jax.lax.pcast(x, EXPERT, to="varying")
         return jax.lax.psum(expert_mlp(x, experts, weights, gate, up, down, first, ragged_dot=ragged_dot), EXPERT)
 
     split, whole = PartitionSpec(EXPERT), PartitionSpec()
-    return jax.shard_map(local, mesh=mesh, in_specs=(whole, whole, whole, split, split, split), out_specs=whole,
-                         axis_names={EXPERT})(x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD)
+    # each device's first expert comes in as data split over the axis, not from axis_index: XLA's TPU SPMD
+    # partitioner refuses the PartitionId that axis_index becomes in a shard_map with other axes left automatic
+    # (Qwen3-30B-A3B's train step over expert x fsdp)
+    first_n = jnp.arange(n, dtype=jnp.int32) * (E // n)
+    return jax.shard_map(local, mesh=mesh, in_specs=(split, whole, whole, whole, split, split, split),
+                         out_specs=whole, axis_names={EXPERT})(first_n, x_NxD, experts_NxK, weights_NxK, gate_ExDxF,
+                                                               up_ExDxF, down_ExFxD)
 
 
 def route(router_logits_NxE, top_k: int, norm_topk_prob: bool, replay_NxK=None):
