@@ -213,9 +213,13 @@ def hint(plan_: Plan, phase: Phase) -> str:
     slots = c.sampling.max_batch_rows or tc.generation_batch_size
     if phase.name in ("prefill", "decode_step") and slots > plan_.row_shards:
         return f"{need}: lower sampling.max_batch_rows (decode slots, each with a cache of prompt + completion)"
-    return (f"{need}, {_size(phase.temporaries)} of it temporaries: lower sampling.max_completion_length or "
-            "data.max_prompt_length (dense attention's [rows, heads, L, L] scores grow with the square of the "
-            "sequence), or use more chips")
+    # attention through a kernel (auto on a listed chip: splash or cuDNN) keeps its memory linear in the sequence
+    if c.model.attention == "dense" or (c.model.attention == "auto" and plan_.chip is None):
+        return (f"{need}, {_size(phase.temporaries)} of it temporaries: lower sampling.max_completion_length or "
+                "data.max_prompt_length (dense attention's [rows, heads, L, L] scores grow with the square of the "
+                "sequence), or use more chips")
+    return (f"{need}, {_size(phase.temporaries)} of it temporaries (activations and logits): lower "
+            "sampling.max_completion_length or data.max_prompt_length, or use more chips")
 
 
 def _size(n: float) -> str:

@@ -143,6 +143,19 @@ def test_topology_names_map_to_chips():
     assert plan._accelerator_type("v5p", 64) == "v5p-128" and plan._accelerator_type("v5e", 4) == "v5litepod-4"
 
 
+@pytest.mark.parametrize("attention, chip, dense", [("auto", "v5p", False), ("auto", None, True),
+                                                     ("dense", "v5p", True), ("splash", None, False)])
+def test_the_last_hint_blames_attention_scores_only_when_attention_is_dense(attention, chip, dense):
+    """A phase too big for no other listed reason: the hint names dense attention's [L, L] scores only where the
+    plan's attention is dense (``auto`` on a listed chip runs a kernel whose memory is linear in the sequence)."""
+    config = load_config(None, [*OVERRIDES, f"model.attention={attention}", "model.remat=full",
+                                "train.logps_chunk_size=1", "train.gradient_accumulation_steps=32"])
+    phase = plan.Phase("train_step", 1, 0, 0, 0, 2 ** 40, 0.0, 0.0)
+    plan_ = plan.Plan((phase,), chip and chips.CHIPS[chip], 2 ** 30, 4, 4, 1, config)
+    line = plan.hint(plan_, phase)
+    assert ("dense attention" in line) is dense and "lower sampling.max_completion_length" in line, line
+
+
 def test_the_plan_tables_model_folders_hold_the_released_shapes(tmp_path):
     """benchmarks/plan_table.py's config.json-only folders read back (transformers, `resolve_config`) as the
     released models: Qwen2.5-7B, Qwen3-30B-A3B's 128 experts (8 a token), Gemma-3-27B's 5 local : 1 global layers."""
