@@ -74,7 +74,14 @@ def test_without_entropy_returns_none(tiny_model):
 @pytest.mark.parametrize("chunk_size", [1, 3, 4])
 def test_chunked_equals_unchunked_values_and_gradients(tiny_model, chunk_size):
     _, graphdef, params = tiny_model
-    weights = jnp.asarray(np.random.default_rng(0).normal(size=COMPLETION_IDS.shape), jnp.float32)
+    g_full = _assert_chunked_equals_unchunked(graphdef, params, chunk_size, seed=0)
+    assert any(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(g_full))
+
+
+def _assert_chunked_equals_unchunked(graphdef, params, chunk_size, seed):
+    """Log-probs, entropies, a weighted objective and its gradients at ``chunk_size`` against the unchunked pass;
+    returns the unchunked gradients."""
+    weights = jnp.asarray(np.random.default_rng(seed).normal(size=COMPLETION_IDS.shape), jnp.float32)
 
     def objective(p, chunk):
         logps, entropy = completion_logps(graphdef, p, PROMPT_IDS, PROMPT_MASK, COMPLETION_IDS, COMPLETION_MASK,
@@ -91,7 +98,7 @@ def test_chunked_equals_unchunked_values_and_gradients(tiny_model, chunk_size):
         # the chunked scan sums row contributions in another order: float32 rounding scales with the
         # largest entry of the leaf (tied embedding gradients reach ~10), not with each element
         np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, float(np.abs(b).max())), rtol=1e-5)
-    assert any(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(g_full))
+    return g_full
 
 
 # two groups of two rows: rows 0, 1 share prompt row 1 (one pad), rows 2, 3 prompt row 3 (five pads)
@@ -267,21 +274,7 @@ def test_long_rows_in_pieces_equal_unchunked_values_and_gradients(tiny_model, ch
     V, C = model_config(graphdef, params).vocab_size, COMPLETION_IDS.shape[1]
     monkeypatch.setattr(logprobs, "LOGITS_PIECE_BYTES", 2 * chunk_size * V * 4)
     assert logprobs._slots_per_piece(C, chunk_size * V) == 2 and C % 2
-    weights = jnp.asarray(np.random.default_rng(3).normal(size=COMPLETION_IDS.shape), jnp.float32)
-
-    def objective(p, chunk):
-        logps, entropy = completion_logps(graphdef, p, PROMPT_IDS, PROMPT_MASK, COMPLETION_IDS, COMPLETION_MASK,
-                                          temperature=0.7, with_entropy=True, chunk_size=chunk)
-        return jnp.sum((logps + 0.1 * entropy) * weights * COMPLETION_MASK), (logps, entropy)
-
-    grad_fn = jax.jit(jax.value_and_grad(objective, has_aux=True), static_argnums=1)
-    (full, (logps, entropy)), g_full = grad_fn(params, 0)
-    (pieces, (logps_p, entropy_p)), g_pieces = grad_fn(params, chunk_size)
-    np.testing.assert_allclose(logps_p, logps, atol=1e-6, rtol=1e-6)
-    np.testing.assert_allclose(entropy_p, entropy, atol=1e-6, rtol=1e-6)
-    np.testing.assert_allclose(pieces, full, atol=1e-5, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(g_pieces), jax.tree.leaves(g_full)):
-        np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, float(np.abs(b).max())), rtol=1e-5)
+    _assert_chunked_equals_unchunked(graphdef, params, chunk_size, seed=3)
 
 
 def test_long_rows_in_pieces_never_hold_a_whole_rows_logits(monkeypatch):
