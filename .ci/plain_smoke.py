@@ -78,12 +78,13 @@ def main() -> None:
 
         @step("chat data", "conversational data from a JSONL file (a chat template: jinja2)")
         def _():
-            from grpo_jax import task, tool_task
+            from grpo_jax.data import task
+            from grpo_jax.tools import tool_task
             tool_task.build_tokenizer(tmp / "tok")
             task.write_jsonl(tmp / "chat.jsonl", tool_task.make_examples(64, seed=0, min_len=3, max_len=3))
             grpo_jax(f"output_dir={tmp / 'chat'}", f"data.path={tmp / 'chat.jsonl'}",
                      f"data.tokenizer_path={tmp / 'tok'}", "model.init=random",
-                     "reward.functions=[grpo_jax.tool_task:answer_accuracy]",
+                     "reward.functions=[grpo_jax.tools.tool_task:answer_accuracy]",
                      "sampling.max_completion_length=8", "max_steps=4", *tiny)
 
         @step("tools", "the lookup recipe (an environment called between turns), 6 steps")
@@ -93,7 +94,7 @@ def main() -> None:
 
         @step("tool parsers", "tool calls of Qwen, Llama 3, Mistral and Gemma 4 read without TRL")
         def _():
-            from grpo_jax import tool_parsers
+            from grpo_jax.tools import tool_parsers
             texts = {"qwen": '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call><|im_end|>',
                      "llama3": '{"name": "f", "parameters": {"a": 1}}<|eot_id|>',
                      "mistral": '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}]</s>',

@@ -11,7 +11,7 @@ the held-out greedy metrics before and after (summary.json) and the wall time.
 
 ``--long`` trains on realistic lengths instead of the default task's 3-8 tokens: sort a random binary string of
 128-384 digits ("0110...^" -> "0011..."), so prompts are 129-385 tokens and completions grow to hundreds of tokens
-(at most 512) as the policy learns the answer's length, graded by `grpo_jax.task:char_accuracy`. The same random
+(at most 512) as the policy learns the answer's length, graded by `grpo_jax.data.task:char_accuracy`. The same random
 model and character tokenizer as the default task (the JSONL files and the tokenizer folder are written into the
 run folder); binary digits so that a policy gets partial credit early (a run of zeros of the right length scores
 about 0.5) and full credit only by counting.
@@ -53,7 +53,7 @@ def curve(output_dir: Path, every: int) -> dict:
 def long_task(folder: Path, seed: int = 0) -> list[str]:
     """Write the realistic-length binary sort task (train and held-out JSONL, the tokenizer) under `folder`; the
     overrides that train on it."""
-    from grpo_jax import task
+    from grpo_jax.data import task
 
     folder.mkdir(parents=True, exist_ok=True)
     for split, rows, offset in (("train", 2000, 0), ("test", 200, 1)):

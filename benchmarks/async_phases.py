@@ -11,7 +11,7 @@ Qwen2 of make_models.py), float32, one device. Each phase is timed at a few size
   `--update-groups` groups of 8 rows, prompts 64-512 tokens, completions geometric with mean `--update-mean` (at
   most 1,024) -> update_token_s = their seconds over their real tokens (update_fixed_s 0: a CPU's update is
   compute-bound);
-- reward: `grpo_jax.math_rewards:accuracy` on `--reward-rows` completions of ~1,000 characters, per completion;
+- reward: `grpo_jax.rewards.math:accuracy` on `--reward-rows` completions of ~1,000 characters, per completion;
 - sync: a params all-reduce or broadcast moving 2x the weight bytes over a link `--link-fraction` as fast as the
   device's measured memory bandwidth (NVLink 450 GB/s over HBM 3.35 TB/s ~ 0.13; TPU ICI over HBM ~ 0.2).
 """
@@ -32,8 +32,8 @@ import packed_update  # noqa: E402
 
 
 def reward_row_s(rows: int) -> float:
-    """Seconds a completion of `grpo_jax.math_rewards:accuracy` on text like a math completion."""
-    from grpo_jax import math_rewards
+    """Seconds a completion of `grpo_jax.rewards.math:accuracy` on text like a math completion."""
+    from grpo_jax.rewards import math as math_rewards
 
     rng = np.random.default_rng(0)
     words = ["so", "the", "sum", "is", "then", "we", "get", "=", "+", "x", "2", "3"]
@@ -50,7 +50,7 @@ def measure(args) -> dict:
                for rows in args.decode_rows]
     for row in decodes:
         print(json.dumps({k: row[k] for k in ("rows", "decode_step_s", "prefill_plus_one_token_s")}), flush=True)
-    from grpo_jax import cpu
+    from grpo_jax.device import cpu
 
     cpu_speedups = cpu.enabled(None)  # as a run on this backend
     updates = []
@@ -101,7 +101,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
-    from grpo_jax.cpu import configure_host_allocator
+    from grpo_jax.device.cpu import configure_host_allocator
 
     configure_host_allocator("retain")
     return decode.write_result(measure(args), args.out)

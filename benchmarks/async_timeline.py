@@ -76,7 +76,7 @@ def main(argv=None) -> dict:
     import jax
 
     import trace_summary
-    from grpo_jax import trainer
+    from grpo_jax.api import trainer
     from grpo_jax.config import load_config
 
     folder = Path(tempfile.mkdtemp(prefix="async_timeline_"))

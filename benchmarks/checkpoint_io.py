@@ -29,8 +29,8 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
-from grpo_jax import checkpoint  # noqa: E402
-from grpo_jax.state import abstract_state, make_optimizer  # noqa: E402
+from grpo_jax.algo.state import abstract_state, make_optimizer  # noqa: E402
+from grpo_jax.io import checkpoint  # noqa: E402
 
 from memory import QWEN25_05B  # noqa: E402
 

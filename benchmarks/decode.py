@@ -1,4 +1,4 @@
-"""Decode throughput of `grpo_jax.decoder` (a static batch) against the memory-bandwidth bound, JSON out.
+"""Decode throughput of `grpo_jax.algo.decoder` (a static batch) against the memory-bandwidth bound, JSON out.
 
     python benchmarks/decode.py --size qwen0.5b --rows 64 --prompt-length 64 --new-tokens 256 --dtype bfloat16
 
@@ -61,9 +61,10 @@ def model_config_for(size: str, dtype: str, param_dtype: str | None):
 def measure(size: str, rows: int, prompt_length: int, new_tokens: int, dtype: str, param_dtype: str | None,
             repeats: int = 3) -> dict:
     """Decode tokens/s of `decoder` and its fraction of the bandwidth bound (see the module docstring)."""
-    from grpo_jax import cpu, decoder
+    from grpo_jax.algo import decoder
+    from grpo_jax.algo.sampling import SamplingConfig
+    from grpo_jax.device import cpu
     from grpo_jax.models import init_model
-    from grpo_jax.sampling import SamplingConfig
 
     config = model_config_for(size, dtype, param_dtype)
     graphdef, params = init_model(config, seed=0)
@@ -128,12 +129,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--param-dtype", default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--host-allocator", choices=("retain", "system"), default="retain",
-                        help="malloc policy (grpo_jax.cpu), as a training run sets it")
+                        help="malloc policy (grpo_jax.device.cpu), as a training run sets it")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.new_tokens < 2:
         parser.error("--new-tokens must be >= 2")
-    from grpo_jax.cpu import configure_host_allocator
+    from grpo_jax.device.cpu import configure_host_allocator
 
     configure_host_allocator(args.host_allocator)
     result = measure(args.size, args.rows, args.prompt_length, args.new_tokens, args.dtype, args.param_dtype,

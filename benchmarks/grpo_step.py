@@ -39,7 +39,7 @@ import make_models  # noqa: E402
 import trace_summary  # noqa: E402
 
 PHASES = ("sample", "score", "logps", "update")
-REWARD = "grpo_jax.task:char_accuracy"
+REWARD = "grpo_jax.data.task:char_accuracy"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,11 +181,12 @@ def run_grpo_jax(model_dir: str | None, size: str | None, prompts: Path, s: Sett
     timed ones runs under `jax.profiler.trace`; its per-op summary (`trace_summary`) joins the result."""
     import jax
 
-    from grpo_jax import data, trainer
+    from grpo_jax.algo.sampling import SamplingConfig
+    from grpo_jax.api import trainer
     from grpo_jax.config import Config, DataConfig, EvalConfig, RewardConfig, TrainConfig, apply_overrides
+    from grpo_jax.data import prompts as data
     from grpo_jax.losses import LossConfig
     from grpo_jax.models import ModelConfig
-    from grpo_jax.sampling import SamplingConfig
 
     arch = architecture(model_dir, size)
     work = Path(tempfile.mkdtemp(prefix="grpo_jax_bench_"))
@@ -250,7 +251,7 @@ def run_grpo_jax(model_dir: str | None, size: str | None, prompts: Path, s: Sett
     device = jax.devices()[0]
     peak = matmul_peak("jax", "bfloat16" if dtype == "bfloat16" else "float32",
                        n=8192 if device.platform == "gpu" else 2048)
-    from grpo_jax.run import prompt_group_sizes
+    from grpo_jax.api.run import prompt_group_sizes
     # the FLOPs grpo_jax executes (each group's prompt once in log-prob/update passes): its hardware use
     flops = step_flops(arch, _mean_prompt(s), prompt_group_size=prompt_group_sizes(config, run.mesh)[1])
     out = _summary(records, first_rounds_s, flops, peak, tokens)
@@ -308,7 +309,7 @@ def run_trl(model_dir: str, prompts: Path, s: Setting, *, steps: int, warmup: in
     import trl
     from transformers import AutoTokenizer, TrainerCallback
 
-    from grpo_jax.task import char_accuracy
+    from grpo_jax.data.task import char_accuracy
 
     torch.set_num_threads(threads)
     rows = [json.loads(line) for line in prompts.read_text().splitlines() if line.strip()]
@@ -411,7 +412,7 @@ def main(argv=None) -> dict:
                         "--prompt-length-max, the same prompt lengths)")
     parser.add_argument("--logps-chunk-size", type=int, default=0, help="grpo_jax train.logps_chunk_size")
     parser.add_argument("--host-allocator", choices=("retain", "system"), default="retain",
-                        help="the process's malloc policy (grpo_jax.cpu), set once for both libraries")
+                        help="the process's malloc policy (grpo_jax.device.cpu), set once for both libraries")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="grpo_jax config override, e.g. model.remat=dots (repeatable)")
     parser.add_argument("--profile", metavar="DIR",
@@ -435,7 +436,7 @@ def main(argv=None) -> dict:
         prompts.write_text("".join(json.dumps(r) + "\n" for r in make_models.make_prompts(
             args.prompt_pool, length=s.prompt_length - 1,
             max_length=s.prompt_length_max and s.prompt_length_max - 1)))
-    from grpo_jax.cpu import configure_host_allocator
+    from grpo_jax.device.cpu import configure_host_allocator
 
     # one process, one malloc: set before either library allocates, so both run under the same policy
     result = {"setting": dataclasses.asdict(s), "model": args.model or args.size, "steps": args.steps,

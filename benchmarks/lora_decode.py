@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import make_models
-from grpo_jax.models import ModelConfig, init_model, lora
+from grpo_jax.algo import decoder
+from grpo_jax.algo.sampling import SamplingConfig
 from grpo_jax.config.model import LoRAConfig
-from grpo_jax import decoder
-from grpo_jax.sampling import SamplingConfig
+from grpo_jax.models import ModelConfig, init_model, lora
 
 
 def main(argv=None) -> dict:

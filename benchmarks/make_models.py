@@ -6,7 +6,7 @@
 Each folder holds config.json, model.safetensors and a 128-token character tokenizer
 (`PreTrainedTokenizerFast`, <eos> and <pad>), so TRL's GRPOTrainer and grpo_jax load the same files.
 Prompts are fixed-length "reverse" puzzles (15 characters + '>', answer = the reversed string) so both
-trainers see identical prompt lengths; `grpo_jax.task:char_accuracy` scores them.
+trainers see identical prompt lengths; `grpo_jax.data.task:char_accuracy` scores them.
 """
 
 from __future__ import annotations

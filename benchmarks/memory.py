@@ -28,15 +28,15 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 
-from grpo_jax import cpu, sharding  # noqa: E402
-from grpo_jax.losses import LossConfig  # noqa: E402
+from grpo_jax.algo import decoder  # noqa: E402
+from grpo_jax.algo.programs import init_state, jit_logps, jit_train_step  # noqa: E402
+from grpo_jax.algo.sampling import SamplingConfig  # noqa: E402
+from grpo_jax.algo.state import abstract_state as library_abstract_state, make_optimizer, model_graphdef  # noqa: E402
+from grpo_jax.algo.train_step import StepOptions  # noqa: E402
+from grpo_jax.algo.trajectory import Trajectory  # noqa: E402
 from grpo_jax.config.model import LoRAConfig, ModelConfig  # noqa: E402
-from grpo_jax.sampling import SamplingConfig  # noqa: E402
-from grpo_jax.state import abstract_state as library_abstract_state, make_optimizer, model_graphdef  # noqa: E402
-from grpo_jax import decoder  # noqa: E402
-from grpo_jax.programs import init_state, jit_logps, jit_train_step  # noqa: E402
-from grpo_jax.train_step import StepOptions  # noqa: E402
-from grpo_jax.trajectory import Trajectory  # noqa: E402
+from grpo_jax.device import cpu, sharding  # noqa: E402
+from grpo_jax.losses import LossConfig  # noqa: E402
 
 QWEN25_05B = ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
@@ -106,7 +106,7 @@ def measure(config: ModelConfig, *, rows: int, prompt: int, completion: int, chu
 def time_steps(configs: list[ModelConfig], *, rows: int, prompt: int, completion: int, chunk: int,
                steps: int) -> list[float]:
     """Median seconds of a train step (beta 0.04) of each config on real random arrays, one device, with the
-    run's CPU speed-ups (`cpu.linear_layers`, as `grpo_jax.run.build` applies them): after one warm-up step each,
+    run's CPU speed-ups (`cpu.linear_layers`, as `grpo_jax.api.run.build` applies them): after one warm-up step each,
     `steps` rounds that step every config once, in alternating order (a loaded machine slows them alike)."""
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     optimizer = make_optimizer(optax.constant_schedule(1e-6), weight_decay=0.0, b1=0.9, b2=0.99, eps=1e-8,

@@ -26,9 +26,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from grpo_jax import decoder  # noqa: E402
+from grpo_jax.algo import decoder  # noqa: E402
+from grpo_jax.algo.logprobs import completion_logps  # noqa: E402
 from grpo_jax.config.sections import SamplingConfig  # noqa: E402
-from grpo_jax.logprobs import completion_logps  # noqa: E402
 from grpo_jax.models import ModelConfig, forward, init_model  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -35,10 +35,11 @@ import decode  # noqa: E402
 
 
 def measure(args) -> dict:
-    from grpo_jax import cpu, programs, sharding, trajectory
+    from grpo_jax.algo import programs, trajectory
+    from grpo_jax.algo.train_step import StepOptions
+    from grpo_jax.algo.trajectory import Trajectory
+    from grpo_jax.device import cpu, sharding
     from grpo_jax.losses import LossConfig
-    from grpo_jax.train_step import StepOptions
-    from grpo_jax.trajectory import Trajectory
 
     config = decode.model_config_for(args.size, args.dtype, None)
     config = dataclasses.replace(config, remat=args.remat, scan_layers=args.scan_layers,
@@ -132,7 +133,7 @@ def main(argv=None) -> dict:
                         "(read with trace_summary.py)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
-    from grpo_jax.cpu import configure_host_allocator
+    from grpo_jax.device.cpu import configure_host_allocator
 
     configure_host_allocator("retain")
     return decode.write_result(measure(args), args.out)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CPU runs the script; libtpu only compiles
 
-from grpo_jax import plan  # noqa: E402
-from grpo_jax.chips import GIB  # noqa: E402
+from grpo_jax.api import plan  # noqa: E402
+from grpo_jax.device.chips import GIB  # noqa: E402
 from grpo_jax.config import load_config  # noqa: E402
 
 # the released config.json's architecture fields (Hugging Face hub: Qwen/Qwen2.5-7B, Qwen/Qwen3-30B-A3B,

@@ -40,9 +40,11 @@ import decode  # noqa: E402
 def measure(args) -> dict:
     import dataclasses
 
-    from grpo_jax import cpu, programs, sharding, stream
+    from grpo_jax.algo import decoder, programs
+    from grpo_jax.algo.sampling import SamplingConfig
+    from grpo_jax.device import cpu, sharding
     from grpo_jax.models import init_model
-    from grpo_jax.sampling import SamplingConfig
+    from grpo_jax.rollout import stream
 
     config = dataclasses.replace(decode.model_config_for(args.size, "float32", None), vocab_size=args.vocab)
     graphdef, params = init_model(config, seed=0)
@@ -80,7 +82,7 @@ def measure(args) -> dict:
             raise AssertionError(f"slots={slots} sampled other lengths than slots={args.slots[0]}")
         # host-thread chunks each take their share of the slots; steps: the longest chunk's
         chunks = fn.chunks(B, G)
-        in_flight = chunks * programs.continuous_slots(slots, B // chunks, B, 1)
+        in_flight = chunks * decoder.continuous_slots(slots, B // chunks, B, 1)
         useful = float(np.mean([m.sum() for m, _ in outs]))
         decoded = float(np.mean([steps * in_flight for _, steps in outs]))
         run_s = statistics.median(times)
@@ -103,7 +105,7 @@ def measure(args) -> dict:
 
 def _score_times(args, fn, params, ids, mask) -> dict:
     """Sampling + scoring, sequential and streamed (see the module's docstring)."""
-    from grpo_jax import stream
+    from grpo_jax.rollout import stream
 
     def score(num_rows: int) -> None:
         if not args.score_cpu:
@@ -147,7 +149,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     args.slots = [int(s) for s in args.slots.split(",")]
-    from grpo_jax.cpu import configure_host_allocator
+    from grpo_jax.device.cpu import configure_host_allocator
 
     configure_host_allocator("retain")
     return decode.write_result(measure(args), args.out)

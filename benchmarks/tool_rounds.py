@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cli_step  # noqa: E402
 import grpo_step  # noqa: E402
 
-from grpo_jax import tool_task  # noqa: E402
+from grpo_jax.tools import tool_task  # noqa: E402
 
 SIZES = {"tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=256),
@@ -111,12 +111,14 @@ def build_model(size: str, path: str | os.PathLike, seed: int = 0) -> Path:
 def grpo_jax_side(folder: Path, rows: list, env: type, args) -> tuple[Callable[[int], dict], dict, Callable]:
     """(a function running round ``i``'s `rollout.prepare_round`, what the run is, its close); each round index
     once: its tool journal is new, every call runs."""
-    from grpo_jax import cpu, data, rollout
+    from grpo_jax.api.run import build
     from grpo_jax.config import load_config
-    from grpo_jax.run import build
+    from grpo_jax.data import prompts as data
+    from grpo_jax.device import cpu
+    from grpo_jax.rollout import round as rollout
 
     overrides = [f"model.path={folder}", f"data.tokenizer_path={folder / 'tokenizer'}",
-                 "reward.functions=[grpo_jax.tool_task:answer_accuracy]",
+                 "reward.functions=[grpo_jax.tools.tool_task:answer_accuracy]",
                  f"train.num_generations={GENERATIONS}", f"train.train_batch_size={PROMPTS * GENERATIONS}",
                  f"sampling.max_completion_length={args.max_completion_length}",
                  f"sampling.max_tool_calling_iterations={args.max_tool_calling_iterations}", f"loss.beta={args.beta}",

@@ -10,8 +10,8 @@ import importlib
 __version__ = "0.1.0"
 
 # public name -> the module that defines it
-_LAZY = {"train": "grpo_jax.trainer", "Config": "grpo_jax.config", "load_config": "grpo_jax.config",
-         "make_config": "grpo_jax.config", "GRPOConfig": "grpo_jax.trl_api", "GRPOTrainer": "grpo_jax.trl_api"}
+_LAZY = {"train": "grpo_jax.api.trainer", "Config": "grpo_jax.config", "load_config": "grpo_jax.config",
+         "make_config": "grpo_jax.config", "GRPOConfig": "grpo_jax.api.trl_api", "GRPOTrainer": "grpo_jax.api.trl_api"}
 __all__ = sorted(_LAZY)
 
 

@@ -1,5 +1,5 @@
 """`python -m grpo_jax` is the `grpo-jax` command."""
 
-from grpo_jax.cli import main
+from grpo_jax.api.cli import main
 
 raise SystemExit(main())

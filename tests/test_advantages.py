@@ -1,4 +1,4 @@
-"""Tests for grpo_jax.advantages against hand-computed numbers and a naive numpy loop."""
+"""Tests for grpo_jax.algo.advantages against hand-computed numbers and a naive numpy loop."""
 import math
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax.advantages import (group_advantages, nanstd, process_advantages, reinforce_pp_baseline_advantages,
+from grpo_jax.algo.advantages import (group_advantages, nanstd, process_advantages, reinforce_pp_baseline_advantages,
                                  rloo_advantages)
 
 NAN = float("nan")

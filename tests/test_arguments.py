@@ -1,4 +1,4 @@
-"""The Python API checks its arguments up front (`grpo_jax.arguments.check_arguments`): each wrong one is a
+"""The Python API checks its arguments up front (`grpo_jax.api.arguments.check_arguments`): each wrong one is a
 TypeError/ValueError naming it before any folder, import or compilation; user code that raises while the run is
 built (an environment's `__init__`, a reward module's import) is one line naming it, the original chained. Each case
 lists its old outcome."""
@@ -9,9 +9,9 @@ import time
 import pytest
 
 import grpo_jax
-from grpo_jax import arguments, trainer
+from grpo_jax.api import arguments, trainer
+from grpo_jax.api.trl_api import GRPOTrainer
 from grpo_jax.config import load_config, make_config
-from grpo_jax.trl_api import GRPOTrainer
 
 CONFIG = make_config(max_steps=1)
 

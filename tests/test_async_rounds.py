@@ -1,4 +1,4 @@
-"""Asynchronous rounds (grpo_jax/async_rounds.py): the version rule, decoupled PPO against a naive NumPy version, and
+"""Asynchronous rounds (grpo_jax/rollout/async_rounds.py): the version rule, decoupled PPO against a naive NumPy version, and
 runs that are bitwise equal to themselves and to their resumed selves in both placements."""
 
 import json
@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax import async_rounds
 from grpo_jax.config import load_config
 from grpo_jax.config.loss import LossConfig
 from grpo_jax.config.sections import TrainConfig
 from grpo_jax.losses import compute_loss
+from grpo_jax.rollout import async_rounds
 from tests.test_checkpoint import TINY, _assert_same_state, _lines, _state, _train
 
 
@@ -154,7 +154,7 @@ def test_a_reward_failing_on_the_sampler_thread_saves_and_the_rerun_ends_bitwise
     """test_stops' late reward failure with k = 2: round 2 fails on the sampler thread, the loop finds out when its
     updates come (after step 4) and saves; the checkpoint keeps the params version round 2 samples with, and the
     same command then ends as the run that never failed."""
-    from grpo_jax.preemption import RunFailed
+    from grpo_jax.io.preemption import RunFailed
     from tests.test_stops import FAILING_AT_ROUND_3, RUN, _shared
 
     stop = _shared()[0]
@@ -190,7 +190,7 @@ def test_decoupled_rows_carry_proximal_and_behaviour_logps_to_the_loss(tmp_path)
     """With k = 2 and K = 2 round 0 samples with the params of its first update (proximal = behaviour, up to the
     rounding of a forward pass against the sampler's numbers) and round 1 with the params 2 steps before its first
     update (they differ); with correction none the loss gets the behaviour log-probs as old and no sampler's."""
-    from grpo_jax import trainer
+    from grpo_jax.api import trainer
 
     def run(name, *options):
         SEEN.clear()
@@ -209,7 +209,8 @@ def test_decoupled_rows_carry_proximal_and_behaviour_logps_to_the_loss(tmp_path)
 
 
 def test_split_placement_samples_on_the_rollout_devices_and_trains_on_the_others(tmp_path):
-    from grpo_jax import data, trainer
+    from grpo_jax.api import trainer
+    from grpo_jax.data import prompts as data
 
     config = load_config(None, [f"output_dir={tmp_path}", *TINY, "mesh.rollout=4", "train.max_staleness=2"])
     run, state = trainer.build(config)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import hf_fixtures as hf
-from grpo_jax import sharding
+from grpo_jax.algo.logprobs import completion_logps
 from grpo_jax.config.model import ModelConfig
-from grpo_jax.logprobs import completion_logps
+from grpo_jax.device import sharding
 from grpo_jax.models import attention, init_model
 from grpo_jax.models.positional import attention_mask, positions_from_mask
 
@@ -159,7 +159,7 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "qwen3_moe
 
 
 def _model(family: str, **options):
-    from grpo_jax.models.hf_config import config_fields
+    from grpo_jax.models.registry import config_fields
 
     config = ModelConfig(**config_fields(hf.hf_config(family, tied=True), family), **options)
     return config, init_model(config, seed=0)

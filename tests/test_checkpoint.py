@@ -17,12 +17,14 @@ import orbax.checkpoint as ocp
 import pytest
 import yaml
 
-from grpo_jax import checkpoint, task, trainer
-from grpo_jax.cli import main as cli_main
+from grpo_jax.algo.state import TrainState
+from grpo_jax.api import trainer
+from grpo_jax.api.cli import main as cli_main
 from grpo_jax.config import load_config, to_dict
-from grpo_jax.preemption import RunFailed
-from grpo_jax.reporting import MetricsWriter
-from grpo_jax.state import TrainState
+from grpo_jax.data import task
+from grpo_jax.io import checkpoint
+from grpo_jax.io.preemption import RunFailed
+from grpo_jax.io.reporting import MetricsWriter
 
 ROOT = Path(__file__).resolve().parent.parent
 # a tiny model and short rounds: every train call here compiles the sampler, log-probs and the step
@@ -192,7 +194,7 @@ KILL_SCRIPT = textwrap.dedent("""
     import sys, time
     import jax, jax.numpy as jnp
     from grpo_jax import checkpoint
-    from grpo_jax.state import TrainState
+    from grpo_jax.algo.state import TrainState
     mngr = checkpoint.manager(sys.argv[1])
     def state(step, n):
         params = {"w": jnp.full((n,), float(step), jnp.float32)}
@@ -423,7 +425,7 @@ def test_one_writer_per_output_dir(tmp_path):
     finally:
         proc.kill()
         proc.wait()
-    from grpo_jax import lock
+    from grpo_jax.io import lock
     lock.acquire(tmp_path).release()
     readonly = _mount(tmp_path / "ro", "size=64k,ro")
     if readonly is not None:
@@ -437,7 +439,7 @@ def test_one_writer_per_output_dir(tmp_path):
 def test_a_run_saved_before_a_key_existed_resumes_with_that_keys_default(tmp_path):
     """config.yaml of an older version lacks the keys added since (tools, sampling.tool_timeout, ...): it ran with
     their defaults, so a resume with the defaults is allowed and one that sets them is refused, naming them."""
-    from grpo_jax.runs import saved_config as _saved_config
+    from grpo_jax.io.runs import saved_config as _saved_config
 
     old = to_dict(load_config(None, [f"output_dir={tmp_path}", *TINY]))
     del old["tools"], old["environment_factory"], old["sampling"]["tool_timeout"]

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from grpo_jax import cli
+from grpo_jax.api import cli
 from grpo_jax.config import load_config
 
 
@@ -13,7 +13,7 @@ from grpo_jax.config import load_config
 def trained(monkeypatch):
     """cli.main's config and progress flag, with training itself replaced."""
     calls = []
-    monkeypatch.setattr("grpo_jax.trainer.train", lambda config, show_progress: calls.append((config, show_progress)))
+    monkeypatch.setattr("grpo_jax.api.trainer.train", lambda config, show_progress: calls.append((config, show_progress)))
     return calls
 
 

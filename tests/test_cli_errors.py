@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from grpo_jax import cli, run, task
+from grpo_jax.api import cli, run
+from grpo_jax.data import task
 
 TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1", "max_steps=1"]
 

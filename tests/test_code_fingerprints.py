@@ -1,4 +1,4 @@
-"""Fingerprints of the reward functions, tools and environments (grpo_jax/code_fingerprints.py): a resume over a
+"""Fingerprints of the reward functions, tools and environments (grpo_jax/rewards/code_fingerprints.py): a resume over a
 changed one is refused in one line naming reward.allow_changed; with it the run continues, warned."""
 
 import functools
@@ -7,8 +7,9 @@ import warnings
 
 import pytest
 
-from grpo_jax import code_fingerprints, trainer
+from grpo_jax.api import trainer
 from grpo_jax.config import load_config
+from grpo_jax.rewards import code_fingerprints
 from tests.test_checkpoint import TINY
 
 

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = textwrap.dedent("""
     import sys
     import jax, jax.numpy as jnp
-    from grpo_jax.programs import use_compilation_cache
+    from grpo_jax.algo.programs import use_compilation_cache
     hits = []
     jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name))
     use_compilation_cache(sys.argv[1])
@@ -40,7 +40,7 @@ def test_second_process_loads_its_programs_from_the_cache(tmp_path):
 def test_a_cache_chosen_already_takes_precedence(tmp_path):
     import jax
 
-    from grpo_jax.programs import use_compilation_cache
+    from grpo_jax.algo.programs import use_compilation_cache
     chosen = jax.config.jax_compilation_cache_dir  # this session's, from JAX_COMPILATION_CACHE_DIR (conftest)
     assert chosen
     use_compilation_cache(str(tmp_path / "config"))

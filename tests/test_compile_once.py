@@ -1,4 +1,4 @@
-"""Every program of a run compiled once, before the first step (`grpo_jax.shapes`): after `compile_ahead` no round or
+"""Every program of a run compiled once, before the first step (`grpo_jax.rollout.shapes`): after `compile_ahead` no round or
 step compiles, though the rows change length from round to round."""
 
 import collections
@@ -7,8 +7,11 @@ import jax
 import numpy as np
 import pytest
 
-from grpo_jax import data, shapes, stream, trainer, trajectory
+from grpo_jax.algo import trajectory
+from grpo_jax.api import trainer
 from grpo_jax.config import load_config
+from grpo_jax.data import prompts as data
+from grpo_jax.rollout import shapes, stream
 
 START = data.DataState(epoch=0, index=0, seed=0)
 COMPILE = "/jax/core/compile/backend_compile_duration"  # fired for every executable made, compiled or loaded

@@ -7,9 +7,9 @@ import re
 import pytest
 import yaml
 
+from grpo_jax.api.run import check_inputs
+from grpo_jax.api.trainer import build
 from grpo_jax.config import Config, apply_overrides, load_config, to_dict
-from grpo_jax.run import check_inputs
-from grpo_jax.trainer import build
 
 
 def test_defaults_round_trip_through_yaml(tmp_path):
@@ -59,7 +59,7 @@ def test_every_shipped_config_loads():
     (["sampling.temperature=0"], "sampling.temperature"),
     (["sampling.top_p=1.5"], "sampling.top_p"),
     (["model.num_attention_heads=3"], "model.num_attention_heads"),
-    (["reward.weights=[1.0, 2.0]", "reward.functions=[grpo_jax.task:exact_match]"],
+    (["reward.weights=[1.0, 2.0]", "reward.functions=[grpo_jax.data.task:exact_match]"],
      "reward.weights has 2 entries for 1 reward.functions"),
     (["data.truncation=right"], "data.truncation='right'"),
     (["mesh.data=-1", "mesh.fsdp=-1"], "at most one of mesh.data"),
@@ -87,10 +87,10 @@ def test_every_shipped_config_loads():
      "does not apply to train.multi_objective_aggregation='normalize_then_sum'"),
     (["train.max_num_gen_batches=0"], "train.max_num_gen_batches=0 must be >= 1"),
     (["reward.soft_punish_cache=2"], "reward.soft_punish_cache=2 and reward.functions does not list "
-                                     "grpo_jax.rewards:soft_overlong_punishment"),
-    (["reward.functions=[grpo_jax.rewards:soft_overlong_punishment]"],
+                                     "grpo_jax.rewards.functions:soft_overlong_punishment"),
+    (["reward.functions=[grpo_jax.rewards.functions:soft_overlong_punishment]"],
      "reward.soft_punish_cache=0 and reward.functions lists"),
-    (["reward.functions=[grpo_jax.rewards:soft_overlong_punishment]", "reward.soft_punish_cache=9"],
+    (["reward.functions=[grpo_jax.rewards.functions:soft_overlong_punishment]", "reward.soft_punish_cache=9"],
      "reward.soft_punish_cache=9 exceeds sampling.max_completion_length=8"),
     (["model.lora.rank=8", "train.sync_ref_model=true"], "train.sync_ref_model=true with model.lora: the reference"),
     (["model.lora.rank=8", "train.offload_ref_params=true"], "train.offload_ref_params / train.ref_param_dtype with"),
@@ -132,7 +132,7 @@ def test_range_bounds_and_losses_that_do_not_clip():
 
 
 def test_a_refused_value_on_the_command_line_is_one_line(capsys, tmp_path):
-    from grpo_jax.cli import main
+    from grpo_jax.api.cli import main
     with pytest.raises(SystemExit) as exit_:
         main(["--no-progress", "train.adam_beta1=1.0", f"output_dir={tmp_path}", "max_steps=1"])
     err = capsys.readouterr().err
@@ -141,11 +141,11 @@ def test_a_refused_value_on_the_command_line_is_one_line(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["reward.functions=[grpo_jax.task:nope]"], "reward.functions: .*'grpo_jax.task:nope'.* no attribute"),
+    (["reward.functions=[grpo_jax.data.task:nope]"], "reward.functions: .*'grpo_jax.data.task:nope'.* no attribute"),
     (["reward.functions=[no_such_module_xyz:f]"], "reward.functions: .*no_such_module_xyz.*could not be imported"),
-    (["reward.functions=[grpo_jax.task]"], "reward.functions: .*use 'package.module:function'"),
+    (["reward.functions=[grpo_jax.data.task]"], "reward.functions: .*use 'package.module:function'"),
     (["eval.reward_functions=[no_such_module_xyz:f]"], "eval.reward_functions: .*no_such_module_xyz"),
-    (["eval.answer_extractor=grpo_jax.task:nope"], "eval.answer_extractor: .*'grpo_jax.task:nope'"),
+    (["eval.answer_extractor=grpo_jax.data.task:nope"], "eval.answer_extractor: .*'grpo_jax.data.task:nope'"),
     (["data.path=/nonexistent.jsonl", "data.tokenizer_path=."], r"data.path=./nonexistent.jsonl. does not exist"),
     (["eval.path=/nonexistent.parquet"], r"eval.path='/nonexistent.parquet' does not exist"),
     (["data.tokenizer_path=/nonexistent"], r"data.tokenizer_path='/nonexistent' is not a folder"),
@@ -182,7 +182,7 @@ def test_config_is_frozen():
 
 
 def test_prompt_file_without_prompt_column_fails_at_build(tmp_path):
-    from grpo_jax import task
+    from grpo_jax.data import task
     tokenizer_dir = tmp_path / "tok"
     task.build_tokenizer(tokenizer_dir)
     data = tmp_path / "d.jsonl"
@@ -202,8 +202,8 @@ def test_data_path_requires_a_tokenizer(tmp_path):
 
 def test_your_data_without_model_path_is_refused_before_anything_is_made(tmp_path, capsys):
     """A user's data trains a random model only when asked (model.init=random); the embedded tasks need no key."""
-    from grpo_jax import task
-    from grpo_jax.cli import main as cli_main
+    from grpo_jax.api.cli import main as cli_main
+    from grpo_jax.data import task
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": "12>"}) + "\n")
     task.build_tokenizer(tmp_path / "tok")

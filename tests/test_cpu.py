@@ -1,4 +1,4 @@
-"""The CPU speed-ups (grpo_jax.cpu) give the default path's numbers: tokens and log-probs of the sampler with the
+"""The CPU speed-ups (grpo_jax.device.cpu) give the default path's numbers: tokens and log-probs of the sampler with the
 switch on and off, chunked or not; the Linear layers' values and gradients; the host allocator policy, observed
 through glibc's own accounting (mallinfo2) in a fresh process."""
 
@@ -13,11 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax import cpu, programs, sharding, stream
+from grpo_jax.algo import programs
+from grpo_jax.algo.sampling import SamplingConfig
 from grpo_jax.config import load_config
-from grpo_jax.cpu import _glibc, configure_host_allocator
+from grpo_jax.device import cpu, sharding
+from grpo_jax.device.cpu import _glibc, configure_host_allocator
 from grpo_jax.models import forward, init_model, positions_from_mask, unembed
-from grpo_jax.sampling import SamplingConfig
+from grpo_jax.rollout import stream
 
 # this module's claims are about the programs users run: at the suite's LLVM -O0 (conftest) it runs in a subprocess
 # at XLA's default flags instead (tests/test_cpu_default_flags.py)
@@ -27,7 +29,7 @@ pytestmark = pytest.mark.skipif("--xla_backend_optimization_level=0" in os.envir
 # mallinfo2: hblkhd = bytes in mmap'd blocks, arena = bytes of the brk heap (glibc >= 2.33)
 PROBE = """
 import ctypes, json, sys
-from grpo_jax.cpu import configure_host_allocator
+from grpo_jax.device.cpu import configure_host_allocator
 applied = configure_host_allocator(sys.argv[1])
 libc = ctypes.CDLL("libc.so.6")
 class MallInfo2(ctypes.Structure):
@@ -290,8 +292,8 @@ def test_blocked_attention_equals_the_dense_softmax_and_its_gradients(scale, sof
 
 
 def test_packed_attention_gives_packed_logps_and_gradients_equal_to_the_padded_layout(tiny_model):
-    from grpo_jax.logprobs import completion_logps
-    from grpo_jax.trajectory import packed_length
+    from grpo_jax.algo.logprobs import completion_logps
+    from grpo_jax.algo.trajectory import packed_length
 
     _, graphdef, params = tiny_model
     rng = np.random.default_rng(3)

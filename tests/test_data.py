@@ -1,11 +1,11 @@
-"""Tests for grpo_jax.data: JSONL errors, static left-padding/truncation, seeded epochs, resume, group repeat."""
+"""Tests for grpo_jax.data.prompts: JSONL errors, static left-padding/truncation, seeded epochs, resume, group repeat."""
 
 import json
 
 import numpy as np
 import pytest
 
-from grpo_jax import data, task
+from grpo_jax.data import prompts as data, task
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +261,7 @@ def test_batches_keep_raw_messages_for_rewards(chat_tok):
 
 
 def test_a_line_that_is_not_utf8_is_named_by_file_and_line(tmp_path, capsys):
-    from grpo_jax.cli import main as cli_main
+    from grpo_jax.api.cli import main as cli_main
 
     task.build_tokenizer(tmp_path / "tok")
     path = tmp_path / "d.jsonl"
@@ -277,7 +277,7 @@ def test_a_line_that_is_not_utf8_is_named_by_file_and_line(tmp_path, capsys):
 def test_a_model_folder_without_tokenizer_files_says_so(tmp_path, capsys):
     """config.json alone (no tokenizer.json, ...): transformers would build an empty tokenizer from the model type,
     and every prompt would tokenize to nothing; the folder and the files expected are named instead."""
-    from grpo_jax.cli import main as cli_main
+    from grpo_jax.api.cli import main as cli_main
     from tests.hf_fixtures import hf_config
 
     hf_config("qwen2", tied=True).save_pretrained(tmp_path / "model")

@@ -1,4 +1,4 @@
-"""The decoder (`grpo_jax.decoder`): tokens against a no-cache forward and `jax.random.categorical` with each row's
+"""The decoder (`grpo_jax.algo.decoder`): tokens against a no-cache forward and `jax.random.categorical` with each row's
 key, EOS and truncation, the same rows whatever the slot count, and rows that pause for tokens from outside.
 
 The reference of every token is a full forward pass over the prompt and the tokens so far (no KV cache): the
@@ -13,10 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax import decoder, programs, sharding, stream
-from grpo_jax.logprobs import completion_logps
+from grpo_jax.algo import decoder, programs
+from grpo_jax.algo.logprobs import completion_logps
+from grpo_jax.algo.sampling import SamplingConfig, filter_logits
+from grpo_jax.device import sharding
 from grpo_jax.models import forward, positions_from_mask, unembed
-from grpo_jax.sampling import SamplingConfig, filter_logits
+from grpo_jax.rollout import stream
 
 PROMPT_IDS = np.array([[0, 0, 0, 5, 7, 9], [0, 3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8], [0, 0, 0, 0, 0, 6]], np.int32)
 PROMPT_MASK = (np.arange(6)[None] >= np.array([[3], [1], [0], [5]])).astype(np.int32)
@@ -288,11 +290,11 @@ def test_sharded_decoding_equals_single_device(tiny_model, shape):
 
 
 def test_slot_counts_round_to_the_row_shards_and_a_chunks_share():
-    assert programs.continuous_slots(0, 16, 16, 1) == 16  # off: a static batch
-    assert programs.continuous_slots(4, 16, 16, 1) == 4
-    assert programs.continuous_slots(3, 16, 16, 2) == 4  # whole slots per row shard
-    assert programs.continuous_slots(5, 8, 16, 1) == 3  # a chunk of half the rows takes half the slots, rounded up
-    assert programs.continuous_slots(64, 16, 16, 1) == 16
+    assert decoder.continuous_slots(0, 16, 16, 1) == 16  # off: a static batch
+    assert decoder.continuous_slots(4, 16, 16, 1) == 4
+    assert decoder.continuous_slots(3, 16, 16, 2) == 4  # whole slots per row shard
+    assert decoder.continuous_slots(5, 8, 16, 1) == 3  # a chunk of half the rows takes half the slots, rounded up
+    assert decoder.continuous_slots(64, 16, 16, 1) == 16
     with pytest.raises(ValueError, match="sampling.max_batch_rows=-1"):
         SamplingConfig(max_batch_rows=-1)
 

@@ -150,7 +150,7 @@ def test_readme_quick_start_runs_the_default():
 
 def test_cli_entry_point_is_declared():
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert re.search(r'^grpo-jax\s*=\s*"grpo_jax\.cli:main"', pyproject, flags=re.M), pyproject
+    assert re.search(r'^grpo-jax\s*=\s*"grpo_jax\.api\.cli:main"', pyproject, flags=re.M), pyproject
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["train", "--help"]])
@@ -168,7 +168,7 @@ def test_module_help_is_fast_and_does_not_import_jax(argv):
 def test_console_script_help():
     """`grpo-jax --help`: the installed script if there is one, else what pip's wrapper runs."""
     exe = shutil.which("grpo-jax")
-    wrapper = [sys.executable, "-c", "import sys; from grpo_jax.cli import main; sys.exit(main())"]
+    wrapper = [sys.executable, "-c", "import sys; from grpo_jax.api.cli import main; sys.exit(main())"]
     result = subprocess.run(([exe] if exe else wrapper) + ["--help"], cwd=ROOT, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
@@ -203,7 +203,7 @@ def test_configs_for_user_data_load_once_pointed_at_files(tmp_path):
         overrides = [f"data.path={data}", f"data.tokenizer_path={tokenizer}"]
         functions = (values.get("reward") or {}).get("functions", [])
         if any(not p.startswith("grpo_jax.") for p in functions):  # user placeholders -> a built-in reward
-            kept = [p if p.startswith("grpo_jax.") else "grpo_jax.task:exact_match" for p in functions]
+            kept = [p if p.startswith("grpo_jax.") else "grpo_jax.data.task:exact_match" for p in functions]
             overrides.append(f"reward.functions=[{','.join(kept)}]")
         assert isinstance(load_config(str(path), overrides), Config), path
         checked += 1

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import yaml
 
-from grpo_jax import task, trainer
+from grpo_jax.api import trainer
 from grpo_jax.config import load_config
-from grpo_jax.evaluation import majority_vote, pass_at_k, sampled_metrics
+from grpo_jax.data import task
+from grpo_jax.rollout.evaluation import majority_vote, pass_at_k, sampled_metrics
 
 
 def _direct_pass_at_k(correct: list[bool], k: int) -> float:
@@ -101,7 +102,7 @@ def _evals(output_dir) -> list[dict]:
 def test_held_out_evaluation_scores_the_users_data_with_the_training_reward_functions(tmp_path, capsys):
     """With data.path and no eval.reward_functions the held-out rows are scored with reward.functions (not the
     embedded digit task's exact_match); a run whose config.yaml holds the old default list still resumes."""
-    from grpo_jax.cli import main as cli_main
+    from grpo_jax.api.cli import main as cli_main
 
     tokenizer = tmp_path / "tokenizer"
     task.build_tokenizer(tokenizer)
@@ -120,7 +121,7 @@ def test_held_out_evaluation_scores_the_users_data_with_the_training_reward_func
 
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["eval"]["reward_functions"] is None
-    saved["eval"]["reward_functions"] = ["grpo_jax.task:exact_match", "grpo_jax.task:char_accuracy"]  # old default
+    saved["eval"]["reward_functions"] = ["grpo_jax.data.task:exact_match", "grpo_jax.data.task:char_accuracy"]  # old default
     (out / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
     assert cli_main([*args, "max_steps=3"]) == 0
     assert "resuming from checkpoint" in capsys.readouterr().out
@@ -129,7 +130,7 @@ def test_held_out_evaluation_scores_the_users_data_with_the_training_reward_func
 
 def test_process_supervision_steps_are_not_taken_as_evaluation_scores(tmp_path, capsys):
     """The training functions of train.advantage_estimator=process return steps: evaluation needs its own."""
-    from grpo_jax.cli import main as cli_main
+    from grpo_jax.api.cli import main as cli_main
 
     tokenizer = tmp_path / "tokenizer"
     task.build_tokenizer(tokenizer)
@@ -152,7 +153,7 @@ def test_train_takes_evaluation_reward_functions_as_trl_style_arguments(tmp_path
                                 "eval.num_generations=2", f"data.tokenizer_path={tokenizer}"])
     summary = trainer.train(config, show_progress=False, train_dataset=ROWS, eval_dataset=ROWS[:4],
                             reward_funcs=[digit_count],
-                            eval_reward_funcs=[ends_with_answer, "grpo_jax.task:exact_match"])
+                            eval_reward_funcs=[ends_with_answer, "grpo_jax.data.task:exact_match"])
     evals = _evals(tmp_path / "run")
     assert {k for k in evals[0] if k.startswith("eval/greedy/")} == {"eval/greedy/ends_with_answer",
                                                                      "eval/greedy/exact_match"}

@@ -11,9 +11,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from grpo_jax import export, trainer
-from grpo_jax.cli import main as cli_main
+from grpo_jax.api import trainer
+from grpo_jax.api.cli import main as cli_main
 from grpo_jax.config import load_config
+from grpo_jax.io import export
 from tests.test_checkpoint import ROOT, TINY, _flat, _train
 
 
@@ -131,7 +132,7 @@ def test_a_runs_export_trains_on_as_model_path(run_dir, tmp_path):
     """final/ (written through export.export_policy) loads back as model.path: the tokenizer it saved reads back
     with the run's tokens and ids (transformers would swap in Qwen2Tokenizer, one token more), and 2 more steps
     train from it in a new output_dir."""
-    from grpo_jax import data, task
+    from grpo_jax.data import prompts as data, task
 
     run_tok, final_tok = data.load_tokenizer(run_dir / "tokenizer"), data.load_tokenizer(run_dir / "final")
     assert final_tok.get_vocab() == run_tok.get_vocab() == task.build_tokenizer().get_vocab()

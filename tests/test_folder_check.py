@@ -9,7 +9,7 @@ import pytest
 
 from grpo_jax.config.model import ModelConfig
 from grpo_jax.models import folder_check
-from grpo_jax.models.hf_config import resolve_config
+from grpo_jax.models.registry import resolve_config
 from tests.hf_fixtures import FAMILIES, build_model, save_model
 
 pytest.importorskip("torch")

@@ -17,11 +17,11 @@ transformers = pytest.importorskip("transformers")
 
 import hf_fixtures as hf  # noqa: E402
 
-from grpo_jax import sharding  # noqa: E402
+from grpo_jax.algo.logprobs import completion_logps  # noqa: E402
 from grpo_jax.config.model import LoRAConfig  # noqa: E402
-from grpo_jax.logprobs import completion_logps  # noqa: E402
+from grpo_jax.device import sharding  # noqa: E402
 from grpo_jax.models import abstract_model, eos_token_ids, forward, from_pretrained, positions_from_mask, unembed  # noqa: E402,E501
-from grpo_jax.models.hf_config import config_fields  # noqa: E402
+from grpo_jax.models.registry import config_fields  # noqa: E402
 
 FAMILIES = ("gemma2", "gemma3")
 # three rows of 12 slots, two left-padded: longer than the window of 4, so local and global layers differ
@@ -208,7 +208,7 @@ def test_packed_and_shared_layouts_equal_the_padded_one(zoo, family):
 def test_peft_loads_our_gemma3_adapters(zoo, tmp_path):
     """PEFT's names for Gemma 3's linear layers: peft loads our adapters onto transformers' model, same logits."""
     peft = pytest.importorskip("peft")
-    from grpo_jax.export import export_policy
+    from grpo_jax.io.export import export_policy
     from test_lora import with_adapters
 
     torch_model, folder = zoo["gemma3"]
@@ -261,7 +261,7 @@ def test_gemma_eos_ids_and_chat_template(tmp_path):
     generation, and conversational prompts render through its template with the model's turn opened."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
-    from grpo_jax import data
+    from grpo_jax.data import prompts as data
 
     specials = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
     vocab = {tok: i for i, tok in enumerate(specials[:3])}

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from grpo_jax import checkpoint, sources, task
-from grpo_jax.cli import main as cli_main
+from grpo_jax.api.cli import main as cli_main
+from grpo_jax.data import sources, task
+from grpo_jax.io import checkpoint
 from tests.test_checkpoint import ROOT, TINY, _assert_same_state, _lines, _state, _train
 
 

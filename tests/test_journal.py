@@ -10,8 +10,8 @@ import warnings
 
 import pytest
 
-from grpo_jax.journal import CHECKSUM, Journal, checksum, read_entry
-from grpo_jax.toolbox import Results
+from grpo_jax.tools.journal import CHECKSUM, Journal, checksum, read_entry
+from grpo_jax.tools.toolbox import Results
 
 CALLS = [{"type": "function", "function": {"name": "lookup", "arguments": {}}}]
 

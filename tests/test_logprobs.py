@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax.logprobs import completion_logps
-from grpo_jax.trajectory import packed_length
+from grpo_jax.algo.logprobs import completion_logps
+from grpo_jax.algo.trajectory import packed_length
 from grpo_jax.models import forward, init_model, model_config, unembed
 
 PROMPT_IDS = np.array([[0, 0, 0, 5, 7, 9], [0, 3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8], [0, 0, 0, 0, 0, 6]], np.int32)
@@ -269,7 +269,7 @@ def test_packed_length_is_the_longest_group_rounded_to_four_steps_an_octave():
 def test_long_rows_in_pieces_equal_unchunked_values_and_gradients(tiny_model, chunk_size, monkeypatch):
     """A chunk whose float32 logits pass LOGITS_PIECE_BYTES runs its rows in pieces of slots (here 2 of a row's
     slots, which do not divide it): the same log-probs, entropies and gradients as the whole batch at once."""
-    from grpo_jax import logprobs
+    from grpo_jax.algo import logprobs
     _, graphdef, params = tiny_model
     V, C = model_config(graphdef, params).vocab_size, COMPLETION_IDS.shape[1]
     monkeypatch.setattr(logprobs, "LOGITS_PIECE_BYTES", 2 * chunk_size * V * 4)
@@ -280,7 +280,7 @@ def test_long_rows_in_pieces_equal_unchunked_values_and_gradients(tiny_model, ch
 def test_long_rows_in_pieces_never_hold_a_whole_rows_logits(monkeypatch):
     """Compiled buffer assignment: chunk 1 holds several copies of one row's float32 logits (logits, softmax,
     their gradients); in pieces of 8 of its 64 slots, under one copy (the rest: the [V, D] weight gradients)."""
-    from grpo_jax import logprobs
+    from grpo_jax.algo import logprobs
     from grpo_jax.models import ModelConfig, init_model
     B, P, T, V = 2, 4, 64, 8192
     graphdef, params = init_model(ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32,

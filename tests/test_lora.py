@@ -12,7 +12,13 @@ import pytest
 from flax import nnx
 from test_train_step import one_device_mesh
 
-from grpo_jax import checkpoint, sharding
+from grpo_jax.algo.programs import jit_train_step, state_from_params
+from grpo_jax.algo.state import model_graphdef
+from grpo_jax.algo.train_step import StepOptions
+from grpo_jax.algo.trajectory import Trajectory
+from grpo_jax.config.model import LoRAConfig
+from grpo_jax.device import sharding
+from grpo_jax.io import checkpoint
 from grpo_jax.losses import LossConfig, compute_loss
 from grpo_jax.models import (
     ModelConfig,
@@ -24,11 +30,6 @@ from grpo_jax.models import (
     positions_from_mask,
     unembed,
 )
-from grpo_jax.config.model import LoRAConfig
-from grpo_jax.programs import jit_train_step, state_from_params
-from grpo_jax.state import model_graphdef
-from grpo_jax.train_step import StepOptions
-from grpo_jax.trajectory import Trajectory
 
 IDS = np.array([[3, 4, 5, 6, 7, 8], [0, 0, 9, 10, 11, 12]], np.int32)
 MASK = np.array([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]], np.int32)
@@ -152,7 +153,7 @@ def _torch_logits(model):
 def test_peft_loads_our_adapters_and_the_merged_export_loads_in_transformers(qwen2, tmp_path):
     peft = pytest.importorskip("peft")
 
-    from grpo_jax.export import export_policy
+    from grpo_jax.io.export import export_policy
 
     folder = qwen2
     base_model, base = from_pretrained(folder)
@@ -202,7 +203,7 @@ def test_full_rank_adapters_learn_the_embedded_task(tmp_path):
     (beta 0.04) is the base with the adapters off, and final/ is a PEFT folder beside the random-init base."""
     from safetensors.numpy import load_file
 
-    from grpo_jax import trainer
+    from grpo_jax.api import trainer
     from grpo_jax.config import load_config
 
     # frozen embeddings and norms cap a 0.02-init base's logits near uniform: the wider init leaves the adapters

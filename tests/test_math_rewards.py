@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_jax import math_rewards
+from grpo_jax.rewards import math as math_rewards
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -47,7 +47,7 @@ def test_accuracy_uses_math_verify_when_installed():
 
 def test_a_multi_turn_completion_is_scored_by_its_last_assistant_message():
     """Tool results are not the answer: a rollout's text is its last assistant turn, even when a tool ends it."""
-    from grpo_jax.data import completion_text as _text
+    from grpo_jax.data.prompts import completion_text as _text
 
     call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "python"}}]}
     assert _text([call, {"role": "tool", "name": "python", "content": "42"},

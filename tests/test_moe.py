@@ -164,7 +164,7 @@ def test_expert_parallel_lowers_without_partition_id():
 def test_cpu_blocked_ragged_dot_equals_ragged_dot():
     """The CPU's block-by-block grouped product: the same values and gradients as jax.lax.ragged_dot, with empty
     groups, groups longer than a block and rows past every group (which give 0)."""
-    from grpo_jax import cpu
+    from grpo_jax.device import cpu
 
     rng = np.random.default_rng(0)
     sizes = np.array([0, 5, cpu.EXPERT_BLOCK + 3, 0, 1, 2 * cpu.EXPERT_BLOCK], np.int32)

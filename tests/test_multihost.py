@@ -29,11 +29,10 @@ def _config():
 def _build(mesh):
     import optax
 
-    from grpo_jax import sharding
+    from grpo_jax.algo.programs import init_state, jit_train_step
+    from grpo_jax.algo.train_step import StepOptions
+    from grpo_jax.device import sharding
     from grpo_jax.losses import LossConfig
-    from grpo_jax.programs import init_state
-    from grpo_jax.programs import jit_train_step
-    from grpo_jax.train_step import StepOptions
     optimizer = optax.sgd(1.0)
     graphdef, state = init_state(_config(), optimizer, seed=0, with_reference=True, mesh=mesh)
     step = jit_train_step(graphdef, optimizer, StepOptions(LossConfig(beta=0.04), 1.0, GRAD_ACCUM), mesh,
@@ -44,19 +43,19 @@ def _build(mesh):
 def _flat(params) -> dict:
     import jax
 
-    from grpo_jax import sharding
+    from grpo_jax.device import sharding
     return {sharding.path_name(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(params)}
 
 
 def worker(process_id: int, port: int, folder: Path) -> None:
     """One of the two processes: joins the run, feeds its rows, writes the gathered params (process 0)."""
-    from grpo_jax.distributed import DistributedConfig, initialize
+    from grpo_jax.device.distributed import DistributedConfig, initialize
     initialize(DistributedConfig(mode="always", coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                                  process_id=process_id, cpu_collectives="gloo"))
     import jax
 
-    from grpo_jax import sharding
-    from grpo_jax.trajectory import Trajectory
+    from grpo_jax.algo.trajectory import Trajectory
+    from grpo_jax.device import sharding
     assert jax.process_count() == 2 and len(jax.devices()) == 4 and len(jax.local_devices()) == 2
     mesh = sharding.make_mesh(2, 2, 1)
     _, state, step = _build(mesh)
@@ -74,7 +73,7 @@ def worker(process_id: int, port: int, folder: Path) -> None:
     # a checkpoint written collectively carries process 0's checksums, and every process learns of a flipped bit
     from jax.experimental import multihost_utils
 
-    from grpo_jax import checkpoint
+    from grpo_jax.io import checkpoint
     mngr = checkpoint.manager(folder / "run")
     checkpoint.save(mngr, state, keep_ref=True, meta={}, wait=True)
     restored, _, _ = checkpoint.restore_step(mngr, STEPS, state, keep_ref=True)
@@ -96,7 +95,7 @@ def worker(process_id: int, port: int, folder: Path) -> None:
         assert ("contents differ" if jax.process_index() == 0 else "named in process 0's warning") in str(e), e
     mngr.close()
     # one writer per run: process 0 holds the output_dir's lock, and every process learns that it is taken
-    from grpo_jax import lock
+    from grpo_jax.io import lock
     held = lock.acquire(folder, multihost=True)
     try:
         lock.acquire(folder, multihost=True)
@@ -116,7 +115,7 @@ def _free_port() -> int:
 def test_two_processes_equal_one(tmp_path):
     import jax
 
-    from grpo_jax import sharding
+    from grpo_jax.device import sharding
     from test_train_step import make_batch
     if len(jax.devices()) < 4:
         pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count>=4")
@@ -162,7 +161,7 @@ if __name__ == "__main__":
 
 
 def test_distributed_config_and_environment(monkeypatch):
-    from grpo_jax.distributed import DistributedConfig, initialize, resolved_arguments
+    from grpo_jax.device.distributed import DistributedConfig, initialize, resolved_arguments
     with pytest.raises(ValueError, match="distributed.mode='yes'"):
         DistributedConfig(mode="yes")
     with pytest.raises(ValueError, match="process_id=2 must be < distributed.num_processes=2"):

@@ -2,7 +2,7 @@
 
 Each run is this file run as a script: one process with 2 CPU devices, or two processes with one each (the same
 data=2 mesh; an all-reduce of two partial sums is the same sum in either order, so the params match bitwise). The
-multi-turn lookup task (`grpo_jax.tool_task`) trains a few steps with a standalone tool or an environment whose tool
+multi-turn lookup task (`grpo_jax.tools.tool_task`) trains a few steps with a standalone tool or an environment whose tool
 appends a line to a file at each call: process 0 alone calls it, once per call, and a run stopped by a failing
 reward after its tools ran resumes on two processes from the journal without calling them again.
 """
@@ -18,14 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from grpo_jax import tool_task
+from grpo_jax.tools import tool_task
 
 CALLS_FILE = "GRPO_JAX_TEST_CALLS"  # where the tools append a line per call
 RAISE_AT = "GRPO_JAX_TEST_RAISE_AT_STEP"  # the reward fails while this step's round is scored (once a process)
 RUN = ["data.task=lookup", "data.task_num_train=64", "sampling.max_completion_length=12",
        "sampling.max_tool_calling_iterations=1", "train.train_batch_size=8", "train.num_generations=4",
        "reward.functions=[tests.test_multihost_tools:flaky_accuracy]", "eval.num_examples=2",
-       "eval.reward_functions=[grpo_jax.tool_task:answer_accuracy]", "model.hidden_size=32",
+       "eval.reward_functions=[grpo_jax.tools.tool_task:answer_accuracy]", "model.hidden_size=32",
        "model.intermediate_size=64", "model.num_hidden_layers=1", "train.learning_rate=3e-3", "max_steps=3",
        "save_steps=0", "log_completions=true"]
 
@@ -81,12 +81,12 @@ def flaky_accuracy(prompts, completions, answer, trainer_state, **kwargs):
 def worker(process_id: int, num_processes: int, port: int, output_dir: str, *overrides: str) -> None:
     """One process of a run: joins the others (two processes), trains, and says how it ended."""
     if num_processes > 1:
-        from grpo_jax.distributed import DistributedConfig, initialize
+        from grpo_jax.device.distributed import DistributedConfig, initialize
         initialize(DistributedConfig(mode="always", coordinator_address=f"127.0.0.1:{port}",
                                      num_processes=num_processes, process_id=process_id, cpu_collectives="gloo"))
-    from grpo_jax import trainer
+    from grpo_jax.api import trainer
     from grpo_jax.config import load_config
-    from grpo_jax.preemption import RunFailed
+    from grpo_jax.io.preemption import RunFailed
     try:
         trainer.train(load_config(None, [f"output_dir={output_dir}", *RUN, *overrides]), show_progress=False)
         print("RUN: finished")
@@ -181,10 +181,10 @@ def test_tools_on_two_processes_run_once_and_equal_one_process(tmp_path, source)
 
 def sharing_worker(process_id: int, port: int) -> None:
     """One of two processes calling `sharding.from_first_process`: values and errors of process 0 only."""
-    from grpo_jax.distributed import DistributedConfig, initialize
+    from grpo_jax.device.distributed import DistributedConfig, initialize
     initialize(DistributedConfig(mode="always", coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                                  process_id=process_id, cpu_collectives="gloo"))
-    from grpo_jax import sharding
+    from grpo_jax.device import sharding
     ran = []
 
     def compute(value):

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (grpo_jax/multiturn.py, tools.py): the host's turn loop, driven by a scripted decoder, gives
+"""Multi-turn rollouts (grpo_jax/rollout/multiturn.py, tools.py): the host's turn loop, driven by a scripted decoder, gives
 TRL 1.16's own tool loop's token ids, tool mask, messages and counts (tests/trl_tools.py runs TRL's code); failures,
 timeouts, overflow and the journal each have a case."""
 
@@ -8,8 +8,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from grpo_jax import data, multiturn, tools
-from grpo_jax.toolbox import Toolbox
+from grpo_jax.data import prompts as data
+from grpo_jax.rollout import multiturn
+from grpo_jax.tools import calls as tools
+from grpo_jax.tools.toolbox import Toolbox
 
 pytest.importorskip("trl")
 from trl_tools import add, explode, multiply, qwen_tokenizer, trl_tool_loop  # noqa: E402
@@ -212,7 +214,7 @@ def test_a_scripted_multi_turn_batch_trains_as_a_naive_per_row_loss(tok):
     import jax
     import jax.numpy as jnp
 
-    from grpo_jax.logprobs import completion_logps
+    from grpo_jax.algo.logprobs import completion_logps
     from grpo_jax.losses import LossConfig, compute_loss
     from grpo_jax.models import ModelConfig, forward, init_model, positions_from_mask, unembed
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax import decoder
+from grpo_jax.algo import decoder
 from grpo_jax.models import attention, paged
 from test_decoder import PROMPT_IDS, PROMPT_MASK, _late_appends, make_decoder
 
@@ -171,9 +171,9 @@ def test_tpu_decode_kernel_compiles_for_a_tpu_chip():
 def test_the_runs_decoding_programs_take_the_cache_from_config(tiny_model):
     """``sampling.kv_cache``: the run's jitted decoder (`programs.jit_decoder`) pages with ``paged`` and gives the
     contiguous cache's rows bit for bit; ``auto`` keeps the contiguous cache on this CPU mesh."""
-    from grpo_jax import programs
+    from grpo_jax.algo import programs
     from test_decoder import one_device, run
-    from grpo_jax.sampling import SamplingConfig
+    from grpo_jax.algo.sampling import SamplingConfig
     assert programs.paged_page_size(SamplingConfig(), one_device()) == 0
     assert programs.paged_page_size(SamplingConfig(kv_cache="paged", kv_page_size=8), one_device()) == 8
     want, got = run(tiny_model), run(tiny_model, kv_cache="paged", kv_page_size=4)
@@ -209,7 +209,8 @@ def test_windowed_soft_capped_and_routed_families_page_bit_for_bit(tiny_model_co
 def test_paged_decoding_on_a_mesh_equals_one_device(tiny_model):
     """``kv_cache: paged`` forced on a (2, 2, 2) mesh (one pool per mesh, the dense read-back partitioned by XLA)
     gives the one-device contiguous rows, static and continuously batched."""
-    from grpo_jax import sharding, stream
+    from grpo_jax.device import sharding
+    from grpo_jax.rollout import stream
     from test_decoder import EOS, IDS, MASK, assert_same_rows, decode_rows
     ids, mask = np.concatenate([IDS, IDS[:1]]), np.concatenate([MASK, MASK[:1]])
     want = decode_rows(tiny_model, ids=ids, mask=mask, group=1)

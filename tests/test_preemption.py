@@ -6,7 +6,7 @@ import sys
 import textwrap
 import time
 
-from grpo_jax import preemption
+from grpo_jax.io import preemption
 from tests.test_checkpoint import ROOT, TINY, _assert_same_state, _lines, _state, _train
 
 
@@ -36,7 +36,7 @@ def test_sigterm_saves_exits_and_resumes_to_the_same_params(tmp_path):
 
 GUARD_SCRIPT = textwrap.dedent("""
     import os, signal
-    from grpo_jax.preemption import PreemptionGuard
+    from grpo_jax.io.preemption import PreemptionGuard
     with PreemptionGuard() as guard:
         os.kill(os.getpid(), signal.SIGINT)
         print("requested", guard.requested, guard.signum == signal.SIGINT, flush=True)

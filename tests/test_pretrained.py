@@ -17,7 +17,9 @@ transformers = pytest.importorskip("transformers")
 
 import hf_fixtures as hf  # noqa: E402
 
-from grpo_jax import sharding  # noqa: E402
+from grpo_jax.algo.programs import jit_decoder  # noqa: E402
+from grpo_jax.algo.sampling import SamplingConfig  # noqa: E402
+from grpo_jax.device import sharding  # noqa: E402
 from grpo_jax.models import (  # noqa: E402
     Model,
     abstract_model,
@@ -32,11 +34,9 @@ from grpo_jax.models import (  # noqa: E402
     save_pretrained,
     unembed,
 )
-from grpo_jax.models.hf_config import config_fields, to_hf_config  # noqa: E402
+from grpo_jax.models.registry import config_fields, to_hf_config  # noqa: E402
 from grpo_jax.models.safetensors_io import INDEX_FILE  # noqa: E402
-from grpo_jax import stream  # noqa: E402
-from grpo_jax.programs import jit_decoder  # noqa: E402
-from grpo_jax.sampling import SamplingConfig  # noqa: E402
+from grpo_jax.rollout import stream  # noqa: E402
 
 VARIANTS = [(family, tied) for family in hf.FAMILIES for tied in (True, False)]
 IDS = [f"{family}-{'tied' if tied else 'untied'}" for family, tied in VARIANTS]

@@ -10,18 +10,18 @@ import numpy as np
 import optax
 import pytest
 
-from grpo_jax import decoder
+from grpo_jax.algo import decoder
 from grpo_jax.config.sections import SamplingConfig
-from grpo_jax.logprobs import completion_logps
+from grpo_jax.algo.logprobs import completion_logps
 from grpo_jax.losses import LossConfig
 from grpo_jax.models import forward, init_model
-from grpo_jax.models.hf_config import config_fields, to_hf_config
+from grpo_jax.models.registry import config_fields, to_hf_config
 from grpo_jax.models.lora import LoRAConfig
 from grpo_jax.models.moe import load_balancing_loss
-from grpo_jax.programs import init_state, jit_train_step
-from grpo_jax.trajectory import packed_length
-from grpo_jax import sharding
-from grpo_jax.train_step import StepOptions
+from grpo_jax.algo.programs import init_state, jit_train_step
+from grpo_jax.algo.trajectory import packed_length
+from grpo_jax.device import sharding
+from grpo_jax.algo.train_step import StepOptions
 
 MOE = dict(model_type="qwen3_moe", qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
            norm_topk_prob=True)
@@ -200,7 +200,7 @@ def test_a_moe_run_with_routing_replay_and_the_router_aux_loss(tmp_path):
     log the load-balancing loss (the model's own coefficient: loss.router_aux_loss_coef null)."""
     import json
 
-    from grpo_jax import trainer
+    from grpo_jax.api import trainer
     from grpo_jax.config import load_config
 
     overrides = [f"output_dir={tmp_path}", "max_steps=2", "train.train_batch_size=16", "train.num_generations=4",
@@ -217,7 +217,7 @@ def test_router_aux_loss_coef_resolves_as_trl():
     """TRL's flat name is ours; null takes the model's own coefficient (0 for a dense model); a coefficient or
     routing replay for a dense model is refused."""
     from grpo_jax.config import load_config
-    from grpo_jax.run import _router_aux_loss_coef
+    from grpo_jax.api.run import _router_aux_loss_coef
 
     moe = [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in MOE.items()]
     assert load_config(None, ["router_aux_loss_coef=0.01"]).loss.router_aux_loss_coef == 0.01

@@ -6,12 +6,12 @@ import numpy as np
 import optax
 import pytest
 
-from grpo_jax import reference, sharding
+from grpo_jax.algo import reference
+from grpo_jax.algo.programs import init_state, jit_train_step
+from grpo_jax.algo.reference import RefSyncConfig
+from grpo_jax.algo.train_step import StepOptions
+from grpo_jax.device import sharding
 from grpo_jax.losses import LossConfig
-from grpo_jax.reference import RefSyncConfig
-from grpo_jax.programs import init_state
-from grpo_jax.programs import jit_train_step
-from grpo_jax.train_step import StepOptions
 from tests.test_train_step import make_batch
 
 

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from grpo_jax.reporting import MetricsWriter, completion_rows, plot_rewards, print_completions, reward_figure
+from grpo_jax.io.reporting import MetricsWriter, completion_rows, plot_rewards, print_completions, reward_figure
 
 
 def _scalars(logdir) -> dict:

@@ -6,10 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from grpo_jax import task, trainer
+from grpo_jax.api import trainer
+from grpo_jax.api.run import check_inputs
 from grpo_jax.config import load_config
-from grpo_jax.run import check_inputs
-from grpo_jax.reward_model import RewardModel, is_reward_model
+from grpo_jax.data import task
+from grpo_jax.rewards.reward_model import RewardModel, is_reward_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -76,7 +77,7 @@ def test_a_reward_model_folder_is_a_reward_function_of_a_run(tmp_path):
     folder = _reward_folder(tmp_path, "qwen2")
     config = load_config(None, [f"output_dir={tmp_path / 'run'}", "max_steps=2", "train.train_batch_size=16",
                                 "train.num_generations=4", "eval.num_examples=0", "sampling.max_completion_length=6",
-                                f"reward.functions=[{folder},grpo_jax.task:char_accuracy]", "reward.weights=[1.0,0.5]"])
+                                f"reward.functions=[{folder},grpo_jax.data.task:char_accuracy]", "reward.weights=[1.0,0.5]"])
     trainer.train(config, show_progress=False)
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and all(np.isfinite(line["rewards/qwen2-rm/mean"]) for line in lines)
@@ -96,7 +97,7 @@ def test_a_model_folder_without_a_classification_head_is_refused_by_name(tmp_pat
 def test_a_reward_model_object_is_converted_to_jax_and_scores_as_its_folder(tmp_path):
     """TRL's reward_funcs=[model]: a transformers *ForSequenceClassification object scores what its folder scores
     (and what TRL scores with it); its tokenizer from reward_processing_classes, else its name_or_path folder."""
-    from grpo_jax.reward_specs import resolve_all
+    from grpo_jax.rewards.reward_specs import resolve_all
 
     folder = _reward_folder(tmp_path, "qwen2")
     prompts, completions = ["12>", "3>", "456>", "7>"], ["21", "3", "6541", ""]
@@ -113,7 +114,7 @@ def test_a_reward_model_object_is_converted_to_jax_and_scores_as_its_folder(tmp_
                                          r"tokenizer: pass reward_processing_classes=\[its tokenizer\]"):
         resolve_all([model], **lengths)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    [(name, fn), _] = resolve_all([model, "grpo_jax.task:char_accuracy"], processing_classes=[tokenizer, None],
+    [(name, fn), _] = resolve_all([model, "grpo_jax.data.task:char_accuracy"], processing_classes=[tokenizer, None],
                                   **lengths)
     assert name == "Qwen2ForSequenceClassification"
     np.testing.assert_array_equal(fn(prompts, completions), expected)
@@ -131,6 +132,6 @@ def test_train_takes_a_reward_model_object(tmp_path):
     model = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
     config = load_config(None, [f"output_dir={tmp_path / 'run'}", "max_steps=1", "train.train_batch_size=16",
                                 "train.num_generations=4", "eval.num_examples=0", "sampling.max_completion_length=6"])
-    trainer.train(config, show_progress=False, reward_funcs=[model, "grpo_jax.task:char_accuracy"])
+    trainer.train(config, show_progress=False, reward_funcs=[model, "grpo_jax.data.task:char_accuracy"])
     [line] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert np.isfinite(line["rewards/llama-rm/mean"]) and line["rewards/llama-rm/std"] > 0

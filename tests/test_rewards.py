@@ -1,4 +1,4 @@
-"""Tests for grpo_jax.rewards: resolving "module:function" and scoring with every error path."""
+"""Tests for grpo_jax.rewards.functions: resolving "module:function" and scoring with every error path."""
 
 import dataclasses
 import math
@@ -9,22 +9,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from grpo_jax import reward_specs, rewards, task
+from grpo_jax.data import task
+from grpo_jax.rewards import reward_specs, functions as rewards
 
 
 def test_resolve_reward_fn_ok(tmp_path, monkeypatch):
-    assert reward_specs.resolve_reward_fn("grpo_jax.task:char_accuracy") is task.char_accuracy
+    assert reward_specs.resolve_reward_fn("grpo_jax.data.task:char_accuracy") is task.char_accuracy
     (tmp_path / "my_rewards_mod.py").write_text("class K:\n    @staticmethod\n    def f(**kw):\n        return []\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert callable(reward_specs.resolve_reward_fn("my_rewards_mod:K.f"))
 
 
 @pytest.mark.parametrize("path, match", [
-    ("grpo_jax.task.char_accuracy", r"'grpo_jax.task.char_accuracy' has no ':'.*package.module:function"),
-    ("grpo_jax.task:", r"incomplete.*package.module:function"),
+    ("grpo_jax.data.task.char_accuracy", r"'grpo_jax.data.task.char_accuracy' has no ':'.*package.module:function"),
+    ("grpo_jax.data.task:", r"incomplete.*package.module:function"),
     ("no_such_module_xyz:f", r"'no_such_module_xyz:f'.*could not be imported.*No module named 'no_such_module_xyz'"),
-    ("grpo_jax.task:nope", r"'grpo_jax.task:nope'.*no attribute 'nope'"),
-    ("grpo_jax.task:CHARS", r"'grpo_jax.task:CHARS'.*str, not callable"),
+    ("grpo_jax.data.task:nope", r"'grpo_jax.data.task:nope'.*no attribute 'nope'"),
+    ("grpo_jax.data.task:CHARS", r"'grpo_jax.data.task:CHARS'.*str, not callable"),
 ])
 def test_resolve_reward_fn_errors(path, match):
     with pytest.raises(ValueError, match=match):
@@ -235,7 +236,7 @@ def test_trainer_state_has_transformers_fields_and_defaults():
 def test_checking_reward_functions_leaves_the_trainer_stack_unimported():
     """A run's start (its modules, the reward functions' check with TRL's keywords) imports neither transformers'
     Trainer nor peft: with torch and peft installed they would cost every start seconds."""
-    script = ("import sys, grpo_jax.run; from grpo_jax import rewards; rewards.check_reward_fns("
+    script = ("import sys, grpo_jax.api.run; from grpo_jax import rewards; rewards.check_reward_fns("
               "[('f', lambda prompts, completions, trainer_state, **kw: [1.0] * len(prompts))], [{'prompt': 'p'}], 0, "
               "where='rows'); print(sorted(m for m in ('peft', 'transformers.trainer_callback') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent, capture_output=True,

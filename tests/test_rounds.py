@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from grpo_jax import advantages, rounds
+from grpo_jax.algo import advantages, rounds
 
 G, T = 2, 3
 

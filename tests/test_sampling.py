@@ -1,4 +1,4 @@
-"""Drawing one token (`grpo_jax.sampling`): the filters against Hugging Face's logits warpers, each row's own noise,
+"""Drawing one token (`grpo_jax.algo.sampling`): the filters against Hugging Face's logits warpers, each row's own noise,
 and the token and log-prob a draw gives. The decode loop around them is tested in test_decoder.py."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax.sampling import SamplingConfig, draw, filter_logits, row_noise
+from grpo_jax.algo.sampling import SamplingConfig, draw, filter_logits, row_noise
 
 
 def test_config_validation():

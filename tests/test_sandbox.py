@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from transformers.utils import get_json_schema
 
-from grpo_jax.sandbox import calculator, make_python_tool, python
+from grpo_jax.tools.sandbox import calculator, make_python_tool, python
 
 
 def test_python_returns_what_the_code_prints():

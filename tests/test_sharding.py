@@ -9,14 +9,14 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec
 
-from grpo_jax import reference, sharding
+from grpo_jax.algo import reference
+from grpo_jax.algo.programs import init_state, jit_decoder, jit_train_step
+from grpo_jax.algo.sampling import SamplingConfig
+from grpo_jax.algo.train_step import StepOptions
+from grpo_jax.device import sharding
 from grpo_jax.losses import LossConfig
 from grpo_jax.models import ModelConfig, init_model
-from grpo_jax.sampling import SamplingConfig
-from grpo_jax import stream
-from grpo_jax.programs import init_state, jit_decoder
-from grpo_jax.programs import jit_train_step
-from grpo_jax.train_step import StepOptions
+from grpo_jax.rollout import stream
 from test_train_step import make_batch, one_device_mesh
 
 MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)]
@@ -197,7 +197,7 @@ def test_offloaded_reference_lives_in_host_memory_and_mixes(tiny_model_config):
 
 @needs_8
 def test_state_from_given_params_is_laid_out_like_init_state(tiny_model_config):
-    from grpo_jax.programs import state_from_params
+    from grpo_jax.algo.programs import state_from_params
     mesh = sharding.make_mesh(2, 2, 2)
     optimizer = optax.adamw(1e-3)
     _, state = init_state(tiny_model_config, optimizer, seed=0, with_reference=True, mesh=mesh)

@@ -1,4 +1,4 @@
-"""Prompt rows from where users keep them (grpo_jax/sources.py): every format gives the rows a JSONL file gives,
+"""Prompt rows from where users keep them (grpo_jax/data/sources.py): every format gives the rows a JSONL file gives,
 `train(train_dataset=..., reward_funcs=...)` trains as the same data from a file does, and the prompt length fits
 the data or warns."""
 
@@ -9,9 +9,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from grpo_jax import sources, task, trainer
+from grpo_jax.api import trainer
+from grpo_jax.api.run import _prompt_length, build
 from grpo_jax.config import load_config
-from grpo_jax.run import _prompt_length, build
+from grpo_jax.data import sources, task
 
 ROWS = [{"prompt": f"{i % 10}{(3 * i) % 10}{(7 * i) % 10}>", "answer": f"x{i}"} for i in range(24)]
 QUICK = ["max_steps=2", "train.train_batch_size=16", "train.num_generations=4", "eval.num_examples=0",
@@ -140,7 +141,7 @@ def test_prompt_length_fits_the_data_or_warns_how_many_are_cut(files, tmp_path):
 def test_a_memory_mapped_dataset_iterates_and_resumes_as_the_list_does(files):
     """A data.Dataset over a datasets.Dataset reads rows by index: the same batches as over the list, and the same
     batches again from a saved position (what a checkpoint resumes from)."""
-    from grpo_jax import data
+    from grpo_jax.data import prompts as data
 
     tok = task.build_tokenizer()
     rows, _ = sources.load_rows(str(files["parquet"]))
@@ -166,7 +167,7 @@ def test_prompts_that_pass_the_models_positions_are_counted_in_a_warning_or_refu
     import subprocess
     import sys
 
-    from grpo_jax.cli import main as cli_main
+    from grpo_jax.api.cli import main as cli_main
     from tests.test_checkpoint import ROOT, TINY
 
     long_prompts = ["data.task_max_len=12", "model.max_position_embeddings=16", "sampling.max_completion_length=6"]

@@ -16,8 +16,10 @@ import time
 
 import pytest
 
-from grpo_jax import cli, preemption, reporting, task
-from grpo_jax.preemption import RunFailed
+from grpo_jax.api import cli
+from grpo_jax.data import task
+from grpo_jax.io import preemption, reporting
+from grpo_jax.io.preemption import RunFailed
 from tests.test_checkpoint import ROOT, TINY, _assert_same_state, _lines, _state, _train
 
 STOP = {"kind": None, "at": None, "calls": 0}  # what `stopping_reward` does on its `at`-th call
@@ -334,7 +336,7 @@ def test_resume_from_checkpoint_true_continues_the_newest_run_of_the_same_config
 
 
 def _train_unnamed(*overrides):
-    from grpo_jax import trainer
+    from grpo_jax.api import trainer
     from grpo_jax.config import load_config
 
     return trainer.train(load_config(None, [*TINY, *overrides]), show_progress=False)

@@ -1,4 +1,4 @@
-"""A decoding call driven from the host (`grpo_jax.stream`): whole groups reach the host as they finish, every row
+"""A decoding call driven from the host (`grpo_jax.rollout.stream`): whole groups reach the host as they finish, every row
 once, the call's trajectory with the last of them; decoding runs ahead of a host that is still scoring."""
 
 import threading
@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from grpo_jax import stream
-from grpo_jax.trajectory import Trajectory
+from grpo_jax.algo.trajectory import Trajectory
+from grpo_jax.rollout import stream
 from test_decoder import EOS, G, IDS, MASK, assert_same_rows, decode_rows, make_decoder
 
 
@@ -42,8 +42,8 @@ class _FakeDecoder:
         self.rows, self.segments, self.advanced, self.all_queued = rows, segments, [], threading.Event()
 
     def options(self, rows, total, greedy, slots=0):
-        from grpo_jax.decoder import DecodeOptions
-        from grpo_jax.sampling import SamplingConfig
+        from grpo_jax.algo.decoder import DecodeOptions
+        from grpo_jax.algo.sampling import SamplingConfig
         return DecodeOptions(SamplingConfig(max_completion_length=4), (1,), 0, num_slots=2)
 
     def chunks(self, rows, group):
@@ -85,7 +85,7 @@ def test_the_decode_step_count_of_any_slot_count_is_the_decoders_own(tiny_model)
     """`stream.decode_steps` from the rows' lengths alone == the steps `decoder.advance` ran, for every slot count."""
     import dataclasses
 
-    from grpo_jax import decoder
+    from grpo_jax.algo import decoder
     _, graphdef, params = tiny_model
     want = decode_rows(tiny_model)
     lengths = want.completion_mask.sum(1)

@@ -1,11 +1,11 @@
-"""Tests for grpo_jax.task: tokenizer round trips, task answers vs naive references, hand-computed rewards."""
+"""Tests for grpo_jax.data.task: tokenizer round trips, task answers vs naive references, hand-computed rewards."""
 
 import json
 
 import pytest
 import transformers
 
-from grpo_jax import task
+from grpo_jax.data import task
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,12 @@
-"""grpo_jax.tool_parsers: our tool-call parsers against hand-written messages, and against TRL 1.16's response
+"""grpo_jax.tools.tool_parsers: our tool-call parsers against hand-written messages, and against TRL 1.16's response
 templates (transformers' `parse_response`) where TRL is installed; tools.build reads Qwen calls without TRL."""
 
 import sys
 
 import pytest
 
-from grpo_jax import task, tool_parsers, tools
+from grpo_jax.data import task
+from grpo_jax.tools import tool_parsers, calls as tools
 
 FMT = {f.name: f for f in tool_parsers.FORMATS}
 QWEN_CALLS = ('<think>\nhmm\n</think>\n\nSure.\n<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n'

@@ -1,4 +1,4 @@
-"""Tests for grpo_jax.tool_task: rows, tokenizer, chat template against TRL's checks, response parsing, rewards."""
+"""Tests for grpo_jax.tools.tool_task: rows, tokenizer, chat template against TRL's checks, response parsing, rewards."""
 
 import re
 import sys
@@ -7,7 +7,8 @@ import pytest
 import transformers
 from transformers.utils import get_json_schema
 
-from grpo_jax import tool_task, trainer
+from grpo_jax.api import trainer
+from grpo_jax.tools import tool_task
 
 CALL_MSG = {"role": "assistant", "content": "", "tool_calls": [
     {"type": "function", "function": {"name": "lookup", "arguments": {}}}]}
@@ -243,7 +244,7 @@ def flaky_accuracy(prompts, completions, answer, trainer_state, **kwargs):
 TOOL_RUN = ["data.task=lookup", "data.task_num_train=64", "reward.functions=[tests.test_tool_task:flaky_accuracy]",
             "sampling.max_completion_length=12",
             "sampling.max_tool_calling_iterations=1", "train.train_batch_size=8", "train.num_generations=4",
-            "eval.num_examples=4", "eval.reward_functions=[grpo_jax.tool_task:answer_accuracy]",
+            "eval.num_examples=4", "eval.reward_functions=[grpo_jax.tools.tool_task:answer_accuracy]",
             "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1",
             "train.learning_rate=3e-3", "max_steps=4", "save_steps=0"]
 
@@ -259,7 +260,7 @@ def test_a_run_stopped_after_a_rounds_tools_resumes_bitwise_without_calling_them
     import importlib
 
     from grpo_jax.config import load_config
-    from grpo_jax.preemption import RunFailed
+    from grpo_jax.io.preemption import RunFailed
     from tests.test_checkpoint import _assert_same_state, _lines, _state
 
     calls = importlib.import_module("tests.test_tool_task").CALLS  # the module the config imports
@@ -296,7 +297,7 @@ def test_a_tampered_journal_warns_calls_those_turns_again_and_resumes_bitwise(tm
     import importlib
 
     from grpo_jax.config import load_config
-    from grpo_jax.preemption import RunFailed
+    from grpo_jax.io.preemption import RunFailed
     from tests.test_checkpoint import _assert_same_state, _lines, _state
 
     calls = importlib.import_module("tests.test_tool_task").CALLS
@@ -334,7 +335,7 @@ def test_a_tool_raising_keyboard_interrupt_or_calling_sys_exit_saves_and_names_i
     import importlib
 
     from grpo_jax.config import load_config
-    from grpo_jax.preemption import Interrupted, RunFailed
+    from grpo_jax.io.preemption import Interrupted, RunFailed
     from tests.test_checkpoint import _assert_same_state, _lines, _state
 
     calls = importlib.import_module("tests.test_tool_task").CALLS

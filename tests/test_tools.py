@@ -1,4 +1,4 @@
-"""Tools and environments (grpo_jax/tools.py, toolbox.py): calls run with TRL's failure semantics and a timeout,
+"""Tools and environments (grpo_jax/tools/calls.py, toolbox.py): calls run with TRL's failure semantics and a timeout,
 environments and paths fail with errors naming them, per-turn rewards become process-supervision steps at the turns'
 ends."""
 
@@ -9,10 +9,11 @@ import time
 import numpy as np
 import pytest
 
-from grpo_jax import rewards, tool_task, tools
 from grpo_jax.config import load_config
-from grpo_jax.rollout import _turn_ends
-from grpo_jax.toolbox import Toolbox
+from grpo_jax.rewards import functions as rewards
+from grpo_jax.rollout.round import _turn_ends
+from grpo_jax.tools import tool_task, calls as tools
+from grpo_jax.tools.toolbox import Toolbox
 
 
 def double(x: int) -> int:
@@ -129,7 +130,8 @@ def test_environments_and_tool_paths_fail_with_errors_naming_them():
 
 
 def test_a_reset_that_raises_names_the_environment():
-    from grpo_jax import data, multiturn
+    from grpo_jax.data import prompts as data
+    from grpo_jax.rollout import multiturn
 
     tok = tool_task.build_tokenizer()
     tooling = tools.build((), Picky, tok, timeout=1.0, max_iterations=None, max_model_len=None)
@@ -182,7 +184,7 @@ def test_one_reward_per_turn_is_a_process_step_at_each_turns_end():
 def test_a_tool_that_never_returns_holds_neither_the_run_nor_the_process_exit():
     import subprocess
 
-    script = ("import time\nfrom grpo_jax.toolbox import Toolbox\n"
+    script = ("import time\nfrom grpo_jax.tools.toolbox import Toolbox\n"
               "def hang(x: int) -> int:\n    time.sleep(600)\n"
               "box = Toolbox(timeout=0.2)\n"
               "out = box.submit([{'type': 'function', 'function': {'name': 'hang', 'arguments': {'x': 1}}}], "

@@ -14,7 +14,7 @@ import pytest
 
 from tests.test_checkpoint import ROOT, TINY
 
-HIDDEN_CLI = "import sys; sys.modules[sys.argv.pop(1)] = None; from grpo_jax.cli import main; sys.exit(main())"
+HIDDEN_CLI = "import sys; sys.modules[sys.argv.pop(1)] = None; from grpo_jax.api.cli import main; sys.exit(main())"
 
 
 @pytest.mark.parametrize("tracker, module", [("wandb", "wandb"), ("tensorboard", "tensorboardX")])
@@ -32,7 +32,7 @@ def test_a_missing_tracker_package_stops_the_command_line_before_anything_is_mad
 WRITER = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from grpo_jax.reporting import MetricsWriter
+    from grpo_jax.io.reporting import MetricsWriter
     for step in (1, 2):  # a run, then its resume from step 1
         writer = MetricsWriter(Path(sys.argv[1]), max_steps=2, initial_step=step - 1, show_progress=False,
                                history=None if step == 1 else [], report_to=("jsonl", "wandb"))

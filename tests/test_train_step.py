@@ -9,15 +9,13 @@ import numpy as np
 import optax
 import pytest
 
-from grpo_jax import sharding
-from grpo_jax.logprobs import completion_logps
-from grpo_jax.trajectory import packed_length
+from grpo_jax.algo.logprobs import completion_logps
+from grpo_jax.algo.programs import init_state, jit_train_step
+from grpo_jax.algo.state import learning_rate_schedule, make_optimizer
+from grpo_jax.algo.train_step import StepOptions, train_step
+from grpo_jax.algo.trajectory import packed_length, Trajectory
+from grpo_jax.device import sharding
 from grpo_jax.losses import LossConfig, compute_loss
-from grpo_jax.state import learning_rate_schedule, make_optimizer
-from grpo_jax.programs import init_state
-from grpo_jax.programs import jit_train_step
-from grpo_jax.train_step import StepOptions, train_step
-from grpo_jax.trajectory import Trajectory
 
 B, P, T = 16, 5, 6
 

@@ -13,9 +13,11 @@ import jax
 import numpy as np
 import pytest
 
-from grpo_jax import data, rounds, trainer
+from grpo_jax.algo import rounds
+from grpo_jax.api import trainer
 from grpo_jax.config import load_config, resolve_defaults
-from grpo_jax.reporting import plain
+from grpo_jax.data import prompts as data
+from grpo_jax.io.reporting import plain
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -141,7 +143,7 @@ def test_run_directory_contents(tmp_path):
                                 "train.num_iterations=2", "train.gradient_accumulation_steps=2"])
     summary = trainer.train(config, show_progress=False)
     assert load_config(str(tmp_path / "config.yaml")) == resolve_defaults(config)  # the learning rate it ran with
-    assert summary["compile_seconds"] > 0  # the programs compiled ahead of the first step (`grpo_jax.shapes`)
+    assert summary["compile_seconds"] > 0  # the programs compiled ahead of the first step (`grpo_jax.rollout.shapes`)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [0, 1, 2, 3, 4, 4]  # held-out evaluation before and after
     evals, lines = [lines[0], lines[-1]], lines[1:-1]
@@ -283,7 +285,8 @@ def test_sampler_logps_serve_as_old_logps(tmp_path):
     (8, ["train.steps_per_generation=2"], (4, 1)),  # the round's 32 rows: 4 per device
 ])
 def test_prompt_group_sizes(devices, overrides, expected):
-    from grpo_jax import run as run_module, sharding
+    from grpo_jax.api import run as run_module
+    from grpo_jax.device import sharding
     if len(jax.devices()) < devices:
         pytest.skip(f"needs {devices} devices")
     config = load_config(None, [*QUICK, *overrides])
@@ -409,7 +412,7 @@ def test_mask_truncated_and_soft_overlong_punishment_in_the_loop(tmp_path):
     _, _, calls, batches, line = _one_round(tmp_path, [
         "train.mask_truncated_completions=true", "train.use_sampler_logps=true", "sampling.max_completion_length=4",
         "reward.soft_punish_cache=2",
-        "reward.functions=[grpo_jax.task:char_accuracy,grpo_jax.rewards:soft_overlong_punishment]"])
+        "reward.functions=[grpo_jax.data.task:char_accuracy,grpo_jax.rewards.functions:soft_overlong_punishment]"])
     lengths = np.array([len(ids) for ids in calls[0]])
     assert (lengths == 4).any() and (lengths < 4).any()  # some rows are truncated, some ended with EOS
     expected = np.where(lengths <= 2, 0.0, (2 - lengths) / 2)
@@ -457,7 +460,7 @@ def test_training_from_a_hugging_face_folder(tmp_path):
     transformers = pytest.importorskip("transformers")
     import hf_fixtures
 
-    from grpo_jax import task
+    from grpo_jax.data import task
     from grpo_jax.models import Model
 
     folder = hf_fixtures.save_model(hf_fixtures.build_model("qwen2", tied=True), tmp_path / "hf")
@@ -551,7 +554,7 @@ def test_reporting_and_evaluation_during_training(tmp_path, monkeypatch, capsys)
     # 4 held-out prompts x 4 samples at the training temperature: the same sampler programs as training's
     config = load_config(None, [
         f"output_dir={tmp_path / 'run'}", *QUICK, "eval.num_examples=4", "eval.steps=2", "eval.num_generations=4",
-        "eval.pass_at_k=[1,2,4]", "eval.reward_functions=[tests.test_trainer:digit_start,grpo_jax.task:exact_match]",
+        "eval.pass_at_k=[1,2,4]", "eval.reward_functions=[tests.test_trainer:digit_start,grpo_jax.data.task:exact_match]",
         f"report_to=[jsonl,tensorboard{',wandb' if has_wandb else ''}]", "log_completions=true",
         "num_completions_to_print=2", "logging_steps=2"])
     summary = trainer.train(config, show_progress=False)
@@ -625,7 +628,7 @@ def test_reporting_and_evaluation_during_training(tmp_path, monkeypatch, capsys)
 def test_a_failed_setup_leaves_the_folder_as_it_was_and_the_corrected_command_runs(tmp_path, capsys):
     """Setup errors from the command line are one line without a traceback; config.yaml is written only once the
     run has built, so the corrected command is not refused as a different run."""
-    from grpo_jax.cli import main as cli_main
+    from grpo_jax.api.cli import main as cli_main
 
     out = tmp_path / "run"
     args = [f"output_dir={out}", *QUICK, "max_steps=1", "eval.num_examples=0", "--no-progress"]

@@ -1,11 +1,12 @@
-"""Trajectories as model inputs (`grpo_jax.trajectory`): positions, the three layouts' shapes against the FLOPs the
+"""Trajectories as model inputs (`grpo_jax.algo.trajectory`): positions, the three layouts' shapes against the FLOPs the
 cost model charges them, the CPU's block count against the blocked attention's own, and the layout choice."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax import cpu, trajectory
+from grpo_jax.algo import trajectory
+from grpo_jax.device import cpu
 from grpo_jax.models import positions_from_mask
 
 rng = np.random.default_rng(0)

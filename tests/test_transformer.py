@@ -448,7 +448,7 @@ def _hf_model(config: ModelConfig, params):
 @pytest.mark.parametrize("cpu_speedups", [False, True])
 def test_matches_transformers(tiny_model_config, family, cpu_speedups):
     torch = pytest.importorskip("torch")
-    from grpo_jax import cpu
+    from grpo_jax.device import cpu
     config, graphdef, params = family_model(tiny_model_config, family)
     graphdef = cpu.linear_layers(graphdef, params, cpu_speedups)
     model = _hf_model(config, params)

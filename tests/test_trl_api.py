@@ -1,4 +1,4 @@
-"""The Python API a TRL user meets (grpo_jax/__init__.py, grpo_jax/trl_api.py): the top-level names import lazily,
+"""The Python API a TRL user meets (grpo_jax/__init__.py, grpo_jax/api/trl_api.py): the top-level names import lazily,
 `GRPOTrainer(...).train()` is exactly `train(config)` on the same run, and what it cannot honour is refused."""
 
 import dataclasses
@@ -17,7 +17,7 @@ TINY = dict(max_steps=2, num_generations=4, max_completion_length=4, beta=0.0,
             train={"train_batch_size": 8}, **{"eval.num_examples": 0})  # TRL's flat names, a section, a dotted key
 
 
-# TRL 1.16's defaults that GRPOConfig takes where ours differ (grpo_jax.trl_api.TRL_DEFAULTS), in our keys
+# TRL 1.16's defaults that GRPOConfig takes where ours differ (grpo_jax.api.trl_api.TRL_DEFAULTS), in our keys
 TRL_DEFAULTS_OURS = ["seed=42", "logging_steps=10", "save_total_limit=null", "num_train_epochs=3",
                      "loss.loss_type=dapo", "loss.use_bias_correction_kl=true", "train.lr_scheduler_type=linear",
                      "train.adam_beta2=0.999"]
@@ -31,7 +31,7 @@ def answer_reward(prompts, completions, answer, **kwargs):
 def test_the_top_level_names_import_lazily_without_jax():
     code = ("import sys, grpo_jax; from grpo_jax import Config, GRPOConfig, GRPOTrainer, load_config, make_config; "
             "print(sorted(m for m in ('jax', 'flax', 'transformers') if m in sys.modules)); "
-            "from grpo_jax import train; import grpo_jax.trainer; print(train is grpo_jax.trainer.train)")
+            "from grpo_jax import train; import grpo_jax.api.trainer; print(train is grpo_jax.api.trainer.train)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split("\n")[:2] == ["[]", "True"], out
 
@@ -60,7 +60,7 @@ def test_a_config_from_keywords_is_the_config_of_the_same_overrides():
 
 
 def test_peft_options_map_to_model_lora_or_are_refused():
-    from grpo_jax.trl_api import lora_options
+    from grpo_jax.api.trl_api import lora_options
 
     # PEFT's defaults: r 8, alpha 8, target_modules None = q_proj and v_proj for these families
     assert LoRAConfig(**lora_options({})) == LoRAConfig(rank=8, alpha=8.0, target_modules=("q_proj", "v_proj"))
@@ -83,7 +83,8 @@ def test_peft_options_map_to_model_lora_or_are_refused():
 def test_the_trainer_takes_a_cached_model_id_and_refuses_objects(tmp_path, monkeypatch):
     import huggingface_hub.constants
 
-    from grpo_jax import GRPOConfig, GRPOTrainer, task
+    from grpo_jax import GRPOConfig, GRPOTrainer
+    from grpo_jax.data import task
 
     snapshot = tmp_path / "hub" / "models--me--tiny" / "snapshots" / "0123abcd"
     snapshot.mkdir(parents=True)
@@ -92,8 +93,8 @@ def test_the_trainer_takes_a_cached_model_id_and_refuses_objects(tmp_path, monke
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     trainer = GRPOTrainer("me/tiny", answer_reward, args=GRPOConfig(beta=0.0), peft_config={"r": 4})
     # TRL's reward_funcs take Hub ids of reward models too: the cached snapshot, as for model
-    assert GRPOTrainer("me/tiny", ["me/tiny", answer_reward, "grpo_jax.task:exact_match"]).reward_funcs == \
-        [str(snapshot), answer_reward, "grpo_jax.task:exact_match"]
+    assert GRPOTrainer("me/tiny", ["me/tiny", answer_reward, "grpo_jax.data.task:exact_match"]).reward_funcs == \
+        [str(snapshot), answer_reward, "grpo_jax.data.task:exact_match"]
     with pytest.raises(ValueError, match=r"reward_funcs entry 'me/other' is neither .* in the local Hugging Face"):
         GRPOTrainer("me/tiny", "me/other")
     assert trainer.args.model.path == str(snapshot) and trainer.args.loss.beta == 0.0
@@ -125,8 +126,9 @@ def test_the_trl_shaped_trainer_is_train_on_the_same_config_bit_for_bit(tmp_path
     import hf_fixtures
     from safetensors.numpy import load_file
 
-    from grpo_jax import GRPOConfig, GRPOTrainer, task, train
-    from grpo_jax.run import build
+    from grpo_jax import GRPOConfig, GRPOTrainer, train
+    from grpo_jax.api.run import build
+    from grpo_jax.data import task
 
     folder = hf_fixtures.save_model(hf_fixtures.build_model("qwen2", tied=True), tmp_path / "hf")
     task.build_tokenizer(folder)

@@ -1,5 +1,5 @@
-"""TRL's batch geometry and defaults (grpo_jax/trl_keys.py `_geometry`, grpo_jax/config `for_run`,
-grpo_jax/trl_api.py `TRL_DEFAULTS`), each checked against TRL 1.16's own GRPOConfig, RepeatSampler and
+"""TRL's batch geometry and defaults (grpo_jax/config/trl_keys.py `_geometry`, grpo_jax/config `for_run`,
+grpo_jax/api/trl_api.py `TRL_DEFAULTS`), each checked against TRL 1.16's own GRPOConfig, RepeatSampler and
 transformers' step count where installed."""
 
 import dataclasses
@@ -98,8 +98,8 @@ def test_warmup_ratio_is_transformers_warmup_count():
 
 
 def test_grpo_config_takes_trls_defaults_and_the_cli_keeps_its_own():
-    from grpo_jax import trl_keys
-    from grpo_jax.trl_api import TRL_DEFAULTS
+    from grpo_jax.api.trl_api import TRL_DEFAULTS
+    from grpo_jax.config import trl_keys
 
     theirs = {f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)}
     assert all(theirs[name] == value for name, value in TRL_DEFAULTS.items())

@@ -1,4 +1,4 @@
-"""What a TRL script reads from its trainer after `.train()` (grpo_jax/trl_api.py): transformers' `TrainOutput`,
+"""What a TRL script reads from its trainer after `.train()` (grpo_jax/api/trl_api.py): transformers' `TrainOutput`,
 `state.log_history` whatever `report_to` says (the lines metrics.jsonl holds, under TRL's names), `save_model`, and
 TRL's `RUN/checkpoint-N` folder for `resume_from_checkpoint`."""
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from grpo_jax.trl_api import trl_checkpoint, trl_line
+from grpo_jax.api.trl_api import trl_checkpoint, trl_line
 
 ROWS = [{"prompt": f"{i % 10}{(3 * i) % 10}>", "answer": str(i % 10)} for i in range(16)]
 
@@ -29,7 +29,8 @@ def test_train_returns_trls_output_and_keeps_the_history_in_memory(tmp_path, cap
     import hf_fixtures
     from transformers.trainer_utils import TrainOutput
 
-    from grpo_jax import GRPOConfig, GRPOTrainer, task
+    from grpo_jax import GRPOConfig, GRPOTrainer
+    from grpo_jax.data import task
 
     folder = hf_fixtures.save_model(hf_fixtures.build_model("qwen2", tied=True), tmp_path / "hf")
     task.build_tokenizer(folder)
@@ -70,7 +71,9 @@ def test_a_model_object_trains_as_its_folder_and_trainer_model_reads_the_weights
     torch = pytest.importorskip("torch")
     import hf_fixtures
 
-    from grpo_jax import GRPOConfig, GRPOTrainer, task, trl_api
+    from grpo_jax import GRPOConfig, GRPOTrainer
+    from grpo_jax.api import trl_api
+    from grpo_jax.data import task
 
     monkeypatch.setattr(trl_api, "MODEL_CACHE", tmp_path / "cache")
     model = hf_fixtures.build_model("qwen2", tied=True)

@@ -3,7 +3,7 @@
 Importing this package (and building a `Config`) reads no file, imports no user code and no jax: each section checks
 its own values (`grpo_jax.config.sections`, `.model`, `.loss`), the root `Config` what spans sections (batch
 geometry); what needs the filesystem or the reward modules is checked when the run is built
-(`grpo_jax.run.check_inputs`). Option names follow TRL's `GRPOConfig` where the concept exists.
+(`grpo_jax.api.run.check_inputs`). Option names follow TRL's `GRPOConfig` where the concept exists.
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ from typing import Any
 
 import yaml
 
-from grpo_jax import trl_keys
+from grpo_jax.config import trl_keys
 from grpo_jax.config.loss import LossConfig
 from grpo_jax.config.model import LoRAConfig, ModelConfig
-from grpo_jax.config.sections import (HOST_ALLOCATORS, REPORT_TO, DataConfig, EvalConfig, MeshConfig, RefSyncConfig,
-                                      RewardConfig, SamplingConfig, TrainConfig, check)
-from grpo_jax.distributed import DistributedConfig
+from grpo_jax.config.sections import (HOST_ALLOCATORS, REPORT_TO, DataConfig, DistributedConfig, EvalConfig, MeshConfig,
+                                      RefSyncConfig, RewardConfig, SamplingConfig, TrainConfig, check)
 
 __all__ = ["Config", "DataConfig", "DistributedConfig", "EvalConfig", "LoRAConfig", "LossConfig", "MeshConfig",
            "ModelConfig", "RefSyncConfig", "RewardConfig", "SamplingConfig", "TrainConfig", "apply_overrides",
@@ -50,8 +49,8 @@ class Config:
     save_steps: int = 500  # checkpoint every N optimizer steps (0: only at the end and on SIGTERM/SIGINT)
     save_total_limit: int | None = 2  # checkpoints kept (oldest deleted first); None: keep all
     resume: bool = True  # continue from output_dir's newest checkpoint; false: a non-empty output_dir is an error
-    resume_from_checkpoint: bool | str | None = None  # TRL's: true / a run folder: continue that run (grpo_jax.runs)
-    cpu_speedups: bool | None = None  # XLA:CPU speed-ups (grpo_jax.cpu), same numbers; None: on when backend is cpu
+    resume_from_checkpoint: bool | str | None = None  # TRL's: true / a run folder: continue that run (grpo_jax.io.runs)
+    cpu_speedups: bool | None = None  # XLA:CPU speed-ups (grpo_jax.device.cpu), same numbers; None: on when backend is cpu
     host_allocator: str = "retain"  # with cpu_speedups: retain keeps freed blocks in glibc; system: leave malloc
     compilation_cache_dir: str | None = "~/.cache/grpo_jax/jax"  # JAX's persistent compilation cache; None: off
     tools: tuple[str, ...] = ()  # TRL's tools: 'module:function' the policy may call between turns
@@ -301,7 +300,7 @@ def _needs(path: str, values: dict) -> None:
 
 def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Builds a `Config` from an optional YAML file (or packaged recipe name, `recipes()`) and `dotted.key=value`
-    overrides (values parsed as YAML; TRL's flat names allowed, `grpo_jax.trl_keys`). The command line wins over
+    overrides (values parsed as YAML; TRL's flat names allowed, `grpo_jax.config.trl_keys`). The command line wins over
     the file; within one of them a TRL name and ours set to different values are refused. A relative path in the
     file that is missing from the working directory is read beside the file (`PATH_KEYS`)."""
     values: dict = {}

@@ -1,7 +1,7 @@
 """The config sections: nested frozen dataclasses that check their own values (never files or user code).
 
 Each section validates itself in `__post_init__` with a message that names the field and the fix. Checks that touch
-the filesystem or import reward modules run when the run is built (`grpo_jax.run.check_inputs`). Option names follow
+the filesystem or import reward modules run when the run is built (`grpo_jax.api.run.check_inputs`). Option names follow
 TRL's `GRPOConfig` where the concept exists. The model and loss sections are `grpo_jax.config.model` and
 `grpo_jax.config.loss`.
 """
@@ -31,18 +31,18 @@ def check_interval(where: str, value: float, interval: str, why: str = "") -> No
     check(above and below, f"{where}={value} must be {wanted}" + (f" ({why})" if why else ""))
 
 
-TASK_REWARDS = ("grpo_jax.task:char_accuracy",)
+TASK_REWARDS = ("grpo_jax.data.task:char_accuracy",)
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "process")
 SCALE_REWARDS = ("group", "batch", "none")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 HOST_ALLOCATORS = ("retain", "system")
 REPORT_TO = ("jsonl", "tensorboard", "wandb")
-SOFT_OVERLONG = "grpo_jax.rewards:soft_overlong_punishment"
+SOFT_OVERLONG = "grpo_jax.rewards.functions:soft_overlong_punishment"
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Where prompts come from: a file, folder or cached dataset (`grpo_jax.sources`), or the embedded synthetic
+    """Where prompts come from: a file, folder or cached dataset (`grpo_jax.data.sources`), or the embedded synthetic
     task when `path` is None."""
 
     path: str | None = None  # JSONL/JSON/Parquet/CSV file or glob, save_to_disk folder, or cached dataset id
@@ -79,7 +79,7 @@ class SamplingConfig:
     that many chunks, each decoded from its own host thread (`stream.decode`). The tokens do not depend on it.
     0: one per CPU core on a one-device CPU mesh, else 1 (`cpu.host_chunks`).
 
-    ``max_batch_rows`` (grpo_jax only) N > 0 fewer than a call's rows: continuous batching (`grpo_jax.decoder`),
+    ``max_batch_rows`` (grpo_jax only) N > 0 fewer than a call's rows: continuous batching (`grpo_jax.algo.decoder`),
     N rows decode at once and a row that ends hands its slot to the next waiting row. The tokens do not depend on
     it. 0: every row of the call decodes at once until the longest ends. None: chosen round by round from the
     measured time of a decode step (`stream.plan_slots`).
@@ -140,7 +140,7 @@ class RewardConfig:
 
     functions: tuple[str, ...] = TASK_REWARDS
     weights: tuple[float, ...] | None = None  # TRL's reward_weights; None: all 1
-    soft_punish_cache: int = 0  # DAPO L_cache in tokens for grpo_jax.rewards:soft_overlong_punishment
+    soft_punish_cache: int = 0  # DAPO L_cache in tokens for grpo_jax.rewards.functions:soft_overlong_punishment
     allow_changed: bool = False  # resume with reward functions, tools or environments whose code changed (warned)
 
     def __post_init__(self):
@@ -163,7 +163,7 @@ class RewardConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RefSyncConfig:
-    """Static options of the reference update (TRL's GRPOConfig names; `grpo_jax.reference`)."""
+    """Static options of the reference update (TRL's GRPOConfig names; `grpo_jax.algo.reference`)."""
 
     sync_ref_model: bool = False
     ref_model_mixup_alpha: float = 0.6
@@ -202,11 +202,11 @@ class TrainConfig:
     logps_chunk_size: int = 0  # rows per chunk for log-probs; 0: whole micro-batch at once
     share_prompt_prefix: bool = True  # run each group's prompt once in log-prob/update forwards (same numbers)
     packing: bool | None = None  # log-prob/update forwards over packed groups; null: when it costs fewer FLOPs
-    packed_lengths: int = 2  # packed buffer lengths a run compiles before its first step (`grpo_jax.shapes`)
+    packed_lengths: int = 2  # packed buffer lengths a run compiles before its first step (`grpo_jax.rollout.shapes`)
     ref_param_dtype: str | None = None  # reference params' storage dtype (float32, bfloat16); None: the params'
     offload_ref_params: bool = False  # keep the reference in pinned host memory (copied in for its log-probs)
     max_nonfinite_steps: int = 10  # steps skipped for a non-finite loss/gradient before the run stops
-    max_staleness: int = 0  # k: round r samples with the params after step max(0, r*K - k) (`grpo_jax.async_rounds`)
+    max_staleness: int = 0  # k: round r samples with the params after step max(0, r*K - k) (`grpo_jax.rollout.async_rounds`)
     interruptible_rollouts: bool = False  # decode segment j of round r samples with the params after step
     # min(v(r) + j, max(v(r), r*K - 1)): rows still decoding continue with newer params
 
@@ -304,8 +304,8 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh shape (data, fsdp, tensor, expert; see grpo_jax/sharding.py): -1 on one axis takes the remaining
-    devices. `rollout` > 0 sets that many devices apart for sampling (`grpo_jax.async_rounds`)."""
+    """Device mesh shape (data, fsdp, tensor, expert; see grpo_jax/device/sharding.py): -1 on one axis takes the remaining
+    devices. `rollout` > 0 sets that many devices apart for sampling (`grpo_jax.rollout.async_rounds`)."""
 
     data: int = -1
     fsdp: int = 1
@@ -324,7 +324,7 @@ class MeshConfig:
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
     """Held-out evaluation before, after and every `steps` steps of training: greedy, and `num_generations`
-    sampled completions per prompt for pass@k and maj@n (`grpo_jax.evaluation`)."""
+    sampled completions per prompt for pass@k and maj@n (`grpo_jax.rollout.evaluation`)."""
 
     num_examples: int = 200  # embedded task: held-out prompts generated with another seed
     path: str | None = None  # held-out prompts, any form data.path takes (with the columns the rewards need)
@@ -334,7 +334,7 @@ class EvalConfig:
     num_generations: int = 0  # n sampled completions per prompt (pass@k, maj@n); 0: greedy only
     temperature: float = 1.0  # of the sampled completions
     pass_at_k: tuple[int, ...] | None = None  # k of the pass@k reported; None: 1 and num_generations
-    answer_extractor: str = "grpo_jax.math_rewards:extract_answer"  # completion text -> answer (or None), for maj@n
+    answer_extractor: str = "grpo_jax.rewards.math:extract_answer"  # completion text -> answer (or None), for maj@n
 
     def __post_init__(self):
         check(self.num_examples >= 0, f"eval.num_examples={self.num_examples} must be >= 0")
@@ -356,4 +356,28 @@ class EvalConfig:
         return tuple(sorted({1, self.num_generations})) if self.num_generations else ()
 
 
+DISTRIBUTED_MODES = ("never", "auto", "always")  # not off/on: YAML would read those as booleans
 
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """How this process joins a multi-process run (JAX's `jax.distributed.initialize` arguments)."""
+
+    mode: str = "never"  # never: one process; auto: initialise when the env/cluster says so; always: initialise
+    coordinator_address: str | None = None  # host:port of process 0; None: JAX_COORDINATOR_ADDRESS or detection
+    num_processes: int | None = None  # None: JAX_NUM_PROCESSES or detection
+    process_id: int | None = None  # None: JAX_PROCESS_ID or detection
+    cpu_collectives: str | None = None  # CPU-only runs across processes: "gloo" (or "mpi")
+
+    def __post_init__(self):
+        if self.mode not in DISTRIBUTED_MODES:
+            raise ValueError(f"distributed.mode={self.mode!r}: use never, auto or always")
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ValueError(f"distributed.num_processes={self.num_processes} must be >= 1 (or null)")
+        if self.process_id is not None and self.process_id < 0:
+            raise ValueError(f"distributed.process_id={self.process_id} must be >= 0 (or null)")
+        if self.num_processes is not None and self.process_id is not None and self.process_id >= self.num_processes:
+            raise ValueError(f"distributed.process_id={self.process_id} must be < distributed.num_processes="
+                             f"{self.num_processes}")
+        if self.cpu_collectives not in (None, "gloo", "mpi"):
+            raise ValueError(f"distributed.cpu_collectives={self.cpu_collectives!r}: use gloo, mpi or null")

@@ -39,9 +39,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.losses.aggregation import aggregate, cispo_clip_ratio, clip_ratio_metrics, entropy_bonus
 from grpo_jax.config.loss import (CLIPPED_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, IS_CORRECTION_MODES,
                                     KL_ESTIMATORS, LOSS_TYPES, LossConfig)
+from grpo_jax.losses.aggregation import aggregate, cispo_clip_ratio, clip_ratio_metrics, entropy_bonus
 from grpo_jax.losses.kl import LOW_VAR_KL_BOUND, bias_corrected_kl, kl_divergence
 from grpo_jax.losses.masks import (high_entropy_mask, masked_mean, masked_sum, off_policy_sequence_mask, quantile,
                                    sampler_importance_weights, sampler_log_ratio)

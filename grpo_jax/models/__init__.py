@@ -3,6 +3,14 @@ behind `families`) used as pure functions over a params pytree, and Hugging Face
 (`pretrained`, `hf_config`, `safetensors_io`)."""
 
 from grpo_jax.config.model import ModelConfig
+from grpo_jax.models.pretrained import (  # noqa: E402
+    Model,
+    abstract_model,
+    eos_token_ids,
+    from_pretrained,
+    save_pretrained,
+)
+from grpo_jax.models.registry import resolve_config  # noqa: E402
 from grpo_jax.models.transformer import (
     KVCache,
     Transformer,
@@ -15,14 +23,6 @@ from grpo_jax.models.transformer import (
     positions_from_mask,
     rotary_tables,
     unembed,
-)
-from grpo_jax.models.hf_config import resolve_config  # noqa: E402
-from grpo_jax.models.pretrained import (  # noqa: E402
-    Model,
-    abstract_model,
-    eos_token_ids,
-    from_pretrained,
-    save_pretrained,
 )
 
 __all__ = ["KVCache", "ModelConfig", "Transformer", "compute_dtype_params", "forward", "init_cache", "init_model",

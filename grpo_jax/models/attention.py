@@ -22,7 +22,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash_lib
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
 from jax.sharding import PartitionSpec
 
-# the mesh axes rows and heads are split over (grpo_jax/sharding.py: ROWS, TENSOR)
+# the mesh axes rows and heads are split over (grpo_jax/device/sharding.py: ROWS, TENSOR)
 ROW_AXES, HEAD_AXIS = ("data", "fsdp", "expert"), "tensor"
 KERNELS = ("splash", "splash_interpret", "cudnn", "xla")  # the backends a `Visibility` goes to
 

@@ -4,7 +4,7 @@ the generic driver (`models.transformer`) does differently for it, its config.js
 Adding a family: write ``models/<family>.py`` with a decoder layer built from `models.layers` (its call takes
 ``(x, cos, sin, mask, cache_kv, cache_index, prefix_kv, prefix_group_size, whole_mask)`` and returns
 ``(x, cache_kv, new_kv)``, as `models.llama.DecoderLayer`), ``config_fields`` and ``hf_kwargs``; list its
-model types in `grpo_jax.config.model.MODEL_TYPES` and its module in `family`. Sampling, log-probs and the losses
+model types in `grpo_jax.config.model.MODEL_TYPES` and its module in `models.registry`. Sampling, log-probs and the losses
 see only `models.transformer`'s functions and need nothing.
 
 Per-layer attention kinds are transformers' ``layer_types`` (full_attention, sliding_attention): each kind has its
@@ -54,25 +54,6 @@ class Family:
     # mixture of experts: the decoder layer takes ``routing=`` (experts to replay [B, T, K], or None) and returns a
     # fourth output, (router logits [B, T, E], chosen experts [B, T, K])
     routed: bool = False
-
-
-def family(model_type: str) -> Family:
-    """The `Family` of a model_type; an unknown one is an error listing the supported ones."""
-    registry = {mt: f for f in _families() for mt in f.architectures}
-    if model_type not in registry:
-        raise ValueError(f"model_type {model_type!r} is not supported: supported are {sorted(registry)}")
-    return registry[model_type]
-
-
-def supported_model_types() -> list[str]:
-    """Every model_type some family reads and writes."""
-    return sorted(mt for f in _families() for mt in f.architectures)
-
-
-def _families() -> tuple[Family, ...]:
-    from grpo_jax.models import gemma, llama, qwen3_moe  # the family modules import this one
-
-    return llama.FAMILY, gemma.FAMILY, qwen3_moe.FAMILY
 
 
 def layer_kinds(config: ModelConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:

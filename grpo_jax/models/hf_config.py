@@ -1,5 +1,6 @@
-"""Hugging Face ``config.json`` <-> ModelConfig: `resolve_config`, and the per-family mapping
-(`families.Family.config_fields` / ``hf_kwargs``) behind `config_fields` and `to_hf_config`.
+"""Hugging Face ``config.json`` <-> ModelConfig: the pieces every family's mapping (`families.Family.config_fields`
+/ ``hf_kwargs``) shares: RoPE settings, layer types, sizes and norms. `models.registry` dispatches by model_type
+(`resolve_config`, `config_fields`, `to_hf_config`).
 
 Reads through ``transformers.AutoConfig`` (transformers 5 keeps RoPE settings in ``rope_parameters``, older
 versions in ``rope_theta`` / ``rope_scaling``: both are read). Anything the decoder cannot express exactly
@@ -8,12 +9,7 @@ versions in ``rope_theta`` / ``rope_scaling``: both are read). Anything the deco
 
 from __future__ import annotations
 
-import dataclasses
-import os
-
 from grpo_jax.config.model import LAYER_TYPES, ROPE_TYPES, ModelConfig
-from grpo_jax.models.families import family, supported_model_types
-from grpo_jax.models.folder_check import check_folder
 
 
 def rope_parameters(hf) -> dict:
@@ -85,60 +81,3 @@ def common_kwargs(config: ModelConfig) -> dict:
         num_key_value_heads=config.num_key_value_heads, rms_norm_eps=config.rms_norm_eps,
         tie_word_embeddings=config.tie_word_embeddings, max_position_embeddings=config.max_position_embeddings,
         initializer_range=config.initializer_range)
-
-
-def config_fields(hf, where: str = "config.json") -> dict:
-    """ModelConfig field values that describe a transformers config, by its family."""
-    mt = getattr(hf, "model_type", None)
-    try:
-        fam = family(mt)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-    return fam.config_fields(hf, where)
-
-
-def resolve_config(config: ModelConfig) -> ModelConfig:
-    """Fill the architecture from ``config.path``'s config.json; no path: the config unchanged.
-
-    ``path``, ``dtype``, ``param_dtype`` and ``remat`` stay as given. A field set to a non-default value that
-    differs from config.json is an error naming both values.
-    """
-    if config.path is None:
-        return config
-    import transformers
-
-    path = os.fspath(config.path)
-    where = os.path.join(path, "config.json")
-    if not os.path.isdir(path):
-        raise ValueError(f"model.path={path!r} is not a folder: point it at a local Hugging Face model folder")
-    if not os.path.isfile(where):
-        raise ValueError(f"model.path={path!r} has no config.json: it must be a Hugging Face model folder "
-                         "(config.json + model.safetensors)")
-    # config.json against itself and the weights' shapes, before transformers validates it
-    check_folder(path, model_types=supported_model_types())
-    try:
-        hf = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    except (ValueError, KeyError, OSError) as e:
-        raise ValueError(f"{where}: transformers cannot read it ({type(e).__name__}: {e}); supported model_type: "
-                         f"{supported_model_types()}") from e
-    fields = config_fields(hf, where)
-    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-    for name, value in fields.items():
-        given = getattr(config, name)
-        if given != defaults[name] and given != value:
-            raise ValueError(f"model.{name}={given!r} conflicts with {where} ({name}={value!r}): remove the "
-                             f"override (the architecture comes from model.path) or point model.path elsewhere")
-    return dataclasses.replace(config, **fields)
-
-
-def to_hf_config(config: ModelConfig, **extra):
-    """The transformers config (with ``architectures``) of a ModelConfig, by its family."""
-    import transformers
-
-    try:
-        fam = family(config.model_type)
-    except ValueError as e:
-        raise ValueError(f"model.model_type={config.model_type!r} cannot be exported: {e}") from None
-    hf = transformers.AutoConfig.for_model(config.model_type, **fam.hf_kwargs(config), **extra)
-    hf.architectures = [fam.architectures[config.model_type]]
-    return hf

@@ -84,7 +84,7 @@ class Attention(nnx.Module):
         self.softcap = softcap
         self.backend = config.attention  # `attention.resolve`d at trace time, by the backend it is traced for
         # ``attend(q [B,T,K,G,Dh], k, v [B,K,T,Dh], mask [B,T,T], scale, softcap) -> [B,K,G,T,Dh] or None`` for
-        # whole masks (packed layouts) on the CPU, set by `grpo_jax.cpu.packed_attention`; None: dense
+        # whole masks (packed layouts) on the CPU, set by `grpo_jax.device.cpu.packed_attention`; None: dense
         self.attend_whole_mask = None
 
     def __call__(self, x_BxTxD, cos, sin, mask_BxTxS, cache_kv, cache_index, prefix_kv=None,

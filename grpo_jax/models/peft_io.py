@@ -16,8 +16,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from grpo_jax.models import safetensors_io as st
 from grpo_jax.config.model import LORA_TARGETS, LoRAConfig, ModelConfig
+from grpo_jax.models import safetensors_io as st
 from grpo_jax.models.pretrained import _flat, _read, _sharding_fn, _to_host, abstract_model
 
 CONFIG_FILE = "adapter_config.json"
@@ -58,7 +58,7 @@ def resolve_lora(lora: LoRAConfig) -> LoRAConfig:
     """Fill rank, alpha, targets and rsLoRA from ``lora.path``'s PEFT folder; no path: ``lora`` unchanged.
 
     The targets are the modules the tensors adapt. A field set to a non-default value that differs from the
-    folder is an error naming both values (as `hf_config.resolve_config` does for the architecture).
+    folder is an error naming both values (as `registry.resolve_config` does for the architecture).
     """
     if lora.path is None:
         return lora

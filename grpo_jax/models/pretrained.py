@@ -21,10 +21,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from grpo_jax.models import safetensors_io as st
-from grpo_jax.models.families import family
-from grpo_jax.models.hf_config import resolve_config, to_hf_config
 from grpo_jax.config.model import ModelConfig
+from grpo_jax.models import safetensors_io as st
+from grpo_jax.models.registry import family, resolve_config, to_hf_config
 from grpo_jax.models.transformer import Transformer, forward, positions_from_mask, unembed
 
 # tensors some checkpoints carry that hold no parameters of ours

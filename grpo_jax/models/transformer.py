@@ -25,7 +25,7 @@ from flax import nnx
 from grpo_jax.config.model import ModelConfig  # noqa: F401  (re-exported)
 from grpo_jax.config.sections import check
 from grpo_jax.models import attention, paged
-from grpo_jax.models.families import family, kind_window, layer_kinds
+from grpo_jax.models.families import kind_window, layer_kinds
 from grpo_jax.models.layers import KVCache, RMSNorm, linear
 from grpo_jax.models.moe import Routing
 from grpo_jax.models.positional import (  # noqa: F401  (positions_from_mask, rope_inv_freq: re-exported)
@@ -35,6 +35,7 @@ from grpo_jax.models.positional import (  # noqa: F401  (positions_from_mask, ro
     rope_inv_freq,
     rope_tables,
 )
+from grpo_jax.models.registry import family
 
 
 # model.remat: what each decoder layer's backward pass keeps (None: everything, no rematerialisation)
@@ -48,7 +49,7 @@ class Transformer(nnx.Module):
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         check(config.vocab_size is not None, "model.vocab_size is None: set it, or train through "
-               "grpo_jax.trainer, which takes it from the tokenizer")
+               "grpo_jax.api.trainer, which takes it from the tokenizer")
         self.config = config
         fam = family(config.model_type)
         self.embed_scale = fam.embed_scale

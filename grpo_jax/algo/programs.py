@@ -1,0 +1,391 @@
+"""Every device program of a run, jitted here and nowhere else: explicit in/out shardings, donated state.
+
+The maths lives in pure functions (`decoder`, `logprobs.completion_logps`, `train_step.train_step`,
+`advantages`, `rounds.round_advantages`); this module only says how each runs over the mesh. `build` makes the
+`Programs` of one run; the `jit_*` functions are the same programs one by one, for library use and tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from grpo_jax.algo import decoder, rounds
+from grpo_jax.algo.logprobs import completion_logps
+from grpo_jax.algo.state import TrainState, abstract_state, model_graphdef, new_state
+from grpo_jax.algo.train_step import StepOptions, train_step
+from grpo_jax.config.model import ModelConfig
+from grpo_jax.config.sections import SamplingConfig
+from grpo_jax.device import cpu, sharding
+from grpo_jax.models import lora
+from grpo_jax.models.transformer import init_model
+
+
+class Programs(NamedTuple):
+    """The jitted device programs a run calls, built once by `build`.
+
+    - `decoder`: the round's decoding programs (`jit_decoder`, driven by `stream.decode`); greedy evaluation uses
+      them too
+    - `eval_decoder`: the same at `eval.temperature` with `eval.num_generations` rows per prompt; None when
+      evaluation samples nothing (`grpo_jax.rollout.evaluation`)
+    - `sample_key(key, round_index, draw_index) -> key`: the key of a round's sampling pass
+    - `logps(params, prompt_ids, prompt_mask, completion_ids, completion_mask) -> [N, T]` (old policy)
+    - `ref_logps(ref_params, ...)`: the same over the reference's layout; None when beta = 0. With LoRA
+      adapters it takes the policy's params (`TrainState.reference_params`) and runs them with the adapters off
+    - `advantages(rewards_NxF, weights_F, mask_NxT, step_rewards, step_ends) -> (advantages, r_N, std_N)`, on the
+      host's CPU (where the rewards are): numpy in, numpy out
+    - `rows(trajectory, advantages, old, ref) -> Trajectory`: the round's rows for its steps, row-split, the
+      advantages uploaded (`train.mask_truncated_completions` clears truncated rows' loss mask here)
+    - `take(rows, rows_B) -> Trajectory`: one step's rows of a round, gathered on the devices
+    - `step(state, rows) -> (state, metrics)`: one optimizer step, the state donated
+    """
+
+    decoder: Decoder
+    sample_key: Callable
+    logps: Callable
+    ref_logps: Callable | None
+    advantages: Callable
+    rows: Callable
+    take: Callable
+    step: Callable
+    eval_decoder: Decoder | None = None
+
+
+def use_compilation_cache(path: str | None) -> None:
+    """JAX's persistent compilation cache in `path` (`compilation_cache_dir`), so that a second start of a run (a
+    resume, the same command again) loads its programs instead of compiling them. A cache chosen already (the
+    environment's JAX_COMPILATION_CACHE_DIR, or jax.config in the caller's code) is left as it is. JAX keys each
+    entry by the program, the compile options, the devices and the jaxlib version: a hit is the same executable."""
+    if path is None or jax.config.jax_compilation_cache_dir:
+        return
+    folder = Path(path).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        warnings.warn(f"compilation_cache_dir={path!r} cannot be created ({e.strerror}): compiling without a "
+                      "persistent cache; point compilation_cache_dir at a writable folder, or null to silence this",
+                      RuntimeWarning, stacklevel=2)
+        return
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    # every program, not only those over JAX's default 1 s: a start runs dozens of sub-second ones
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def _on_device(shardings):
+    """The same shardings in device memory (None when none of them is elsewhere)."""
+    leaves = jax.tree.leaves(shardings)
+    if not any(getattr(x, "memory_kind", None) not in (None, "device") for x in leaves):
+        return None
+    return jax.tree.map(lambda x: x.with_memory_kind("device"), shardings)
+
+
+@dataclasses.dataclass(frozen=True)
+class RefApartStep:
+    """The train step for a reference kept in host memory: the reference is a separate, non-donated argument.
+
+    A host-side numpy view of a host-memory reference (a checkpoint, a device_get) would make its donation
+    fail; without TR-DPO sync it is not even an output. Called like the plain program: `(state, batch)`.
+    """
+
+    jitted: Any  # jitted (state without ref, ref_params, batch) -> (state, metrics)
+    sync: bool
+
+    def __call__(self, state, batch, packed_length=0, packed_buffers=0):
+        new_state, metrics = self.jitted(state._replace(ref_params=None), state.ref_params, batch, packed_length,
+                                         packed_buffers)
+        return (new_state if self.sync else new_state._replace(ref_params=state.ref_params)), metrics
+
+    def lower(self, state, batch, packed_length=0, packed_buffers=0):
+        """The jitted program lowered for these arguments (memory analysis, HLO)."""
+        return self.jitted.lower(state._replace(ref_params=None), state.ref_params, batch, packed_length,
+                                 packed_buffers)
+
+    def _cache_size(self) -> int:
+        return self.jitted._cache_size()
+
+
+def jit_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, options: StepOptions,
+                   mesh: Mesh, state_sharding):
+    """`train_step` over the mesh: state in `state_sharding` (in and out) and donated, batch rows split over
+    the data axes, metrics replicated: `fn(state, batch, packed_length=0, packed_buffers=0)`, the last two static
+    (`train_step`).
+
+    `state_sharding`: `sharding.state_shardings(mesh, abstract_state)` or `sharding.tree_shardings(state)`.
+    A reference in host memory (`train.offload_ref_params`) runs as a `RefApartStep`.
+    """
+    replicated, rows = sharding.replicated(mesh), sharding.row_sharded(mesh)
+    ref_device = _on_device(state_sharding.ref_params)
+    step = sharding.traced_in(mesh, functools.partial(train_step, graphdef, optimizer, options, mesh=mesh,
+                                                      ref_device_sharding=ref_device))
+    if ref_device is None:
+        return jax.jit(step, in_shardings=(state_sharding, rows), out_shardings=(state_sharding, replicated),
+                       donate_argnums=0, static_argnums=(2, 3))
+    sync = options.ref_sync.sync_ref_model
+    no_ref = state_sharding._replace(ref_params=None)
+
+    def split_step(state, ref_params, batch, packed_length=0, packed_buffers=0):
+        new_state, metrics = step(state._replace(ref_params=ref_params), batch, packed_length, packed_buffers)
+        return new_state._replace(ref_params=new_state.ref_params if sync else None), metrics
+
+    jitted = jax.jit(split_step, in_shardings=(no_ref, state_sharding.ref_params, rows),
+                     out_shardings=(state_sharding if sync else no_ref, replicated), donate_argnums=0,
+                     static_argnums=(3, 4))
+    return RefApartStep(jitted, sync)
+
+
+def jit_logps(graphdef: nnx.GraphDef, mesh: Mesh, *, temperature: float, chunk_size: int = 0,
+              params_sharding=None, prompt_group_size: int = 1):
+    """Per-token log-probs of completions under some params (old policy or reference), rows sharded:
+    `fn(params, prompt_ids, prompt_mask, completion_ids, completion_mask, routed_experts, packed_length=0,
+    packed_buffers=0)`, the last two static (`logprobs.completion_logps`; one compilation per packing);
+    ``routed_experts`` (`Trajectory.routed_experts`, or None) replays the sampler's experts.
+
+    `prompt_group_size` G > 1: rows come in groups of G sharing a prompt (`trajectory.layout`).
+    `params_sharding`: the params' shardings (`sharding.param_shardings`); a reference in host memory is
+    brought to the devices inside. None: the layout of the params passed in (one compilation per layout).
+    """
+    rows = sharding.row_sharded(mesh)
+    on_device = None if params_sharding is None else _on_device(params_sharding)
+
+    def logps(params, prompt_ids, prompt_mask, completion_ids, completion_mask, routed_experts, packed_length=0,
+              packed_buffers=0):
+        if on_device is not None:
+            params = jax.device_put(params, on_device)
+        out, _ = completion_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                  temperature=temperature, chunk_size=chunk_size,
+                                  prompt_group_size=prompt_group_size, packed_length=packed_length,
+                                  packed_buffers=packed_buffers, routing=routed_experts)
+        return out
+
+    return jax.jit(sharding.traced_in(mesh, logps), in_shardings=(params_sharding, rows, rows, rows, rows, rows),
+                   out_shardings=rows, static_argnums=(6, 7))
+
+
+def host_advantages(**options):
+    """`rounds.round_advantages` with its static `options`, jitted for this process's CPU (the rewards are computed
+    there, and the metrics and `log_completions` read the results there): numpy arrays in, numpy arrays out. Every
+    device and process gets the same numbers, from one summation order whatever the mesh."""
+    cpu_device = jax.local_devices(backend="cpu")[0]
+    jitted = jax.jit(functools.partial(rounds.round_advantages, **options))
+
+    def advantages(*args):
+        with jax.default_device(cpu_device):
+            return jax.device_get(jitted(*args))
+
+    return advantages
+
+
+def jit_rows(mesh: Mesh, mask_truncated: bool):
+    """`(trajectory, advantages, old, ref) -> trajectory` with those set, row-split over the mesh; with
+    ``mask_truncated`` (TRL's `mask_truncated_completions`) rows that ran out of tokens train nothing."""
+    def rows(trajectory, advantages, old, ref):
+        loss_mask = trajectory.loss_mask
+        if mask_truncated:
+            loss_mask = rounds.mask_truncated(loss_mask, trajectory.is_truncated)
+        return trajectory._replace(loss_mask=loss_mask, advantages=advantages, old_per_token_logps=old,
+                                   ref_per_token_logps=ref)
+
+    return jax.jit(rows, out_shardings=sharding.row_sharded(mesh))
+
+
+def jit_take(mesh: Mesh):
+    """`(rows, rows_B) -> rows[rows_B]` leaf by leaf, the result row-split: one step's rows of a round."""
+    return jax.jit(lambda batch, rows_B: jax.tree.map(lambda x: x[rows_B], batch),
+                   out_shardings=sharding.row_sharded(mesh))
+
+
+def _view(decoding):
+    """What the host reads of a decoding between segments: (ended, length, at_eos [B], tokens [B, T], steps,
+    paused [B])."""
+    return decoding.ended, decoding.length, decoding.at_eos, decoding.tokens, decoding.steps, decoding.paused
+
+
+class Decoder(NamedTuple):
+    """A run's decoding programs over the mesh (`grpo_jax.algo.decoder`), jitted once; `stream.decode` drives them.
+
+    - `generate(params, prompt_ids, prompt_mask, key, row_offset, options) -> (Trajectory, view)`: a call decoded
+      to its end in one program (a static batch)
+    - `start(params, prompt_ids, prompt_mask, key, row_offset, options) -> Decoding`
+    - `advance(params, decoding, options, segment) -> (Decoding, view)`, the decoding donated; ``view`` (ended,
+      length, at_eos [B], tokens [B, T], decode steps, paused [B]) is what the host reads between segments
+    - `append(params, decoding, rows, tokens, counts, options)`, `retire(decoding, rows)`: multi-turn rows
+    - `trajectory(decoding) -> Trajectory`; `concat(trajectories)` joins host-thread chunks' rows
+    - `options(rows, total_rows, greedy, slots=0) -> DecodeOptions` of a call (or chunk) of ``rows`` rows; ``slots``
+      the call's slot count (`stream.plan_slots`), 0: `sampling.max_batch_rows`'s
+    - `chunks(rows, group_size) -> k`: host-thread chunks of a call (`cpu.host_chunks`; 1 off the CPU switch)
+    - `place((prompt_ids, prompt_mask))`: a whole call's host rows as its programs take them (`sharding.host_rows`)
+    """
+
+    generate: Callable
+    start: Callable
+    advance: Callable
+    append: Callable
+    retire: Callable
+    trajectory: Callable
+    concat: Callable
+    options: Callable
+    chunks: Callable
+    place: Callable
+
+
+def paged_page_size(config, mesh) -> int:
+    """The decoder's page size for ``sampling.kv_cache`` on ``mesh`` (0: the contiguous cache). ``auto`` pages on a
+    TPU/GPU mesh of one row shard: the pool is one per mesh, not split by row shards (each would hold it whole)."""
+    if config.kv_cache == "auto":
+        accelerator = mesh.devices.flat[0].platform != "cpu"
+        return config.kv_page_size if accelerator and sharding.num_row_shards(mesh) == 1 else 0
+    return config.kv_page_size if config.kv_cache == "paged" else 0
+
+
+def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingConfig, eos_token_ids: tuple[int, ...],
+                pad_token_id: int, params_sharding=None, prompt_group_size: int = 1,
+                cpu_speedups: bool = False) -> Decoder:
+    """The decoding programs of `grpo_jax.algo.decoder` over `mesh` for the model `graphdef` of `model_config` (its
+    vocabulary and key/value heads): prompt rows split over (data, fsdp), key replicated;
+    `params_sharding` (`sharding.param_shardings`) None takes the params' own layout. A call's options are static:
+    greedy calls (evaluation) have one row per prompt, sampling calls `prompt_group_size` rows per prompt, and
+    slots (``config.max_batch_rows``, or the call's own) fewer than a call's rows decode them continuously batched.
+    LoRA adapters are merged into the kernels once per program (`lora.merged`), not run in every decode step.
+    ``cpu_speedups`` (`cpu.enabled`) draws the same tokens the CPU's faster way (`cpu.decode_options`) and on a
+    one-device mesh may split a call into host-thread chunks (`cpu.host_chunks`, ``config.host_threads``)."""
+    rows, replicated = sharding.row_sharded(mesh), sharding.replicated(mesh)
+    row_shards = sharding.num_row_shards(mesh)
+    if cpu_speedups and config.host_threads > 1 and mesh.devices.size > 1:
+        raise ValueError(f"sampling.host_threads={config.host_threads} splits one device's rows over host "
+                         f"threads, but the mesh has {mesh.devices.size} devices (which already sample in "
+                         "parallel): set it to 0 or 1")
+
+    def merged(params):
+        # LoRA adapters merged into the kernels once per call (`lora.merged`): decode steps run the base's products
+        return lora.merged(graphdef, params) if lora.has_adapters(params) else (graphdef, params)
+
+    def options(num_rows: int, total_rows: int, greedy: bool, slots: int = 0) -> decoder.DecodeOptions:
+        group = 1 if greedy else prompt_group_size
+        kv_heads = model_config.num_key_value_heads
+        base = decoder.DecodeOptions(
+            sampling=config, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, greedy=greedy, group_size=group,
+            num_slots=decoder.continuous_slots(slots or config.max_batch_rows or 0, num_rows, total_rows, row_shards),
+            cache_sharding=sharding.cache_sharding(mesh, kv_heads), record_routing=model_config.routing_replay,
+            page_size=paged_page_size(config, mesh), kv_cache_tokens=config.kv_cache_tokens)
+        return cpu.decode_options(base, num_rows, model_config.vocab_size) if cpu_speedups else base
+
+    def start(params, prompt_ids_BxP, prompt_mask_BxP, key, row_offset, options):
+        return decoder.start(*merged(params), prompt_ids_BxP, prompt_mask_BxP, key, options, row_offset)
+
+    def generate(params, prompt_ids_BxP, prompt_mask_BxP, key, row_offset, options):
+        decoding = decoder.advance(*merged(params), start(params, prompt_ids_BxP, prompt_mask_BxP, key, row_offset,
+                                                          options), options)
+        return decoder.trajectory(decoding), _view(decoding)
+
+    def advance(params, decoding, options, segment):
+        decoding = decoder.advance(*merged(params), decoding, options, segment=segment)
+        return decoding, _view(decoding)
+
+    def append(params, decoding, rows_M, tokens_MxA, counts_M, options):
+        return decoder.append(*merged(params), decoding, rows_M, tokens_MxA, counts_M, options)
+
+    def chunks(num_rows: int, group_size: int) -> int:
+        return cpu.host_chunks(config.host_threads, mesh, num_rows, group_size) if cpu_speedups else 1
+
+    in_shardings = (params_sharding, rows, rows, replicated, replicated)
+    start, generate, advance, append = (sharding.traced_in(mesh, f) for f in (start, generate, advance, append))
+    return Decoder(
+        generate=jax.jit(generate, static_argnums=5, in_shardings=in_shardings, out_shardings=(rows, None)),
+        start=jax.jit(start, static_argnums=5, in_shardings=in_shardings),
+        advance=jax.jit(advance, static_argnums=(2, 3), donate_argnums=1, in_shardings=(params_sharding, None)),
+        append=jax.jit(append, static_argnums=5, donate_argnums=1,
+                       in_shardings=(params_sharding, None, replicated, replicated, replicated)),
+        # closures, not the module's functions: a jitted function's compilations are counted (and kept) per function
+        retire=jax.jit(lambda d, rows_M: decoder.retire(d, rows_M), donate_argnums=0),
+        trajectory=jax.jit(lambda d: decoder.trajectory(d), out_shardings=rows),
+        concat=jax.jit(lambda parts: jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts), out_shardings=rows),
+        options=options, chunks=chunks, place=lambda rows: sharding.host_rows(rows, mesh))
+
+
+def init_state(model_config: ModelConfig, optimizer: optax.GradientTransformation, *, seed: int,
+               with_reference: bool, mesh: Mesh, ref_param_dtype: str | None = None,
+               offload_ref_params: bool = False) -> tuple[nnx.GraphDef, TrainState]:
+    """Initialises model, optimizer and reference straight into their sharded layout (`sharding.state_shardings`).
+
+    abstract_state -> shardings -> one jitted init with out_shardings: no host copy of the full params ever
+    exists. The reference is stored in `ref_param_dtype` (None: the params' dtype), in host memory when
+    `offload_ref_params`; optimizer moments are float32.
+    """
+
+    def init():
+        return new_state(init_model(model_config, seed)[1], optimizer, seed=seed, with_reference=with_reference,
+                         ref_param_dtype=ref_param_dtype)
+
+    shapes = abstract_state(model_config, optimizer, with_reference=with_reference, ref_param_dtype=ref_param_dtype)
+    shardings = sharding.state_shardings(mesh, shapes, offload_ref=offload_ref_params)
+    state = jax.jit(init, out_shardings=shardings)()
+    return model_graphdef(model_config), state
+
+
+def state_from_params(params: Any, optimizer: optax.GradientTransformation, *, seed: int, with_reference: bool,
+                      mesh: Mesh, ref_param_dtype: str | None = None, offload_ref_params: bool = False) -> TrainState:
+    """A TrainState around given params (e.g. `from_pretrained`'s), laid out as `init_state` does.
+
+    `params` is donated: the state's copy replaces it (load with `shardings=sharding.param_shardings(...)`
+    so the policy never exists twice).
+    """
+
+    def init(params):
+        return new_state(params, optimizer, seed=seed, with_reference=with_reference,
+                         ref_param_dtype=ref_param_dtype)
+
+    # the given params' own shapes (not the config's): the state is built around exactly these
+    shardings = sharding.state_shardings(mesh, jax.eval_shape(init, params), offload_ref=offload_ref_params)
+    # placed first (a no-op when already there), so the donated input and the params output alias exactly
+    params = jax.device_put(params, shardings.params, donate=True)
+    return jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings, donate_argnums=0)(params)
+
+
+def init_adapters(model_config: ModelConfig, seed: int, shardings) -> nnx.State:
+    """Fresh LoRA adapters of `model_config` (those `init_model` draws for `seed`), placed in their `shardings`
+    (the model's params' shardings): one jitted init whose base weights XLA never computes."""
+    def init():
+        return nnx.filter_state(init_model(model_config, seed)[1], nnx.LoRAParam)
+
+    return jax.jit(init, out_shardings=nnx.filter_state(shardings, nnx.LoRAParam))()
+
+
+def _sample_key(key, round_index, draw_index: int):
+    key = jax.random.fold_in(key, round_index)
+    return jax.random.fold_in(key, draw_index) if draw_index else key  # dynamic sampling's extra passes
+
+
+def build(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, options: StepOptions, mesh: Mesh,
+          state_sharding, *, decoder: Decoder, round_prompt_group_size: int, advantage_options: dict,
+          mask_truncated: bool = False, eval_decoder: Decoder | None = None) -> Programs:
+    """The run's programs over `mesh` for a state laid out as `state_sharding`; `decoder` and `eval_decoder` are
+    `jit_decoder`'s, `round_prompt_group_size` the G of the round's log-prob passes."""
+    logps = functools.partial(jit_logps, mesh=mesh, temperature=options.temperature,
+                              chunk_size=options.logps_chunk_size, prompt_group_size=round_prompt_group_size)
+    ref_logps = None
+    if state_sharding.ref_params is not None:
+        ref_logps = logps(graphdef, params_sharding=state_sharding.ref_params)
+    elif options.loss.beta != 0.0 and lora.has_adapters(state_sharding.params):  # the base is the reference
+        ref_logps = logps(lora.adapters_off(graphdef, state_sharding.params), params_sharding=state_sharding.params)
+    return Programs(
+        decoder=decoder,
+        # one dispatch, not fold_in's primitives one by one
+        sample_key=jax.jit(_sample_key, static_argnums=2),
+        logps=logps(graphdef, params_sharding=state_sharding.params),
+        ref_logps=ref_logps,
+        advantages=host_advantages(**advantage_options),
+        rows=jit_rows(mesh, mask_truncated),
+        take=jit_take(mesh),
+        step=jit_train_step(graphdef, optimizer, options, mesh, state_sharding),
+        eval_decoder=eval_decoder,
+    )

@@ -1,0 +1,179 @@
+"""One GRPO optimizer step as a pure function of (state, batch), with gradient accumulation inside.
+
+The batch is the step's rows as a `trajectory.Trajectory`: attention sees every completion token
+(``completion_mask``), the loss trains ``loss_mask`` (it is the ``completion_mask`` argument of the loss).
+
+B rows per step split into M = `gradient_accumulation_steps` micro-batches; each micro-batch loss is
+normalised by the whole step's row and token counts (`num_sequences`, `num_items_in_batch`), so the sum over
+micro-batches, and its gradient, equal the full-batch values for every loss_type. Two options are computed
+per micro-batch, as TRL does (see `grpo_jax.losses`): the top-entropy threshold (`top_entropy_quantile` < 1)
+and the entropy bonus's mean then; with them, micro-batching changes the numbers.
+
+After the update the reference is advanced by `grpo_jax.algo.reference.update` (TR-DPO mixing / iterative-GRPO
+resets), so the whole step, reference included, is one pure function of (state, batch).
+
+Custom losses: `StepOptions.loss_fn` replaces `compute_loss` with any function of the same signature,
+`loss_fn(per_token_logps, old_per_token_logps, ref_per_token_logps, advantages, completion_mask, *, config,
+num_items_in_batch, num_sequences, entropies, sampler_per_token_logps) -> (scalar, aux)`, where aux is a
+NamedTuple or dict of scalars that are means over this micro-batch's active tokens (they are logged as step
+means). It must be pure and jittable; `compute_loss`'s pieces in `grpo_jax.losses` are the building blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from grpo_jax.algo import reference
+from grpo_jax.algo.logprobs import completion_logps
+from grpo_jax.algo.state import TrainState, as_float32
+from grpo_jax.algo.trajectory import Trajectory
+from grpo_jax.device import sharding
+from grpo_jax.losses import CLIPPED_LOSS_TYPES, LossConfig, compute_loss
+from grpo_jax.models import lora
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """Static (hashable) options of the train step."""
+
+    loss: LossConfig
+    temperature: float
+    gradient_accumulation_steps: int = 1
+    logps_chunk_size: int = 0
+    prompt_group_size: int = 1  # G > 1: each micro-batch's rows are whole groups in order (shared prompt forward)
+    ref_sync: reference.RefSyncConfig = reference.RefSyncConfig()
+    loss_fn: Callable | None = None  # None: grpo_jax.losses.compute_loss (see the module docstring)
+    use_sampler_logps: bool = False  # hand the rows' sampler log-probs to the loss (TRL's vLLM log-probs role)
+    router_aux_loss_coef: float = 0.0  # mixture of experts: loss += coef * load-balancing loss / micro-batches
+
+
+# LossAux field -> metric name as TRL logs it (docs/algorithms.md §9); other fields keep their own name
+AUX_METRIC_NAMES = {"kl": "kl", "clip_ratio_low": "clip_ratio/low_mean", "clip_ratio_high": "clip_ratio/high_mean",
+                    "clip_ratio_region": "clip_ratio/region_mean"}
+
+
+def _aux_dict(aux) -> dict:
+    """A loss's aux (NamedTuple, dict or None) as {metric name: scalar}."""
+    if aux is None:
+        return {}
+    items = aux._asdict().items() if hasattr(aux, "_asdict") else dict(aux).items()
+    return {AUX_METRIC_NAMES.get(k, k): v for k, v in items}
+
+
+def _micro_batches(batch: Trajectory, num_micro: int, mesh: Mesh | None) -> Trajectory:
+    """[B, ...] -> [M, B/M, ...], micro-batch m taking rows m, m+M, ... so each stays spread over the devices."""
+
+    def split(x):
+        x = x.reshape(x.shape[0] // num_micro, num_micro, *x.shape[1:]).swapaxes(0, 1)
+        if mesh is not None:
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(None, sharding.ROWS)))
+        return x
+
+    return jax.tree.map(split, batch)
+
+
+def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, options: StepOptions,
+               state: TrainState, batch: Trajectory, packed_length: int = 0, packed_buffers: int = 0,
+               mesh: Mesh | None = None,
+               ref_device_sharding=None) -> tuple[TrainState, dict]:
+    """Accumulates the GRPO loss gradient over micro-batches and applies one optimizer update.
+
+    A non-finite loss or gradient norm, or an update that would make any parameter non-finite, leaves params and
+    optimizer state untouched (`skipped` = 1). The
+    optimizer sees float32 gradients and params (float32 moments whatever `model.param_dtype`); the update is
+    cast back to the params' dtype. With LoRA adapters only they are differentiated and updated
+    (`lora.split_trainable`): the base gets no gradient, no optimizer state and no update.
+    `packed_length` > 0 runs each micro-batch's groups (rows one by one when `prompt_group_size` is 1) packed into
+    `packed_buffers` buffers of that many tokens (0: one a group; `logprobs.completion_logps`;
+    `trajectory.choose_packing` picks both).
+    `ref_device_sharding`: device-memory shardings of a reference kept in host memory, used to bring it over
+    when TR-DPO mixing needs it.
+    Mixture-of-experts models: rows carrying ``routed_experts`` (routing replay) run with the sampler's experts;
+    ``router_aux_loss_coef`` adds coef * each micro-batch's load-balancing loss / M, as TRL does, logged as
+    ``router_aux_loss`` (its mean over the micro-batches).
+    """
+    num_sequences = batch.loss_mask.shape[0]
+    num_items = jnp.sum(batch.loss_mask).astype(jnp.float32)
+    loss_fn_ = compute_loss if options.loss_fn is None else options.loss_fn
+    trainable, frozen = lora.split_trainable(state.params)
+
+    router_aux = options.router_aux_loss_coef != 0.0
+    M = options.gradient_accumulation_steps
+
+    def loss_fn(trainable, micro: Trajectory):
+        params = lora.join(trainable, frozen)
+        logps_BxT, entropy_BxT, *router = completion_logps(
+            graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.completion_ids, micro.completion_mask,
+            temperature=options.temperature, with_entropy=True, chunk_size=options.logps_chunk_size,
+            prompt_group_size=options.prompt_group_size, packed_length=packed_length,
+            packed_buffers=packed_buffers, routing=micro.routed_experts, router_aux=router_aux)
+        # the entropy carries gradient only for the entropy bonus (compute_loss differentiates through what it gets)
+        entropies_BxT = entropy_BxT if options.loss.entropy_coef != 0.0 else jax.lax.stop_gradient(entropy_BxT)
+        sampler = micro.sampler_per_token_logps if options.use_sampler_logps else None
+        # the loss trains the loss mask; attention (the forward above) saw every completion token
+        loss, aux = loss_fn_(logps_BxT, micro.old_per_token_logps, micro.ref_per_token_logps,
+                             micro.advantages, micro.loss_mask, config=options.loss,
+                             num_items_in_batch=num_items, num_sequences=num_sequences,
+                             entropies=entropies_BxT, sampler_per_token_logps=sampler)
+        # aux holds masked means over this micro-batch: weight by its tokens for exact step-level means
+        tokens = jnp.sum(micro.loss_mask).astype(jnp.float32)
+        aux = jax.tree.map(lambda x: jax.lax.stop_gradient(x) * tokens, _aux_dict(aux))
+        if router_aux:  # a mean over micro-batches, not tokens: scaled back by the token weighting below
+            loss = loss + options.router_aux_loss_coef * router[0] / M
+            aux["router_aux_loss"] = jax.lax.stop_gradient(router[0]) / M * num_items
+        entropy_sum = jnp.sum(jax.lax.stop_gradient(entropy_BxT) * micro.loss_mask)
+        return loss, (aux, entropy_sum)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    micro_batches = _micro_batches(batch, options.gradient_accumulation_steps, mesh)
+
+    def accumulate(carry, micro):
+        grads, loss, aux_sum, entropy_sum = carry
+        (micro_loss, (aux, micro_entropy)), micro_grads = grad_fn(trainable, micro)
+        return (jax.tree.map(jnp.add, grads, micro_grads), loss + micro_loss,
+                jax.tree.map(jnp.add, aux_sum, aux), entropy_sum + micro_entropy), None
+
+    zeros = jax.tree.map(jnp.zeros_like, trainable)
+    aux_shape = jax.eval_shape(lambda: loss_fn(trainable, jax.tree.map(lambda x: x[0], micro_batches))[1][0])
+    aux_zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
+    init = (zeros, jnp.zeros((), jnp.float32), aux_zeros, jnp.zeros((), jnp.float32))
+    (grads, loss, aux_sum, entropy_sum), _ = jax.lax.scan(accumulate, init, micro_batches)
+
+    grads = as_float32(grads)
+    grad_norm = optax.tree_utils.tree_norm(grads)
+    updates, new_opt_state = optimizer.update(grads, state.opt_state, as_float32(trainable))
+    new_trainable = optax.apply_updates(trainable, updates)  # in each param's own dtype
+    # an update that overflows a parameter (a finite gradient times a huge step) is skipped like a NaN gradient
+    params_finite = jax.tree.reduce(jnp.logical_and, jax.tree.map(lambda p: jnp.isfinite(p).all(), new_trainable))
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & params_finite
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+    params = lora.join(keep(new_trainable, trainable), frozen)
+    step = state.step + 1
+    ref_params = state.ref_params
+    if ref_params is not None and options.ref_sync.sync_ref_model:
+        if ref_device_sharding is not None:  # offloaded to host: mix on the device
+            ref_params = jax.device_put(ref_params, ref_device_sharding)
+        policy = jax.tree.map(lambda p, r: p.astype(r.dtype), params, ref_params)  # the reference's dtype
+        ref_params = reference.update(ref_params, policy, step, options.ref_sync)
+    new_state = state._replace(params=params, opt_state=keep(new_opt_state, state.opt_state), step=step,
+                               ref_params=ref_params)
+
+    aux_mean = jax.tree.map(lambda x: x / jnp.maximum(num_items, 1.0), aux_sum)
+    if options.loss.beta == 0.0:
+        aux_mean.pop("kl", None)  # no reference, no kl metric
+    if options.loss_fn is None:  # log only the ratios this loss_type has, as TRL does
+        if options.loss.loss_type not in CLIPPED_LOSS_TYPES:
+            for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+                aux_mean.pop(name, None)
+        if options.loss.loss_type != "cispo":
+            aux_mean.pop("cispo_clip_ratio", None)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32), **aux_mean,
+               "entropy": entropy_sum / jnp.maximum(num_items, 1.0)}
+    return new_state, metrics

@@ -1,0 +1,426 @@
+"""`grpo-jax plan`: a run's programs compiled ahead of time for a topology, from its config alone, and read back.
+
+`plan(config, devices)` builds the run's device programs (`programs.jit_decoder`, `jit_logps`, `jit_train_step`) over
+a mesh of ``devices`` (a TPU topology's, `topology_devices`, or the devices at hand) for abstract inputs: nothing
+is allocated, no weights or tokenizer are read (`model.path` may hold only config.json). Each phase (prefill, one
+decode step, the old/reference log-prob forward, the train step) is compiled once as the run would compile it,
+for its memory per chip (`memory_analysis`), and its FLOPs and bytes come from XLA's `cost_analysis` of the same
+program with its loops taken apart (`_costs`: XLA counts a loop's body once). A chip table (`grpo_jax.chips`)
+turns them into roofline times, and `Plan.fits` says whether every phase's peak is under `FIT_FRACTION` of HBM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.util
+import math
+import os
+import re
+from typing import NamedTuple
+
+from grpo_jax.device.chips import GIB, Chip, device_chip, topology_chip
+from grpo_jax.config import Config
+
+FIT_FRACTION = 0.9  # a phase fits when its peak is under this share of the chip's HBM (XLA's own buffers, fragments)
+PHASES = ("prefill", "decode_step", "logps", "train_step")
+
+
+class Phase(NamedTuple):
+    """One program of a round, per chip: bytes (XLA's buffer assignment), FLOPs and bytes accessed of one run."""
+
+    name: str
+    runs: float  # times one round runs it (decode: steps, an upper bound: every row to max_completion_length)
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+    flops: float  # nan: unknown (its loop-free variant did not compile)
+    bytes_accessed: float
+    error: str | None = None  # XLA refused to compile it: its sizes are what the refusal names (a lower bound)
+
+    @property
+    def peak(self) -> int:
+        """Arguments + outputs - donated aliases + temporaries (XLA's buffer assignment)."""
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A run's phases on ``chips`` chips of ``chip`` (None: no table entry, e.g. a CPU), judged against
+    ``hbm_bytes`` per chip; ``tokens`` the prompt + completion tokens a round trains on."""
+
+    phases: tuple[Phase, ...]
+    chip: Chip | None
+    hbm_bytes: int
+    chips: int
+    row_shards: int  # devices the rows split over (mesh.data * fsdp * expert)
+    tokens: int
+    config: Config
+
+    def seconds(self, phase: Phase) -> float | None:
+        """Roofline time of one run: max(FLOPs / peak FLOP/s, bytes / HBM bandwidth); None without a chip."""
+        if self.chip is None or math.isnan(phase.flops):
+            return None
+        return max(phase.flops / self.chip.bf16_flops, phase.bytes_accessed / self.chip.hbm_bandwidth)
+
+    def phase_fits(self, phase: Phase) -> bool:
+        return phase.peak < FIT_FRACTION * self.hbm_bytes
+
+    @property
+    def fits(self) -> bool:
+        return all(self.phase_fits(p) for p in self.phases)
+
+    @property
+    def round_seconds(self) -> float | None:
+        """One round (sampling, log-probs, its optimizer steps) at the roofline."""
+        times = [self.seconds(p) for p in self.phases]
+        return None if None in times else sum(p.runs * t for p, t in zip(self.phases, times))
+
+    def as_json(self) -> dict:
+        """{"fits", "phases": {name: {"peak_bytes", "hbm_bytes", "flops", "bytes_accessed", "est_seconds"}}}."""
+        return {"fits": self.fits, "phases": {p.name: {
+            "peak_bytes": p.peak, "hbm_bytes": self.hbm_bytes, "flops": _known(p.flops),
+            "bytes_accessed": _known(p.bytes_accessed), "est_seconds": self.seconds(p), "runs_per_round": p.runs,
+            "arguments_bytes": p.arguments, "temporaries_bytes": p.temporaries, "error": p.error}
+            for p in self.phases}}
+
+
+def _known(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def _tpu_attached() -> bool:
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def _accelerator_type(generation: str, chips: int) -> str:
+    """The TPU_ACCELERATOR_TYPE of a slice: v5e counts chips as `v5litepod-N`, v6e chips, v4/v5p TensorCores."""
+    if generation == "v5e":
+        return f"v5litepod-{chips}"
+    return f"{generation}-{chips if generation == 'v6e' else 2 * chips}"
+
+
+def topology_devices(topology: str) -> list:
+    """The devices of a TPU topology such as ``v5p:4x4x4`` (libtpu's description: nothing attached is needed), or
+    with ``local`` the devices at hand. One-line ValueErrors for a missing libtpu or an unknown topology."""
+    import jax
+
+    if topology == "local":
+        return list(jax.devices())
+    topology_chip(topology)  # the generation, before anything loads
+    generation, _, shape = topology.partition(":")
+    if not re.fullmatch(r"\d+(x\d+){1,2}", shape):
+        raise ValueError(f"--topology {topology!r}: give the slice's shape after the generation, e.g. v5p:4x4x4 or "
+                         "v6e:8x8, or --topology local")
+    if importlib.util.find_spec("libtpu") is None:
+        raise ValueError(f"--topology {topology} compiles for TPUs with libtpu, which is not installed: "
+                         "pip install -e '.[tpu]'")
+    if not _tpu_attached():  # libtpu would look for a TPU VM's metadata server, a TPU and its lock file
+        chips = math.prod(int(n) for n in shape.split("x"))
+        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", _accelerator_type(generation.lower(), chips))
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+
+    try:
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+    except Exception as e:  # noqa: BLE001 - libtpu's errors are JaxRuntimeErrors with a status line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--topology {topology!r}: libtpu does not know this slice ({first}); use a supported "
+                         "shape, e.g. v5e:2x2, v5p:2x2x1, v5p:4x4x4, v6e:8x8") from None
+
+
+def local_hbm(device) -> int:
+    """Memory a device at hand may use: its allocator's limit, or on a CPU the host's RAM over its devices."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    import jax
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram // max(1, len(jax.local_devices(backend=device.platform)))
+
+
+def resolved(config: Config) -> Config:
+    """``config`` with its architecture from model.path's config.json (weights and tokenizer not needed) and the
+    lengths the plan compiles for; one-line ValueErrors naming a key the plan cannot do without."""
+    from grpo_jax.config import resolve_defaults
+    from grpo_jax.models import peft_io, resolve_config
+
+    config = resolve_defaults(config)
+    model = resolve_config(config.model)
+    model = dataclasses.replace(model, lora=peft_io.resolve_lora(model.lora))
+    if model.vocab_size is None:
+        raise ValueError("model.vocab_size=null and no model.path: set model.vocab_size (the plan reads no "
+                         "tokenizer), or point model.path at a folder holding config.json")
+    if config.data.max_prompt_length is None:
+        raise ValueError("data.max_prompt_length=null: the plan reads no data; set data.max_prompt_length to the "
+                         "run's prompt length in tokens")
+    if config.mesh.rollout:
+        raise ValueError(f"mesh.rollout={config.mesh.rollout}: the plan covers colocated runs; set mesh.rollout=0")
+    return dataclasses.replace(config, model=model)
+
+
+def plan(config: Config, devices, *, chip: Chip | None = None, hbm_bytes: int | None = None,
+         costs: bool = True) -> Plan:
+    """The run's phases compiled for ``devices`` (`topology_devices`): memory per chip, FLOPs, bytes, roofline.
+
+    ``chip`` (None: by the devices' kind) gives the roofline's FLOP/s and bandwidth; ``hbm_bytes`` (None: the
+    chip's, or a device at hand's limit) what a phase must fit in; ``costs`` False skips FLOPs and bytes (memory
+    only: a third of the compiles)."""
+    from grpo_jax.device import sharding
+
+    config = resolved(config)
+    devices = list(devices)
+    tpu = devices[0].platform == "tpu"
+    chip = chip or device_chip(devices[0].device_kind)
+    if hbm_bytes is None:
+        hbm_bytes = chip.hbm_bytes if (chip is not None and tpu) else local_hbm(devices[0])
+    m = config.mesh
+    mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor, devices=devices, expert=m.expert)
+    phases = _phases(config, mesh, tpu, costs)
+    tc = config.train
+    tokens = tc.generation_batch_size * (config.data.max_prompt_length + config.sampling.max_completion_length)
+    return Plan(tuple(phases), chip, hbm_bytes, len(devices), sharding.num_row_shards(mesh), tokens, config)
+
+
+def hint(plan_: Plan, phase: Phase) -> str:
+    """One line: what would make ``phase`` fit."""
+    c = plan_.config
+    tc, mesh, model = c.train, c.mesh, c.model
+    shards = mesh.fsdp if mesh.fsdp > 0 else plan_.chips
+    need = f"{phase.name} needs {'at least ' if phase.error else ''}{_size(phase.peak)} per chip of " \
+           f"{_size(plan_.hbm_bytes)}"
+    if phase.arguments > 0.5 * plan_.hbm_bytes:
+        if shards < plan_.chips:
+            return f"{need}, {_size(phase.arguments)} of it the state: raise mesh.fsdp (now {mesh.fsdp})"
+        if not model.lora.enabled:
+            return f"{need}, {_size(phase.arguments)} of it the state: train LoRA adapters (model.lora.rank=16)"
+    if phase.name == "train_step" and model.remat == "none":
+        return f"{need}: set model.remat=full (each layer's activations recomputed in the backward)"
+    if phase.name in ("train_step", "logps") and tc.logps_chunk_size != 1:
+        return f"{need}: set train.logps_chunk_size=1 (one row's [T, vocab] logits at a time)"
+    rows = tc.train_batch_size // tc.gradient_accumulation_steps // plan_.row_shards
+    if phase.name == "train_step" and rows > 1:
+        return (f"{need}: raise train.gradient_accumulation_steps (now {tc.gradient_accumulation_steps}; {rows} rows "
+                "per chip per micro-batch)")
+    rows = tc.generation_batch_size // plan_.row_shards
+    if phase.name == "logps" and rows > 1:
+        return (f"{need}: lower train.train_batch_size * train.steps_per_generation (the log-prob pass runs the "
+                f"round's {rows} rows per chip at once)")
+    slots = c.sampling.max_batch_rows or tc.generation_batch_size
+    if phase.name in ("prefill", "decode_step") and slots > plan_.row_shards:
+        return f"{need}: lower sampling.max_batch_rows (decode slots, each with a cache of prompt + completion)"
+    # attention through a kernel (auto on a listed chip: splash or cuDNN) keeps its memory linear in the sequence
+    if c.model.attention == "dense" or (c.model.attention == "auto" and plan_.chip is None):
+        return (f"{need}, {_size(phase.temporaries)} of it temporaries: lower sampling.max_completion_length or "
+                "data.max_prompt_length (dense attention's [rows, heads, L, L] scores grow with the square of the "
+                "sequence), or use more chips")
+    return (f"{need}, {_size(phase.temporaries)} of it temporaries (activations and logits): lower "
+            "sampling.max_completion_length or data.max_prompt_length, or use more chips")
+
+
+def _size(n: float) -> str:
+    if math.isnan(n):
+        return "-"
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2 ** 20:.1f} MiB"
+
+
+def report(plan_: Plan, topology: str) -> list[str]:
+    """The plan as printable lines: a table of phases, the round's estimate, whether it fits, and the hints."""
+    c = plan_.config
+    chip = plan_.chip.name if plan_.chip else "no chip table entry (no roofline)"
+    lines = [f"grpo-jax plan: {topology}, {plan_.chips} chips ({chip}), HBM {_size(plan_.hbm_bytes)} per "
+             f"chip; {c.train.generation_batch_size} rows a round x ({c.data.max_prompt_length} prompt + "
+             f"{c.sampling.max_completion_length} completion) tokens",
+             f"{'phase':<12} {'runs/round':>10} {'arguments':>10} {'temporaries':>11} {'peak':>10} {'of HBM':>7} "
+             f"{'FLOPs':>9} {'bytes':>10} {'est. s':>9}"]
+    for p in plan_.phases:
+        t = plan_.seconds(p)
+        if p.error:
+            lines.append(f"{p.name:<12} {p.runs:>10g} refused by XLA, needs at least {_size(p.peak)}: {p.error}")
+            continue
+        flops = "-" if math.isnan(p.flops) else f"{p.flops:.3g}"
+        lines.append(f"{p.name:<12} {p.runs:>10g} {_size(p.arguments):>10} {_size(p.temporaries):>11} "
+                     f"{_size(p.peak):>10} {p.peak / plan_.hbm_bytes:>7.0%} {flops:>9} "
+                     f"{_size(p.bytes_accessed):>10} {'-' if t is None else f'{t:.3g}':>9}")
+    seconds = plan_.round_seconds
+    if seconds is not None:
+        rate = plan_.tokens / seconds / plan_.chips
+        lines.append(f"round: {seconds:.2f} s at the roofline (decode steps counted to max_completion_length), "
+                     f"{rate:,.0f} tokens/s/chip")
+    if plan_.fits:
+        lines.append(f"fits: every phase's peak is under {FIT_FRACTION:.0%} of HBM")
+    else:
+        lines.append(f"does not fit (a phase's peak over {FIT_FRACTION:.0%} of HBM):")
+        lines += [hint(plan_, p) for p in plan_.phases if not plan_.phase_fits(p)]
+    return lines
+
+
+def _abstract(shapes, shardings):
+    import jax
+
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+
+
+class Refused(NamedTuple):
+    """A program XLA would not compile for want of memory: its message and the bytes it names (a lower bound)."""
+
+    message: str
+    needs: int
+
+
+def _needs(message: str) -> int:
+    """The bytes an XLA out-of-memory message names: an allocation's size, or the temporaries' total (0: none)."""
+    found = re.search(r"Allocation \(size=(\d+)\)", message)
+    if found:
+        return int(found.group(1))
+    found = re.search(r"HLO temporaries \(([\d.]+)([KMGT]?)\)", message)
+    if found:
+        return int(float(found.group(1)) * 1024 ** " KMGT".index(found.group(2) or " "))
+    return 0
+
+
+def _compile(lowered, tpu: bool):
+    """XLA's executable for ``lowered``, or `Refused`. On a TPU a program over the chip's HBM is still compiled
+    (``xla_tpu_no_crash_on_oom``) so that its sizes come back: the plan judges the fit itself; an allocation larger
+    than the whole HBM is refused all the same."""
+    try:
+        return lowered.compile({"xla_tpu_no_crash_on_oom": True} if tpu else None)
+    except Exception as e:  # noqa: BLE001 - XLA's RESOURCE_EXHAUSTED is a JaxRuntimeError
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return Refused(str(e).strip().splitlines()[0][:300], _needs(str(e)))
+
+
+def _programs(config: Config, mesh, model, *, train_rows: int, micro_batches: int, chunk: int,
+              tpu: bool) -> dict:
+    """{phase: compiled program} of a run of ``model`` over ``mesh``, for abstract inputs (nothing allocated)."""
+    import jax
+    import jax.numpy as jnp
+
+    from grpo_jax.api import run
+    from grpo_jax.device import sharding
+    from grpo_jax.algo import programs
+    from grpo_jax.models.moe import routing_dtype
+    from grpo_jax.algo.state import abstract_state, model_graphdef, optimizer_from_config
+    from grpo_jax.algo.train_step import StepOptions
+    from grpo_jax.algo.trajectory import Trajectory
+
+    tc, P, T = config.train, config.data.max_prompt_length, config.sampling.max_completion_length
+    config = dataclasses.replace(config, model=model)
+    _, optimizer = optimizer_from_config(tc, config.max_steps)
+    beta = config.loss.beta
+    shapes = abstract_state(model, optimizer, with_reference=beta != 0.0, ref_param_dtype=tc.ref_param_dtype)
+    shardings = sharding.state_shardings(mesh, shapes, offload_ref=tc.offload_ref_params)
+    state, graphdef = _abstract(shapes, shardings), model_graphdef(model)
+    rows, replicated = sharding.row_sharded(mesh), sharding.replicated(mesh)
+
+    def array(*shape, dtype=jnp.int32, where=rows):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=where)
+
+    def routed(b):  # the sampler's experts, replayed (model.routing_replay)
+        if not model.routing_replay:
+            return None
+        return array(b, P + T, model.num_hidden_layers, model.num_experts_per_tok,
+                     dtype=routing_dtype(model.num_experts))
+
+    B, out = tc.generation_batch_size, {}
+    round_group, step_group = run.prompt_group_sizes(config, mesh)
+    decoder = programs.jit_decoder(graphdef, mesh, model, config=config.sampling, eos_token_ids=(0,), pad_token_id=0,
+                                   params_sharding=shardings.params, prompt_group_size=tc.num_generations)
+    options = decoder.options(B, B, False)
+    start_args = (state.params, array(B, P), array(B, P), array(2, dtype=jnp.uint32, where=replicated),
+                  array(dtype=jnp.int32, where=replicated))
+    out["prefill"] = _compile(decoder.start.lower(*start_args, options), tpu)
+    if isinstance(out["prefill"], Refused):  # the decode step's inputs are the prefill's outputs, as it lays them out
+        out["decode_step"] = Refused("not compiled: the prefill was refused", 0)
+    else:
+        decoding = _abstract(jax.eval_shape(lambda *a: decoder.start(*a, options), *start_args),
+                             out["prefill"].output_shardings)
+        out["decode_step"] = _compile(decoder.advance.lower(state.params, decoding, options, False), tpu)
+    if tc.needs_old_logps or beta != 0.0:
+        logps = programs.jit_logps(graphdef, mesh, temperature=config.sampling.temperature, chunk_size=chunk,
+                                   params_sharding=shardings.params, prompt_group_size=round_group)
+        out["logps"] = _compile(logps.lower(state.params, array(B, P), array(B, P), array(B, T), array(B, T),
+                                            routed(B)), tpu)
+    options = StepOptions(loss=dataclasses.replace(config.loss, max_completion_length=T),
+                          temperature=config.sampling.temperature, gradient_accumulation_steps=micro_batches,
+                          logps_chunk_size=chunk, prompt_group_size=step_group, ref_sync=tc.ref_sync,
+                          router_aux_loss_coef=run._router_aux_loss_coef(config),
+                          use_sampler_logps=tc.use_sampler_logps or config.loss.off_policy_correction == "decoupled")
+    b, f32 = train_rows, jnp.float32
+    batch = Trajectory(array(b, P), array(b, P), array(b, T), array(b, T), array(b, T), array(b, T, dtype=f32),
+                       array(b, T), array(b, dtype=jnp.bool_),
+                       advantages=array(b, T, dtype=f32) if tc.advantage_estimator == "process"
+                       else array(b, dtype=f32),
+                       old_per_token_logps=array(b, T, dtype=f32) if tc.needs_old_logps else None,
+                       ref_per_token_logps=array(b, T, dtype=f32) if beta != 0.0 else None, routed_experts=routed(b))
+    step = programs.jit_train_step(graphdef, optimizer, options, mesh, shardings)
+    out["train_step"] = _compile(step.lower(state, batch), tpu)
+    return out
+
+
+def _cost(compiled) -> tuple[float, float]:
+    """(FLOPs, bytes accessed) per chip of one run of ``compiled``, by XLA's cost analysis (nan: refused)."""
+    if isinstance(compiled, Refused):
+        return math.nan, math.nan
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if cost else {}) if isinstance(cost, list) else (cost or {})
+    return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+
+
+def _costs(config: Config, mesh, tpu: bool) -> dict:
+    """{phase: (FLOPs, bytes)} of one run, per chip. XLA's cost analysis counts a loop's body once, so it reads the
+    same programs with their loops taken apart: layers unrolled (1 and 2 of them, one model per layer kind,
+    extrapolated to the model's depth: a layer's cost is the same at any depth), one micro-batch (times the
+    micro-batches); the decoder's loop body is one decode step, as wanted. With ``train.logps_chunk_size`` the
+    unembedding's loop over row chunks stays (unchunked, XLA may lay the [rows, T, vocab] logits out unsplit): its
+    FLOPs count one chunk's."""
+    tc, model = config.train, config.model
+    micro = tc.train_batch_size // tc.gradient_accumulation_steps
+    kinds = sorted(set(model.layer_types)) if model.layer_types else [None]
+
+    def costs(kind_list):
+        # a scan (as the run's, when it scans) unrolled whole: one trip, and the remat's recomputed forward stays
+        # in the backward's loop (unscanned, XLA may merge it with the forward: prevent_cse=False)
+        variant = dataclasses.replace(model, num_hidden_layers=len(kind_list), scan_unroll=len(kind_list),
+                                      layer_types=None if kind_list[0] is None else tuple(kind_list))
+        compiled = _programs(config, mesh, variant, train_rows=micro, micro_batches=1, chunk=tc.logps_chunk_size,
+                             tpu=tpu)
+        return {name: _cost(c) for name, c in compiled.items()}
+
+    one = {kind: costs([kind]) for kind in kinds}
+    two = costs([kinds[0], kinds[0]])
+    counts = {kind: (model.layer_types.count(kind) if kind else model.num_hidden_layers) for kind in kinds}
+    out = {}
+    for name in two:
+        total = []
+        for i in range(2):  # flops, bytes
+            outside = 2 * one[kinds[0]][name][i] - two[name][i]
+            total.append(outside + sum(n * (one[k][name][i] - outside) for k, n in counts.items()))
+        scale = tc.gradient_accumulation_steps if name == "train_step" else 1
+        out[name] = (max(total[0], 0.0) * scale, max(total[1], 0.0) * scale)
+    return out
+
+
+def _phases(config: Config, mesh, tpu: bool, with_costs: bool) -> list[Phase]:
+    """The run's phases over ``mesh``: memory from the programs as the run compiles them, costs from `_costs`."""
+    tc = config.train
+    compiled = _programs(config, mesh, config.model, train_rows=tc.train_batch_size,
+                         micro_batches=tc.gradient_accumulation_steps, chunk=tc.logps_chunk_size, tpu=tpu)
+    costs = _costs(config, mesh, tpu) if with_costs else {name: (math.nan, math.nan) for name in compiled}
+    slots = config.sampling.max_batch_rows or tc.generation_batch_size
+    runs = {"prefill": 1, "decode_step": config.sampling.max_completion_length * -(-tc.generation_batch_size // slots),
+            "logps": int(tc.needs_old_logps) + int(config.loss.beta != 0.0), "train_step": tc.steps_per_round}
+    phases = []
+    for name, c in compiled.items():
+        if isinstance(c, Refused):
+            phases.append(Phase(name, runs[name], 0, 0, 0, c.needs, *costs[name], error=c.message))
+            continue
+        m = c.memory_analysis()
+        phases.append(Phase(name, runs[name], m.argument_size_in_bytes, m.output_size_in_bytes,
+                            m.alias_size_in_bytes, m.temp_size_in_bytes, *costs[name]))
+    return phases

@@ -1,0 +1,390 @@
+"""TRL's entry point: a script that imports `GRPOConfig` and `GRPOTrainer` from `grpo_jax` instead of `trl` keeps its
+constructor calls, and `.train()` runs `grpo_jax.api.trainer.train`. What TRL takes as a Python object that grpo_jax
+cannot use as it is (a transformers model, a tokenizer not saved in a folder, a PEFT option with no counterpart) is
+refused in one line naming what to pass instead. Imports no jax until `.train()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from grpo_jax.api.arguments import check_arguments
+from grpo_jax.config import Config, LoRAConfig, make_config, trl_keys
+
+__all__ = ["GRPOConfig", "GRPOTrainer", "PolicyView", "TrainerState", "lora_options", "model_folder", "trl_checkpoint",
+           "trl_line"]
+
+
+# TRL 1.16 GRPOConfig's defaults where ours differ (the CLI and recipes keep ours): a script that relies on them trains
+# what it trains under TRL; report_to stays jsonl (metrics.jsonl is this trainer's own record, not a tracker) and
+# gradient_checkpointing off (it changes memory, not numbers)
+TRL_DEFAULTS = {"beta": 0.0, "loss_type": "dapo", "use_bias_correction_kl": True, "learning_rate": 1e-6,
+                "lr_scheduler_type": "linear", "adam_beta2": 0.999, "per_device_train_batch_size": 8,
+                "max_completion_length": 512, "num_train_epochs": 3.0, "max_steps": -1, "seed": 42,
+                "logging_steps": 10, "save_total_limit": None}
+# a default that another key given by the script replaces (its rows per step, its own step count)
+_REPLACED_BY = {"per_device_train_batch_size": ("train_batch_size", "train.train_batch_size")}
+
+
+def GRPOConfig(**kwargs: Any) -> Config:  # noqa: N802 - TRL's name for what builds the run's config
+    """TRL's `GRPOConfig(...)` as a grpo_jax `Config`, with TRL 1.16's defaults (`TRL_DEFAULTS`): TRL's flat names
+    (`beta=0.0`, `per_device_train_batch_size=4`), our dotted keys (`**{"sampling.top_k": 50}`) or sections
+    (`train={...}`), checked as `make_config` checks them."""
+    given = set(kwargs)
+    for section, values in kwargs.items():
+        if isinstance(values, Mapping):
+            given |= {f"{section}.{leaf}" for leaf in values}
+        elif dataclasses.is_dataclass(values):
+            given |= {f"{section}.{f.name}" for f in dataclasses.fields(values)}
+    defaults = {}
+    for name, value in TRL_DEFAULTS.items():
+        dotted = trl_keys.ALIASES.get(name, name)
+        if not given & {name, dotted, *_REPLACED_BY.get(name, ())}:
+            defaults[name] = value
+    return make_config(**defaults, **kwargs)
+
+
+# PEFT's LoraConfig fields with a model.lora counterpart, and their PEFT defaults (a dict leaves some out)
+LORA_KEYS = {"r": ("rank", 8), "lora_alpha": ("alpha", 8), "lora_dropout": ("dropout", 0.0),
+             "target_modules": ("target_modules", None), "use_rslora": ("use_rslora", False),
+             "init_lora_weights": ("init_lora_weights", True)}
+# fields that describe the adapter file or PEFT's runtime, not what is trained: any value does
+LORA_IGNORED = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+                "inference_mode", "runtime_config"}
+CHECKPOINTS_DIR = "checkpoints"  # `grpo_jax.io.checkpoint.CHECKPOINTS`, named here without importing jax
+PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's target_modules=None for every supported model_type
+
+
+def lora_options(peft_config: Any) -> dict:
+    """A `peft.LoraConfig` (or a dict of its fields) as `model.lora` keys, PEFT's defaults where a dict leaves a field
+    out. A field grpo_jax cannot honour (DoRA, bias or extra modules trained, per-layer patterns, another task) set
+    away from PEFT's default is a ValueError naming it."""
+    if isinstance(peft_config, Mapping):
+        values, others = dict(peft_config), {k: v for k, v in peft_config.items() if k not in LORA_KEYS}
+    elif dataclasses.is_dataclass(peft_config) and type(peft_config).__name__ == "LoraConfig":
+        values = {name: getattr(peft_config, name) for name in LORA_KEYS}
+        others = {f.name: getattr(peft_config, f.name) for f in dataclasses.fields(peft_config)
+                  if f.name not in LORA_KEYS and getattr(peft_config, f.name) != _default(f)}
+    else:
+        raise ValueError(f"peft_config is a {type(peft_config).__name__}: grpo_jax trains LoRA adapters only; pass a "
+                         "peft.LoraConfig or a dict of its fields (r, lora_alpha, target_modules, ...)")
+    task = str(others.pop("task_type", None) or "CAUSAL_LM")
+    if not task.endswith("CAUSAL_LM"):
+        raise ValueError(f"peft_config.task_type={task!r}: grpo_jax trains causal language models; use CAUSAL_LM")
+    for name, value in others.items():
+        if name not in LORA_IGNORED:
+            raise ValueError(f"peft_config.{name}={value!r} has no counterpart in grpo_jax's LoRA (it honours "
+                             f"{', '.join(LORA_KEYS)}): leave it at PEFT's default")
+    out = {ours: values.get(theirs, default) for theirs, (ours, default) in LORA_KEYS.items()}
+    targets = out["target_modules"]
+    if targets is None:
+        out["target_modules"] = PEFT_DEFAULT_TARGETS
+    elif not isinstance(targets, str):  # PEFT keeps a list as a set: our order, not the set's
+        out["target_modules"] = tuple(sorted(targets))
+    return out
+
+
+def _default(field: dataclasses.Field) -> Any:
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
+MODEL_CACHE = Path("~/.cache/grpo_jax/models")  # model objects saved as folders, by the hash of their weights
+
+
+def saved_model_object(model: Any, cache: str | os.PathLike | None = None) -> str:
+    """A transformers model object (TRL's `model=AutoModelForCausalLM...`) as a Hugging Face folder, as reward model
+    objects are converted: saved with its tokenizer (from its `name_or_path`, when one is there) to
+    `cache/<xxh3 of its config and weights>`, so the same weights give the same folder and a rerun resumes."""
+    import torch
+    import xxhash
+
+    h = xxhash.xxh3_128(model.config.to_json_string(use_diff=False).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    folder = Path(MODEL_CACHE if cache is None else cache).expanduser() / h.hexdigest()
+    if not (folder / "config.json").is_file():
+        partial = folder.with_name(folder.name + ".partial")
+        model.save_pretrained(partial)
+        name = str(getattr(model.config, "_name_or_path", "") or "")
+        try:
+            from transformers import AutoTokenizer
+            AutoTokenizer.from_pretrained(name, local_files_only=True).save_pretrained(partial)
+        except Exception:  # noqa: BLE001 - no tokenizer beside it: processing_class gives it, or the run says so
+            pass
+        if folder.exists():  # another process saved the same weights meanwhile
+            shutil.rmtree(partial)
+        else:
+            partial.replace(folder)
+    return str(folder)
+
+
+def model_folder(model: Any) -> str:
+    """TRL's `model` as a folder: a local Hugging Face model folder, a model id already in the local Hugging Face
+    cache (never downloaded), or a transformers model object (`saved_model_object`)."""
+    if hasattr(model, "config") and hasattr(model, "state_dict") and hasattr(model, "save_pretrained"):
+        return saved_model_object(model)
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model is a {type(model).__name__}: grpo_jax reads Hugging Face folders into JAX itself; "
+                         "pass a folder, a cached model id or a transformers model object")
+    path = os.fspath(model)
+    if os.path.isdir(path):
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(repo_id=path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - not cached, or not a repo id: the same advice
+        raise ValueError(f"model={path!r} is neither a folder nor a model id in the local Hugging Face cache: "
+                         f"download it first (`hf download {path} --local-dir models/NAME`) and pass the folder") from e
+
+
+def cached_reward_model(spec: Any) -> Any:
+    """A reward function as TRL takes it, with a Hub id (`org/name`, no ':') of a reward model in the local Hugging
+    Face cache as its snapshot folder (never downloaded); anything else as it is."""
+    if not isinstance(spec, str) or ":" in spec or os.path.exists(spec) or spec.count("/") != 1:
+        return spec
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(repo_id=spec, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - not cached, or not a repo id: the same advice
+        raise ValueError(f"reward_funcs entry {spec!r} is neither a 'module:function', a reward model folder nor a "
+                         f"model id in the local Hugging Face cache: download it first (`hf download {spec} "
+                         "--local-dir models/NAME`) and pass the folder") from e
+
+
+def _tokenizer_folder(processing_class: Any) -> str:
+    """TRL's `processing_class` as a folder: a path, or a tokenizer loaded from a folder, which is read again."""
+    if isinstance(processing_class, (str, os.PathLike)):
+        return os.fspath(processing_class)
+    folder = getattr(processing_class, "name_or_path", None)
+    if not folder or not os.path.isdir(folder):
+        raise ValueError(f"processing_class is a {type(processing_class).__name__} not loaded from a folder: save it "
+                         "with tokenizer.save_pretrained(folder) and pass the folder, or leave it None for the model's")
+    return folder
+
+
+class GRPOTrainer:
+    """TRL's `GRPOTrainer`: the same arguments, `.train()` runs `grpo_jax.api.trainer.train`.
+
+    `model`: a Hugging Face folder or a cached model id (`model.path`). `reward_funcs`: a function, a
+    'module:function' path, a reward model folder, or a list of them. `args`: a `Config` (`GRPOConfig(...)`; None:
+    the defaults). `train_dataset` / `eval_dataset`: a `datasets.Dataset` or a list of dicts. `peft_config`: a
+    `peft.LoraConfig` or a dict of its fields (`model.lora`). `processing_class`: a tokenizer folder, or a tokenizer
+    loaded from one (`data.tokenizer_path`); None: the model folder's. `reward_processing_classes`, `tools` and
+    `environment_factory` go to `train` as TRL's. `.args` is the config the run gets.
+    """
+
+    def __init__(self, model: Any, reward_funcs: Any = None, args: Config | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class: Any = None, reward_processing_classes: Any = None,
+                 callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
+                 peft_config: Any = None, tools: list | None = None, rollout_func: Any = None,
+                 environment_factory: Any = None):
+        for name, value, instead in (
+                ("callbacks", callbacks, "metrics reach report_to's trackers and metrics.jsonl every step"),
+                ("optimizers", None if optimizers == (None, None) else optimizers,
+                 "the train.* keys configure optax's AdamW and its schedule"),
+                ("quantization_config", quantization_config, "train in float32 or bfloat16 (model.dtype)"),
+                ("rollout_func", rollout_func, "tools and environment_factory run multi-turn rollouts")):
+            if value:
+                raise ValueError(f"{name} is TRL's PyTorch hook, which grpo_jax has no counterpart for: {instead}")
+        config = GRPOConfig() if args is None else args
+        if not isinstance(config, Config):
+            raise ValueError(f"args is a {type(config).__name__}: build it with grpo_jax's GRPOConfig(...), which "
+                             "takes TRL's GRPOConfig keywords")
+        check_arguments(config, reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                        tools=tools, environment_factory=environment_factory)
+        path = model_folder(model)
+        if config.model.path not in (None, path):
+            raise ValueError(f"model={path!r} and args' model.path={config.model.path!r} differ: give the model once")
+        model_config = dataclasses.replace(config.model, path=path)
+        if peft_config is not None:
+            if config.model.lora.enabled:
+                raise ValueError("peft_config and args' model.lora both set adapters: give the LoRA options once")
+            try:
+                model_config = dataclasses.replace(model_config, lora=LoRAConfig(**lora_options(peft_config)))
+            except ValueError as e:
+                raise ValueError(f"peft_config: {e}") from e
+        data_config = config.data
+        if processing_class is not None:
+            folder = _tokenizer_folder(processing_class)
+            if data_config.tokenizer_path not in (None, folder):
+                raise ValueError(f"processing_class={folder!r} and args' data.tokenizer_path="
+                                 f"{data_config.tokenizer_path!r} differ: give the tokenizer once")
+            data_config = dataclasses.replace(data_config, tokenizer_path=None if folder == path else folder)
+        self.args = dataclasses.replace(config, model=model_config, data=data_config)  # checked as a whole again
+        # None: args' reward.functions (TRL: reward_funcs may be left out when the environment scores)
+        self.reward_funcs = None if reward_funcs is None else [cached_reward_model(f) for f in (
+            reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])]
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.reward_processing_classes, self.tools = reward_processing_classes, tools
+        self.environment_factory = environment_factory
+        _trl_checks(self.args, self.reward_funcs, reward_processing_classes)
+        self.state, self._output_dir = TrainerState(), None
+        self.model = PolicyView(self)
+
+    def train(self, resume_from_checkpoint: bool | str | None = None):
+        """Trains (`grpo_jax.api.trainer.train`) and returns transformers' `TrainOutput` (global_step, training_loss,
+        metrics: the run's summary, which `output["steps"]` also reads) when transformers is importable, else the
+        summary; `self.state.log_history` then holds every logged line. A run in `args.output_dir` continues from
+        its newest checkpoint (`resume`, on by default); `resume_from_checkpoint` as the config key
+        (`grpo_jax.io.runs`): True, a run folder, its newest checkpoint folder, or TRL's `RUN/checkpoint-N`."""
+        from grpo_jax.api import trainer
+        from grpo_jax.io import checkpoint  # jax and the models: only once training starts
+
+        config = self.args
+        if resume_from_checkpoint is not None:
+            config = dataclasses.replace(config, resume_from_checkpoint=resume_from_checkpoint)
+        config = dataclasses.replace(config, resume_from_checkpoint=trl_checkpoint(config.resume_from_checkpoint))
+        started = time.perf_counter()
+        summary = trainer.train(config, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
+                                reward_funcs=self.reward_funcs,
+                                reward_processing_classes=self.reward_processing_classes, tools=self.tools,
+                                environment_factory=self.environment_factory)
+        self._output_dir = summary["output_dir"]
+        meta = checkpoint.saved_meta(self._output_dir) or {}  # its history: every line, whatever report_to
+        history = [trl_line(line) for line in meta.get("history", [])]
+        losses = [line["loss"] for line in history if line.get("loss") is not None]
+        train_loss = sum(losses) / len(losses) if losses else float("nan")
+        history.append({"train_runtime": round(time.perf_counter() - started, 4), "train_loss": train_loss,
+                        "step": summary["steps"]})
+        self.state = TrainerState(global_step=summary["steps"], max_steps=summary["steps"], log_history=history)
+        try:
+            from transformers.trainer_utils import TrainOutput
+        except ImportError:
+            return summary
+
+        class Output(TrainOutput):
+            """TRL's `TrainOutput`; a string key reads the summary, as `train()` returned before."""
+            def __getitem__(self, key):
+                return self.metrics[key] if isinstance(key, str) else super().__getitem__(key)
+        return Output(summary["steps"], train_loss, {**summary, "train_runtime": history[-1]["train_runtime"],
+                                                     "train_loss": train_loss})
+
+    def evaluate(self) -> dict:
+        """TRL's `evaluate()` after `train()`: the held-out evaluation of the trained policy that the run made at its
+        last step (`eval.*`: eval_dataset or the held-out rows), under TRL's `eval_` names."""
+        evaluations = [line for line in self.state.log_history if any(k.startswith("eval_") for k in line)]
+        if not evaluations:
+            raise ValueError("evaluate() needs a trained run with an evaluation: call trainer.train() first, with "
+                             "eval_dataset (or eval.num_examples > 0) so the run evaluates its policy")
+        return dict(evaluations[-1])
+
+    def save_model(self, output_dir: str | os.PathLike | None = None) -> None:
+        """TRL's `save_model`: the trained policy as a Hugging Face folder (the run's `final/`, tokenizer included)
+        copied to `output_dir` (default: `args.output_dir`, where it already is as `final/`)."""
+        if self._output_dir is None:
+            raise ValueError("save_model before train(): nothing is trained yet; call trainer.train() first, or "
+                             "export a checkpoint with `grpo-jax export`")
+        final = Path(self._output_dir) / "final"
+        if output_dir is None or Path(output_dir).resolve() in (final.resolve(), Path(self._output_dir).resolve()):
+            return  # the run's own folder: the policy is in final/ already, beside the checkpoints
+        shutil.copytree(final, output_dir, dirs_exist_ok=True)
+
+
+logger = logging.getLogger("trl.trainer.grpo_trainer")  # TRL's logger, so a script's log filters apply
+
+
+def _trl_checks(config: Config, reward_funcs: list | None, processing_classes: Any) -> None:
+    """TRL's GRPOTrainer `__init__` checks on the arguments together (its messages), and its warnings."""
+    if reward_funcs is not None:
+        weights = config.reward.weights
+        if weights is not None and len(weights) != len(reward_funcs):
+            raise ValueError(f"Number of reward weights ({len(weights)}) must match number of reward functions "
+                             f"({len(reward_funcs)})")
+        if isinstance(processing_classes, (list, tuple)) and len(processing_classes) != len(reward_funcs):
+            raise ValueError(f"The number of reward processing classes ({len(processing_classes)}) must match the "
+                             f"number of reward functions ({len(reward_funcs)}).")
+    loss = config.loss
+    if loss.loss_type == "luspo" and loss.importance_sampling_level != "sequence":
+        logger.warning("When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'` to "
+                       "mirror the paper's setup.")
+    if loss.loss_type == "vespo" and loss.importance_sampling_level != "token":
+        logger.warning("VESPO computes sequence-level importance weights internally. `importance_sampling_level` "
+                       "should be set to `'token'` (the default).")
+    if loss.importance_sampling_level == "sequence" and loss.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        logger.warning(f"When using `importance_sampling_level='sequence'`, the `'{loss.loss_type}'` loss sums "
+                       "per-token contributions, which effectively weights each sequence by its completion length "
+                       "instead of optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set "
+                       "`loss_type='grpo'`.")
+
+
+class PolicyView:
+    """TRL's `trainer.model` as far as scripts read it: the policy's weights under their Hugging Face names, read
+    from the model folder before training and from the run's `final/` after (torch tensors when torch is installed,
+    else numpy arrays), and `save_pretrained`. A view: grpo_jax trains JAX arrays, not this object."""
+
+    def __init__(self, trainer: GRPOTrainer):
+        self._trainer = trainer
+
+    @property
+    def folder(self) -> Path:
+        """The folder the weights are read from: the run's `final/` once trained, else the model folder."""
+        out = self._trainer._output_dir
+        return Path(out) / "final" if out is not None else Path(self._trainer.args.model.path)
+
+    def named_parameters(self):
+        """(name, tensor) of every weight the folder's safetensors files hold, file by file."""
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            from safetensors.numpy import load_file
+        for file in sorted(self.folder.glob("*.safetensors")):
+            yield from load_file(file).items()
+
+    def parameters(self):
+        return (tensor for _, tensor in self.named_parameters())
+
+    def get_parameter(self, name: str):
+        for key, tensor in self.named_parameters():
+            if key == name:
+                return tensor
+        raise AttributeError(f"the policy has no parameter {name!r} (its Hugging Face names are those of "
+                             f"{self.folder}'s safetensors files)")
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
+        """The folder (weights, config and tokenizer) copied to `save_directory`."""
+        shutil.copytree(self.folder, save_directory, dirs_exist_ok=True)
+
+
+@dataclasses.dataclass
+class TrainerState:
+    """TRL's `trainer.state` as far as scripts read it: the steps taken and every logged line."""
+
+    global_step: int = 0
+    max_steps: int = 0
+    log_history: list = dataclasses.field(default_factory=list)
+
+
+# our metric names that TRL logs under another
+TRL_METRIC_NAMES = {"router_aux_loss": "aux_loss"}
+
+
+def trl_line(line: dict) -> dict:
+    """One metrics line as TRL's `log_history` holds it: evaluation under `eval_` (TRL's prefix), TRL's names."""
+    out = {}
+    for key, value in line.items():
+        key = "eval_" + key[len("eval/"):] if key.startswith("eval/") else TRL_METRIC_NAMES.get(key, key)
+        out[key] = value
+    return out
+
+
+def trl_checkpoint(value: bool | str | None) -> bool | str | None:
+    """TRL's `RUN/checkpoint-N` folder (which grpo_jax never writes) as our `RUN/checkpoints/N`; anything else as
+    it is."""
+    if not isinstance(value, (str, os.PathLike)):
+        return value
+    path = Path(value)
+    match = re.fullmatch(r"checkpoint-(\d+)", path.name)
+    if match and not path.exists() and (path.parent / CHECKPOINTS_DIR).is_dir():
+        return str(path.parent / CHECKPOINTS_DIR / match.group(1))
+    return os.fspath(value)

@@ -1,0 +1,414 @@
+"""One round of GRPO, in the order it runs:
+
+    next_batch -> decode (jit; each group scored on the host as soon as it ends, while the others decode) ->
+    reference / old log-probs queued on the decoded rows -> the last groups scored (host) -> advantages (host) ->
+    RoundBatch -> optimizer steps -> metrics
+
+A round's rows are one `Trajectory` on the devices, from the decoder to the loss; the host holds what the reward
+functions saw (`rounds.Draw`). Completions reach the host once (`stream.decode`'s pieces), the advantages go up once.
+`prepare_round(run, state, data_state, i) -> (RoundBatch, data_state)` and `run_steps(run, state, round_batch) ->
+(state, round_batch, metrics)` take the states explicitly and return them; a round can be sampled with other params
+than the state's (``params``). `grpo_jax.api.run.build` makes the immutable `Run` (data, rewards, mesh,
+`grpo_jax.algo.programs`), the maths lives in pure functions behind those programs, and `grpo_jax.api.trainer` repeats rounds
+with checkpoints, evaluation and outputs around them.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from grpo_jax.algo import rounds, trajectory
+from grpo_jax.algo.state import TrainState
+from grpo_jax.algo.trajectory import Trajectory
+from grpo_jax.data import prompts as data
+from grpo_jax.device import cpu, sharding
+from grpo_jax.io.reporting import completion_rows, plain
+from grpo_jax.rewards import functions as rewards
+from grpo_jax.rollout import multiturn, stream
+from grpo_jax.rollout.context import Run
+
+
+class RoundBatch(NamedTuple):
+    """One round, built once by `prepare_round`: its rows (TRL's names, on the devices), which rows each of its
+    steps takes, and how far its steps got. A checkpoint taken inside a round saves it as it is.
+
+    N rows of the round, B rows per step, K = steps_per_generation x num_iterations steps.
+    """
+
+    rows: Trajectory  # the round's N rows on the devices, with advantages and old/ref log-probs
+    token_counts: np.ndarray  # [N, 2] each row's real prompt and completion tokens (its steps' packed lengths)
+    step_rows: np.ndarray  # [K, B] row indices of each step of the round
+    round_index: int
+    first_step: int  # optimizer steps taken before the round
+    position: int  # steps of the round done
+    metrics: dict  # the round's metrics (rewards, lengths), repeated on each of its steps
+    seconds: dict  # sample / score / logps seconds of the round, and its decode steps and slots
+    completions: list | None = None  # with log_completions: the round's table (`reporting.completion_rows`)
+    token_versions: np.ndarray | None = None  # [N, T] interruptible rollouts: the params version of each token
+
+
+def decode(tokenizer, completion_ids: np.ndarray, completion_mask: np.ndarray) -> list[str]:
+    """Completion texts without EOS and padding, as reward functions expect them."""
+    rows = [ids[: int(m.sum())].tolist() for ids, m in zip(completion_ids, completion_mask)]
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+
+def _columns(columns: dict, completion_ids: np.ndarray, completion_mask: np.ndarray) -> dict:
+    """Dataset columns plus `completion_ids` (EOS included, padding removed), as TRL passes them."""
+    if "completion_ids" in columns:
+        raise ValueError("the dataset has a 'completion_ids' column: rename it (reward functions receive the "
+                         "completions' token ids under that name, as in TRL)")
+    lengths = completion_mask.sum(axis=1)
+    return {**columns, "completion_ids": [ids[:n].tolist() for ids, n in zip(completion_ids, lengths)]}
+
+
+def _completion_metrics(mask: np.ndarray, truncated: np.ndarray) -> dict:
+    lengths = mask.sum(axis=1)
+    terminated = lengths[~truncated]
+    return {"completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
+            "completions/max_length": lengths.max(), "completions/clipped_ratio": truncated.mean(),
+            "completions/mean_terminated_length": terminated.mean() if terminated.size else 0.0}
+
+
+def _reward_metrics(rewards_NxF, r_N, std_N, names, num_generations: int) -> dict:
+    group_std = std_N.reshape(-1, num_generations)[:, 0]
+    out = {"reward": rewards.scored(np.nanmean, r_N), "reward_std": rewards.scored(np.nanmean, group_std),
+           "frac_reward_zero_std": np.mean(np.isclose(np.nan_to_num(group_std), 0.0))}
+    for i, name in enumerate(names):
+        out[f"rewards/{name.split(':')[-1]}/mean"] = rewards.scored(np.nanmean, rewards_NxF[:, i])
+        out[f"rewards/{name.split(':')[-1]}/std"] = rewards.scored(np.nanstd, rewards_NxF[:, i])
+    return out
+
+
+def _warn_unscored(run: Run, rewards_NxF: np.ndarray, names: list[str], round_index: int, step: int) -> None:
+    """Once a run (`Run.warned`): a warning naming the reward functions that returned None for every completion of a
+    round, or counting the completions no function scored; either trains on less than the user meant."""
+    silent, none_rows = rewards.unscored(rewards_NxF, names)
+    where, listed = f"round {round_index} (step {step + 1})", ", ".join(f"'{name}'" for name in silent)
+    if none_rows == len(rewards_NxF):
+        key, text = "all", (f"every reward function ({listed}) returned None for every completion of {where}: the "
+                            "round trains on nothing; return a number for each completion a function can score")
+    elif silent:
+        key, text = silent, (f"reward function{'s' * (len(silent) > 1)} {listed} returned None for every completion "
+                             f"of {where}: the round trains on the other functions only; if it should score these "
+                             "rows, check what it reads")
+    elif none_rows:
+        key, text = "rows", (f"{none_rows} of {len(rewards_NxF)} completions of {where} got None from every reward "
+                             "function: they train on nothing")
+    else:
+        return
+    if key not in run.warned:
+        run.warned.add(key)
+        warnings.warn(text + " (warned once a run)", RuntimeWarning, stacklevel=3)
+
+
+def _weights(run: Run) -> np.ndarray:
+    """TRL's reward_weights, and 1 for each environment's `get_reward` after them (as TRL adds it)."""
+    weights = list(run.config.reward.weights or [])
+    return np.asarray(weights + [1.0] * (len(run.reward_fns) - len(weights)), np.float32)
+
+
+def _score(run: Run, batch: data.PromptBatch, piece: stream.Piece, context: dict, log: rewards.RewardLog,
+           environments: list | None = None) -> tuple:
+    """The reward functions on the host over one piece's rows: (rewards_NxF, process supervision's (step rewards,
+    step end indices) or None). ``context``: TRL's `trainer_state` (`_reward_context`); what the functions log
+    goes to ``log`` at the piece's rows. Multi-turn rows give their message lists as completions (TRL's) and the
+    rows' ``environments``; a function may then score each turn (`rewards.score_steps`)."""
+    rows = piece.rows
+    columns = {k: [v[i] for i in rows] for k, v in batch.columns.items()}
+    piece_log = rewards.RewardLog()
+    context = {**context, "log_metric": piece_log.log_metric, "log_extra": piece_log.log_extra}
+    if environments is not None:
+        context["environments"] = [environments[i] for i in rows]
+    columns = _columns(columns, piece.completion_ids, piece.completion_mask)
+    if piece.completions is not None:
+        inputs = [batch.prompts[i] for i in rows], piece.completions
+    else:
+        inputs = data.reward_inputs([batch.prompts[i] for i in rows],
+                                    decode(run.tokenizer, piece.completion_ids, piece.completion_mask))
+    steps = None
+    if run.config.train.advantage_estimator == "process":
+        lengths = piece.completion_mask.sum(axis=1)
+        turn_ends = None if piece.loss_mask is None else [_turn_ends(m) for m in piece.loss_mask]
+        rewards_NxF, *steps = rewards.score_steps(run.reward_fns, _weights(run), *inputs, columns, lengths, context,
+                                                  turn_ends=turn_ends)
+    else:
+        rewards_NxF = rewards.score_completions(run.reward_fns, *inputs, columns, context)
+    log.add(piece_log, rows, len(batch.prompts))
+    return rewards_NxF, steps
+
+
+def _turn_ends(loss_mask_T: np.ndarray) -> list[int]:
+    """The completion index of each policy turn's last token: where a run of trained tokens ends."""
+    m = np.asarray(loss_mask_T).astype(bool)
+    return np.flatnonzero(m & ~np.append(m[1:], False)).tolist()
+
+
+def _draw(batch: data.PromptBatch, pieces: list, scores: list) -> rounds.Draw:
+    """A pass's `rounds.Draw`: its pieces' rows and their scores (rewards_NxF, steps) placed at their rows."""
+    N, T = len(batch.prompts), pieces[0].completion_ids.shape[1]
+    ids, mask = np.zeros((N, T), np.int32), np.zeros((N, T), np.int32)
+    truncated = np.zeros(N, bool)
+    rewards_NxF = np.full((N, scores[0][0].shape[1]), np.nan, np.float32)
+    multi = pieces[0].loss_mask is not None
+    loss_mask, tool_counts = (np.zeros((N, T), np.int32), np.zeros((N, 4), np.int32)) if multi else (None, None)
+    for piece, (r_NxF, _) in zip(pieces, scores):
+        ids[piece.rows], mask[piece.rows], truncated[piece.rows] = (piece.completion_ids, piece.completion_mask,
+                                                                      piece.is_truncated)
+        rewards_NxF[piece.rows] = r_NxF
+        if multi:
+            loss_mask[piece.rows], tool_counts[piece.rows] = piece.loss_mask, piece.tool_counts
+    steps = {}
+    if scores[0][1] is not None:  # process supervision: each piece's steps padded to the most of any row
+        S = max(step_rewards.shape[1] for _, (step_rewards, _) in scores)
+        steps = {"step_rewards": np.full((N, S), np.nan, np.float32), "step_end_indices": np.full((N, S), -1, np.int32)}
+        for piece, (_, (step_rewards, ends)) in zip(pieces, scores):
+            steps["step_rewards"][piece.rows, :step_rewards.shape[1]] = step_rewards
+            steps["step_end_indices"][piece.rows, :ends.shape[1]] = ends
+    return rounds.Draw(batch.prompts, batch.columns, ids, mask, truncated, rewards_NxF, batch.num_truncated, **steps,
+                       loss_mask=loss_mask, tool_counts=tool_counts)
+
+
+def _counts(prompt_mask: np.ndarray, completion_mask: np.ndarray) -> np.ndarray:
+    """[N, 2] each row's real prompt and completion tokens."""
+    return np.stack([np.sum(prompt_mask, axis=1), np.sum(completion_mask, axis=1)], axis=1).astype(np.int32)
+
+
+def _packing(run: Run, counts_Nx2: np.ndarray, group_size: int, micro_batches: int = 1, listed=None
+             ) -> tuple[int, int]:
+    """(packed buffer length, buffers a micro-batch) of these rows' forwards, (0, 0) for the static layout:
+    `train.packing`, or when it is null whichever layout costs fewer FLOPs (`trajectory.choose_packing`), among the
+    ``listed`` shapes (`Run.shapes`' round or step packings, compiled ahead; None: any).
+    ``micro_batches`` M: the rows are split as `train_step` splits them (micro-batch m takes rows m, m + M, ...)."""
+    cfg = run.config
+    M = micro_batches
+    counts_Nx2 = np.concatenate([counts_Nx2[m::M] for m in range(M)])  # micro-batch order
+    on_cpu = cpu.enabled(cfg.cpu_speedups)
+    return trajectory.choose_packing(
+        counts_Nx2[:, 0], counts_Nx2[:, 1], group_size, cfg.data.max_prompt_length, cfg.sampling.max_completion_length,
+        trajectory.forward_flops(cfg.model), packing=cfg.train.packing, micro_batches=M,
+        shards=sharding.num_row_shards(run.mesh), dense_pair_cost=cpu.DENSE_PAIR_COST if on_cpu else 1.0,
+        blocked_pairs=cpu.blocked_pairs if on_cpu else None, shapes=listed)
+
+
+def logps_args(run: Run, rows: Trajectory, counts_Nx2: np.ndarray) -> tuple:
+    """A round's rows as the log-prob programs take them: the four row arrays, the experts the sampler chose (routing
+    replay; None otherwise) and their packing (`_packing`)."""
+    return (rows.prompt_ids, rows.prompt_mask, rows.completion_ids, rows.completion_mask, rows.routed_experts,
+            *_packing(run, counts_Nx2, run.round_prompt_group_size,
+                      listed=None if run.shapes is None else run.shapes.round_packings))
+
+
+def dispatch_logps(run: Run, state: TrainState, params, rows: Trajectory, counts_Nx2: np.ndarray, *, old: bool):
+    """(reference, old-policy) log-probs of the rows, queued on the devices without waiting; None where the run has no
+    reference or ``old`` is false. In float32 the sampler's log-probs are the old policy's (same ``params``,
+    full-vocabulary log-softmax at the temperature) up to rounding: no forward pass for them."""
+    args = logps_args(run, rows, counts_Nx2)
+    ref = None if run.programs.ref_logps is None else run.programs.ref_logps(state.reference_params, *args)
+    if not old:
+        return ref, None
+    in_float32 = run.config.model.dtype == "float32"
+    return ref, rows.sampler_per_token_logps if in_float32 else run.programs.logps(params, *args)
+
+
+def _reward_context(run: Run, state: TrainState, data_state: data.DataState) -> dict:
+    """The keywords TRL 1.16 passes every reward function beside the dataset's columns (`_score` adds
+    `log_metric` and `log_extra`)."""
+    epoch = data.epochs_read(run.dataset, data_state)
+    return {"trainer_state": rewards.trainer_state(int(state.step), run.config.max_steps, epoch)}
+
+
+def _journal(run: Run, round_index: int, pass_index: int):
+    """Where a sampling pass's tool results are kept as they arrive (`multiturn.Journal`)."""
+    return run.output_dir / "tool_calls" / f"round-{round_index}-pass-{pass_index}.jsonl"
+
+
+def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBatch, key, seconds: dict,
+                      context: dict, log: rewards.RewardLog, *, logps: bool, old: bool = False, slots: int = 0,
+                      turns: multiturn.Turns | None = None, environments: list | None = None):
+    """One sampling pass, each group scored on the host as soon as it has ended while the devices decode the others.
+    With ``logps`` the reference / old (``old``) log-probs are queued on the devices as soon as the last rows are
+    decoded, before the host scores them. ``slots``: the decoding call's (`stream.plan_slots`); ``turns`` and
+    ``environments``: multi-turn rows' (`multiturn.setup`). Adds the pass's `sample` time (until its last rows
+    reach the host), `score` time (host scoring after that) and `decode_steps` to ``seconds``.
+    Returns (the rows on the devices, `rounds.Draw`, (ref, old) or None)."""
+    timer = time.perf_counter()
+    pieces, scores, rows, queued = [], [], None, None
+    # process 0 scores rows with environments once decoding is over: the decoding thread's collectives are done
+    later = multiturn.scores_on_first(run.tooling)
+    for piece in stream.decode(run.programs.decoder, params, batch.prompt_ids, batch.prompt_mask, key,
+                               group_size=run.config.train.num_generations, slots=slots, turns=turns):
+        if piece.trajectory is not None:  # decoding is over: every row's tokens are on the host
+            rows = piece.trajectory
+            seconds["decode_steps"] = seconds.get("decode_steps", 0) + piece.decode_steps
+            if logps:
+                completion_mask = np.zeros_like(batch.prompt_ids, shape=rows.completion_ids.shape)
+                for done in (*pieces, piece):
+                    completion_mask[done.rows] = done.completion_mask
+                queued = dispatch_logps(run, state, params, rows, _counts(batch.prompt_mask, completion_mask), old=old)
+            seconds["sample"] = seconds.get("sample", 0.0) + time.perf_counter() - timer
+            timer = time.perf_counter()
+        pieces.append(piece)
+        if not later:
+            scores.append(_score(run, batch, piece, context, log, environments))
+    if later:  # what the functions logged comes along
+        scores, log.metrics, log.extra = sharding.from_first_process(lambda: (
+            [_score(run, batch, piece, context, log, environments) for piece in pieces], log.metrics, log.extra))
+    draw = _draw(batch, pieces, scores)
+    seconds["score"] = seconds.get("score", 0.0) + time.perf_counter() - timer
+    if turns is not None:  # the time a decoding chunk had nothing to decode until a tool returned, chunks' mean
+        chunks = run.programs.decoder.chunks(len(batch.prompt_ids), run.config.train.num_generations)
+        seconds["tool_wait"] = seconds.get("tool_wait", 0.0) + sum(turns.waits) / chunks
+    return rows, draw, queued
+
+
+def _dynamic_sampling_passes(run: Run, state: TrainState, params, data_state: data.DataState, round_index: int,
+                             seconds: dict, context: dict, log: rewards.RewardLog):
+    """DAPO dynamic sampling: passes until informative groups fill the round (`rounds.init/update/finalize`); the
+    chosen rows are gathered on the devices. Returns (rows, draw, their token counts, metrics, data position)."""
+    tc = run.config.train
+    passes, trajectories, prompt_masks = rounds.init(), [], []
+    seconds.update(sample=0.0, score=0.0)
+    while not (rounds.is_full(passes, tc.prompts_per_round) or len(passes.draws) >= tc.max_num_gen_batches):
+        batch, data_state = data.next_batch(run.dataset, data_state, tc.prompts_per_round)
+        batch = data.repeat_groups(batch, tc.num_generations)
+        batch, turns, environments = multiturn.setup(run.tooling, run.tokenizer, batch,
+                                                     _journal(run, round_index, len(passes.draws)), tc.num_generations)
+        key = run.programs.sample_key(state.key, round_index, len(passes.draws))
+        rows, draw, _ = _sample_and_score(run, state, params, batch, key, seconds, context, log, logps=False,
+                                          turns=turns, environments=environments)
+        trajectories.append(rows)
+        prompt_masks.append(batch.prompt_mask)
+        timer = time.perf_counter()
+        passes = rounds.update(passes, draw, rounds.zero_std_groups(draw, _weights(run), tc.num_generations))
+        seconds["score"] += time.perf_counter() - timer
+    draw, chosen, metrics = rounds.finalize(passes, tc.prompts_per_round, tc.num_generations)
+    every = trajectories[0] if len(trajectories) == 1 else run.programs.decoder.concat(trajectories)
+    counts = _counts(np.concatenate(prompt_masks)[chosen], draw.completion_mask)
+    return run.programs.take(every, chosen), draw, counts, metrics, data_state
+
+
+def _step_rows(run: Run, round_index: int) -> np.ndarray:
+    """[K, B] rows of each step: `steps_per_generation` disjoint shuffled slices, repeated `num_iterations` times."""
+    cfg, tc = run.config, run.config.train
+    if run.step_prompt_group_size > 1:  # one step takes the whole round: its row order changes nothing
+        order = np.arange(tc.generation_batch_size)
+    else:
+        order = np.random.default_rng([cfg.seed, round_index]).permutation(tc.generation_batch_size)
+    slices = [order[k * tc.train_batch_size:(k + 1) * tc.train_batch_size] for k in range(tc.steps_per_generation)]
+    return np.stack([s for _ in range(tc.num_iterations) for s in slices])
+
+
+def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round_index: int, *, params=None,
+                  slots: int = 0, old: bool | None = None) -> tuple[RoundBatch, data.DataState]:
+    """A round before its updates: decode (jit) -> ref/old log-probs queued -> rows to the host -> score (host) ->
+    advantages (host) -> RoundBatch, and the data position after its prompts. ``params`` samples the round (and
+    gives its old log-probs; None: the state's); the state gives the key, the step and the reference. ``slots``:
+    the decode slots (`stream.plan_slots`; 0: `sampling.max_batch_rows`), kept in its `seconds` with the decode
+    steps. With DAPO dynamic sampling the passes are merged first. ``old``: whether the rows get old-policy
+    log-probs (under ``params``; None: `train.needs_old_logps`)."""
+    cfg, tc = run.config, run.config.train
+    params = state.params if params is None else params
+    old = tc.needs_old_logps if old is None else old
+    seconds: dict = {"decode_slots": slots}
+    log = rewards.RewardLog()
+    context = _reward_context(run, state, data_state)
+    if tc.dynamic_sampling:
+        rows, draw, counts, sampling_metrics, data_state = _dynamic_sampling_passes(
+            run, state, params, data_state, round_index, seconds, context, log)
+        ref, old = dispatch_logps(run, state, params, rows, counts, old=old)
+    else:
+        batch, data_state = data.next_batch(run.dataset, data_state, tc.prompts_per_round)
+        batch = data.repeat_groups(batch, tc.num_generations)
+        batch, turns, environments = multiturn.setup(run.tooling, run.tokenizer, batch, _journal(run, round_index, 0),
+                                                     tc.num_generations)
+        key = run.programs.sample_key(state.key, round_index, 0)
+        rows, draw, (ref, old) = _sample_and_score(run, state, params, batch, key, seconds, context, log, logps=True,
+                                                   old=old, slots=slots, turns=turns, environments=environments)
+        counts, sampling_metrics = _counts(batch.prompt_mask, draw.completion_mask), {}
+
+    timer = time.perf_counter()
+    mask = rounds.mask_truncated(draw.trained_mask, draw.is_truncated) if tc.mask_truncated_completions \
+        else draw.trained_mask
+    advantages, r_N, std_N = run.programs.advantages(draw.rewards, _weights(run), mask,
+                                                     *rounds.pad_steps(draw, mask.shape[1]))
+    rows = run.programs.rows(rows, advantages, old, ref)
+    seconds["score"] += time.perf_counter() - timer
+
+    timer = time.perf_counter()
+    jax.block_until_ready(rows)  # the phase's time, not the next one's
+    # the time the round waits for its log-probs: what scoring on the host did not hide
+    seconds["logps"] = time.perf_counter() - timer
+
+    names = [name for name, _ in run.reward_fns]
+    _warn_unscored(run, draw.rewards, names, round_index, int(state.step))
+    metrics = {**_reward_metrics(draw.rewards, r_N, std_N, names, tc.num_generations),
+               **_completion_metrics(draw.trained_mask, draw.is_truncated),
+               **(multiturn.metrics(draw.tool_counts) if draw.tool_counts is not None else {}),
+               "prompts/num_truncated": draw.num_prompts_truncated, **sampling_metrics, **log.metric_means()}
+    completions = None
+    if cfg.log_completions:
+        completions = completion_rows(draw.prompts, decode(run.tokenizer, draw.completion_ids, draw.completion_mask),
+                                      draw.rewards, names, r_N, advantages, mask, extra=log.extra)
+    return RoundBatch(rows=rows, token_counts=counts, step_rows=_step_rows(run, round_index),
+                      round_index=round_index, first_step=int(state.step), position=0,
+                      metrics={k: plain(v) for k, v in metrics.items()}, seconds=seconds,
+                      completions=completions), data_state
+
+
+def run_steps(run: Run, state: TrainState, round_batch: RoundBatch, *, until: int,
+              stop: Callable[[], bool] | None = None,
+              max_skipped: int | None = None) -> tuple[TrainState, RoundBatch, list[dict]]:
+    """The round's next optimizer steps, up to step `until` (counted over the run) or the round's end.
+
+    `stop()` is checked before each step (preemption). Steps are dispatched back to back and their metrics
+    fetched once at the end; with `max_skipped` the call also ends right after the step that makes more than
+    that many skipped (non-finite) steps, whose flags it fetches only once that many more steps could exceed it.
+    Returns the state, the round with its new position, and one metrics line per step.
+    """
+    rb = round_batch
+    last = min(len(rb.step_rows), until - rb.first_step)
+    timer = time.perf_counter()
+    pending, position = [], rb.position
+    num_rows = len(rb.rows.completion_ids)
+    unchecked = 0  # steps dispatched since the skipped flags were last fetched
+    while position < last and not (stop is not None and stop()) and (max_skipped is None or max_skipped >= 0):
+        step_rows = rb.step_rows[position]
+        # a step of all the round's rows in order (one step per round) takes them as they are, without a gather
+        in_order = len(step_rows) == num_rows and np.array_equal(step_rows, np.arange(num_rows))
+        length, buffers = _packing(run, rb.token_counts[step_rows], run.step_prompt_group_size,
+                                   run.config.train.gradient_accumulation_steps,
+                                   None if run.shapes is None else run.shapes.step_packings)
+        rows = rb.rows if in_order else run.programs.take(rb.rows, step_rows)
+        state, metrics = run.programs.step(state, rows, length, buffers)
+        pending.append({**metrics, "packed_length": length})
+        position += 1
+        unchecked += 1
+        if max_skipped is not None and unchecked > max_skipped:  # these steps alone could pass the limit
+            max_skipped -= int(sum(jax.device_get([m["skipped"] for m in pending[-unchecked:]])))
+            unchecked = 0
+    pending = jax.device_get(pending)  # one host sync per call, after every step was dispatched
+    t_update = (time.perf_counter() - timer) / max(len(pending), 1)
+
+    num_steps = len(rb.step_rows)  # the round's sampling, scoring and log-prob time is shared by its steps
+    times = {f"step_time/{k}": rb.seconds[k] / num_steps for k in ("sample", "score", "logps")}
+    lines = []
+    for i, metrics in enumerate(pending):
+        step = rb.first_step + rb.position + i
+        lines.append({"step": step + 1, **rb.metrics, **metrics, "learning_rate": float(run.schedule(step)),
+                      "step_time": sum(times.values()) + t_update, **times, "step_time/update": t_update})
+    return state, rb._replace(position=position), lines
+
+
+def run_round(run: Run, state: TrainState, data_state: data.DataState, round_index: int
+              ) -> tuple[TrainState, data.DataState, RoundBatch, list[dict]]:
+    """One generation round: `prepare_round`, then all its optimizer steps (`run_steps`)."""
+    round_batch, data_state = prepare_round(run, state, data_state, round_index)
+    state, round_batch, lines = run_steps(run, state, round_batch, until=run.config.max_steps)
+    return state, data_state, round_batch, lines

@@ -1,0 +1,4 @@
+"""Tool calls in multi-turn rollouts: parsing a turn and rendering results (`calls`, `tool_parsers`), the
+thread pool that runs them (`toolbox`), sandboxed built-in tools (`sandbox`), the embedded tool task (`tool_task`)
+and the journal that keeps side effects to one run (`journal`). May import `config`, `data` and `rewards`.
+"""
