@@ -161,7 +161,7 @@ def trl_tool_loop(tokenizer, prompts, turns, tools, *, max_completion_length, ma
             for p, c, m, lp, msgs in zip(prompt_ids, completion_ids, tool_mask, logprobs, completions)]
 
 
-# example tools of the tool-loop tests (tests/test_trl_tools.py, tests/test_multiturn.py)
+# example tools of the tool-loop tests (tests/tools/test_trl_tools.py, tests/rollout/test_multiturn.py)
 
 
 def multiply(a: int, b: int) -> int:

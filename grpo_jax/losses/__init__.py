@@ -26,7 +26,7 @@ Example: a new variant — clip-higher, token-mean normaliser, k1 KL — without
         l_BxT = l_BxT + 0.01 * kl_divergence(logp_BxT, ref_BxT, estimator="k1")
         return aggregate(l_BxT, mask_BxT, loss_type="dapo", num_items_in_batch=num_items_in_batch)
 
-(tests/test_losses.py runs this block.) Micro-batching: every normaliser is global to the optimizer step
+(tests/losses/test_losses.py runs this block.) Micro-batching: every normaliser is global to the optimizer step
 (`num_sequences` rows, `num_items_in_batch` active tokens), so summing `compute_loss` over micro-batches (and
 devices) gives the full-batch loss and gradient, for every loss_type; see `aggregation` for where TRL's
 accumulated numbers differ. Two batch-dependent pieces are computed over the batch passed, as TRL does per

@@ -128,7 +128,7 @@ class RewardLog:
 
 @dataclasses.dataclass
 class TrainerState:
-    """`transformers.TrainerState`'s fields and defaults (tests/test_rewards.py keeps them equal) without importing
+    """`transformers.TrainerState`'s fields and defaults (tests/rewards/test_rewards.py keeps them equal) without importing
     transformers' trainer stack: with torch and peft installed that import costs every run 3-4 s."""
 
     epoch: float = 0

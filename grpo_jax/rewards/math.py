@@ -63,7 +63,7 @@ def has_math_verify() -> bool:
 
 
 def math_verify_accuracy(texts: list[str], answers: list[str]) -> list[float | None]:
-    """TRL 1.16's ``accuracy_reward`` scoring, with math-verify alone (tests/test_math_rewards.py compares the two):
+    """TRL 1.16's ``accuracy_reward`` scoring, with math-verify alone (tests/rewards/test_math_rewards.py compares the two):
     1.0 / 0.0 when the completion's first LaTeX answer (boxed first) verifies against the parsed answer, None when
     the answer does not parse."""
     from latex2sympy2_extended import NormalizationConfig

@@ -5,7 +5,7 @@ of the round's log-prob passes and of the optimizer step (`trajectory.packing_sh
 `trajectory.choose_packing` picks), the decoding calls' slot counts (`stream.slot_choices`, within which
 `stream.plan_slots` picks) and the rows of a round and of a step. `compile_ahead` lowers each program of the rounds at
 each of those shapes with the run's real shardings and compiles it before the first step: `jit`'s own caches then
-hold every executable, so no round or step compiles (`tests/test_compile_once.py` counts), and the compile time is a
+hold every executable, so no round or step compiles (`tests/rollout/test_compile_once.py` counts), and the compile time is a
 phase of its own, not hidden in the first steps. A persistent compilation cache (`compilation_cache_dir`) turns a
 second start's compilations into loads.
 """

@@ -6,7 +6,7 @@ markers of its chat template (`detect`), so a plain install reads tool calls: Qw
 ``<|python_tag|>``), Mistral (``[TOOL_CALLS]`` then a JSON list, or ``name[ARGS]{...}`` per call) and Gemma 4
 (``<|tool_call>call:name{...}<tool_call|>`` with unquoted keys and ``<|"|>`` strings); Qwen3.5's XML-style calls
 are not among them. The output is what TRL 1.16's ``add_response_schema`` + ``parse_response`` give
-(`tests/test_tool_parsers.py` checks it against them): ``{"role": "assistant", "reasoning_content"?, "content"?,
+(`tests/tools/test_tool_parsers.py` checks it against them): ``{"role": "assistant", "reasoning_content"?, "content"?,
 "tool_calls"?: [{"type": "function", "function": {"name", "arguments"}}]}``, empty fields left out; a call that does
 not parse raises ValueError, as there.
 """

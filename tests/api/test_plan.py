@@ -1,0 +1,204 @@
+"""`grpo-jax plan` (grpo_jax/plan.py, grpo_jax/chips.py): the programs compiled for a TPU topology from here and for
+the 8 fake CPU devices, their numbers against hand counts from the config, the JSON, the exit code and the errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from grpo_jax.api import cli
+from grpo_jax.device import chips
+from grpo_jax.api import plan
+from grpo_jax.config import load_config
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu not installed (pip install -e '.[tpu]'): no TPU topology to "
+                                  "compile for")
+
+# a Llama-shaped model whose per-chip shards fill TPU tiles (8 x 128) over 4 chips, so XLA's sizes carry no padding:
+# hidden 512 (128 a chip), 4 heads and 4 KV heads of 32, MLP 512, vocab 1024, tied embeddings, no biases
+V, D, F, L, HD, KV_HD = 1024, 512, 512, 2, 4 * 32, 4 * 32
+P, T, ROWS, G = 128, 128, 32, 4
+CONFIG_JSON = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=V, hidden_size=D,
+                   intermediate_size=F, num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+                   max_position_embeddings=512, tie_word_embeddings=True, rms_norm_eps=1e-6)
+OVERRIDES = [f"data.max_prompt_length={P}", f"sampling.max_completion_length={T}", f"train.num_generations={G}",
+             f"train.train_batch_size={ROWS}", "train.gradient_accumulation_steps=2", "loss.beta=0.04",
+             "train.share_prompt_prefix=false", "model.scan_layers=true", "model.remat=full", "mesh.data=1",
+             "mesh.fsdp=-1"]
+
+
+def split_and_whole() -> tuple[int, int]:
+    """(parameters split over fsdp, parameters every chip holds whole), counted from the architecture: every
+    matrix splits its hidden dim D over fsdp (sharding.PARTITION_RULES), the RMSNorm scales are replicated."""
+    per_layer = D * HD + 2 * D * KV_HD + HD * D + 3 * D * F  # q, k, v, o; gate, up, down
+    return V * D + L * per_layer, L * 2 * D + D  # tied embedding; two norms a layer and the final norm
+
+
+def train_arguments_per_chip(shards: int) -> int:
+    """The train step's argument bytes per chip, by hand: float32 params, Adam's two float32 moments and a float32
+    reference copy (beta 0.04), each split or whole as above, the step, key and optimizer counts, and each chip's
+    rows of what the step reads of the batch: int32 prompt ids and mask, completion ids, mask and loss mask, float32
+    reference log-probs and advantages (jit drops the arguments a program never reads: turns, the sampler's
+    log-probs, the truncation flags)."""
+    split, whole = split_and_whole()
+    state = 4 * (4 * (split // shards + whole)) + 4 + 8 + 2 * 4  # params, mu, nu, ref; step, key, two counts
+    rows = ROWS // shards
+    batch = rows * (2 * P * 4 + 3 * T * 4 + T * 4 + 4)
+    return state + batch
+
+
+def forward_flops_per_chip(shards: int) -> float:
+    """The log-prob forward's FLOPs per chip by hand: 2 x the layers' matmul params x every token, the tied
+    unembedding (2 x V x D) on the T slots that predict the completion only (the embedding is a lookup), and dense
+    attention's scores and weighted values over each row's whole (P + T)^2 square."""
+    split, _ = split_and_whole()
+    S, rows = P + T, ROWS // shards
+    return 2.0 * (split - V * D) * rows * S + 2.0 * V * D * rows * T + rows * L * 2 * 2 * S * S * HD
+
+
+def model_folder(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(CONFIG_JSON))  # no weights, no tokenizer
+    return folder
+
+
+@needs_libtpu
+def test_tpu_plan_matches_hand_counts_and_exits_1_with_a_hint(tmp_path, capsys):
+    """v5e:2x2 (4 chips, fsdp 4) from a config.json-only folder, judged against 1 MiB of HBM: exit 1, one hint line
+    a phase, and the --json numbers equal to the hand counts (arguments exactly, forward FLOPs within 5 %, the rest
+    being norms, softmaxes and RoPE)."""
+    out = tmp_path / "plan.json"
+    code = cli.main(["plan", "--topology", "v5e:2x2", "--json", str(out), "--hbm-gib", str(1 / 1024),
+                     f"model.path={model_folder(tmp_path)}", *OVERRIDES])
+    printed = capsys.readouterr().out
+    assert code == 1
+    result = json.loads(out.read_text())
+    assert result["fits"] is False and set(result["phases"]) == set(plan.PHASES)
+    for name, phase in result["phases"].items():
+        assert {"peak_bytes", "hbm_bytes", "flops", "bytes_accessed", "est_seconds"} <= set(phase)
+        assert phase["hbm_bytes"] == 2 ** 20 and phase["peak_bytes"] > 0.9 * 2 ** 20
+        assert sum(line.startswith(f"{name} needs ") for line in printed.splitlines()) == 1
+    train = result["phases"]["train_step"]
+    # every array is tile-aligned but the few scalars and [rows] vectors, which TPU layouts pad (4 KiB at most each)
+    assert 0 <= train["arguments_bytes"] - train_arguments_per_chip(4) <= 8 * 4096
+    logps = result["phases"]["logps"]
+    assert logps["flops"] == pytest.approx(forward_flops_per_chip(4), rel=0.05)
+    # the train step over the round's rows: a forward, a backward of two forwards' cost and, with remat full, the
+    # layers' forward again (not the unembedding's): 3 to 4 forwards
+    assert 3.4 < train["flops"] / logps["flops"] < 4.0
+    chip = chips.CHIPS["v5e"]
+    assert logps["est_seconds"] == pytest.approx(max(logps["flops"] / chip.bf16_flops,
+                                                     logps["bytes_accessed"] / chip.hbm_bandwidth))
+
+
+def test_local_plan_on_the_cpu_devices_matches_the_hand_count(tmp_path):
+    """`--topology local`: the 8 fake CPU devices (fsdp 8), no padding: the train step's arguments are the hand
+    count exactly, and the plan fits in the host's memory (no chip table entry: no roofline)."""
+    config = load_config(None, [f"model.path={model_folder(tmp_path)}", *OVERRIDES])
+    result = plan.plan(config, plan.topology_devices("local"))
+    assert result.chips == 8 and result.fits and result.chip is None and result.round_seconds is None
+    train = {p.name: p for p in result.phases}["train_step"]
+    assert train.arguments == train_arguments_per_chip(8)
+    logps = {p.name: p for p in result.phases}["logps"]
+    assert logps.flops == pytest.approx(forward_flops_per_chip(8), rel=0.05)
+
+
+@pytest.mark.parametrize("topology, message", [
+    ("v9:2x2", "unknown TPU generation 'v9'"),
+    ("v5p", "give the slice's shape"),
+])
+def test_a_bad_topology_is_one_line(topology, message, capsys):
+    assert cli.main(["plan", "--topology", topology, "model.vocab_size=64", "data.max_prompt_length=8"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+@needs_libtpu
+def test_a_mesh_that_does_not_divide_the_chips_is_one_line(capsys):
+    assert cli.main(["plan", "--topology", "v5e:2x2", "model.vocab_size=64", "data.max_prompt_length=8",
+                     "mesh.data=1", "mesh.fsdp=3"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "mesh.data*fsdp*tensor*expert" in err and len(err.splitlines()) == 1
+
+
+def test_missing_libtpu_says_how_to_install_it(monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
+    assert cli.main(["plan", "--topology", "v5p:2x2x1", "model.vocab_size=64", "data.max_prompt_length=8"]) == 1
+    assert "pip install -e '.[tpu]'" in capsys.readouterr().err
+
+
+def test_the_plan_needs_the_prompt_length(capsys):
+    assert cli.main(["plan", "--topology", "local", "model.vocab_size=64"]) == 1
+    assert "set data.max_prompt_length" in capsys.readouterr().err
+
+
+def test_topology_names_map_to_chips():
+    assert chips.topology_chip("v5p:4x4x4") is chips.CHIPS["v5p"]
+    assert chips.device_chip("TPU v5 lite") is chips.CHIPS["v5e"]
+    assert chips.device_chip("NVIDIA H100 80GB HBM3") is chips.CHIPS["h100"]
+    assert chips.device_chip("cpu") is None
+    assert plan._accelerator_type("v5p", 64) == "v5p-128" and plan._accelerator_type("v5e", 4) == "v5litepod-4"
+
+
+@pytest.mark.parametrize("attention, chip, dense", [("auto", "v5p", False), ("auto", None, True),
+                                                     ("dense", "v5p", True), ("splash", None, False)])
+def test_the_last_hint_blames_attention_scores_only_when_attention_is_dense(attention, chip, dense):
+    """A phase too big for no other listed reason: the hint names dense attention's [L, L] scores only where the
+    plan's attention is dense (``auto`` on a listed chip runs a kernel whose memory is linear in the sequence)."""
+    config = load_config(None, [*OVERRIDES, f"model.attention={attention}", "model.remat=full",
+                                "train.logps_chunk_size=1", "train.gradient_accumulation_steps=32"])
+    phase = plan.Phase("train_step", 1, 0, 0, 0, 2 ** 40, 0.0, 0.0)
+    plan_ = plan.Plan((phase,), chip and chips.CHIPS[chip], 2 ** 30, 4, 4, 1, config)
+    line = plan.hint(plan_, phase)
+    assert ("dense attention" in line) is dense and "lower sampling.max_completion_length" in line, line
+
+
+def test_the_plan_tables_model_folders_hold_the_released_shapes(tmp_path):
+    """benchmarks/plan_table.py's config.json-only folders read back (transformers, `resolve_config`) as the
+    released models: Qwen2.5-7B, Qwen3-30B-A3B's 128 experts (8 a token), Gemma-3-27B's 5 local : 1 global layers."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import plan_table
+    from grpo_jax.models import ModelConfig, resolve_config
+
+    def read(name):
+        return resolve_config(ModelConfig(path=str(plan_table.write_folder(tmp_path, name))))
+
+    qwen = read("qwen2.5-7b")
+    assert (qwen.hidden_size, qwen.num_hidden_layers, qwen.num_attention_heads, qwen.num_key_value_heads,
+            qwen.intermediate_size, qwen.vocab_size) == (3584, 28, 28, 4, 18944, 152064)
+    moe = read("qwen3-30b-a3b")
+    assert (moe.hidden_size, moe.num_hidden_layers, moe.num_attention_heads, moe.num_key_value_heads, moe.head_dim,
+            moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size, moe.vocab_size) == (
+        2048, 48, 32, 4, 128, 128, 8, 768, 151936)
+    gemma = read("gemma-3-27b")
+    assert (gemma.hidden_size, gemma.num_hidden_layers, gemma.num_attention_heads, gemma.num_key_value_heads,
+            gemma.head_dim, gemma.intermediate_size, gemma.vocab_size, gemma.sliding_window) == (
+        5376, 62, 32, 16, 128, 21504, 262208, 1024)
+    assert gemma.layer_types.count("full_attention") == 10 and gemma.layer_types[5] == "full_attention"
+
+
+@needs_libtpu
+def test_tpu_plan_compiles_a_mixture_of_experts_over_expert_and_fsdp(tmp_path):
+    """A tiny qwen3_moe on v5e:2x2 with its experts over mesh.expert=2 and the rest over fsdp 2: every phase
+    compiles for the TPU (the expert-parallel block without axis_index: tests/test_moe.py checks its program holds
+    no partition_id, which Qwen3-30B-A3B's train step over expert 8 x fsdp 8 was refused for)."""
+    folder = tmp_path / "moe"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(dict(
+        model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=V, hidden_size=256,
+        intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=512, tie_word_embeddings=False)))
+    overrides = [o for o in OVERRIDES if not o.startswith("mesh.")] + [
+        f"model.path={folder}", "mesh.data=1", "mesh.fsdp=2", "mesh.expert=2"]
+    result = plan.plan(load_config(None, overrides), plan.topology_devices("v5e:2x2"), costs=False)
+    assert [p.name for p in result.phases] == list(plan.PHASES)
+    assert all(p.error is None and p.peak > 0 for p in result.phases)
