@@ -295,7 +295,7 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
                              tokenizer.eos_token_id, where=where, process=config.train.advantage_estimator == "process")
     rewards.check_reward_fns(eval_reward_fns, eval_rows[:2], tokenizer.eos_token_id,
                              where="eval_dataset" if eval_dataset is not None else config.eval.path or where)
-    # environments' get_reward, weight 1 each (`rollout._weights`), named after the class; they need the rollouts'
+    # environments' get_reward, weight 1 each (`scoring.reward_weights`), named after the class; they need the rollouts'
     # environments, so the empty-completion check above does not call them
     reward_fns += tools.env_rewards(tooling)
     sharding.check_rows(tc.train_batch_size // tc.gradient_accumulation_steps, mesh,

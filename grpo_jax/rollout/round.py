@@ -15,8 +15,8 @@ with checkpoints, evaluation and outputs around them.
 
 from __future__ import annotations
 
+import functools
 import time
-import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -30,7 +30,7 @@ from grpo_jax.data import prompts as data
 from grpo_jax.device import cpu, sharding
 from grpo_jax.io.reporting import completion_rows, plain
 from grpo_jax.rewards import functions as rewards
-from grpo_jax.rollout import multiturn, stream
+from grpo_jax.rollout import multiturn, scoring, stream
 from grpo_jax.rollout.context import Run
 
 
@@ -53,126 +53,8 @@ class RoundBatch(NamedTuple):
     token_versions: np.ndarray | None = None  # [N, T] interruptible rollouts: the params version of each token
 
 
-def decode(tokenizer, completion_ids: np.ndarray, completion_mask: np.ndarray) -> list[str]:
-    """Completion texts without EOS and padding, as reward functions expect them."""
-    rows = [ids[: int(m.sum())].tolist() for ids, m in zip(completion_ids, completion_mask)]
-    return tokenizer.batch_decode(rows, skip_special_tokens=True)
-
-
-def _columns(columns: dict, completion_ids: np.ndarray, completion_mask: np.ndarray) -> dict:
-    """Dataset columns plus `completion_ids` (EOS included, padding removed), as TRL passes them."""
-    if "completion_ids" in columns:
-        raise ValueError("the dataset has a 'completion_ids' column: rename it (reward functions receive the "
-                         "completions' token ids under that name, as in TRL)")
-    lengths = completion_mask.sum(axis=1)
-    return {**columns, "completion_ids": [ids[:n].tolist() for ids, n in zip(completion_ids, lengths)]}
-
-
-def _completion_metrics(mask: np.ndarray, truncated: np.ndarray) -> dict:
-    lengths = mask.sum(axis=1)
-    terminated = lengths[~truncated]
-    return {"completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
-            "completions/max_length": lengths.max(), "completions/clipped_ratio": truncated.mean(),
-            "completions/mean_terminated_length": terminated.mean() if terminated.size else 0.0}
-
-
-def _reward_metrics(rewards_NxF, r_N, std_N, names, num_generations: int) -> dict:
-    group_std = std_N.reshape(-1, num_generations)[:, 0]
-    out = {"reward": rewards.scored(np.nanmean, r_N), "reward_std": rewards.scored(np.nanmean, group_std),
-           "frac_reward_zero_std": np.mean(np.isclose(np.nan_to_num(group_std), 0.0))}
-    for i, name in enumerate(names):
-        out[f"rewards/{name.split(':')[-1]}/mean"] = rewards.scored(np.nanmean, rewards_NxF[:, i])
-        out[f"rewards/{name.split(':')[-1]}/std"] = rewards.scored(np.nanstd, rewards_NxF[:, i])
-    return out
-
-
-def _warn_unscored(run: Run, rewards_NxF: np.ndarray, names: list[str], round_index: int, step: int) -> None:
-    """Once a run (`Run.warned`): a warning naming the reward functions that returned None for every completion of a
-    round, or counting the completions no function scored; either trains on less than the user meant."""
-    silent, none_rows = rewards.unscored(rewards_NxF, names)
-    where, listed = f"round {round_index} (step {step + 1})", ", ".join(f"'{name}'" for name in silent)
-    if none_rows == len(rewards_NxF):
-        key, text = "all", (f"every reward function ({listed}) returned None for every completion of {where}: the "
-                            "round trains on nothing; return a number for each completion a function can score")
-    elif silent:
-        key, text = silent, (f"reward function{'s' * (len(silent) > 1)} {listed} returned None for every completion "
-                             f"of {where}: the round trains on the other functions only; if it should score these "
-                             "rows, check what it reads")
-    elif none_rows:
-        key, text = "rows", (f"{none_rows} of {len(rewards_NxF)} completions of {where} got None from every reward "
-                             "function: they train on nothing")
-    else:
-        return
-    if key not in run.warned:
-        run.warned.add(key)
-        warnings.warn(text + " (warned once a run)", RuntimeWarning, stacklevel=3)
-
-
 def _weights(run: Run) -> np.ndarray:
-    """TRL's reward_weights, and 1 for each environment's `get_reward` after them (as TRL adds it)."""
-    weights = list(run.config.reward.weights or [])
-    return np.asarray(weights + [1.0] * (len(run.reward_fns) - len(weights)), np.float32)
-
-
-def _score(run: Run, batch: data.PromptBatch, piece: stream.Piece, context: dict, log: rewards.RewardLog,
-           environments: list | None = None) -> tuple:
-    """The reward functions on the host over one piece's rows: (rewards_NxF, process supervision's (step rewards,
-    step end indices) or None). ``context``: TRL's `trainer_state` (`_reward_context`); what the functions log
-    goes to ``log`` at the piece's rows. Multi-turn rows give their message lists as completions (TRL's) and the
-    rows' ``environments``; a function may then score each turn (`rewards.score_steps`)."""
-    rows = piece.rows
-    columns = {k: [v[i] for i in rows] for k, v in batch.columns.items()}
-    piece_log = rewards.RewardLog()
-    context = {**context, "log_metric": piece_log.log_metric, "log_extra": piece_log.log_extra}
-    if environments is not None:
-        context["environments"] = [environments[i] for i in rows]
-    columns = _columns(columns, piece.completion_ids, piece.completion_mask)
-    if piece.completions is not None:
-        inputs = [batch.prompts[i] for i in rows], piece.completions
-    else:
-        inputs = data.reward_inputs([batch.prompts[i] for i in rows],
-                                    decode(run.tokenizer, piece.completion_ids, piece.completion_mask))
-    steps = None
-    if run.config.train.advantage_estimator == "process":
-        lengths = piece.completion_mask.sum(axis=1)
-        turn_ends = None if piece.loss_mask is None else [_turn_ends(m) for m in piece.loss_mask]
-        rewards_NxF, *steps = rewards.score_steps(run.reward_fns, _weights(run), *inputs, columns, lengths, context,
-                                                  turn_ends=turn_ends)
-    else:
-        rewards_NxF = rewards.score_completions(run.reward_fns, *inputs, columns, context)
-    log.add(piece_log, rows, len(batch.prompts))
-    return rewards_NxF, steps
-
-
-def _turn_ends(loss_mask_T: np.ndarray) -> list[int]:
-    """The completion index of each policy turn's last token: where a run of trained tokens ends."""
-    m = np.asarray(loss_mask_T).astype(bool)
-    return np.flatnonzero(m & ~np.append(m[1:], False)).tolist()
-
-
-def _draw(batch: data.PromptBatch, pieces: list, scores: list) -> rounds.Draw:
-    """A pass's `rounds.Draw`: its pieces' rows and their scores (rewards_NxF, steps) placed at their rows."""
-    N, T = len(batch.prompts), pieces[0].completion_ids.shape[1]
-    ids, mask = np.zeros((N, T), np.int32), np.zeros((N, T), np.int32)
-    truncated = np.zeros(N, bool)
-    rewards_NxF = np.full((N, scores[0][0].shape[1]), np.nan, np.float32)
-    multi = pieces[0].loss_mask is not None
-    loss_mask, tool_counts = (np.zeros((N, T), np.int32), np.zeros((N, 4), np.int32)) if multi else (None, None)
-    for piece, (r_NxF, _) in zip(pieces, scores):
-        ids[piece.rows], mask[piece.rows], truncated[piece.rows] = (piece.completion_ids, piece.completion_mask,
-                                                                      piece.is_truncated)
-        rewards_NxF[piece.rows] = r_NxF
-        if multi:
-            loss_mask[piece.rows], tool_counts[piece.rows] = piece.loss_mask, piece.tool_counts
-    steps = {}
-    if scores[0][1] is not None:  # process supervision: each piece's steps padded to the most of any row
-        S = max(step_rewards.shape[1] for _, (step_rewards, _) in scores)
-        steps = {"step_rewards": np.full((N, S), np.nan, np.float32), "step_end_indices": np.full((N, S), -1, np.int32)}
-        for piece, (_, (step_rewards, ends)) in zip(pieces, scores):
-            steps["step_rewards"][piece.rows, :step_rewards.shape[1]] = step_rewards
-            steps["step_end_indices"][piece.rows, :ends.shape[1]] = ends
-    return rounds.Draw(batch.prompts, batch.columns, ids, mask, truncated, rewards_NxF, batch.num_truncated, **steps,
-                       loss_mask=loss_mask, tool_counts=tool_counts)
+    return scoring.reward_weights(run.config.reward.weights, len(run.reward_fns))
 
 
 def _counts(prompt_mask: np.ndarray, completion_mask: np.ndarray) -> np.ndarray:
@@ -218,7 +100,7 @@ def dispatch_logps(run: Run, state: TrainState, params, rows: Trajectory, counts
 
 
 def _reward_context(run: Run, state: TrainState, data_state: data.DataState) -> dict:
-    """The keywords TRL 1.16 passes every reward function beside the dataset's columns (`_score` adds
+    """The keywords TRL 1.16 passes every reward function beside the dataset's columns (`scoring.score` adds
     `log_metric` and `log_extra`)."""
     epoch = data.epochs_read(run.dataset, data_state)
     return {"trainer_state": rewards.trainer_state(int(state.step), run.config.max_steps, epoch)}
@@ -240,6 +122,10 @@ def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBat
     Returns (the rows on the devices, `rounds.Draw`, (ref, old) or None)."""
     timer = time.perf_counter()
     pieces, scores, rows, queued = [], [], None, None
+    process = run.config.train.advantage_estimator == "process"
+    score = functools.partial(scoring.score, batch, context=context, log=log, tokenizer=run.tokenizer,
+                              reward_fns=run.reward_fns, step_weights=_weights(run) if process else None,
+                              environments=environments)
     # process 0 scores rows with environments once decoding is over: the decoding thread's collectives are done
     later = multiturn.scores_on_first(run.tooling)
     for piece in stream.decode(run.programs.decoder, params, batch.prompt_ids, batch.prompt_mask, key,
@@ -256,11 +142,11 @@ def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBat
             timer = time.perf_counter()
         pieces.append(piece)
         if not later:
-            scores.append(_score(run, batch, piece, context, log, environments))
+            scores.append(score(piece))
     if later:  # what the functions logged comes along
         scores, log.metrics, log.extra = sharding.from_first_process(lambda: (
-            [_score(run, batch, piece, context, log, environments) for piece in pieces], log.metrics, log.extra))
-    draw = _draw(batch, pieces, scores)
+            [score(piece) for piece in pieces], log.metrics, log.extra))
+    draw = scoring.draw(batch, pieces, scores)
     seconds["score"] = seconds.get("score", 0.0) + time.perf_counter() - timer
     if turns is not None:  # the time a decoding chunk had nothing to decode until a tool returned, chunks' mean
         chunks = run.programs.decoder.chunks(len(batch.prompt_ids), run.config.train.num_generations)
@@ -347,14 +233,14 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
     seconds["logps"] = time.perf_counter() - timer
 
     names = [name for name, _ in run.reward_fns]
-    _warn_unscored(run, draw.rewards, names, round_index, int(state.step))
-    metrics = {**_reward_metrics(draw.rewards, r_N, std_N, names, tc.num_generations),
-               **_completion_metrics(draw.trained_mask, draw.is_truncated),
+    scoring.warn_unscored(run.warned, draw.rewards, names, round_index, int(state.step))
+    metrics = {**scoring.reward_metrics(draw.rewards, r_N, std_N, names, tc.num_generations),
+               **scoring.completion_metrics(draw.trained_mask, draw.is_truncated),
                **(multiturn.metrics(draw.tool_counts) if draw.tool_counts is not None else {}),
                "prompts/num_truncated": draw.num_prompts_truncated, **sampling_metrics, **log.metric_means()}
     completions = None
     if cfg.log_completions:
-        completions = completion_rows(draw.prompts, decode(run.tokenizer, draw.completion_ids, draw.completion_mask),
+        completions = completion_rows(draw.prompts, scoring.decode(run.tokenizer, draw.completion_ids, draw.completion_mask),
                                       draw.rewards, names, r_N, advantages, mask, extra=log.extra)
     return RoundBatch(rows=rows, token_counts=counts, step_rows=_step_rows(run, round_index),
                       round_index=round_index, first_step=int(state.step), position=0,

@@ -61,7 +61,7 @@ def run_shapes(config, mesh, prompts: tuple[int, int] | None = None, *, round_gr
                step_group_size: int = 1, decode_chunks: int = 1) -> RunShapes:
     """The shapes of a run of `config` (its prompt length resolved) over `mesh`: ``prompts`` (`prompt_range`; None:
     any length up to `data.max_prompt_length`, for a plan made before the data is read), the G of the round's and
-    of the step's log-prob forwards (`run.prompt_group_sizes`) and the host-thread chunks of a round's decoding call
+    of the step's log-prob forwards (`context.prompt_group_sizes`) and the host-thread chunks of a round's decoding call
     (`programs.Decoder.chunks`)."""
     tc, P, T = config.train, config.data.max_prompt_length, config.sampling.max_completion_length
     prompts = (1, P) if prompts is None else prompts

@@ -9,9 +9,9 @@ import json
 import pytest
 
 from grpo_jax.api import cli
-from grpo_jax.device import chips
 from grpo_jax.api import plan
 from grpo_jax.config import load_config
+from grpo_jax.device import chips
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu not installed (pip install -e '.[tpu]'): no TPU topology to "

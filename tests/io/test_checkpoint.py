@@ -193,7 +193,7 @@ def test_a_flipped_bit_is_caught_by_the_checksums(tmp_path, capsys):
 KILL_SCRIPT = textwrap.dedent("""
     import sys, time
     import jax, jax.numpy as jnp
-    from grpo_jax import checkpoint
+    from grpo_jax.io import checkpoint
     from grpo_jax.algo.state import TrainState
     mngr = checkpoint.manager(sys.argv[1])
     def state(step, n):
@@ -408,7 +408,7 @@ def test_metrics_log_keeps_whole_lines_when_a_write_fails(tmp_path, monkeypatch)
     assert (tmp_path / "metrics.jsonl").read_text() == json.dumps({"step": 1, "reward": 0.5}) + "\n"
 
 
-LOCK_SCRIPT = "import sys, time; from grpo_jax import lock; held = lock.acquire(sys.argv[1]); print('locked', " \
+LOCK_SCRIPT = "import sys, time; from grpo_jax.io import lock; held = lock.acquire(sys.argv[1]); print('locked', " \
               "flush=True); time.sleep(120)"
 
 

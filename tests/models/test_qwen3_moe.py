@@ -11,17 +11,17 @@ import optax
 import pytest
 
 from grpo_jax.algo import decoder
-from grpo_jax.config.sections import SamplingConfig
 from grpo_jax.algo.logprobs import completion_logps
+from grpo_jax.algo.programs import init_state, jit_train_step
+from grpo_jax.algo.train_step import StepOptions
+from grpo_jax.algo.trajectory import packed_length
+from grpo_jax.config.sections import SamplingConfig
+from grpo_jax.device import sharding
 from grpo_jax.losses import LossConfig
 from grpo_jax.models import forward, init_model
-from grpo_jax.models.registry import config_fields, to_hf_config
 from grpo_jax.models.lora import LoRAConfig
 from grpo_jax.models.moe import load_balancing_loss
-from grpo_jax.algo.programs import init_state, jit_train_step
-from grpo_jax.algo.trajectory import packed_length
-from grpo_jax.device import sharding
-from grpo_jax.algo.train_step import StepOptions
+from grpo_jax.models.registry import config_fields, to_hf_config
 
 MOE = dict(model_type="qwen3_moe", qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
            norm_topk_prob=True)
@@ -216,8 +216,8 @@ def test_a_moe_run_with_routing_replay_and_the_router_aux_loss(tmp_path):
 def test_router_aux_loss_coef_resolves_as_trl():
     """TRL's flat name is ours; null takes the model's own coefficient (0 for a dense model); a coefficient or
     routing replay for a dense model is refused."""
-    from grpo_jax.config import load_config
     from grpo_jax.api.run import _router_aux_loss_coef
+    from grpo_jax.config import load_config
 
     moe = [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in MOE.items()]
     assert load_config(None, ["router_aux_loss_coef=0.01"]).loss.router_aux_loss_coef == 0.01

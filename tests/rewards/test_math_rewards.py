@@ -65,7 +65,7 @@ def test_math_verify_scores_as_trl_and_needs_no_trl():
     scores = math_rewards.math_verify_accuracy(texts, answers)
     assert scores == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, None, 1.0]  # symbolic, units dropped, "0.5" not in LaTeX
     assert [math_rewards.fallback_accuracy(t, a) for t, a in zip(texts, answers)][:4] == [0.0, 1.0, 1.0, 0.0]
-    script = ("import sys; sys.modules['trl'] = None; from grpo_jax import math_rewards; "
+    script = ("import sys; sys.modules['trl'] = None; from grpo_jax.rewards import math as math_rewards; "
               "print(math_rewards.accuracy(None, [r'\\boxed{(x+1)^2}'], answer=['$x^2+2x+1$']))")
     result = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[2], capture_output=True,
                             text=True, timeout=120)

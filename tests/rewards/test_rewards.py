@@ -236,7 +236,7 @@ def test_trainer_state_has_transformers_fields_and_defaults():
 def test_checking_reward_functions_leaves_the_trainer_stack_unimported():
     """A run's start (its modules, the reward functions' check with TRL's keywords) imports neither transformers'
     Trainer nor peft: with torch and peft installed they would cost every start seconds."""
-    script = ("import sys, grpo_jax.api.run; from grpo_jax import rewards; rewards.check_reward_fns("
+    script = ("import sys, grpo_jax.api.run; from grpo_jax.rewards import functions as rewards; rewards.check_reward_fns("
               "[('f', lambda prompts, completions, trainer_state, **kw: [1.0] * len(prompts))], [{'prompt': 'p'}], 0, "
               "where='rows'); print(sorted(m for m in ('peft', 'transformers.trainer_callback') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[2], capture_output=True,

@@ -11,7 +11,7 @@ import pytest
 
 from grpo_jax.config import load_config
 from grpo_jax.rewards import functions as rewards
-from grpo_jax.rollout.round import _turn_ends
+from grpo_jax.rollout.scoring import turn_ends
 from grpo_jax.tools import tool_task, calls as tools
 from grpo_jax.tools.toolbox import Toolbox
 
@@ -166,7 +166,7 @@ def test_one_reward_per_turn_is_a_process_step_at_each_turns_end():
     """Turn k of a rollout ends at its k-th run of trained tokens; a function's [r_1, .., r_K] become the steps
     (end_k, r_k); a list of the wrong length is an error naming the function."""
     loss_mask = np.array([[1, 1, 0, 0, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0, 0]])
-    ends = [_turn_ends(m) for m in loss_mask]
+    ends = [turn_ends(m) for m in loss_mask]
     assert ends == [[1, 6], [2]]
 
     def per_turn(prompts, completions, **kwargs):

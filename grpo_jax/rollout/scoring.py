@@ -1,0 +1,139 @@
+"""The host's scoring of finished rows: completion texts (`decode`), the reward functions over one piece's rows
+(`score`) with TRL's columns and weights, a pass's rows and scores placed as one `rounds.Draw` (`draw`), and the
+round's completion and reward metrics; reward functions that return None are warned about once a run.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from grpo_jax.algo import rounds
+from grpo_jax.data import prompts as data
+from grpo_jax.rewards import functions as rewards
+from grpo_jax.rollout.piece import Piece
+
+
+def decode(tokenizer, completion_ids: np.ndarray, completion_mask: np.ndarray) -> list[str]:
+    """Completion texts without EOS and padding, as reward functions expect them."""
+    rows = [ids[: int(m.sum())].tolist() for ids, m in zip(completion_ids, completion_mask)]
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+
+def columns_with_ids(columns: dict, completion_ids: np.ndarray, completion_mask: np.ndarray) -> dict:
+    """Dataset columns plus `completion_ids` (EOS included, padding removed), as TRL passes them."""
+    if "completion_ids" in columns:
+        raise ValueError("the dataset has a 'completion_ids' column: rename it (reward functions receive the "
+                         "completions' token ids under that name, as in TRL)")
+    lengths = completion_mask.sum(axis=1)
+    return {**columns, "completion_ids": [ids[:n].tolist() for ids, n in zip(completion_ids, lengths)]}
+
+
+def completion_metrics(mask: np.ndarray, truncated: np.ndarray) -> dict:
+    lengths = mask.sum(axis=1)
+    terminated = lengths[~truncated]
+    return {"completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
+            "completions/max_length": lengths.max(), "completions/clipped_ratio": truncated.mean(),
+            "completions/mean_terminated_length": terminated.mean() if terminated.size else 0.0}
+
+
+def reward_metrics(rewards_NxF, r_N, std_N, names, num_generations: int) -> dict:
+    group_std = std_N.reshape(-1, num_generations)[:, 0]
+    out = {"reward": rewards.scored(np.nanmean, r_N), "reward_std": rewards.scored(np.nanmean, group_std),
+           "frac_reward_zero_std": np.mean(np.isclose(np.nan_to_num(group_std), 0.0))}
+    for i, name in enumerate(names):
+        out[f"rewards/{name.split(':')[-1]}/mean"] = rewards.scored(np.nanmean, rewards_NxF[:, i])
+        out[f"rewards/{name.split(':')[-1]}/std"] = rewards.scored(np.nanstd, rewards_NxF[:, i])
+    return out
+
+
+def warn_unscored(warned: set, rewards_NxF: np.ndarray, names: list[str], round_index: int, step: int) -> None:
+    """Once a run (its keys kept in ``warned``, the run's `Run.warned`): a warning naming the reward functions that returned None for every completion of a
+    round, or counting the completions no function scored; either trains on less than the user meant."""
+    silent, none_rows = rewards.unscored(rewards_NxF, names)
+    where, listed = f"round {round_index} (step {step + 1})", ", ".join(f"'{name}'" for name in silent)
+    if none_rows == len(rewards_NxF):
+        key, text = "all", (f"every reward function ({listed}) returned None for every completion of {where}: the "
+                            "round trains on nothing; return a number for each completion a function can score")
+    elif silent:
+        key, text = silent, (f"reward function{'s' * (len(silent) > 1)} {listed} returned None for every completion "
+                             f"of {where}: the round trains on the other functions only; if it should score these "
+                             "rows, check what it reads")
+    elif none_rows:
+        key, text = "rows", (f"{none_rows} of {len(rewards_NxF)} completions of {where} got None from every reward "
+                             "function: they train on nothing")
+    else:
+        return
+    if key not in warned:
+        warned.add(key)
+        warnings.warn(text + " (warned once a run)", RuntimeWarning, stacklevel=3)
+
+
+def reward_weights(weights: list[float] | None, num_functions: int) -> np.ndarray:
+    """TRL's reward_weights (`reward.weights`, None: 1 each), and 1 for each environment's `get_reward` after them
+    (as TRL adds it): [F] for ``num_functions`` F."""
+    weights = list(weights or [])
+    return np.asarray(weights + [1.0] * (num_functions - len(weights)), np.float32)
+
+
+def score(batch: data.PromptBatch, piece: Piece, context: dict, log: rewards.RewardLog, *, tokenizer,
+          reward_fns: list, step_weights: np.ndarray | None = None, environments: list | None = None) -> tuple:
+    """The reward functions ``reward_fns`` ((name, fn) pairs) on the host over one piece's rows: (rewards_NxF, process
+    supervision's (step rewards, step end indices) or None); ``step_weights`` [F] (`reward_weights`): process
+    supervision, its steps merged with these weights (None: one reward a completion). ``context``: TRL's `trainer_state` (`_reward_context`); what the functions log
+    goes to ``log`` at the piece's rows. Multi-turn rows give their message lists as completions (TRL's) and the
+    rows' ``environments``; a function may then score each turn (`rewards.score_steps`)."""
+    rows = piece.rows
+    columns = {k: [v[i] for i in rows] for k, v in batch.columns.items()}
+    piece_log = rewards.RewardLog()
+    context = {**context, "log_metric": piece_log.log_metric, "log_extra": piece_log.log_extra}
+    if environments is not None:
+        context["environments"] = [environments[i] for i in rows]
+    columns = columns_with_ids(columns, piece.completion_ids, piece.completion_mask)
+    if piece.completions is not None:
+        inputs = [batch.prompts[i] for i in rows], piece.completions
+    else:
+        inputs = data.reward_inputs([batch.prompts[i] for i in rows],
+                                    decode(tokenizer, piece.completion_ids, piece.completion_mask))
+    steps = None
+    if step_weights is not None:
+        lengths = piece.completion_mask.sum(axis=1)
+        ends = None if piece.loss_mask is None else [turn_ends(m) for m in piece.loss_mask]
+        rewards_NxF, *steps = rewards.score_steps(reward_fns, step_weights, *inputs, columns, lengths, context,
+                                                  turn_ends=ends)
+    else:
+        rewards_NxF = rewards.score_completions(reward_fns, *inputs, columns, context)
+    log.add(piece_log, rows, len(batch.prompts))
+    return rewards_NxF, steps
+
+
+def turn_ends(loss_mask_T: np.ndarray) -> list[int]:
+    """The completion index of each policy turn's last token: where a run of trained tokens ends."""
+    m = np.asarray(loss_mask_T).astype(bool)
+    return np.flatnonzero(m & ~np.append(m[1:], False)).tolist()
+
+
+def draw(batch: data.PromptBatch, pieces: list, scores: list) -> rounds.Draw:
+    """A pass's `rounds.Draw`: its pieces' rows and their scores (rewards_NxF, steps) placed at their rows."""
+    N, T = len(batch.prompts), pieces[0].completion_ids.shape[1]
+    ids, mask = np.zeros((N, T), np.int32), np.zeros((N, T), np.int32)
+    truncated = np.zeros(N, bool)
+    rewards_NxF = np.full((N, scores[0][0].shape[1]), np.nan, np.float32)
+    multi = pieces[0].loss_mask is not None
+    loss_mask, tool_counts = (np.zeros((N, T), np.int32), np.zeros((N, 4), np.int32)) if multi else (None, None)
+    for piece, (r_NxF, _) in zip(pieces, scores):
+        ids[piece.rows], mask[piece.rows], truncated[piece.rows] = (piece.completion_ids, piece.completion_mask,
+                                                                      piece.is_truncated)
+        rewards_NxF[piece.rows] = r_NxF
+        if multi:
+            loss_mask[piece.rows], tool_counts[piece.rows] = piece.loss_mask, piece.tool_counts
+    steps = {}
+    if scores[0][1] is not None:  # process supervision: each piece's steps padded to the most of any row
+        S = max(step_rewards.shape[1] for _, (step_rewards, _) in scores)
+        steps = {"step_rewards": np.full((N, S), np.nan, np.float32), "step_end_indices": np.full((N, S), -1, np.int32)}
+        for piece, (_, (step_rewards, ends)) in zip(pieces, scores):
+            steps["step_rewards"][piece.rows, :step_rewards.shape[1]] = step_rewards
+            steps["step_end_indices"][piece.rows, :ends.shape[1]] = ends
+    return rounds.Draw(batch.prompts, batch.columns, ids, mask, truncated, rewards_NxF, batch.num_truncated, **steps,
+                       loss_mask=loss_mask, tool_counts=tool_counts)
