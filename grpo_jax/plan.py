@@ -3,10 +3,11 @@
 `plan(config, devices)` builds the run's device programs (`programs.jit_decoder`, `jit_logps`, `jit_train_step`) over
 a mesh of ``devices`` (a TPU topology's, `topology_devices`, or the devices at hand) for abstract inputs: nothing
 is allocated, no weights or tokenizer are read (`model.path` may hold only config.json). Each phase (prefill, one
-decode step, the old/reference log-prob forward, the train step) is compiled once as the run would compile it,
-for its memory per chip (`memory_analysis`), and its FLOPs and bytes come from XLA's `cost_analysis` of the same
-program with its loops taken apart (`_costs`: XLA counts a loop's body once). A chip table (`grpo_jax.chips`)
-turns them into roofline times, and `Plan.fits` says whether every phase's peak is under `FIT_FRACTION` of HBM.
+decode step, the old/reference log-prob forward, the train step) is compiled once as the run would compile it
+(`grpo_jax.plan_programs`), for its memory per chip (`memory_analysis`), and its FLOPs and bytes come from XLA's
+`cost_analysis` of the same program, corrected for the loops XLA counts once (`plan_programs.costs`). A chip table
+(`grpo_jax.chips`) turns them into roofline times, and `Plan.fits` says whether every phase's peak is under
+`FIT_FRACTION` of HBM.
 """
 
 from __future__ import annotations
@@ -78,9 +79,18 @@ class Plan:
         times = [self.seconds(p) for p in self.phases]
         return None if None in times else sum(p.runs * t for p, t in zip(self.phases, times))
 
+    @property
+    def tokens_per_second_per_chip(self) -> float | None:
+        """A round's rows x (prompt + completion) tokens (every slot, padding included) over its roofline seconds
+        and the chips."""
+        seconds = self.round_seconds
+        return None if seconds is None else self.tokens / seconds / self.chips
+
     def as_json(self) -> dict:
-        """{"fits", "phases": {name: {"peak_bytes", "hbm_bytes", "flops", "bytes_accessed", "est_seconds"}}}."""
-        return {"fits": self.fits, "phases": {p.name: {
+        """{"fits", "round_seconds", "tokens_per_round", "tokens_per_second_per_chip", "phases": {name:
+        {"peak_bytes", "hbm_bytes", "flops", "bytes_accessed", "est_seconds", ...}}}."""
+        return {"fits": self.fits, "round_seconds": self.round_seconds, "tokens_per_round": self.tokens,
+                "tokens_per_second_per_chip": self.tokens_per_second_per_chip, "phases": {p.name: {
             "peak_bytes": p.peak, "hbm_bytes": self.hbm_bytes, "flops": _known(p.flops),
             "bytes_accessed": _known(p.bytes_accessed), "est_seconds": self.seconds(p), "runs_per_round": p.runs,
             "arguments_bytes": p.arguments, "temporaries_bytes": p.temporaries, "error": p.error}
@@ -170,7 +180,7 @@ def plan(config: Config, devices, *, chip: Chip | None = None, hbm_bytes: int | 
 
     ``chip`` (None: by the devices' kind) gives the roofline's FLOP/s and bandwidth; ``hbm_bytes`` (None: the
     chip's, or a device at hand's limit) what a phase must fit in; ``costs`` False skips FLOPs and bytes (memory
-    only: a third of the compiles)."""
+    only: about half the compiles)."""
     from grpo_jax import sharding
 
     config = resolved(config)
@@ -249,9 +259,9 @@ def report(plan_: Plan, topology: str) -> list[str]:
                      f"{_size(p.bytes_accessed):>10} {'-' if t is None else f'{t:.3g}':>9}")
     seconds = plan_.round_seconds
     if seconds is not None:
-        rate = plan_.tokens / seconds / plan_.chips
         lines.append(f"round: {seconds:.2f} s at the roofline (decode steps counted to max_completion_length), "
-                     f"{rate:,.0f} tokens/s/chip")
+                     f"{plan_.tokens_per_second_per_chip:,.0f} tokens/s/chip (a round's {c.train.generation_batch_size} rows x "
+                     f"{c.data.max_prompt_length + c.sampling.max_completion_length} prompt + completion slots)")
     if plan_.fits:
         lines.append(f"fits: every phase's peak is under {FIT_FRACTION:.0%} of HBM")
     else:

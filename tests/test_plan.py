@@ -92,6 +92,8 @@ def test_tpu_plan_matches_hand_counts_and_exits_1_with_a_hint(tmp_path, capsys):
     # layers' forward again (not the unembedding's): 3 to 4 forwards
     assert 3.4 < train["flops"] / logps["flops"] < 4.0
     chip = chips.CHIPS["v5e"]
+    assert result["tokens_per_round"] == ROWS * (P + T)
+    assert result["tokens_per_second_per_chip"] == pytest.approx(ROWS * (P + T) / result["round_seconds"] / 4)
     assert logps["est_seconds"] == pytest.approx(max(logps["flops"] / chip.bf16_flops,
                                                      logps["bytes_accessed"] / chip.hbm_bandwidth))
 
@@ -258,3 +260,21 @@ def test_the_cost_pass_equals_the_former_pass_and_the_unrolled_programs(tmp_path
         assert new[name] == whole[name]
     for name in ("logps", "train_step"):
         assert new[name][1] == pytest.approx(whole[name][1], rel=0.1), name
+
+
+@needs_libtpu
+def test_a_chunked_unembedding_counts_every_chunk(tmp_path):
+    """`train.logps_chunk_size` 1 loops over the rows and XLA counts one trip: the plan adds the others, so the
+    log-prob forward's FLOPs equal the unchunked program's (XLA's count of every row), and the train step's exceed
+    them by one more unembedding pass (the checkpointed chunks' forward again in the backward), by hand."""
+    folder = model_folder(tmp_path)
+
+    def flops(chunk):
+        result = plan.plan(load_config(None, [f"model.path={folder}", *OVERRIDES, f"train.logps_chunk_size={chunk}"]),
+                           plan.topology_devices("v5e:2x2"))
+        return {p.name: p.flops for p in result.phases}
+
+    whole, chunked = flops(0), flops(1)
+    assert chunked["logps"] == pytest.approx(whole["logps"], rel=2e-3)
+    one_pass = 2.0 * V * D * T * ROWS / 4  # every row's completion slots, over 4 chips
+    assert chunked["train_step"] == pytest.approx(whole["train_step"] + one_pass, rel=2e-3)
