@@ -260,7 +260,8 @@ def report(plan_: Plan, topology: str) -> list[str]:
     seconds = plan_.round_seconds
     if seconds is not None:
         lines.append(f"round: {seconds:.2f} s at the roofline (decode steps counted to max_completion_length), "
-                     f"{plan_.tokens_per_second_per_chip:,.0f} tokens/s/chip (a round's {c.train.generation_batch_size} rows x "
+                     f"{plan_.tokens_per_second_per_chip:,.0f} tokens/s/chip (a round's "
+                     f"{c.train.generation_batch_size} rows x "
                      f"{c.data.max_prompt_length + c.sampling.max_completion_length} prompt + completion slots)")
     if plan_.fits:
         lines.append(f"fits: every phase's peak is under {FIT_FRACTION:.0%} of HBM")
