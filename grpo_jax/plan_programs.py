@@ -3,8 +3,9 @@
 `programs` lowers and compiles the run's prefill, decode step, log-prob forward and train step over a mesh for
 abstract inputs (nothing is allocated). `costs` reads XLA's `cost_analysis` of those same programs and corrects it
 for loops, which XLA counts one trip of: the scan over the layers (extrapolated from one more compile of each
-scanned program at another `model.scan_unroll`) and the micro-batches (times their number). What XLA cannot see,
-the attention kernels' (Pallas splash) FLOPs, is counted by hand (`kernel_attention_flops`).
+scanned program at another `model.scan_unroll`) and the micro-batches (times their number). What XLA cannot see
+is counted by hand: Pallas splash attention's FLOPs (`kernel_attention_flops`) and the chunked unembedding's other
+trips (`unembedding_flops`).
 """
 
 from __future__ import annotations
@@ -206,9 +207,10 @@ def costs(config: Config, mesh, compiled: dict[str, Program], *, tpu: bool) -> d
     difference is one layer: cost = run's + (L - u) x (run's - other's) / (u - u'). Programs whose lowered text the
     unroll does not change (the decoder's, which loops over the layers in Python) are not compiled again. The train
     step's micro-batches: times `train.gradient_accumulation_steps` (the optimizer's update, outside their loop, is
-    counted that many times: about 16 bytes a parameter per chip each). Not counted: Pallas kernels' FLOPs (XLA sees
-    a custom call: `kernel_attention_flops` adds splash attention's) and all but one of the unembedding's chunks
-    and pieces under ``train.logps_chunk_size`` (`grpo_jax/logprobs.py`'s ``lax.map``)."""
+    counted that many times: about 16 bytes a parameter per chip each). Added by hand, FLOPs only: splash
+    attention's (a custom call to XLA: `kernel_attention_flops`) and the unembedding's trips XLA did not count under
+    ``train.logps_chunk_size`` (`unembedding_flops`); their bytes stay XLA's count (the kernels' operands, one
+    trip of the unembedding: a lower bound)."""
     model, tc = config.model, config.train
     L, u = model.num_hidden_layers, model.scan_unroll
     own = {name: xla_cost(p.compiled) for name, p in compiled.items()}
