@@ -86,7 +86,7 @@ def main() -> int:
     parser.add_argument("--expert", type=int, default=8,
                         help="the mixture of experts' mesh.expert (the rest of the chips: fsdp); 1: experts over fsdp")
     parser.add_argument("--memory-only", action="store_true",
-                        help="no FLOPs or bytes (no roofline): a third of the compiles")
+                        help="no FLOPs or bytes (no roofline): about half the compiles")
     parser.add_argument("--json", help="also write every plan's `grpo-jax plan --json` object here")
     args = parser.parse_args()
     if args.quick:
@@ -113,10 +113,13 @@ def main() -> int:
                     seconds = time.perf_counter() - timer
                     peaks = " / ".join(f"{'≥' if ph.error else ''}{ph.peak / GIB:.1f}" for ph in p.phases)
                     seconds_round = "-" if p.round_seconds is None else f"{p.round_seconds:.1f}"
-                    rate = "-" if p.round_seconds is None else f"{p.tokens / p.round_seconds / p.chips:,.0f}"
+                    rate = "-" if p.round_seconds is None else f"{p.tokens_per_second_per_chip:,.0f}"
                     print(f"| {name} | {'LoRA 16' if lora else 'full'} | {topology} | {PROMPT} + {completion} | "
                           f"{peaks} | {p.hbm_bytes / GIB:.0f} | {'yes' if p.fits else 'no'} | {seconds_round} "
                           f"| {rate} | {seconds:.0f} |", flush=True)
+                    if p.round_seconds is not None:
+                        print(f"<!-- {name} {topology} {completion}: roofline s a run x runs: " + ", ".join(
+                            f"{ph.name} {p.seconds(ph):.3g} x {ph.runs:g}" for ph in p.phases) + " -->", flush=True)
                     for ph in p.phases:
                         if not p.phase_fits(ph):
                             print(f"<!-- {name} {topology} {completion}: {plan.hint(p, ph)} -->", flush=True)

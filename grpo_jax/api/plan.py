@@ -3,10 +3,11 @@
 `plan(config, devices)` builds the run's device programs (`programs.jit_decoder`, `jit_logps`, `jit_train_step`) over
 a mesh of ``devices`` (a TPU topology's, `topology_devices`, or the devices at hand) for abstract inputs: nothing
 is allocated, no weights or tokenizer are read (`model.path` may hold only config.json). Each phase (prefill, one
-decode step, the old/reference log-prob forward, the train step) is compiled once as the run would compile it,
-for its memory per chip (`memory_analysis`), and its FLOPs and bytes come from XLA's `cost_analysis` of the same
-program with its loops taken apart (`_costs`: XLA counts a loop's body once). A chip table (`grpo_jax.chips`)
-turns them into roofline times, and `Plan.fits` says whether every phase's peak is under `FIT_FRACTION` of HBM.
+decode step, the old/reference log-prob forward, the train step) is compiled once as the run would compile it
+(`grpo_jax.api.plan_programs`), for its memory per chip (`memory_analysis`), and its FLOPs and bytes come from XLA's
+`cost_analysis` of the same program, corrected for the loops XLA counts once (`plan_programs.costs`). A chip table
+(`grpo_jax.device.chips`) turns them into roofline times, and `Plan.fits` says whether every phase's peak is under
+`FIT_FRACTION` of HBM.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import re
 from typing import NamedTuple
 
+from grpo_jax.api import plan_programs
 from grpo_jax.device.chips import GIB, Chip, device_chip, topology_chip
 from grpo_jax.config import Config
 
@@ -77,9 +79,18 @@ class Plan:
         times = [self.seconds(p) for p in self.phases]
         return None if None in times else sum(p.runs * t for p, t in zip(self.phases, times))
 
+    @property
+    def tokens_per_second_per_chip(self) -> float | None:
+        """A round's rows x (prompt + completion) tokens (every slot, padding included) over its roofline seconds
+        and the chips."""
+        seconds = self.round_seconds
+        return None if seconds is None else self.tokens / seconds / self.chips
+
     def as_json(self) -> dict:
-        """{"fits", "phases": {name: {"peak_bytes", "hbm_bytes", "flops", "bytes_accessed", "est_seconds"}}}."""
-        return {"fits": self.fits, "phases": {p.name: {
+        """{"fits", "round_seconds", "tokens_per_round", "tokens_per_second_per_chip", "phases": {name:
+        {"peak_bytes", "hbm_bytes", "flops", "bytes_accessed", "est_seconds", ...}}}."""
+        return {"fits": self.fits, "round_seconds": self.round_seconds, "tokens_per_round": self.tokens,
+                "tokens_per_second_per_chip": self.tokens_per_second_per_chip, "phases": {p.name: {
             "peak_bytes": p.peak, "hbm_bytes": self.hbm_bytes, "flops": _known(p.flops),
             "bytes_accessed": _known(p.bytes_accessed), "est_seconds": self.seconds(p), "runs_per_round": p.runs,
             "arguments_bytes": p.arguments, "temporaries_bytes": p.temporaries, "error": p.error}
@@ -169,7 +180,7 @@ def plan(config: Config, devices, *, chip: Chip | None = None, hbm_bytes: int | 
 
     ``chip`` (None: by the devices' kind) gives the roofline's FLOP/s and bandwidth; ``hbm_bytes`` (None: the
     chip's, or a device at hand's limit) what a phase must fit in; ``costs`` False skips FLOPs and bytes (memory
-    only: a third of the compiles)."""
+    only: about half the compiles)."""
     from grpo_jax.device import sharding
 
     config = resolved(config)
@@ -248,9 +259,10 @@ def report(plan_: Plan, topology: str) -> list[str]:
                      f"{_size(p.bytes_accessed):>10} {'-' if t is None else f'{t:.3g}':>9}")
     seconds = plan_.round_seconds
     if seconds is not None:
-        rate = plan_.tokens / seconds / plan_.chips
         lines.append(f"round: {seconds:.2f} s at the roofline (decode steps counted to max_completion_length), "
-                     f"{rate:,.0f} tokens/s/chip")
+                     f"{plan_.tokens_per_second_per_chip:,.0f} tokens/s/chip (a round's "
+                     f"{c.train.generation_batch_size} rows x "
+                     f"{c.data.max_prompt_length + c.sampling.max_completion_length} prompt + completion slots)")
     if plan_.fits:
         lines.append(f"fits: every phase's peak is under {FIT_FRACTION:.0%} of HBM")
     else:
@@ -259,165 +271,20 @@ def report(plan_: Plan, topology: str) -> list[str]:
     return lines
 
 
-def _abstract(shapes, shardings):
-    import jax
-
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
-
-
-class Refused(NamedTuple):
-    """A program XLA would not compile for want of memory: its message and the bytes it names (a lower bound)."""
-
-    message: str
-    needs: int
-
-
-def _needs(message: str) -> int:
-    """The bytes an XLA out-of-memory message names: an allocation's size, or the temporaries' total (0: none)."""
-    found = re.search(r"Allocation \(size=(\d+)\)", message)
-    if found:
-        return int(found.group(1))
-    found = re.search(r"HLO temporaries \(([\d.]+)([KMGT]?)\)", message)
-    if found:
-        return int(float(found.group(1)) * 1024 ** " KMGT".index(found.group(2) or " "))
-    return 0
-
-
-def _compile(lowered, tpu: bool):
-    """XLA's executable for ``lowered``, or `Refused`. On a TPU a program over the chip's HBM is still compiled
-    (``xla_tpu_no_crash_on_oom``) so that its sizes come back: the plan judges the fit itself; an allocation larger
-    than the whole HBM is refused all the same."""
-    try:
-        return lowered.compile({"xla_tpu_no_crash_on_oom": True} if tpu else None)
-    except Exception as e:  # noqa: BLE001 - XLA's RESOURCE_EXHAUSTED is a JaxRuntimeError
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        return Refused(str(e).strip().splitlines()[0][:300], _needs(str(e)))
-
-
-def _programs(config: Config, mesh, model, *, train_rows: int, micro_batches: int, chunk: int,
-              tpu: bool) -> dict:
-    """{phase: compiled program} of a run of ``model`` over ``mesh``, for abstract inputs (nothing allocated)."""
-    import jax
-    import jax.numpy as jnp
-
-    from grpo_jax.api import run
-    from grpo_jax.device import sharding
-    from grpo_jax.algo import programs
-    from grpo_jax.models.moe import routing_dtype
-    from grpo_jax.algo.state import abstract_state, model_graphdef, optimizer_from_config
-    from grpo_jax.algo.train_step import StepOptions
-    from grpo_jax.algo.trajectory import Trajectory
-
-    tc, P, T = config.train, config.data.max_prompt_length, config.sampling.max_completion_length
-    config = dataclasses.replace(config, model=model)
-    _, optimizer = optimizer_from_config(tc, config.max_steps)
-    beta = config.loss.beta
-    shapes = abstract_state(model, optimizer, with_reference=beta != 0.0, ref_param_dtype=tc.ref_param_dtype)
-    shardings = sharding.state_shardings(mesh, shapes, offload_ref=tc.offload_ref_params)
-    state, graphdef = _abstract(shapes, shardings), model_graphdef(model)
-    rows, replicated = sharding.row_sharded(mesh), sharding.replicated(mesh)
-
-    def array(*shape, dtype=jnp.int32, where=rows):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=where)
-
-    def routed(b):  # the sampler's experts, replayed (model.routing_replay)
-        if not model.routing_replay:
-            return None
-        return array(b, P + T, model.num_hidden_layers, model.num_experts_per_tok,
-                     dtype=routing_dtype(model.num_experts))
-
-    B, out = tc.generation_batch_size, {}
-    round_group, step_group = run.prompt_group_sizes(config, mesh)
-    decoder = programs.jit_decoder(graphdef, mesh, model, config=config.sampling, eos_token_ids=(0,), pad_token_id=0,
-                                   params_sharding=shardings.params, prompt_group_size=tc.num_generations)
-    options = decoder.options(B, B, False)
-    start_args = (state.params, array(B, P), array(B, P), array(2, dtype=jnp.uint32, where=replicated),
-                  array(dtype=jnp.int32, where=replicated))
-    out["prefill"] = _compile(decoder.start.lower(*start_args, options), tpu)
-    if isinstance(out["prefill"], Refused):  # the decode step's inputs are the prefill's outputs, as it lays them out
-        out["decode_step"] = Refused("not compiled: the prefill was refused", 0)
-    else:
-        decoding = _abstract(jax.eval_shape(lambda *a: decoder.start(*a, options), *start_args),
-                             out["prefill"].output_shardings)
-        out["decode_step"] = _compile(decoder.advance.lower(state.params, decoding, options, False), tpu)
-    if tc.needs_old_logps or beta != 0.0:
-        logps = programs.jit_logps(graphdef, mesh, temperature=config.sampling.temperature, chunk_size=chunk,
-                                   params_sharding=shardings.params, prompt_group_size=round_group)
-        out["logps"] = _compile(logps.lower(state.params, array(B, P), array(B, P), array(B, T), array(B, T),
-                                            routed(B)), tpu)
-    options = StepOptions(loss=dataclasses.replace(config.loss, max_completion_length=T),
-                          temperature=config.sampling.temperature, gradient_accumulation_steps=micro_batches,
-                          logps_chunk_size=chunk, prompt_group_size=step_group, ref_sync=tc.ref_sync,
-                          router_aux_loss_coef=run._router_aux_loss_coef(config),
-                          use_sampler_logps=tc.use_sampler_logps or config.loss.off_policy_correction == "decoupled")
-    b, f32 = train_rows, jnp.float32
-    batch = Trajectory(array(b, P), array(b, P), array(b, T), array(b, T), array(b, T), array(b, T, dtype=f32),
-                       array(b, T), array(b, dtype=jnp.bool_),
-                       advantages=array(b, T, dtype=f32) if tc.advantage_estimator == "process"
-                       else array(b, dtype=f32),
-                       old_per_token_logps=array(b, T, dtype=f32) if tc.needs_old_logps else None,
-                       ref_per_token_logps=array(b, T, dtype=f32) if beta != 0.0 else None, routed_experts=routed(b))
-    step = programs.jit_train_step(graphdef, optimizer, options, mesh, shardings)
-    out["train_step"] = _compile(step.lower(state, batch), tpu)
-    return out
-
-
-def _cost(compiled) -> tuple[float, float]:
-    """(FLOPs, bytes accessed) per chip of one run of ``compiled``, by XLA's cost analysis (nan: refused)."""
-    if isinstance(compiled, Refused):
-        return math.nan, math.nan
-    cost = compiled.cost_analysis()
-    cost = (cost[0] if cost else {}) if isinstance(cost, list) else (cost or {})
-    return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-
-
-def _costs(config: Config, mesh, tpu: bool) -> dict:
-    """{phase: (FLOPs, bytes)} of one run, per chip. XLA's cost analysis counts a loop's body once, so it reads the
-    same programs with their loops taken apart: layers unrolled (1 and 2 of them, one model per layer kind,
-    extrapolated to the model's depth: a layer's cost is the same at any depth), one micro-batch (times the
-    micro-batches); the decoder's loop body is one decode step, as wanted. With ``train.logps_chunk_size`` the
-    unembedding's loop over row chunks stays (unchunked, XLA may lay the [rows, T, vocab] logits out unsplit): its
-    FLOPs count one chunk's."""
-    tc, model = config.train, config.model
-    micro = tc.train_batch_size // tc.gradient_accumulation_steps
-    kinds = sorted(set(model.layer_types)) if model.layer_types else [None]
-
-    def costs(kind_list):
-        # a scan (as the run's, when it scans) unrolled whole: one trip, and the remat's recomputed forward stays
-        # in the backward's loop (unscanned, XLA may merge it with the forward: prevent_cse=False)
-        variant = dataclasses.replace(model, num_hidden_layers=len(kind_list), scan_unroll=len(kind_list),
-                                      layer_types=None if kind_list[0] is None else tuple(kind_list))
-        compiled = _programs(config, mesh, variant, train_rows=micro, micro_batches=1, chunk=tc.logps_chunk_size,
-                             tpu=tpu)
-        return {name: _cost(c) for name, c in compiled.items()}
-
-    one = {kind: costs([kind]) for kind in kinds}
-    two = costs([kinds[0], kinds[0]])
-    counts = {kind: (model.layer_types.count(kind) if kind else model.num_hidden_layers) for kind in kinds}
-    out = {}
-    for name in two:
-        total = []
-        for i in range(2):  # flops, bytes
-            outside = 2 * one[kinds[0]][name][i] - two[name][i]
-            total.append(outside + sum(n * (one[k][name][i] - outside) for k, n in counts.items()))
-        scale = tc.gradient_accumulation_steps if name == "train_step" else 1
-        out[name] = (max(total[0], 0.0) * scale, max(total[1], 0.0) * scale)
-    return out
-
-
 def _phases(config: Config, mesh, tpu: bool, with_costs: bool) -> list[Phase]:
-    """The run's phases over ``mesh``: memory from the programs as the run compiles them, costs from `_costs`."""
+    """The run's phases over ``mesh``: memory from the programs as the run compiles them, FLOPs and bytes from the
+    same programs (`plan_programs.costs`)."""
     tc = config.train
-    compiled = _programs(config, mesh, config.model, train_rows=tc.train_batch_size,
-                         micro_batches=tc.gradient_accumulation_steps, chunk=tc.logps_chunk_size, tpu=tpu)
-    costs = _costs(config, mesh, tpu) if with_costs else {name: (math.nan, math.nan) for name in compiled}
+    compiled = plan_programs.programs(config, mesh, config.model, tpu=tpu)
+    costs = (plan_programs.costs(config, mesh, compiled, tpu=tpu) if with_costs
+             else {name: (math.nan, math.nan) for name in compiled})
     slots = config.sampling.max_batch_rows or tc.generation_batch_size
     runs = {"prefill": 1, "decode_step": config.sampling.max_completion_length * -(-tc.generation_batch_size // slots),
             "logps": int(tc.needs_old_logps) + int(config.loss.beta != 0.0), "train_step": tc.steps_per_round}
     phases = []
-    for name, c in compiled.items():
-        if isinstance(c, Refused):
+    for name, program in compiled.items():
+        c = program.compiled
+        if isinstance(c, plan_programs.Refused):
             phases.append(Phase(name, runs[name], 0, 0, 0, c.needs, *costs[name], error=c.message))
             continue
         m = c.memory_analysis()

@@ -1,4 +1,4 @@
-"""Accelerator chips' public specs (HBM, peak bf16 FLOP/s, HBM bandwidth) for `grpo_jax.plan`'s roofline.
+"""Accelerator chips' public specs (HBM, peak bf16 FLOP/s, HBM bandwidth) for `grpo_jax.api.plan`'s roofline.
 
 Sources, per chip (dense bf16, no sparsity; HBM as the vendor states it, read as GiB):
 - TPU v4: 275 TFLOP/s, 32 GiB, 1,200 GB/s — cloud.google.com/tpu/docs/v4

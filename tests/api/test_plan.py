@@ -1,4 +1,4 @@
-"""`grpo-jax plan` (grpo_jax/plan.py, grpo_jax/chips.py): the programs compiled for a TPU topology from here and for
+"""`grpo-jax plan` (grpo_jax/api/plan.py, grpo_jax/device/chips.py): the programs compiled for a TPU topology from here and for
 the 8 fake CPU devices, their numbers against hand counts from the config, the JSON, the exit code and the errors."""
 
 from __future__ import annotations
@@ -50,19 +50,21 @@ def train_arguments_per_chip(shards: int) -> int:
     return state + batch
 
 
-def forward_flops_per_chip(shards: int) -> float:
+def forward_flops_per_chip(shards: int, causal: bool = False) -> float:
     """The log-prob forward's FLOPs per chip by hand: 2 x the layers' matmul params x every token, the tied
-    unembedding (2 x V x D) on the T slots that predict the completion only (the embedding is a lookup), and dense
-    attention's scores and weighted values over each row's whole (P + T)^2 square."""
+    unembedding (2 x V x D) on the T slots that predict the completion only (the embedding is a lookup), and
+    attention's scores and weighted values (2 x 2 x head dims a pair) over each row's whole (P + T)^2 square
+    (dense attention), or with ``causal`` its S (S + 1) / 2 visible pairs (a kernel's)."""
     split, _ = split_and_whole()
     S, rows = P + T, ROWS // shards
-    return 2.0 * (split - V * D) * rows * S + 2.0 * V * D * rows * T + rows * L * 2 * 2 * S * S * HD
+    pairs = S * (S + 1) // 2 if causal else S * S
+    return 2.0 * (split - V * D) * rows * S + 2.0 * V * D * rows * T + rows * L * 2 * 2 * pairs * HD
 
 
-def model_folder(tmp_path):
+def model_folder(tmp_path, **changes):
     folder = tmp_path / "model"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(CONFIG_JSON))  # no weights, no tokenizer
+    (folder / "config.json").write_text(json.dumps({**CONFIG_JSON, **changes}))  # no weights, no tokenizer
     return folder
 
 
@@ -86,11 +88,14 @@ def test_tpu_plan_matches_hand_counts_and_exits_1_with_a_hint(tmp_path, capsys):
     # every array is tile-aligned but the few scalars and [rows] vectors, which TPU layouts pad (4 KiB at most each)
     assert 0 <= train["arguments_bytes"] - train_arguments_per_chip(4) <= 8 * 4096
     logps = result["phases"]["logps"]
-    assert logps["flops"] == pytest.approx(forward_flops_per_chip(4), rel=0.05)
+    # splash attention on the TPU: XLA's count of the rest plus the kernel's causal pairs by hand
+    assert logps["flops"] == pytest.approx(forward_flops_per_chip(4, causal=True), rel=0.02)
     # the train step over the round's rows: a forward, a backward of two forwards' cost and, with remat full, the
     # layers' forward again (not the unembedding's): 3 to 4 forwards
     assert 3.4 < train["flops"] / logps["flops"] < 4.0
     chip = chips.CHIPS["v5e"]
+    assert result["tokens_per_round"] == ROWS * (P + T)
+    assert result["tokens_per_second_per_chip"] == pytest.approx(ROWS * (P + T) / result["round_seconds"] / 4)
     assert logps["est_seconds"] == pytest.approx(max(logps["flops"] / chip.bf16_flops,
                                                      logps["bytes_accessed"] / chip.hbm_bandwidth))
 
@@ -202,3 +207,77 @@ def test_tpu_plan_compiles_a_mixture_of_experts_over_expert_and_fsdp(tmp_path):
     result = plan.plan(load_config(None, overrides), plan.topology_devices("v5e:2x2"), costs=False)
     assert [p.name for p in result.phases] == list(plan.PHASES)
     assert all(p.error is None and p.peak > 0 for p in result.phases)
+
+
+def two_compile_costs(config, mesh):
+    """The former cost pass, a naive reference: every phase compiled again at 1 and at 2 layers with the layers'
+    scan unrolled whole and one micro-batch of rows; a layer = two - one, the rest = 2 x one - two, extrapolated to
+    the model's depth, the train step times its micro-batches."""
+    import dataclasses
+
+    from grpo_jax.api import plan_programs
+
+    tc, model, m = config.train, config.model, config.train.gradient_accumulation_steps
+    micro = dataclasses.replace(config, train=dataclasses.replace(
+        tc, train_batch_size=tc.train_batch_size // m, gradient_accumulation_steps=1,
+        steps_per_generation=tc.steps_per_generation * m))  # the same rows a round, one micro-batch a step
+
+    def cost(layers):
+        variant = dataclasses.replace(model, num_hidden_layers=layers, scan_unroll=layers)
+        return {name: plan_programs.xla_cost(p.compiled)
+                for name, p in plan_programs.programs(micro, mesh, variant, tpu=False).items()}
+
+    one, two, out = cost(1), cost(2), {}
+    for name in two:
+        outside = [2 * a - b for a, b in zip(one[name], two[name])]
+        total = [o + model.num_hidden_layers * (a - o) for o, a in zip(outside, one[name])]
+        out[name] = tuple(t * (m if name == "train_step" else 1) for t in total)
+    return out
+
+
+def test_the_cost_pass_equals_the_former_pass_and_the_unrolled_programs(tmp_path):
+    """4 layers scanned 2 a trip, 2 micro-batches, on the 8 fake CPU devices: the run's own programs plus one
+    recompile at scan_unroll 1 (`plan_programs.costs`) give the FLOPs of the former pass (1- and 2-layer models
+    unrolled whole, three compiles a phase) and of the same programs with their 4 layers unrolled (every layer
+    counted, no extrapolation). Bytes: the decoder's programs loop over layers in Python, so theirs are the unrolled
+    programs' exactly; a scanned program's differ from an unrolled one's by its per-trip slices of the stacked
+    layers (a dynamic slice read and its copy written: XLA counts them, the unrolled program has none)."""
+    import dataclasses
+
+    from grpo_jax.api import plan_programs
+    from grpo_jax.device import sharding
+
+    config = plan.resolved(load_config(None, [f"model.path={model_folder(tmp_path, num_hidden_layers=4)}",
+                                              *OVERRIDES, "train.num_iterations=2"]))
+    m = config.mesh
+    mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor, devices=plan.topology_devices("local"), expert=m.expert)
+    compiled = plan_programs.programs(config, mesh, config.model, tpu=False)
+    new, former = plan_programs.costs(config, mesh, compiled, tpu=False), two_compile_costs(config, mesh)
+    unrolled = plan_programs.programs(config, mesh, dataclasses.replace(config.model, scan_unroll=4), tpu=False)
+    whole = {name: plan_programs.xla_cost(p.compiled) for name, p in unrolled.items()}
+    whole["train_step"] = tuple(2 * x for x in whole["train_step"])  # 2 micro-batches
+    for name in plan.PHASES:
+        assert new[name][0] == pytest.approx(former[name][0], rel=5e-3), name
+        assert new[name][0] == pytest.approx(whole[name][0], rel=5e-3), name
+    for name in ("prefill", "decode_step"):
+        assert new[name] == whole[name]
+    for name in ("logps", "train_step"):
+        assert new[name][1] == pytest.approx(whole[name][1], rel=0.1), name
+
+
+@needs_libtpu
+def test_a_chunked_unembedding_counts_every_chunk(tmp_path):
+    """`train.logps_chunk_size` 1 loops over the rows and XLA counts one trip: the plan adds the others, so the
+    log-prob forward's FLOPs equal the unchunked program's (XLA's count of every row), and the train step's exceed
+    them by one more unembedding pass (the checkpointed chunks' forward again in the backward), by hand."""
+    folder = model_folder(tmp_path)
+
+    def flops(chunk):
+        result = plan.plan(load_config(None, [f"model.path={folder}", *OVERRIDES, f"train.logps_chunk_size={chunk}"]),
+                           plan.topology_devices("v5e:2x2"))
+        return {p.name: p.flops for p in result.phases}
+
+    whole, chunked = flops(0), flops(1)
+    assert chunked["logps"] == pytest.approx(whole["logps"], rel=2e-3)
+    one_pass = 2.0 * V * D * T * ROWS / 4  # every row's completion slots, over 4 chips
+    assert chunked["train_step"] == pytest.approx(whole["train_step"] + one_pass, rel=2e-3)

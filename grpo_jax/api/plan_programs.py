@@ -1,0 +1,257 @@
+"""The programs `grpo_jax.api.plan` compiles for a run (`programs`) and their FLOPs and bytes per chip (`costs`).
+
+`programs` lowers and compiles the run's prefill, decode step, log-prob forward and train step over a mesh for
+abstract inputs (nothing is allocated). `costs` reads XLA's `cost_analysis` of those same programs and corrects it
+for loops, which XLA counts one trip of: the scan over the layers (extrapolated from one more compile of each
+scanned program at another `model.scan_unroll`) and the micro-batches (times their number). What XLA cannot see
+is counted by hand: Pallas splash attention's FLOPs (`kernel_attention_flops`) and the chunked unembedding's other
+trips (`unembedding_flops`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import re
+from typing import NamedTuple
+
+from grpo_jax.config import Config
+
+
+class Refused(NamedTuple):
+    """A program XLA would not compile for want of memory: its message and the bytes it names (a lower bound)."""
+
+    message: str
+    needs: int
+
+
+class Program(NamedTuple):
+    """One phase's program: a digest of its lowered text (equal digests: the same program) and its executable."""
+
+    digest: str
+    compiled: object  # jax's Compiled, or Refused
+
+
+def _needs(message: str) -> int:
+    """The bytes an XLA out-of-memory message names: an allocation's size, or the temporaries' total (0: none)."""
+    found = re.search(r"Allocation \(size=(\d+)\)", message)
+    if found:
+        return int(found.group(1))
+    found = re.search(r"HLO temporaries \(([\d.]+)([KMGT]?)\)", message)
+    if found:
+        return int(float(found.group(1)) * 1024 ** " KMGT".index(found.group(2) or " "))
+    return 0
+
+
+def compile_program(lowered, tpu: bool, reuse: Program | None = None) -> Program:
+    """``lowered``'s `Program`: ``reuse``'s executable when its lowered text is the same, else XLA's (or `Refused`).
+    On a TPU a program over the chip's HBM is still compiled (``xla_tpu_no_crash_on_oom``) so that its sizes come
+    back: the plan judges the fit itself; an allocation larger than the whole HBM is refused all the same."""
+    digest = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+    if reuse is not None and reuse.digest == digest:
+        return reuse
+    try:
+        return Program(digest, lowered.compile({"xla_tpu_no_crash_on_oom": True} if tpu else None))
+    except Exception as e:  # noqa: BLE001 - XLA's RESOURCE_EXHAUSTED is a JaxRuntimeError
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return Program(digest, Refused(str(e).strip().splitlines()[0][:300], _needs(str(e))))
+
+
+def _abstract(shapes, shardings):
+    import jax
+
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+
+
+def programs(config: Config, mesh, model, *, tpu: bool, reuse: dict | None = None) -> dict[str, Program]:
+    """{phase: `Program`} of a run of ``model`` over ``mesh`` for abstract inputs (nothing allocated); a phase whose
+    lowered text equals ``reuse``'s (a previous call's result) takes its executable instead of compiling again."""
+    import jax
+    import jax.numpy as jnp
+
+    from grpo_jax.algo import programs as jitted
+    from grpo_jax.api import run
+    from grpo_jax.device import sharding
+    from grpo_jax.models.moe import routing_dtype
+    from grpo_jax.algo.state import abstract_state, model_graphdef, optimizer_from_config
+    from grpo_jax.algo.train_step import StepOptions
+    from grpo_jax.algo.trajectory import Trajectory
+
+    reuse = reuse or {}
+    tc, P, T = config.train, config.data.max_prompt_length, config.sampling.max_completion_length
+    config = dataclasses.replace(config, model=model)
+    _, optimizer = optimizer_from_config(tc, config.max_steps)
+    beta = config.loss.beta
+    shapes = abstract_state(model, optimizer, with_reference=beta != 0.0, ref_param_dtype=tc.ref_param_dtype)
+    shardings = sharding.state_shardings(mesh, shapes, offload_ref=tc.offload_ref_params)
+    state, graphdef = _abstract(shapes, shardings), model_graphdef(model)
+    rows, replicated = sharding.row_sharded(mesh), sharding.replicated(mesh)
+
+    def array(*shape, dtype=jnp.int32, where=rows):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=where)
+
+    def routed(b):  # the sampler's experts, replayed (model.routing_replay)
+        if not model.routing_replay:
+            return None
+        return array(b, P + T, model.num_hidden_layers, model.num_experts_per_tok,
+                     dtype=routing_dtype(model.num_experts))
+
+    def build(name, lowered):
+        out[name] = compile_program(lowered, tpu, reuse.get(name))
+
+    B, out = tc.generation_batch_size, {}
+    round_group, step_group = run.prompt_group_sizes(config, mesh)
+    decoder = jitted.jit_decoder(graphdef, mesh, model, config=config.sampling, eos_token_ids=(0,), pad_token_id=0,
+                                 params_sharding=shardings.params, prompt_group_size=tc.num_generations)
+    options = decoder.options(B, B, False)
+    start_args = (state.params, array(B, P), array(B, P), array(2, dtype=jnp.uint32, where=replicated),
+                  array(dtype=jnp.int32, where=replicated))
+    build("prefill", decoder.start.lower(*start_args, options))
+    prefill = out["prefill"].compiled
+    if isinstance(prefill, Refused):  # the decode step's inputs are the prefill's outputs, as it lays them out
+        out["decode_step"] = Program("", Refused("not compiled: the prefill was refused", 0))
+    else:
+        decoding = _abstract(jax.eval_shape(lambda *a: decoder.start(*a, options), *start_args),
+                             prefill.output_shardings)
+        build("decode_step", decoder.advance.lower(state.params, decoding, options, False))
+    if tc.needs_old_logps or beta != 0.0:
+        logps = jitted.jit_logps(graphdef, mesh, temperature=config.sampling.temperature,
+                                 chunk_size=tc.logps_chunk_size, params_sharding=shardings.params,
+                                 prompt_group_size=round_group)
+        build("logps", logps.lower(state.params, array(B, P), array(B, P), array(B, T), array(B, T), routed(B)))
+    options = StepOptions(loss=dataclasses.replace(config.loss, max_completion_length=T),
+                          temperature=config.sampling.temperature,
+                          gradient_accumulation_steps=tc.gradient_accumulation_steps,
+                          logps_chunk_size=tc.logps_chunk_size, prompt_group_size=step_group, ref_sync=tc.ref_sync,
+                          router_aux_loss_coef=run._router_aux_loss_coef(config),
+                          use_sampler_logps=tc.use_sampler_logps or config.loss.off_policy_correction == "decoupled")
+    b, f32 = tc.train_batch_size, jnp.float32
+    batch = Trajectory(array(b, P), array(b, P), array(b, T), array(b, T), array(b, T), array(b, T, dtype=f32),
+                       array(b, T), array(b, dtype=jnp.bool_),
+                       advantages=array(b, T, dtype=f32) if tc.advantage_estimator == "process"
+                       else array(b, dtype=f32),
+                       old_per_token_logps=array(b, T, dtype=f32) if tc.needs_old_logps else None,
+                       ref_per_token_logps=array(b, T, dtype=f32) if beta != 0.0 else None, routed_experts=routed(b))
+    step = jitted.jit_train_step(graphdef, optimizer, options, mesh, shardings)
+    build("train_step", step.lower(state, batch))
+    return out
+
+
+def xla_cost(compiled) -> tuple[float, float]:
+    """(FLOPs, bytes accessed) per chip of one run of ``compiled`` as XLA's cost analysis counts them: every loop's
+    body once (nan: refused)."""
+    if isinstance(compiled, Refused):
+        return math.nan, math.nan
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if cost else {}) if isinstance(cost, list) else (cost or {})
+    return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+
+
+def layers_counted(layers: int, unroll: int) -> int:
+    """Layers XLA's cost analysis counts in a scan over ``layers`` at ``unroll`` layers per iteration: the loop's
+    body once, plus the remainder jax runs outside the loop (all of them when nothing is left to loop)."""
+    return layers if unroll >= layers else unroll + layers % unroll
+
+
+# attention XLA sees as a custom call, its FLOPs uncounted (cuDNN's too, but it falls back to XLA's attention for
+# some shapes and dtypes, which XLA counts: GPU plans leave it uncounted rather than count it twice)
+KERNEL_BACKENDS = ("splash",)
+
+
+def _visible_pairs(first: int, last: int, window: int | None) -> int:
+    """Causal (query, key) pairs of the queries at slots first .. last - 1, each seeing itself and the slots before
+    it (the ``window`` last of them)."""
+    if window is None or window >= last:
+        return (last * (last + 1) - first * (first + 1)) // 2
+    ramp = max(0, min(last, window) - first)  # queries that see every slot before them
+    start = first + ramp
+    return (start * (start + 1) - first * (first + 1)) // 2 + (last - start) * window
+
+
+def kernel_attention_flops(config: Config, *, rows: int, group: int, tensor: int, passes: int) -> float:
+    """FLOPs per chip of an attention kernel's scores and weighted values, by hand: 4 x head_dim per visible
+    (query, key) pair (q k^T and p v), per query head and layer (a sliding layer's window counted), over ``rows``
+    rows of prompt + completion slots, a prompt run once per ``group`` rows (the shared-prompt layout); ``passes``
+    forwards' worth (a backward counted as two)."""
+    from grpo_jax.models.families import kind_window, layer_kinds
+
+    model, P = config.model, config.data.max_prompt_length
+    S = P + config.sampling.max_completion_length
+    kinds, kind_of_layer = layer_kinds(model)
+    pairs = 0
+    for kind, window in ((k, kind_window(model, k)) for k in kinds):
+        per_group = _visible_pairs(0, P, window) + group * _visible_pairs(P, S, window)
+        pairs += kind_of_layer.count(kinds.index(kind)) * per_group
+    heads = model.num_attention_heads // tensor
+    return 4.0 * model.resolved_head_dim * heads * pairs * (rows / group) * passes
+
+
+def unembedding_flops(config: Config, *, rows: int, chips: int, passes: int) -> tuple[float, int]:
+    """(FLOPs per chip of unembedding ``rows`` rows' T completion slots, 2 x hidden x vocab a slot, ``passes``
+    forwards' worth, the work split evenly over ``chips``; the trips of `logprobs`' loop over chunks and pieces).
+    Under ``train.logps_chunk_size`` XLA's count holds one trip of them: the loop runs over every row of the batch
+    on each chip, each trip's product split over the chips (the hidden dim is fsdp's)."""
+    from grpo_jax.algo.logprobs import _slots_per_piece
+
+    model, T, chunk = config.model, config.sampling.max_completion_length, config.train.logps_chunk_size
+    piece = _slots_per_piece(T, chunk * model.vocab_size)
+    trips = -(-rows // chunk) * -(-T // piece)
+    return 2.0 * model.hidden_size * model.vocab_size * T * rows / chips * passes, trips
+
+
+def costs(config: Config, mesh, compiled: dict[str, Program], *, tpu: bool) -> dict[str, tuple[float, float]]:
+    """{phase: (FLOPs, bytes)} per chip of one run of each of the run's ``compiled`` programs (`programs`).
+
+    XLA counts each loop's body once. The layers: with ``model.scan_layers`` the run's programs count
+    `layers_counted` (u) of the L layers; the same programs at another `model.scan_unroll` (u') count u', and the
+    difference is one layer: cost = run's + (L - u) x (run's - other's) / (u - u'). Programs whose lowered text the
+    unroll does not change (the decoder's, which loops over the layers in Python) are not compiled again. The train
+    step's micro-batches: times `train.gradient_accumulation_steps` (the optimizer's update, outside their loop, is
+    counted that many times: about 16 bytes a parameter per chip each). Added by hand, FLOPs only: splash
+    attention's (a custom call to XLA: `kernel_attention_flops`) and the unembedding's trips XLA did not count under
+    ``train.logps_chunk_size`` (`unembedding_flops`); their bytes stay XLA's count (the kernels' operands, one
+    trip of the unembedding: a lower bound)."""
+    model, tc = config.model, config.train
+    L, u = model.num_hidden_layers, model.scan_unroll
+    own = {name: xla_cost(p.compiled) for name, p in compiled.items()}
+    counted = other_counted = layers_counted(L, u)
+    other = own
+    if model.scan_layers and counted < L:
+        other_unroll = 1 if u > 1 else 2
+        other_counted = layers_counted(L, other_unroll)
+        variant = dataclasses.replace(model, scan_unroll=other_unroll)
+        other = {name: xla_cost(p.compiled) for name, p in
+                 programs(config, mesh, variant, tpu=tpu, reuse=compiled).items()}
+    out = {}
+    for name, (flops, bytes_) in own.items():
+        totals = []
+        for mine, theirs in ((flops, other[name][0]), (bytes_, other[name][1])):
+            layer = 0.0 if other_counted == counted else (mine - theirs) / (counted - other_counted)
+            totals.append(mine + (L - counted) * layer)
+        scale = tc.gradient_accumulation_steps if name == "train_step" else 1
+        out[name] = (max(totals[0], 0.0) * scale, max(totals[1], 0.0) * scale)
+    if tc.logps_chunk_size > 0:  # the unembedding's trips XLA did not count
+        m, chips = tc.gradient_accumulation_steps, mesh.devices.size
+        remat = 2  # its pieces are checkpointed: forward, again in the backward, and the backward's two products
+        for name, rows, passes, scale in (("logps", tc.generation_batch_size, 1, 1),
+                                          ("train_step", tc.train_batch_size // m, 2 + remat, m)):
+            if name in out:
+                flops, trips = unembedding_flops(config, rows=rows, chips=chips, passes=passes)
+                out[name] = (out[name][0] + flops * (1 - 1 / trips) * scale, out[name][1])
+    platform = mesh.devices.flat[0].platform
+    backend = model.attention if model.attention != "auto" else {"tpu": "splash"}.get(platform)
+    if backend in KERNEL_BACKENDS:  # the kernels' FLOPs, which XLA does not see (their bytes it does: operands)
+        from grpo_jax.api import run
+        from grpo_jax.device import sharding
+
+        round_group, step_group = run.prompt_group_sizes(config, mesh)
+        shards, tensor = sharding.num_row_shards(mesh), mesh.shape.get("tensor", 1)
+        remat = 1 if model.remat != "none" else 0  # the checkpointed layer's forward again in the backward
+        for name, rows, group, passes in (("logps", tc.generation_batch_size, round_group, 1),
+                                          ("train_step", tc.train_batch_size, step_group, 3 + remat)):
+            if name in out:
+                flops = kernel_attention_flops(config, rows=rows / shards, group=group, tensor=tensor, passes=passes)
+                out[name] = (out[name][0] + flops, out[name][1])
+    return out
