@@ -23,6 +23,7 @@ so the router keeps its gradient.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -31,6 +32,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 EXPERT = "expert"  # the mesh axis experts are split over (grpo_jax/sharding.py)
+ROWS = ("data", "fsdp", EXPERT)  # the mesh axes tokens are split over (grpo_jax/sharding.py ROWS)
+# assignments (tokens x K x mesh.expert) one chunk of `expert_parallel` dispatches: its buffers, ~18 KiB an
+# assignment at Qwen3-30B-A3B's D 2048 and F 768, stay near 1 GiB however many tokens a device holds
+CHUNK_ASSIGNMENTS = 1 << 16
 
 
 class Routing(NamedTuple):
@@ -58,11 +63,12 @@ class Experts(nnx.Module):
     def __call__(self, x_NxD, experts_NxK, weights_NxK):
         """sum_k weights[n, k] * expert_{experts[n, k]}(x[n]) -> [N, D], experts split over an ``expert`` mesh
         axis when the abstract mesh (`jax.set_mesh`) has one of size > 1."""
-        weights = tuple(w[...].astype(self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        stacks = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
         mesh = jax.sharding.get_abstract_mesh()
         if EXPERT not in mesh.axis_names or mesh.shape[EXPERT] == 1:
-            return expert_mlp(x_NxD, experts_NxK, weights_NxK, *weights, ragged_dot=self.ragged_dot).astype(self.dtype)
-        return expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, *weights,
+            return expert_mlp(x_NxD, experts_NxK, weights_NxK, *(w.astype(self.dtype) for w in stacks),
+                              ragged_dot=self.ragged_dot).astype(self.dtype)
+        return expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, *stacks, dtype=self.dtype,
                                ragged_dot=self.ragged_dot).astype(self.dtype)
 
 
@@ -87,30 +93,64 @@ def expert_mlp(x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD
     return jnp.zeros((N, x_NxD.shape[-1]), jnp.float32).at[token_M].add(ys_MxD)
 
 
-def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, *,
-                    ragged_dot=jax.lax.ragged_dot):
-    """`expert_mlp` with the experts split over the mesh's ``expert`` axis: each device runs the assignments to its
-    E / n experts on the (replicated) tokens and a psum adds the partial outputs. float32 [N, D]."""
+def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, *, dtype=None,
+                    ragged_dot=jax.lax.ragged_dot, chunk_tokens=None):
+    """`expert_mlp` with the experts split over the mesh's ``expert`` axis and the tokens over its row axes (data,
+    fsdp, expert): each device takes its tokens in chunks; a chunk's tokens are gathered over ``expert``, each
+    device runs the assignments to its E / n experts, and a reduce-scatter over ``expert`` sums every token's
+    experts back on the device that holds it. Exact (no capacity, nothing dropped). float32 [N, D].
+
+    The weights come in as stored and are cast to ``dtype`` inside a chunk, so their gradient sums the chunks in
+    the stored dtype. ``chunk_tokens``: tokens of one device per chunk (default: `CHUNK_ASSIGNMENTS` / (n K))."""
     E = gate_ExDxF.shape[0]
     n = mesh.shape[EXPERT]
     if E % n:
         raise ValueError(f"model.num_experts={E} does not split over mesh.expert={n}: make mesh.expert divide it")
+    N, K = experts_NxK.shape
+    rows = tuple(axis for axis in ROWS if axis in mesh.axis_names)
+    shards = math.prod(mesh.shape[axis] for axis in rows)
+    chunk = chunk_tokens or max(1, CHUNK_ASSIGNMENTS // (n * K))
+    dtype = dtype or x_NxD.dtype
+    pad = -N % shards  # tokens past the end go to no expert (-1) and are cut off again
+    x_NxD, experts_NxK, weights_NxK = _pad(pad, x_NxD, experts_NxK, weights_NxK)
 
-    def local(first_1, x, experts, weights, gate, up, down):
+    def local(first_1, x, experts, weights, *stacks):
         first = first_1[0]
-        # the tokens cast to varying over the axis up front, so the cast's transpose sums every device's part of
-        # their gradient (left to jax 0.10's implicit casts, x's gradient came back wrong: tests/test_moe.py)
-        x = jax.lax.pcast(x, EXPERT, to="varying")
-        return jax.lax.psum(expert_mlp(x, experts, weights, gate, up, down, first, ragged_dot=ragged_dot), EXPERT)
+        # the weights vary over the row axes from here: their cast's transpose sums every device's gradient part
+        stacks = tuple(jax.lax.pcast(w, tuple(a for a in rows if a != EXPERT), to="varying") for w in stacks)
+        tokens = x.shape[0]
+        chunks = -(-tokens // chunk)
+        size = -(-tokens // chunks)
+        x, experts, weights = _pad(chunks * size - tokens, x, experts, weights)
 
-    split, whole = PartitionSpec(EXPERT), PartitionSpec()
+        def one(part):
+            xs, es, ws = (jax.lax.all_gather(a, EXPERT, tiled=True) for a in part)
+            ys = expert_mlp(xs, es, ws, *(w.astype(dtype) for w in stacks), first, ragged_dot=ragged_dot)
+            return jax.lax.psum_scatter(ys, EXPERT, tiled=True)
+
+        if chunks == 1:
+            return one((x, experts, weights))[:tokens]
+        # remat: a chunk's [n * size * K, D] buffers live only while that chunk runs, forward and backward
+        parts = tuple(a.reshape(chunks, size, *a.shape[1:]) for a in (x, experts, weights))
+        return jax.lax.map(jax.checkpoint(one), parts).reshape(chunks * size, -1)[:tokens]
+
+    split, tokens = PartitionSpec(EXPERT), PartitionSpec(rows)
     # each device's first expert comes in as data split over the axis, not from axis_index: XLA's TPU SPMD
     # partitioner refuses the PartitionId that axis_index becomes in a shard_map with other axes left automatic
     # (Qwen3-30B-A3B's train step over expert x fsdp)
     first_n = jnp.arange(n, dtype=jnp.int32) * (E // n)
-    return jax.shard_map(local, mesh=mesh, in_specs=(split, whole, whole, whole, split, split, split),
-                         out_specs=whole, axis_names={EXPERT})(first_n, x_NxD, experts_NxK, weights_NxK, gate_ExDxF,
-                                                               up_ExDxF, down_ExFxD)
+    out_NxD = jax.shard_map(local, mesh=mesh, in_specs=(split, tokens, tokens, tokens, split, split, split),
+                            out_specs=tokens, axis_names=set(rows))(first_n, x_NxD, experts_NxK, weights_NxK,
+                                                                    gate_ExDxF, up_ExDxF, down_ExFxD)
+    return out_NxD[:N]
+
+
+def _pad(pad, x_NxD, experts_NxK, weights_NxK):
+    """The three token arrays with ``pad`` more tokens that go to no expert (id -1, weight 0)."""
+    if not pad:
+        return x_NxD, experts_NxK, weights_NxK
+    return (jnp.pad(x_NxD, ((0, pad), (0, 0))), jnp.pad(experts_NxK, ((0, pad), (0, 0)), constant_values=-1),
+            jnp.pad(weights_NxK, ((0, pad), (0, 0))))
 
 
 def route(router_logits_NxE, top_k: int, norm_topk_prob: bool, replay_NxK=None):

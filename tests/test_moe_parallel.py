@@ -1,0 +1,82 @@
+"""Expert parallelism (grpo_jax/models/moe.py `expert_parallel`): tokens split over the row axes, gathered per
+chunk over ``expert`` and reduce-scattered back, equal the single-device block in values and gradients on 8 fake
+CPU devices; compiled for a TPU topology, its memory stays bounded by a chunk, not by every device's tokens."""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from grpo_jax import sharding
+from grpo_jax.models import ModelConfig, moe
+
+D, E, F, K = 32, 8, 16, 2
+
+
+def _block(seed=0, **kw):
+    config = ModelConfig(vocab_size=64, hidden_size=D, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=F,
+                         norm_topk_prob=True, initializer_range=0.2, model_type="qwen3_moe", **kw)
+    return nnx.split(moe.SparseMoE(config, nnx.Rngs(seed)))
+
+
+def _loss(graphdef):
+    def loss(params, x):
+        out, logits, _ = nnx.merge(graphdef, params)(x)
+        return jnp.sum(out ** 2) + jnp.sum(logits ** 2), out
+    return loss
+
+
+@pytest.mark.parametrize("chunk_assignments, rows", [(moe.CHUNK_ASSIGNMENTS, 4), (8, 4), (4, 3)])
+def test_chunked_tokens_split_over_rows_equal_one_device(monkeypatch, chunk_assignments, rows):
+    """data 2 x fsdp 2 x expert 2, the weights split over expert and fsdp as `sharding.PARTITION_RULES` say: one
+    chunk; chunks of 2 tokens (4 x 5 tokens: 3 a device, padded to 2 chunks); chunks of 1 token with 3 x 5 tokens,
+    which do not split over the 8 devices (padded with tokens sent to no expert). Same outputs and gradients (weights, router, tokens) as one device."""
+    graphdef, params = _block()
+    x = jax.random.normal(jax.random.key(7), (rows, 5, D), jnp.float32)
+    grad = jax.grad(_loss(graphdef), argnums=(0, 1), has_aux=True)
+    want_grad, want_out = grad(params, x)
+
+    monkeypatch.setattr(moe, "CHUNK_ASSIGNMENTS", chunk_assignments)
+    mesh = sharding.make_mesh(data=2, fsdp=2, expert=2, devices=jax.devices()[:8])
+    params_sharded = jax.device_put(params, jax.tree_util.tree_map_with_path(  # the block's rules inside a layer
+        lambda path, v: NamedSharding(mesh, sharding.partition_spec("mlp." + sharding.path_name(path), v.shape,
+                                                                    mesh)), params))
+    x_sharded = jax.device_put(x, NamedSharding(mesh, PartitionSpec(sharding.ROWS)) if rows % 8 == 0
+                               else NamedSharding(mesh, PartitionSpec()))
+    assert params_sharded["experts"]["gate_proj"][...].sharding.spec[:2] == ("expert", "fsdp")
+    with jax.set_mesh(mesh):
+        lowered = jax.jit(grad).lower(params_sharded, x_sharded)
+        got_grad, got_out = lowered.compile()(params_sharded, x_sharded)
+    assert "all-to-all" in lowered.as_text() or "reduce_scatter" in lowered.as_text()
+    # float32 sums in another order (the reduce-scatter over experts): relative agreement, as for any reduction
+    np.testing.assert_allclose(got_out, want_out, atol=1e-5, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5), got_grad, want_grad)
+
+
+def test_chunks_do_not_change_the_expert_parallel_block():
+    """`expert_parallel` itself, one chunk against chunks of 3 tokens (a device's 6 tokens in 2, 12 assignments a
+    chunk over expert 2): the same values and gradients, and both the single-device `expert_mlp`'s."""
+    rng = np.random.default_rng(0)
+    N = 24
+    x = jnp.asarray(rng.normal(size=(N, D)), jnp.float32)
+    experts = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(N)]), jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(N, K)), jnp.float32)
+    stacks = tuple(jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for s in ((E, D, F), (E, D, F), (E, F, D)))
+    mesh = sharding.make_mesh(data=1, fsdp=2, expert=2, devices=jax.devices()[:4])
+
+    def loss(fn):
+        return jax.jit(jax.value_and_grad(lambda x, w, *s: jnp.sum(fn(x, experts, w, *s) ** 2), argnums=(0, 1, 2, 3, 4)))
+
+    want = loss(moe.expert_mlp)(x, weights, *stacks)
+    for chunk in (None, 3):
+        got = loss(lambda *a: moe.expert_parallel(mesh, *a, chunk_tokens=chunk))(x, weights, *stacks)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5), got, want)
+
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu not installed (pip install -e '.[tpu]'): no TPU topology to "
+                                         "compile for")
