@@ -10,11 +10,15 @@ stacked tensor per projection: ``experts.gate_proj`` [E, D, F], ``experts.up_pro
 
 Dispatch: the M assignments are sorted by expert and each expert's contiguous rows are multiplied by its weights
 with ``jax.lax.ragged_dot``: exact (no capacity, no dropped tokens, unlike capacity-factor einsum dispatch) and
-M*D*F work where the backend has a grouped matmul (XLA's ragged-dot instruction on GPU and TPU). On CPU jax falls
-back to a masked dense product over all E groups (E times the work), so the CPU speed-ups swap in a block-by-block
-product (`grpo_jax.cpu.grouped_experts`). With an ``expert`` mesh axis each device holds E / n experts and computes the
-assignments routed to them; a psum over the axis adds the experts' outputs back into every token
-(`expert_parallel`).
+M*D*F work where the backend has a grouped matmul (XLA's ragged-dot instruction on GPU and TPU; XLA:TPU 0.10.2
+expands the weights' gradient, a ragged contraction, into a dense product over every group: E times its work). On
+CPU jax falls back to a masked dense product over all E groups (E times the work), so the CPU speed-ups swap in a
+block-by-block product (`grpo_jax.cpu.grouped_experts`). With an ``expert`` mesh axis each device holds E / n
+experts and its share of the tokens (split over data, fsdp and expert as the rows are); a chunk of every device's
+tokens at a time is gathered over ``expert``, each device computes the assignments routed to its experts, and a
+reduce-scatter adds the experts' outputs back on the token's device (`expert_parallel`). A chunk's buffers ([n *
+chunk * K, D]) bound the memory (all tokens at once, Qwen3-30B-A3B's block at 16k tokens a chip needed 26 GiB of
+temporaries, 2 in chunks).
 
 Routing replay: ``replay_NxK`` (expert indices chosen elsewhere, e.g. by the sampler) replaces the top-K choice;
 the weights still come from the current router's probabilities at those experts, renormalised as the model does,
