@@ -58,16 +58,19 @@ def test_chunked_tokens_split_over_rows_equal_one_device(monkeypatch, chunk_assi
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5), got_grad, want_grad)
 
 
-def test_chunks_do_not_change_the_expert_parallel_block():
-    """`expert_parallel` itself, one chunk against chunks of 3 tokens (a device's 6 tokens in 2, 12 assignments a
-    chunk over expert 2): the same values and gradients, and both the single-device `expert_mlp`'s."""
+@pytest.mark.parametrize("axes", ["fsdp_expert", "expert_only"])
+def test_chunks_do_not_change_the_expert_parallel_block(axes):
+    """`expert_parallel` itself, one chunk against chunks of 3 tokens (fsdp 2 x expert 2: a device's 6 tokens in 2,
+    12 assignments a chunk over expert 2; or a mesh of the ``expert`` axis alone): the same values and gradients,
+    and both the single-device `expert_mlp`'s."""
     rng = np.random.default_rng(0)
     N = 24
     x = jnp.asarray(rng.normal(size=(N, D)), jnp.float32)
     experts = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(N)]), jnp.int32)
     weights = jnp.asarray(rng.uniform(size=(N, K)), jnp.float32)
     stacks = tuple(jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for s in ((E, D, F), (E, D, F), (E, F, D)))
-    mesh = sharding.make_mesh(data=1, fsdp=2, expert=2, devices=jax.devices()[:4])
+    mesh = (sharding.make_mesh(data=1, fsdp=2, expert=2, devices=jax.devices()[:4]) if axes == "fsdp_expert"
+            else Mesh(np.asarray(jax.devices()[:2]), ("expert",)))
 
     def loss(fn):
         return jax.jit(jax.value_and_grad(lambda x, w, *s: jnp.sum(fn(x, experts, w, *s) ** 2),

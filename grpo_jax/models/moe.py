@@ -121,7 +121,8 @@ def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF,
     def local(first_1, x, experts, weights, *stacks):
         first = first_1[0]
         # the weights vary over the row axes from here: their cast's transpose sums every device's gradient part
-        stacks = tuple(jax.lax.pcast(w, tuple(a for a in rows if a != EXPERT), to="varying") for w in stacks)
+        others = tuple(axis for axis in rows if axis != EXPERT)
+        stacks = tuple(jax.lax.pcast(w, others, to="varying") for w in stacks) if others else stacks
         tokens = x.shape[0]
         chunks = -(-tokens // chunk)
         size = -(-tokens // chunks)
