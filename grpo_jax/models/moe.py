@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec
 EXPERT = "expert"  # the mesh axis experts are split over (grpo_jax/sharding.py)
 ROWS = ("data", "fsdp", EXPERT)  # the mesh axes tokens are split over (grpo_jax/sharding.py ROWS)
 # assignments (tokens x K x mesh.expert) one chunk of `expert_parallel` dispatches: Qwen3-30B-A3B's block (D 2048,
-# F 768) then needs 2.1 GiB of temporaries a chip forward and backward on v5p at 16k tokens a chip (26.5 unchunked)
+# F 768) needs 2.1 GiB of temporaries a chip forward and backward at 16k tokens a chip on v5p (26.5 all at once)
 CHUNK_ASSIGNMENTS = 1 << 16
 
 
