@@ -30,11 +30,15 @@ def _loss(graphdef):
     return loss
 
 
+def _close(got, want):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(np.abs(want).max()))
+
+
 @pytest.mark.parametrize("chunk_assignments, rows", [(moe.CHUNK_ASSIGNMENTS, 4), (8, 4), (4, 3)])
 def test_chunked_tokens_split_over_rows_equal_one_device(monkeypatch, chunk_assignments, rows):
-    """data 2 x fsdp 2 x expert 2, the weights split over expert and fsdp as `sharding.PARTITION_RULES` say: one
-    chunk; chunks of 2 tokens (4 x 5 tokens: 3 a device, padded to 2 chunks); chunks of 1 token with 3 x 5 tokens,
-    which do not split over the 8 devices (padded with tokens sent to no expert). Same outputs and gradients
+    """data 2 x fsdp 2 x expert 2, the weights split over expert and fsdp as `sharding.PARTITION_RULES` say: all
+    20 tokens' 40 assignments on every device (`_all_tokens`); chunks of 2 tokens (4 x 5 tokens: 3 a device,
+    padded to 2 chunks); chunks of 1 token with 3 x 5 tokens, which do not split over the 8 devices (padded with tokens sent to no expert). Same outputs and gradients
     (weights, router, tokens) as one device."""
     graphdef, params = _block()
     x = jax.random.normal(jax.random.key(7), (rows, 5, D), jnp.float32)
@@ -52,17 +56,19 @@ def test_chunked_tokens_split_over_rows_equal_one_device(monkeypatch, chunk_assi
     with jax.set_mesh(mesh):
         lowered = jax.jit(grad).lower(params_sharded, x_sharded)
         got_grad, got_out = lowered.compile()(params_sharded, x_sharded)
-    assert "all-to-all" in lowered.as_text() or "reduce_scatter" in lowered.as_text()
-    # float32 sums in another order (the reduce-scatter over experts): relative agreement, as for any reduction
-    np.testing.assert_allclose(got_out, want_out, atol=1e-5, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5), got_grad, want_grad)
+    text = lowered.as_text()
+    # chunks: a reduce-scatter brings the outputs home; all tokens at once: a psum
+    assert ("reduce_scatter" if chunk_assignments < 40 else "all_reduce") in text
+    # float32 sums in another order (split over devices): agreement relative to each array's scale (the router's
+    # gradient sums terms near 40 down to entries near 0.3)
+    jax.tree.map(_close, (got_out, got_grad), (want_out, want_grad))
 
 
 @pytest.mark.parametrize("axes", ["fsdp_expert", "expert_only"])
 def test_chunks_do_not_change_the_expert_parallel_block(axes):
-    """`expert_parallel` itself, one chunk against chunks of 3 tokens (fsdp 2 x expert 2: a device's 6 tokens in 2,
-    12 assignments a chunk over expert 2; or a mesh of the ``expert`` axis alone): the same values and gradients,
-    and both the single-device `expert_mlp`'s."""
+    """`expert_parallel` itself, every token on every device (few tokens), one chunk, and chunks of 3 tokens (fsdp 2
+    x expert 2: a device's 6 tokens in 2; or a mesh of the ``expert`` axis alone): the same values and gradients,
+    all the single-device `expert_mlp`'s."""
     rng = np.random.default_rng(0)
     N = 24
     x = jnp.asarray(rng.normal(size=(N, D)), jnp.float32)
@@ -77,9 +83,9 @@ def test_chunks_do_not_change_the_expert_parallel_block(axes):
                                           argnums=(0, 1, 2, 3, 4)))
 
     want = loss(moe.expert_mlp)(x, weights, *stacks)
-    for chunk in (None, 3):
+    for chunk in (None, 12, 3):  # all tokens at once (`_all_tokens`), one chunk, two chunks
         got = loss(lambda *a: moe.expert_parallel(mesh, *a, chunk_tokens=chunk))(x, weights, *stacks)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5), got, want)
+        jax.tree.map(_close, got, want)
 
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,

@@ -102,30 +102,39 @@ def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF,
     """`expert_mlp` with the experts split over the mesh's ``expert`` axis and the tokens over its row axes (data,
     fsdp, expert): each device takes its tokens in chunks; a chunk's tokens are gathered over ``expert``, each
     device runs the assignments to its E / n experts, and a reduce-scatter over ``expert`` sums every token's
-    experts back on the device that holds it. Exact (no capacity, nothing dropped). float32 [N, D].
+    experts back on the device that holds it. Exact (no capacity, nothing dropped). float32 [N, D]. When all the
+    tokens' assignments fit in one chunk (decode) and no ``chunk_tokens`` is given, `_all_tokens` instead.
 
-    The weights come in as stored and are cast to ``dtype`` inside a chunk, so their gradient sums the chunks in
-    the stored dtype. ``chunk_tokens``: tokens of one device per chunk (default: `CHUNK_ASSIGNMENTS` / (n K))."""
+    With several chunks the weights come in as stored and are cast to ``dtype`` inside each, so their gradient
+    sums the chunks in the stored dtype; with one (decode) they are cast first, so half the bytes move.
+    ``chunk_tokens``: tokens of one device per chunk (default: `CHUNK_ASSIGNMENTS` / (n K))."""
     E = gate_ExDxF.shape[0]
     n = mesh.shape[EXPERT]
     if E % n:
         raise ValueError(f"model.num_experts={E} does not split over mesh.expert={n}: make mesh.expert divide it")
     N, K = experts_NxK.shape
+    if chunk_tokens is None and N * K <= CHUNK_ASSIGNMENTS:
+        return _all_tokens(mesh, x_NxD, experts_NxK, weights_NxK, *(w.astype(dtype or x_NxD.dtype) for w in
+                                                                     (gate_ExDxF, up_ExDxF, down_ExFxD)),
+                           ragged_dot=ragged_dot)
     rows = tuple(axis for axis in ROWS if axis in mesh.axis_names)
     shards = math.prod(mesh.shape[axis] for axis in rows)
     chunk = chunk_tokens or max(1, CHUNK_ASSIGNMENTS // (n * K))
     dtype = dtype or x_NxD.dtype
     pad = -N % shards  # tokens past the end go to no expert (-1) and are cut off again
     x_NxD, experts_NxK, weights_NxK = _pad(pad, x_NxD, experts_NxK, weights_NxK)
+    tokens = (N + pad) // shards
+    chunks = -(-tokens // chunk)
+    size = -(-tokens // chunks)
+    stacks = (gate_ExDxF, up_ExDxF, down_ExFxD)
+    if chunks == 1:
+        stacks = tuple(w.astype(dtype) for w in stacks)
 
     def local(first_1, x, experts, weights, *stacks):
         first = first_1[0]
-        # the weights vary over the row axes from here: their cast's transpose sums every device's gradient part
+        # the weights vary over the row axes from here: the cast's transpose sums every device's gradient part
         others = tuple(axis for axis in rows if axis != EXPERT)
         stacks = tuple(jax.lax.pcast(w, others, to="varying") for w in stacks) if others else stacks
-        tokens = x.shape[0]
-        chunks = -(-tokens // chunk)
-        size = -(-tokens // chunks)
         x, experts, weights = _pad(chunks * size - tokens, x, experts, weights)
 
         def one(part):
@@ -139,15 +148,35 @@ def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF,
         parts = tuple(a.reshape(chunks, size, *a.shape[1:]) for a in (x, experts, weights))
         return jax.lax.map(jax.checkpoint(one), parts).reshape(chunks * size, -1)[:tokens]
 
-    split, tokens = PartitionSpec(EXPERT), PartitionSpec(rows)
+    split, row_split = PartitionSpec(EXPERT), PartitionSpec(rows)
     # each device's first expert comes in as data split over the axis, not from axis_index: XLA's TPU SPMD
     # partitioner refuses the PartitionId that axis_index becomes in a shard_map with other axes left automatic
     # (Qwen3-30B-A3B's train step over expert x fsdp)
     first_n = jnp.arange(n, dtype=jnp.int32) * (E // n)
-    out_NxD = jax.shard_map(local, mesh=mesh, in_specs=(split, tokens, tokens, tokens, split, split, split),
-                            out_specs=tokens, axis_names=set(rows))(first_n, x_NxD, experts_NxK, weights_NxK,
-                                                                    gate_ExDxF, up_ExDxF, down_ExFxD)
+    out_NxD = jax.shard_map(local, mesh=mesh, in_specs=(split, row_split, row_split, row_split, *[split] * 3),
+                            out_specs=row_split, axis_names=set(rows))(first_n, x_NxD, experts_NxK, weights_NxK,
+                                                                       *stacks)
     return out_NxD[:N]
+
+
+def _all_tokens(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, *, ragged_dot):
+    """`expert_parallel` for few tokens (decode): every device runs its experts' assignments of ALL the tokens and
+    a psum over ``expert`` adds them; the weights stay split over the other axes (0.26 GB accessed a layer a chip
+    at Qwen3-30B-A3B's 4 decode tokens a chip over expert 8 x fsdp 8, against 0.50 GB gathering them)."""
+
+    def local(first_1, x, experts, weights, gate, up, down):
+        # the tokens cast to varying over the axis up front, so the cast's transpose sums every device's part of
+        # their gradient (left to jax 0.10's implicit casts, x's gradient came back wrong: tests/test_moe.py)
+        x = jax.lax.pcast(x, EXPERT, to="varying")
+        return jax.lax.psum(expert_mlp(x, experts, weights, gate, up, down, first_1[0], ragged_dot=ragged_dot),
+                            EXPERT)
+
+    n, E = mesh.shape[EXPERT], gate_ExDxF.shape[0]
+    split, whole = PartitionSpec(EXPERT), PartitionSpec()
+    first_n = jnp.arange(n, dtype=jnp.int32) * (E // n)  # as data, not axis_index: see `expert_parallel`
+    return jax.shard_map(local, mesh=mesh, in_specs=(split, whole, whole, whole, split, split, split),
+                         out_specs=whole, axis_names={EXPERT})(first_n, x_NxD, experts_NxK, weights_NxK, gate_ExDxF,
+                                                               up_ExDxF, down_ExFxD)
 
 
 def _pad(pad, x_NxD, experts_NxK, weights_NxK):
