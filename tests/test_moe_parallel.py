@@ -40,6 +40,7 @@ def test_chunked_tokens_split_over_rows_equal_one_device(monkeypatch, chunk_assi
     20 tokens' 40 assignments on every device (`_all_tokens`); chunks of 2 tokens (4 x 5 tokens: 3 a device,
     padded to 2 chunks); chunks of 1 token with 3 x 5 tokens, which do not split over the 8 devices (padded with tokens sent to no expert). Same outputs and gradients
     (weights, router, tokens) as one device."""
+    assert moe.ROWS == sharding.ROWS  # the block splits tokens as the batch's rows are split
     graphdef, params = _block()
     x = jax.random.normal(jax.random.key(7), (rows, 5, D), jnp.float32)
     grad = jax.grad(_loss(graphdef), argnums=(0, 1), has_aux=True)
