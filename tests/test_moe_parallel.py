@@ -99,7 +99,7 @@ def test_tpu_memory_is_bounded_by_a_chunk_not_every_devices_tokens(monkeypatch):
     """A qwen3_moe block (bf16 over float32 params) on v5p:2x2x2, expert 4 x fsdp 2, 4,096 tokens a chip, forward
     and backward compiled by XLA's TPU compiler: its temporaries per chip stay under ONE float32 [n_expert * tokens
     * K, D] buffer, the size of the outputs of every assignment the old block gathered over ``expert``
-    (64 MiB here; the old block needed 369 MiB, the one-chunk block 242 MiB, chunks of 256 tokens 23 MiB)."""
+    (64 MiB here; the old block, which took every chip's tokens at once, needed 369 MiB; 256-token chunks 23 MiB)."""
     from grpo_jax import plan
 
     monkeypatch.setattr(moe, "CHUNK_ASSIGNMENTS", 4096)  # 256 tokens a chunk: 16 chunks a chip
