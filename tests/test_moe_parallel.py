@@ -38,8 +38,8 @@ def _close(got, want):
 def test_chunked_tokens_split_over_rows_equal_one_device(monkeypatch, chunk_assignments, rows):
     """data 2 x fsdp 2 x expert 2, the weights split over expert and fsdp as `sharding.PARTITION_RULES` say: all
     20 tokens' 40 assignments on every device (`_all_tokens`); chunks of 2 tokens (4 x 5 tokens: 3 a device,
-    padded to 2 chunks); chunks of 1 token with 3 x 5 tokens, which do not split over the 8 devices (padded with tokens sent to no expert). Same outputs and gradients
-    (weights, router, tokens) as one device."""
+    padded to 2 chunks); chunks of 1 token with 3 x 5 tokens, which do not split over the 8 devices (padded with
+    tokens sent to no expert). Same outputs and gradients (weights, router, tokens) as one device."""
     assert moe.ROWS == sharding.ROWS  # the block splits tokens as the batch's rows are split
     graphdef, params = _block()
     x = jax.random.normal(jax.random.key(7), (rows, 5, D), jnp.float32)
