@@ -119,7 +119,7 @@ def _token_weights(sources, real_BxS, group_size: int, num_prompt: int):
 def completion_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT,
                      *, temperature: float, with_entropy: bool = False, chunk_size: int = 0,
                      prompt_group_size: int = 1, packed_length: int = 0, packed_buffers: int = 0,
-                     routing=None, router_aux: bool = False):
+                     routing=None, router_aux: bool = False, row_sharding=None):
     """Log-probs [B, T] (float32) of the completion tokens, and entropies [B, T] or None (and with ``router_aux``
     the load-balancing loss, a third output).
 
@@ -138,6 +138,10 @@ def completion_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completi
     rows (prompt ++ completion, the prompt counted once per row, as TRL's forward of each row counts it), of the
     routers' own top K. The shared-prompt layout never runs a row's last completion token, which predicts nothing,
     so there the loss misses those tokens.
+
+    ``row_sharding`` (a `NamedSharding` of the rows, or None): the buffers' hidden states are kept split over rows
+    that way, so each chip runs and keeps its own rows (XLA's own choice held every row's hidden states on every
+    chip, split over the hidden size instead).
     """
     B, T = completion_ids_BxT.shape
     layout_of = lambda prompt, completion: trajectory.layout(  # noqa: E731
@@ -161,6 +165,8 @@ def completion_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completi
                                               prefix_group_size=prompt_group_size if prefix is not None else 1,
                                               routing=replay(source), return_routing=router_aux)
     router += buffer_router
+    if row_sharding is not None:  # else XLA splits the hidden size like the fsdp params and every chip holds all rows
+        hidden_RxLxD = jax.lax.with_sharding_constraint(hidden_RxLxD, row_sharding)
     start, size = layout.scored
     hidden_RxCxD = hidden_RxLxD[:, start:start + size]
     next_RxC = layout.next_ids[:, start:start + size]
