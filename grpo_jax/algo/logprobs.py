@@ -16,6 +16,8 @@ says which row token each slot runs).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -41,9 +43,9 @@ def token_logps_from_logits(logits_BxTxV, token_ids_BxT, *, temperature: float, 
 
 
 def _logps_of_hidden(graphdef, params, hidden_NxCxD, ids_NxC, *, temperature: float, with_entropy: bool,
-                     chunk_size: int):
+                     chunk_size: int, row_sharding=None):
     """Log-probs (and entropies, or None) of ``ids`` under the logits of ``hidden``, [N, C] float32; ``chunk_size``
-    rows of C slots unembedded at a time (`completion_logps`)."""
+    rows of C slots unembedded at a time (`completion_logps`), in each shard of ``row_sharding`` (None: one)."""
     def rows(hidden_KxCxD, ids_KxC):
         logits_KxCxV = unembed(graphdef, params, hidden_KxCxD)
         return token_logps_from_logits(logits_KxCxV, ids_KxC, temperature=temperature, with_entropy=with_entropy)
@@ -71,9 +73,28 @@ def _logps_of_hidden(graphdef, params, hidden_NxCxD, ids_NxC, *, temperature: fl
         logps_QxS, entropy_QxS = jax.lax.map(one_piece, (hidden_QxSxD, ids_QxS))
         return logps_QxS.reshape(-1)[:C], (entropy_QxS.reshape(-1)[:C] if with_entropy else entropy_QxS[0])
 
-    # batch_size vmaps chunk_size rows per map step (and handles a ragged last chunk)
-    logps_NxC, entropy = jax.lax.map(one_row, (hidden_NxCxD, ids_NxC), batch_size=chunk_size)
-    return logps_NxC, (entropy if with_entropy else None)
+    def rows_in_chunks(hidden_MxCxD, ids_MxC):  # batch_size vmaps chunk_size rows per map step (and a ragged last)
+        return jax.lax.map(one_row, (hidden_MxCxD, ids_MxC), batch_size=chunk_size)
+
+    if row_sharding is None:
+        logps_NxC, entropy = rows_in_chunks(hidden_NxCxD, ids_NxC)
+        return logps_NxC, (entropy if with_entropy else None)
+    # each row shard maps over its own rows: a map over the rows' axis itself would step through rows of every
+    # shard, which XLA does by gathering all rows' hidden states onto every chip
+    S = _row_shards(row_sharding)
+    pad = -N % S
+    hidden_SxMxCxD = jax.lax.with_sharding_constraint(
+        jnp.pad(hidden_NxCxD, ((0, pad), (0, 0), (0, 0))).reshape(S, -1, C, D), row_sharding)
+    ids_SxMxC = jax.lax.with_sharding_constraint(jnp.pad(ids_NxC, ((0, pad), (0, 0))).reshape(S, -1, C), row_sharding)
+    logps_SxMxC, entropy = jax.vmap(rows_in_chunks)(hidden_SxMxCxD, ids_SxMxC)
+    return logps_SxMxC.reshape(-1, C)[:N], (entropy.reshape(-1, C)[:N] if with_entropy else None)
+
+
+def _row_shards(row_sharding) -> int:
+    """How many ways ``row_sharding`` splits the rows (its first dimension)."""
+    axes = row_sharding.spec[0] if len(row_sharding.spec) else None
+    axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+    return math.prod(row_sharding.mesh.shape[axis] for axis in axes)
 
 
 def _slots_per_piece(C: int, values_per_slot: int) -> int:
@@ -119,7 +140,7 @@ def _token_weights(sources, real_BxS, group_size: int, num_prompt: int):
 def completion_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxT, completion_mask_BxT,
                      *, temperature: float, with_entropy: bool = False, chunk_size: int = 0,
                      prompt_group_size: int = 1, packed_length: int = 0, packed_buffers: int = 0,
-                     routing=None, router_aux: bool = False):
+                     routing=None, router_aux: bool = False, row_sharding=None):
     """Log-probs [B, T] (float32) of the completion tokens, and entropies [B, T] or None (and with ``router_aux``
     the load-balancing loss, a third output).
 
@@ -138,6 +159,10 @@ def completion_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completi
     rows (prompt ++ completion, the prompt counted once per row, as TRL's forward of each row counts it), of the
     routers' own top K. The shared-prompt layout never runs a row's last completion token, which predicts nothing,
     so there the loss misses those tokens.
+
+    ``row_sharding`` (a `NamedSharding` of the rows, or None): the buffers' hidden states are kept split over rows
+    that way, and with a chunk each shard unembeds its own rows ``chunk_size`` at a time, so each chip runs and
+    keeps its own rows (XLA's own choice held every row's hidden states on every chip).
     """
     B, T = completion_ids_BxT.shape
     layout_of = lambda prompt, completion: trajectory.layout(  # noqa: E731
@@ -161,6 +186,8 @@ def completion_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completi
                                               prefix_group_size=prompt_group_size if prefix is not None else 1,
                                               routing=replay(source), return_routing=router_aux)
     router += buffer_router
+    if row_sharding is not None:  # else XLA splits the hidden size like the fsdp params and every chip holds all rows
+        hidden_RxLxD = jax.lax.with_sharding_constraint(hidden_RxLxD, row_sharding)
     start, size = layout.scored
     hidden_RxCxD = hidden_RxLxD[:, start:start + size]
     next_RxC = layout.next_ids[:, start:start + size]
@@ -170,7 +197,7 @@ def completion_logps(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, completi
         hidden_RxCxD = jnp.pad(hidden_RxCxD.reshape(R * C, D), ((0, pad), (0, 0))).reshape(-1, T, D)
         next_RxC = jnp.pad(next_RxC.reshape(-1), (0, pad)).reshape(-1, T)
     logps, entropy = _logps_of_hidden(graphdef, params, hidden_RxCxD, next_RxC, temperature=temperature,
-                                      with_entropy=with_entropy, chunk_size=chunk_size)
+                                      with_entropy=with_entropy, chunk_size=chunk_size, row_sharding=row_sharding)
 
     def gather(slots):  # each completion token's log-prob, from the slot that predicts it
         return jnp.take(slots.reshape(-1), layout.source.reshape(-1), axis=0).reshape(B, T)

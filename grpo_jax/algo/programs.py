@@ -156,6 +156,7 @@ def jit_logps(graphdef: nnx.GraphDef, mesh: Mesh, *, temperature: float, chunk_s
     """
     rows = sharding.row_sharded(mesh)
     on_device = None if params_sharding is None else _on_device(params_sharding)
+    split = rows if sharding.num_row_shards(mesh) > 1 else None  # one row shard: the program as before
 
     def logps(params, prompt_ids, prompt_mask, completion_ids, completion_mask, routed_experts, packed_length=0,
               packed_buffers=0):
@@ -164,7 +165,7 @@ def jit_logps(graphdef: nnx.GraphDef, mesh: Mesh, *, temperature: float, chunk_s
         out, _ = completion_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                   temperature=temperature, chunk_size=chunk_size,
                                   prompt_group_size=prompt_group_size, packed_length=packed_length,
-                                  packed_buffers=packed_buffers, routing=routed_experts)
+                                  packed_buffers=packed_buffers, routing=routed_experts, row_sharding=split)
         return out
 
     return jax.jit(sharding.traced_in(mesh, logps), in_shardings=(params_sharding, rows, rows, rows, rows, rows),

@@ -10,11 +10,15 @@ stacked tensor per projection: ``experts.gate_proj`` [E, D, F], ``experts.up_pro
 
 Dispatch: the M assignments are sorted by expert and each expert's contiguous rows are multiplied by its weights
 with ``jax.lax.ragged_dot``: exact (no capacity, no dropped tokens, unlike capacity-factor einsum dispatch) and
-M*D*F work where the backend has a grouped matmul (XLA's ragged-dot instruction on GPU and TPU). On CPU jax falls
-back to a masked dense product over all E groups (E times the work), so the CPU speed-ups swap in a block-by-block
-product (`grpo_jax.cpu.grouped_experts`). With an ``expert`` mesh axis each device holds E / n experts and computes the
-assignments routed to them; a psum over the axis adds the experts' outputs back into every token
-(`expert_parallel`).
+M*D*F work where the backend has a grouped matmul (XLA's ragged-dot instruction on GPU and TPU; XLA:TPU 0.10.2
+expands the weights' gradient, a ragged contraction, into a dense product over every group: E times its work). On
+CPU jax falls back to a masked dense product over all E groups (E times the work), so the CPU speed-ups swap in a
+block-by-block product (`grpo_jax.cpu.grouped_experts`). With an ``expert`` mesh axis each device holds E / n
+experts and its share of the tokens (split over data, fsdp and expert as the rows are); a chunk of every device's
+tokens at a time is gathered over ``expert``, each device computes the assignments routed to its experts, and a
+reduce-scatter adds the experts' outputs back on the token's device (`expert_parallel`). A chunk's buffers ([n *
+chunk * K, D]) bound the memory (all tokens at once, Qwen3-30B-A3B's block at 16k tokens a chip needed 26 GiB of
+temporaries, 2 in chunks).
 
 Routing replay: ``replay_NxK`` (expert indices chosen elsewhere, e.g. by the sampler) replaces the top-K choice;
 the weights still come from the current router's probabilities at those experts, renormalised as the model does,
@@ -23,6 +27,7 @@ so the router keeps its gradient.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -30,7 +35,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-EXPERT = "expert"  # the mesh axis experts are split over (grpo_jax/sharding.py)
+EXPERT = "expert"  # the mesh axis experts are split over (grpo_jax/device/sharding.py)
+ROWS = ("data", "fsdp", EXPERT)  # the mesh axes tokens are split over (grpo_jax/device/sharding.py ROWS)
+# assignments (tokens x K x mesh.expert) one chunk of `expert_parallel` dispatches: Qwen3-30B-A3B's block (D 2048,
+# F 768) needs 2.1 GiB of temporaries a chip forward and backward at 16k tokens a chip on v5p (26.5 all at once)
+CHUNK_ASSIGNMENTS = 1 << 16
 
 
 class Routing(NamedTuple):
@@ -58,11 +67,12 @@ class Experts(nnx.Module):
     def __call__(self, x_NxD, experts_NxK, weights_NxK):
         """sum_k weights[n, k] * expert_{experts[n, k]}(x[n]) -> [N, D], experts split over an ``expert`` mesh
         axis when the abstract mesh (`jax.set_mesh`) has one of size > 1."""
-        weights = tuple(w[...].astype(self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        stacks = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
         mesh = jax.sharding.get_abstract_mesh()
         if EXPERT not in mesh.axis_names or mesh.shape[EXPERT] == 1:
-            return expert_mlp(x_NxD, experts_NxK, weights_NxK, *weights, ragged_dot=self.ragged_dot).astype(self.dtype)
-        return expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, *weights,
+            return expert_mlp(x_NxD, experts_NxK, weights_NxK, *(w.astype(self.dtype) for w in stacks),
+                              ragged_dot=self.ragged_dot).astype(self.dtype)
+        return expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, *stacks, dtype=self.dtype,
                                ragged_dot=self.ragged_dot).astype(self.dtype)
 
 
@@ -87,30 +97,94 @@ def expert_mlp(x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD
     return jnp.zeros((N, x_NxD.shape[-1]), jnp.float32).at[token_M].add(ys_MxD)
 
 
-def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, *,
-                    ragged_dot=jax.lax.ragged_dot):
-    """`expert_mlp` with the experts split over the mesh's ``expert`` axis: each device runs the assignments to its
-    E / n experts on the (replicated) tokens and a psum adds the partial outputs. float32 [N, D]."""
+def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, *, dtype=None,
+                    ragged_dot=jax.lax.ragged_dot, chunk_tokens=None):
+    """`expert_mlp` with the experts split over the mesh's ``expert`` axis and the tokens over its row axes (data,
+    fsdp, expert): each device takes its tokens in chunks; a chunk's tokens are gathered over ``expert``, each
+    device runs the assignments to its E / n experts, and a reduce-scatter over ``expert`` sums every token's
+    experts back on the device that holds it. Exact (no capacity, nothing dropped). float32 [N, D]. When all the
+    tokens' assignments fit in one chunk (decode) and no ``chunk_tokens`` is given, `_all_tokens` instead.
+
+    With several chunks the weights come in as stored and are cast to ``dtype`` inside each, so their gradient
+    sums the chunks in the stored dtype; with one (decode) they are cast first, so half the bytes move.
+    ``chunk_tokens``: tokens of one device per chunk (default: `CHUNK_ASSIGNMENTS` / (n K))."""
     E = gate_ExDxF.shape[0]
     n = mesh.shape[EXPERT]
     if E % n:
         raise ValueError(f"model.num_experts={E} does not split over mesh.expert={n}: make mesh.expert divide it")
+    N, K = experts_NxK.shape
+    if chunk_tokens is None and N * K <= CHUNK_ASSIGNMENTS:
+        return _all_tokens(mesh, x_NxD, experts_NxK, weights_NxK, *(w.astype(dtype or x_NxD.dtype) for w in
+                                                                     (gate_ExDxF, up_ExDxF, down_ExFxD)),
+                           ragged_dot=ragged_dot)
+    rows = tuple(axis for axis in ROWS if axis in mesh.axis_names)
+    shards = math.prod(mesh.shape[axis] for axis in rows)
+    chunk = chunk_tokens or max(1, CHUNK_ASSIGNMENTS // (n * K))
+    dtype = dtype or x_NxD.dtype
+    pad = -N % shards  # tokens past the end go to no expert (-1) and are cut off again
+    x_NxD, experts_NxK, weights_NxK = _pad(pad, x_NxD, experts_NxK, weights_NxK)
+    tokens = (N + pad) // shards
+    chunks = -(-tokens // chunk)
+    size = -(-tokens // chunks)
+    stacks = (gate_ExDxF, up_ExDxF, down_ExFxD)
+    if chunks == 1:
+        stacks = tuple(w.astype(dtype) for w in stacks)
 
-    def local(first_1, x, experts, weights, gate, up, down):
+    def local(first_1, x, experts, weights, *stacks):
         first = first_1[0]
-        # the tokens cast to varying over the axis up front, so the cast's transpose sums every device's part of
-        # their gradient (left to jax 0.10's implicit casts, x's gradient came back wrong: tests/test_moe.py)
-        x = jax.lax.pcast(x, EXPERT, to="varying")
-        return jax.lax.psum(expert_mlp(x, experts, weights, gate, up, down, first, ragged_dot=ragged_dot), EXPERT)
+        # the weights vary over the row axes from here: the cast's transpose sums every device's gradient part
+        others = tuple(axis for axis in rows if axis != EXPERT)
+        stacks = tuple(jax.lax.pcast(w, others, to="varying") for w in stacks) if others else stacks
+        x, experts, weights = _pad(chunks * size - tokens, x, experts, weights)
 
-    split, whole = PartitionSpec(EXPERT), PartitionSpec()
+        def one(part):
+            xs, es, ws = (jax.lax.all_gather(a, EXPERT, tiled=True) for a in part)
+            ys = expert_mlp(xs, es, ws, *(w.astype(dtype) for w in stacks), first, ragged_dot=ragged_dot)
+            return jax.lax.psum_scatter(ys, EXPERT, tiled=True)
+
+        if chunks == 1:
+            return one((x, experts, weights))[:tokens]
+        # remat: a chunk's [n * size * K, D] buffers live only while that chunk runs, forward and backward
+        parts = tuple(a.reshape(chunks, size, *a.shape[1:]) for a in (x, experts, weights))
+        return jax.lax.map(jax.checkpoint(one), parts).reshape(chunks * size, -1)[:tokens]
+
+    split, row_split = PartitionSpec(EXPERT), PartitionSpec(rows)
     # each device's first expert comes in as data split over the axis, not from axis_index: XLA's TPU SPMD
     # partitioner refuses the PartitionId that axis_index becomes in a shard_map with other axes left automatic
     # (Qwen3-30B-A3B's train step over expert x fsdp)
     first_n = jnp.arange(n, dtype=jnp.int32) * (E // n)
+    out_NxD = jax.shard_map(local, mesh=mesh, in_specs=(split, row_split, row_split, row_split, *[split] * 3),
+                            out_specs=row_split, axis_names=set(rows))(first_n, x_NxD, experts_NxK, weights_NxK,
+                                                                       *stacks)
+    return out_NxD[:N]
+
+
+def _all_tokens(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, *, ragged_dot):
+    """`expert_parallel` for few tokens (decode): every device runs its experts' assignments of ALL the tokens and
+    a psum over ``expert`` adds them; the weights stay split over the other axes (0.26 GB accessed a layer a chip
+    at Qwen3-30B-A3B's 4 decode tokens a chip over expert 8 x fsdp 8, against 0.50 GB gathering them)."""
+
+    def local(first_1, x, experts, weights, gate, up, down):
+        # the tokens cast to varying over the axis up front, so the cast's transpose sums every device's part of
+        # their gradient (left to jax 0.10's implicit casts, x's gradient came back wrong: tests/models/test_moe.py)
+        x = jax.lax.pcast(x, EXPERT, to="varying")
+        return jax.lax.psum(expert_mlp(x, experts, weights, gate, up, down, first_1[0], ragged_dot=ragged_dot),
+                            EXPERT)
+
+    n, E = mesh.shape[EXPERT], gate_ExDxF.shape[0]
+    split, whole = PartitionSpec(EXPERT), PartitionSpec()
+    first_n = jnp.arange(n, dtype=jnp.int32) * (E // n)  # as data, not axis_index: see `expert_parallel`
     return jax.shard_map(local, mesh=mesh, in_specs=(split, whole, whole, whole, split, split, split),
                          out_specs=whole, axis_names={EXPERT})(first_n, x_NxD, experts_NxK, weights_NxK, gate_ExDxF,
                                                                up_ExDxF, down_ExFxD)
+
+
+def _pad(pad, x_NxD, experts_NxK, weights_NxK):
+    """The three token arrays with ``pad`` more tokens that go to no expert (id -1, weight 0)."""
+    if not pad:
+        return x_NxD, experts_NxK, weights_NxK
+    return (jnp.pad(x_NxD, ((0, pad), (0, 0))), jnp.pad(experts_NxK, ((0, pad), (0, 0)), constant_values=-1),
+            jnp.pad(weights_NxK, ((0, pad), (0, 0))))
 
 
 def route(router_logits_NxE, top_k: int, norm_topk_prob: bool, replay_NxK=None):
