@@ -309,7 +309,8 @@ def test_long_rows_in_pieces_never_hold_a_whole_rows_logits(monkeypatch):
 def test_row_sharded_logps_program_equals_one_device(tiny_model, chunk_size, packed):
     """`programs.jit_logps` on 4 fsdp devices (rows kept split, `row_sharding`) against one device, whose program
     is `completion_logps` itself, bit for bit."""
-    from grpo_jax import programs, sharding
+    from grpo_jax.algo import programs
+    from grpo_jax.device import sharding
 
     _, graphdef, params = tiny_model
     length = packed_length(PROMPT_MASK.sum(1), COMPLETION_MASK.sum(1), 1) if packed else 0
@@ -335,7 +336,9 @@ def test_tpu_logps_program_keeps_only_each_chips_rows(monkeypatch, experts, B, T
     chip: dense 56 MiB of temporaries (all rows' hidden states 36 MiB; now 5 MiB), MoE 132 MiB (128; now 84)."""
     from flax import nnx
 
-    from grpo_jax import plan, programs, sharding
+    from grpo_jax.algo import programs
+    from grpo_jax.api import plan
+    from grpo_jax.device import sharding
     from grpo_jax.models import ModelConfig, Transformer
 
     if experts == 1:

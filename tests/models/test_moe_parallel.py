@@ -100,7 +100,7 @@ def test_tpu_memory_is_bounded_by_a_chunk_not_every_devices_tokens(monkeypatch):
     and backward compiled by XLA's TPU compiler: its temporaries per chip stay under ONE float32 [n_expert * tokens
     * K, D] buffer, the size of the outputs of every assignment the old block gathered over ``expert``
     (64 MiB here; the old block, which took every chip's tokens at once, needed 369 MiB; 256-token chunks 23 MiB)."""
-    from grpo_jax import plan
+    from grpo_jax.api import plan
 
     monkeypatch.setattr(moe, "CHUNK_ASSIGNMENTS", 4096)  # 256 tokens a chunk: 16 chunks a chip
     Dt, Et, Ft, Kt, tokens = 256, 16, 128, 4, 4096
