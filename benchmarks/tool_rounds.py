@@ -126,7 +126,7 @@ def grpo_jax_side(folder: Path, rows: list, env: type, args) -> tuple[Callable[[
                  f"output_dir={tempfile.mkdtemp(prefix='tool_rounds_')}/run", *args.overrides]
     config = load_config(None, overrides)
     start = time.perf_counter()
-    run, state = build(config, train_dataset=rows, environment_factory=env)
+    run, state, held = build(config, train_dataset=rows, environment_factory=env)
     build_s = time.perf_counter() - start
     position = data.DataState(epoch=0, index=0, seed=config.seed)
 
@@ -141,7 +141,7 @@ def grpo_jax_side(folder: Path, rows: list, env: type, args) -> tuple[Callable[[
 
     def close() -> None:
         run.tooling.toolbox.close()
-        run.output_lock.release()
+        held.release()
 
     chunks = run.programs.decoder.chunks(PROMPTS * GENERATIONS, GENERATIONS)
     return one_round, {"chunks": chunks, "host_threads": cpu.host_threads(config.sampling.host_threads, run.mesh),

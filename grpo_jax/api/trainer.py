@@ -116,7 +116,7 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
     check_arguments(config, loss_fn=loss_fn, reward_funcs=reward_funcs, train_dataset=train_dataset,
                     eval_dataset=eval_dataset, tools=tools, environment_factory=environment_factory,
                     eval_reward_funcs=eval_reward_funcs)
-    run, state = build(config, loss_fn=loss_fn, train_dataset=train_dataset, eval_dataset=eval_dataset,
+    run, state, held = build(config, loss_fn=loss_fn, train_dataset=train_dataset, eval_dataset=eval_dataset,
                        reward_funcs=reward_funcs, tools=tools, environment_factory=environment_factory,
                        eval_reward_funcs=eval_reward_funcs, reward_processing_classes=reward_processing_classes)
     try:
@@ -132,7 +132,7 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
     finally:
         if run.tooling is not None:
             run.tooling.toolbox.close()
-        run.output_lock.release()
+        held.release()
 
 
 def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> dict:
@@ -145,6 +145,7 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
     mngr = checkpoint.manager(run.output_dir, save_total_limit=config.save_total_limit)
     data_state = data.DataState(epoch=0, index=0, seed=config.seed)
     plan = stream.SlotPlan()  # a speed choice: the tokens do not depend on it, so it is not saved
+    warned: set = set()  # the keys of the warnings given once a run, not every round (`prepare_round`)
     round_batch, round_index, history, before, arrays = None, 0, [], None, {}
     if run.resuming:
         state, data_state, round_batch, round_index, history, before, arrays = _restore(run, state, data_state, mngr)
@@ -157,7 +158,7 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
     sampler = None  # asynchronous rounds: sampled ahead by a thread (`grpo_jax.rollout.async_rounds`)
     if async_rounds.enabled(config):
         sampler = async_rounds.Sampler(run, state, next_round=round_index + (round_batch is not None),
-                                       data_state=data_state, arrays=arrays)
+                                       data_state=data_state, arrays=arrays, warned=warned)
     saved_step = int(state.step) if history else -1
     writer = MetricsWriter(run.output_dir, max_steps=config.max_steps, initial_step=int(state.step),
                            logging_steps=config.logging_steps, show_progress=show_progress and not config.disable_tqdm,
@@ -186,7 +187,8 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
                 if round_batch is None and sampler is not None:
                     round_batch, data_state = sampler.take(state, round_index)
                 elif round_batch is None:  # the data position moves only once the round is prepared
-                    round_batch, data_state = prepare_round(run, state, data_state, round_index, slots=plan.slots)
+                    round_batch, data_state = prepare_round(run, state, data_state, round_index, slots=plan.slots,
+                                                             warned=warned)
                     plan = _plan(run, plan, round_batch)
                 until = config.max_steps
                 if sampler is not None and sampler.next_feed(step) is not None:  # its params, before the update

@@ -192,13 +192,15 @@ def _step_rows(run: Run, round_index: int) -> np.ndarray:
 
 
 def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round_index: int, *, params=None,
-                  slots: int = 0, old: bool | None = None) -> tuple[RoundBatch, data.DataState]:
+                  slots: int = 0, old: bool | None = None, warned: set | None = None
+                  ) -> tuple[RoundBatch, data.DataState]:
     """A round before its updates: decode (jit) -> ref/old log-probs queued -> rows to the host -> score (host) ->
     advantages (host) -> RoundBatch, and the data position after its prompts. ``params`` samples the round (and
     gives its old log-probs; None: the state's); the state gives the key, the step and the reference. ``slots``:
     the decode slots (`stream.plan_slots`; 0: `sampling.max_batch_rows`), kept in its `seconds` with the decode
     steps. With DAPO dynamic sampling the passes are merged first. ``old``: whether the rows get old-policy
-    log-probs (under ``params``; None: `train.needs_old_logps`)."""
+    log-probs (under ``params``; None: `train.needs_old_logps`). ``warned``: the keys of the warnings given once
+    a run, which the loop owns and this adds to (None: this round's own, so it warns again next round)."""
     cfg, tc = run.config, run.config.train
     params = state.params if params is None else params
     old = tc.needs_old_logps if old is None else old
@@ -233,7 +235,7 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
     seconds["logps"] = time.perf_counter() - timer
 
     names = [name for name, _ in run.reward_fns]
-    scoring.warn_unscored(run.warned, draw.rewards, names, round_index, int(state.step))
+    scoring.warn_unscored(set() if warned is None else warned, draw.rewards, names, round_index, int(state.step))
     metrics = {**scoring.reward_metrics(draw.rewards, r_N, std_N, names, tc.num_generations),
                **scoring.completion_metrics(draw.trained_mask, draw.is_truncated),
                **(multiturn.metrics(draw.tool_counts) if draw.tool_counts is not None else {}),
@@ -292,9 +294,9 @@ def run_steps(run: Run, state: TrainState, round_batch: RoundBatch, *, until: in
     return state, rb._replace(position=position), lines
 
 
-def run_round(run: Run, state: TrainState, data_state: data.DataState, round_index: int
-              ) -> tuple[TrainState, data.DataState, RoundBatch, list[dict]]:
+def run_round(run: Run, state: TrainState, data_state: data.DataState, round_index: int, *,
+              warned: set | None = None) -> tuple[TrainState, data.DataState, RoundBatch, list[dict]]:
     """One generation round: `prepare_round`, then all its optimizer steps (`run_steps`)."""
-    round_batch, data_state = prepare_round(run, state, data_state, round_index)
+    round_batch, data_state = prepare_round(run, state, data_state, round_index, warned=warned)
     state, round_batch, lines = run_steps(run, state, round_batch, until=run.config.max_steps)
     return state, data_state, round_batch, lines
