@@ -155,7 +155,7 @@ def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBat
 
 
 def _dynamic_sampling_passes(run: Run, state: TrainState, params, data_state: data.DataState, round_index: int,
-                             seconds: dict, context: dict, log: rewards.RewardLog):
+                             seconds: dict, context: dict, log: rewards.RewardLog, toolbox):
     """DAPO dynamic sampling: passes until informative groups fill the round (`rounds.init/update/finalize`); the
     chosen rows are gathered on the devices. Returns (rows, draw, their token counts, metrics, data position)."""
     tc = run.config.train
@@ -165,7 +165,8 @@ def _dynamic_sampling_passes(run: Run, state: TrainState, params, data_state: da
         batch, data_state = data.next_batch(run.dataset, data_state, tc.prompts_per_round)
         batch = data.repeat_groups(batch, tc.num_generations)
         batch, turns, environments = multiturn.setup(run.tooling, run.tokenizer, batch,
-                                                     _journal(run, round_index, len(passes.draws)), tc.num_generations)
+                                                     _journal(run, round_index, len(passes.draws)), tc.num_generations,
+                                                     toolbox=toolbox)
         key = run.programs.sample_key(state.key, round_index, len(passes.draws))
         rows, draw, _ = _sample_and_score(run, state, params, batch, key, seconds, context, log, logps=False,
                                           turns=turns, environments=environments)
@@ -192,7 +193,7 @@ def _step_rows(run: Run, round_index: int) -> np.ndarray:
 
 
 def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round_index: int, *, params=None,
-                  slots: int = 0, old: bool | None = None, warned: set | None = None
+                  slots: int = 0, old: bool | None = None, warned: set | None = None, toolbox=None
                   ) -> tuple[RoundBatch, data.DataState]:
     """A round before its updates: decode (jit) -> ref/old log-probs queued -> rows to the host -> score (host) ->
     advantages (host) -> RoundBatch, and the data position after its prompts. ``params`` samples the round (and
@@ -200,7 +201,8 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
     the decode slots (`stream.plan_slots`; 0: `sampling.max_batch_rows`), kept in its `seconds` with the decode
     steps. With DAPO dynamic sampling the passes are merged first. ``old``: whether the rows get old-policy
     log-probs (under ``params``; None: `train.needs_old_logps`). ``warned``: the keys of the warnings given once
-    a run, which the loop owns and this adds to (None: this round's own, so it warns again next round)."""
+    a run, which the loop owns and this adds to (None: this round's own, so it warns again next round). ``toolbox``: the
+    loop's `tools.calls.open_toolbox`, for a run with tools (the loop closes it)."""
     cfg, tc = run.config, run.config.train
     params = state.params if params is None else params
     old = tc.needs_old_logps if old is None else old
@@ -209,13 +211,13 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
     context = _reward_context(run, state, data_state)
     if tc.dynamic_sampling:
         rows, draw, counts, sampling_metrics, data_state = _dynamic_sampling_passes(
-            run, state, params, data_state, round_index, seconds, context, log)
+            run, state, params, data_state, round_index, seconds, context, log, toolbox)
         ref, old = dispatch_logps(run, state, params, rows, counts, old=old)
     else:
         batch, data_state = data.next_batch(run.dataset, data_state, tc.prompts_per_round)
         batch = data.repeat_groups(batch, tc.num_generations)
         batch, turns, environments = multiturn.setup(run.tooling, run.tokenizer, batch, _journal(run, round_index, 0),
-                                                     tc.num_generations)
+                                                     tc.num_generations, toolbox=toolbox)
         key = run.programs.sample_key(state.key, round_index, 0)
         rows, draw, (ref, old) = _sample_and_score(run, state, params, batch, key, seconds, context, log, logps=True,
                                                    old=old, slots=slots, turns=turns, environments=environments)
