@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -26,6 +27,7 @@ import numpy as np
 from grpo_jax.algo import rounds, trajectory
 from grpo_jax.algo.state import TrainState
 from grpo_jax.algo.trajectory import Trajectory
+from grpo_jax.config import Config
 from grpo_jax.data import prompts as data
 from grpo_jax.device import cpu, sharding
 from grpo_jax.io.reporting import completion_rows, plain
@@ -53,8 +55,8 @@ class RoundBatch(NamedTuple):
     token_versions: np.ndarray | None = None  # [N, T] interruptible rollouts: the params version of each token
 
 
-def _weights(run: Run) -> np.ndarray:
-    return scoring.reward_weights(run.config.reward.weights, len(run.reward_fns))
+def _weights(config: Config, reward_fns: list) -> np.ndarray:
+    return scoring.reward_weights(config.reward.weights, len(reward_fns))
 
 
 def _counts(prompt_mask: np.ndarray, completion_mask: np.ndarray) -> np.ndarray:
@@ -99,16 +101,16 @@ def dispatch_logps(run: Run, state: TrainState, params, rows: Trajectory, counts
     return ref, rows.sampler_per_token_logps if in_float32 else run.programs.logps(params, *args)
 
 
-def _reward_context(run: Run, state: TrainState, data_state: data.DataState) -> dict:
+def _reward_context(dataset: data.Dataset, max_steps: int, step: int, data_state: data.DataState) -> dict:
     """The keywords TRL 1.16 passes every reward function beside the dataset's columns (`scoring.score` adds
     `log_metric` and `log_extra`)."""
-    epoch = data.epochs_read(run.dataset, data_state)
-    return {"trainer_state": rewards.trainer_state(int(state.step), run.config.max_steps, epoch)}
+    epoch = data.epochs_read(dataset, data_state)
+    return {"trainer_state": rewards.trainer_state(step, max_steps, epoch)}
 
 
-def _journal(run: Run, round_index: int, pass_index: int):
+def _journal(output_dir: Path, round_index: int, pass_index: int) -> Path:
     """Where a sampling pass's tool results are kept as they arrive (`multiturn.Journal`)."""
-    return run.output_dir / "tool_calls" / f"round-{round_index}-pass-{pass_index}.jsonl"
+    return output_dir / "tool_calls" / f"round-{round_index}-pass-{pass_index}.jsonl"
 
 
 def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBatch, key, seconds: dict,
@@ -123,8 +125,9 @@ def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBat
     timer = time.perf_counter()
     pieces, scores, rows, queued = [], [], None, None
     process = run.config.train.advantage_estimator == "process"
+    weights = _weights(run.config, run.reward_fns) if process else None
     score = functools.partial(scoring.score, batch, context=context, log=log, tokenizer=run.tokenizer,
-                              reward_fns=run.reward_fns, step_weights=_weights(run) if process else None,
+                              reward_fns=run.reward_fns, step_weights=weights,
                               environments=environments)
     # process 0 scores rows with environments once decoding is over: the decoding thread's collectives are done
     later = multiturn.scores_on_first(run.tooling)
@@ -160,12 +163,13 @@ def _dynamic_sampling_passes(run: Run, state: TrainState, params, data_state: da
     chosen rows are gathered on the devices. Returns (rows, draw, their token counts, metrics, data position)."""
     tc = run.config.train
     passes, trajectories, prompt_masks = rounds.init(), [], []
+    weights = _weights(run.config, run.reward_fns)
     seconds.update(sample=0.0, score=0.0)
     while not (rounds.is_full(passes, tc.prompts_per_round) or len(passes.draws) >= tc.max_num_gen_batches):
         batch, data_state = data.next_batch(run.dataset, data_state, tc.prompts_per_round)
         batch = data.repeat_groups(batch, tc.num_generations)
-        batch, turns, environments = multiturn.setup(run.tooling, run.tokenizer, batch,
-                                                     _journal(run, round_index, len(passes.draws)), tc.num_generations,
+        journal = _journal(run.output_dir, round_index, len(passes.draws))
+        batch, turns, environments = multiturn.setup(run.tooling, run.tokenizer, batch, journal, tc.num_generations,
                                                      toolbox=toolbox)
         key = run.programs.sample_key(state.key, round_index, len(passes.draws))
         rows, draw, _ = _sample_and_score(run, state, params, batch, key, seconds, context, log, logps=False,
@@ -173,7 +177,7 @@ def _dynamic_sampling_passes(run: Run, state: TrainState, params, data_state: da
         trajectories.append(rows)
         prompt_masks.append(batch.prompt_mask)
         timer = time.perf_counter()
-        passes = rounds.update(passes, draw, rounds.zero_std_groups(draw, _weights(run), tc.num_generations))
+        passes = rounds.update(passes, draw, rounds.zero_std_groups(draw, weights, tc.num_generations))
         seconds["score"] += time.perf_counter() - timer
     draw, chosen, metrics = rounds.finalize(passes, tc.prompts_per_round, tc.num_generations)
     every = trajectories[0] if len(trajectories) == 1 else run.programs.decoder.concat(trajectories)
@@ -181,10 +185,10 @@ def _dynamic_sampling_passes(run: Run, state: TrainState, params, data_state: da
     return run.programs.take(every, chosen), draw, counts, metrics, data_state
 
 
-def _step_rows(run: Run, round_index: int) -> np.ndarray:
+def _step_rows(cfg: Config, step_prompt_group_size: int, round_index: int) -> np.ndarray:
     """[K, B] rows of each step: `steps_per_generation` disjoint shuffled slices, repeated `num_iterations` times."""
-    cfg, tc = run.config, run.config.train
-    if run.step_prompt_group_size > 1:  # one step takes the whole round: its row order changes nothing
+    tc = cfg.train
+    if step_prompt_group_size > 1:  # one step takes the whole round: its row order changes nothing
         order = np.arange(tc.generation_batch_size)
     else:
         order = np.random.default_rng([cfg.seed, round_index]).permutation(tc.generation_batch_size)
@@ -208,7 +212,7 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
     old = tc.needs_old_logps if old is None else old
     seconds: dict = {"decode_slots": slots}
     log = rewards.RewardLog()
-    context = _reward_context(run, state, data_state)
+    context = _reward_context(run.dataset, cfg.max_steps, int(state.step), data_state)
     if tc.dynamic_sampling:
         rows, draw, counts, sampling_metrics, data_state = _dynamic_sampling_passes(
             run, state, params, data_state, round_index, seconds, context, log, toolbox)
@@ -216,8 +220,9 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
     else:
         batch, data_state = data.next_batch(run.dataset, data_state, tc.prompts_per_round)
         batch = data.repeat_groups(batch, tc.num_generations)
-        batch, turns, environments = multiturn.setup(run.tooling, run.tokenizer, batch, _journal(run, round_index, 0),
-                                                     tc.num_generations, toolbox=toolbox)
+        journal = _journal(run.output_dir, round_index, 0)
+        batch, turns, environments = multiturn.setup(run.tooling, run.tokenizer, batch, journal, tc.num_generations,
+                                                     toolbox=toolbox)
         key = run.programs.sample_key(state.key, round_index, 0)
         rows, draw, (ref, old) = _sample_and_score(run, state, params, batch, key, seconds, context, log, logps=True,
                                                    old=old, slots=slots, turns=turns, environments=environments)
@@ -226,7 +231,7 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
     timer = time.perf_counter()
     mask = rounds.mask_truncated(draw.trained_mask, draw.is_truncated) if tc.mask_truncated_completions \
         else draw.trained_mask
-    advantages, r_N, std_N = run.programs.advantages(draw.rewards, _weights(run), mask,
+    advantages, r_N, std_N = run.programs.advantages(draw.rewards, _weights(run.config, run.reward_fns), mask,
                                                      *rounds.pad_steps(draw, mask.shape[1]))
     rows = run.programs.rows(rows, advantages, old, ref)
     seconds["score"] += time.perf_counter() - timer
@@ -246,8 +251,9 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
     if cfg.log_completions:
         completions = completion_rows(draw.prompts, scoring.decode(run.tokenizer, draw.completion_ids, draw.completion_mask),
                                       draw.rewards, names, r_N, advantages, mask, extra=log.extra)
-    return RoundBatch(rows=rows, token_counts=counts, step_rows=_step_rows(run, round_index),
-                      round_index=round_index, first_step=int(state.step), position=0,
+    step_rows = _step_rows(cfg, run.step_prompt_group_size, round_index)
+    return RoundBatch(rows=rows, token_counts=counts, step_rows=step_rows, round_index=round_index,
+                      first_step=int(state.step), position=0,
                       metrics={k: plain(v) for k, v in metrics.items()}, seconds=seconds,
                       completions=completions), data_state
 

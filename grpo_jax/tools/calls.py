@@ -304,7 +304,8 @@ def build(tool_specs, factory_spec, tokenizer, *, timeout: float, max_iterations
         instance = make_environment(name, factory)
         check_environment(name, instance)
         env_tools[name], pool[name] = methods(instance), [instance]
-    return Tooling(tuple(standalone), factories, env_tools, pool, timeout, _parser_and_template(tokenizer), max_iterations, max_model_len)
+    return Tooling(tuple(standalone), factories, env_tools, pool, timeout, _parser_and_template(tokenizer),
+                   max_iterations, max_model_len)
 
 
 def open_toolbox(tooling: Tooling | None) -> toolbox.Toolbox | None:
