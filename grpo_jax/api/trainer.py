@@ -118,8 +118,8 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
                     eval_dataset=eval_dataset, tools=tools, environment_factory=environment_factory,
                     eval_reward_funcs=eval_reward_funcs)
     run, state, held = build(config, loss_fn=loss_fn, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                       reward_funcs=reward_funcs, tools=tools, environment_factory=environment_factory,
-                       eval_reward_funcs=eval_reward_funcs, reward_processing_classes=reward_processing_classes)
+                             reward_funcs=reward_funcs, tools=tools, environment_factory=environment_factory,
+                             eval_reward_funcs=eval_reward_funcs, reward_processing_classes=reward_processing_classes)
     toolbox = None  # the thread pool of the tool calls: this loop's, closed below however the run ends
     try:
         toolbox = open_toolbox(run.tooling)
