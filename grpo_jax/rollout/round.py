@@ -10,7 +10,8 @@ functions saw (`rounds.Draw`). Completions reach the host once (`stream.decode`'
 (state, round_batch, metrics)` take the states explicitly and return them; a round can be sampled with other params
 than the state's (``params``). `grpo_jax.api.run.build` makes the immutable `Run` (data, rewards, mesh,
 `grpo_jax.algo.programs`), the maths lives in pure functions behind those programs, and `grpo_jax.api.trainer` repeats rounds
-with checkpoints, evaluation and outputs around them.
+with checkpoints, evaluation and outputs around them. What lives through the loop is the loop's and passed in: the
+tool calls' `Toolbox` (``toolbox``) and the keys of the warnings given once a run (``warned``).
 """
 
 from __future__ import annotations
