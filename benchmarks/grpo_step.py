@@ -224,7 +224,7 @@ def run_grpo_jax(model_dir: str | None, size: str | None, prompts: Path, s: Sett
         reward=RewardConfig(functions=(REWARD,)), eval=EvalConfig(num_examples=0))
     config = apply_overrides(config, overrides)
     start = time.perf_counter()
-    run, state = trainer.build(config)
+    run, state, held = trainer.build(config)
     build_s = time.perf_counter() - start
     history, position = [], data.DataState(epoch=0, index=0, seed=config.seed)
     start = time.perf_counter()

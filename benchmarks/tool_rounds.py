@@ -116,6 +116,7 @@ def grpo_jax_side(folder: Path, rows: list, env: type, args) -> tuple[Callable[[
     from grpo_jax.data import prompts as data
     from grpo_jax.device import cpu
     from grpo_jax.rollout import round as rollout
+    from grpo_jax.tools.calls import open_toolbox
 
     overrides = [f"model.path={folder}", f"data.tokenizer_path={folder / 'tokenizer'}",
                  "reward.functions=[grpo_jax.tools.tool_task:answer_accuracy]",
@@ -126,13 +127,14 @@ def grpo_jax_side(folder: Path, rows: list, env: type, args) -> tuple[Callable[[
                  f"output_dir={tempfile.mkdtemp(prefix='tool_rounds_')}/run", *args.overrides]
     config = load_config(None, overrides)
     start = time.perf_counter()
-    run, state = build(config, train_dataset=rows, environment_factory=env)
+    run, state, held = build(config, train_dataset=rows, environment_factory=env)
+    toolbox = open_toolbox(run.tooling)  # the rounds' tool calls, closed by `close`
     build_s = time.perf_counter() - start
     position = data.DataState(epoch=0, index=0, seed=config.seed)
 
     def one_round(i: int) -> dict:
         nonlocal position
-        round_batch, position = rollout.prepare_round(run, state, position, i)
+        round_batch, position = rollout.prepare_round(run, state, position, i, toolbox=toolbox)
         s, m = round_batch.seconds, round_batch.metrics
         return {**{f"{k}_s": s.get(k, 0.0) for k in ("sample", "score", "logps", "tool_wait")},
                 "turns_per_rollout": m["tools/turns_per_rollout"],
@@ -140,8 +142,8 @@ def grpo_jax_side(folder: Path, rows: list, env: type, args) -> tuple[Callable[[
                 "decode_steps": s.get("decode_steps", 0), "reward": m["reward"]}
 
     def close() -> None:
-        run.tooling.toolbox.close()
-        run.output_lock.release()
+        toolbox.close()
+        held.release()
 
     chunks = run.programs.decoder.chunks(PROMPTS * GENERATIONS, GENERATIONS)
     return one_round, {"chunks": chunks, "host_threads": cpu.host_threads(config.sampling.host_threads, run.mesh),

@@ -216,7 +216,7 @@ def _router_aux_loss_coef(config: Config) -> float:
 def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None, eval_dataset=None,
           reward_funcs: Sequence[Callable | str] | None = None, tools: Sequence[Callable | str] | None = None,
           environment_factory=None, eval_reward_funcs: Sequence[Callable | str] | None = None,
-          reward_processing_classes=None) -> tuple[Run, TrainState]:
+          reward_processing_classes=None) -> tuple[Run, TrainState, lock.RunLock]:
     """Resolves data, rewards, mesh, optimizer and the initial train state; builds the device programs.
 
     `loss_fn` replaces `grpo_jax.losses.compute_loss` in the train step (same signature; see
@@ -226,9 +226,9 @@ def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None
     `*ForSequenceClassification` objects, whose tokenizers `reward_processing_classes` gives) replaces
     `reward.functions` and `eval_reward_funcs` `eval.reward_functions`; `tools` and `environment_factory` replace
     the config's. None of these is part of `config.yaml`: a resumed run must be given them again.
-    An `output_dir` holding a run is checked against its config.yaml (`checkpoint.check_compatible`). The run
-    holds `output_dir`'s lock (`Run.output_lock`; a ValueError names the process holding it already) until
-    `run.output_lock.release()`, which `train` calls at its end.
+    An `output_dir` holding a run is checked against its config.yaml (`checkpoint.check_compatible`). Returns
+    the run, its initial train state and `output_dir`'s lock, held (a ValueError names the process holding it
+    already) until its `release()`, which `train` calls at its end.
     """
     check_inputs(config, reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
                  eval_reward_funcs=eval_reward_funcs)
@@ -238,16 +238,17 @@ def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None
     tool_specs = config.tools if tools is None else tuple(tools)
     factories = config.environment_factory if environment_factory is None else environment_factory
     try:
-        return _build(config, output_dir, resuming, held, loss_fn, train_dataset, eval_dataset, reward_funcs,
-                      tool_specs, factories, eval_reward_funcs, reward_processing_classes)
+        run, state = _build(config, output_dir, resuming, loss_fn, train_dataset, eval_dataset, reward_funcs,
+                            tool_specs, factories, eval_reward_funcs, reward_processing_classes)
     except BaseException:
         if not resuming and jax.process_index() == 0:
             runs.remove_setup_files(output_dir)
         held.release()
         raise
+    return run, state, held
 
 
-def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock, loss_fn: Callable | None,
+def _build(config: Config, output_dir: Path, resuming: bool, loss_fn: Callable | None,
            train_dataset, eval_dataset, reward_funcs, tool_specs, factories, eval_reward_funcs,
            processing_classes) -> tuple[Run, TrainState]:
     speedups = cpu.enabled(config.cpu_speedups)
@@ -370,6 +371,6 @@ def _build(config: Config, output_dir: Path, resuming: bool, held: lock.RunLock,
               dataset=dataset, eval_rows=eval_rows, reward_fns=reward_fns, eval_reward_fns=eval_reward_fns,
               mesh=mesh, graphdef=graphdef, schedule=schedule, programs=run_programs,
               step_prompt_group_size=step_group, round_prompt_group_size=round_group, resuming=resuming,
-              output_lock=held, tooling=tooling, rollout_mesh=rollout_mesh, rollout_programs=rollout_programs,
+              tooling=tooling, rollout_mesh=rollout_mesh, rollout_programs=rollout_programs,
               shapes=run_shapes)
     return run, state

@@ -28,6 +28,7 @@ from grpo_jax.rollout import async_rounds, shapes, stream
 from grpo_jax.rollout.context import Run
 from grpo_jax.rollout.evaluation import evaluate, short_names
 from grpo_jax.rollout.round import RoundBatch, prepare_round, run_round, run_steps
+from grpo_jax.tools.calls import open_toolbox
 
 __all__ = ["RoundBatch", "build", "prepare_round", "run_round", "run_steps", "train"]
 
@@ -116,11 +117,13 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
     check_arguments(config, loss_fn=loss_fn, reward_funcs=reward_funcs, train_dataset=train_dataset,
                     eval_dataset=eval_dataset, tools=tools, environment_factory=environment_factory,
                     eval_reward_funcs=eval_reward_funcs)
-    run, state = build(config, loss_fn=loss_fn, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                       reward_funcs=reward_funcs, tools=tools, environment_factory=environment_factory,
-                       eval_reward_funcs=eval_reward_funcs, reward_processing_classes=reward_processing_classes)
+    run, state, held = build(config, loss_fn=loss_fn, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                             reward_funcs=reward_funcs, tools=tools, environment_factory=environment_factory,
+                             eval_reward_funcs=eval_reward_funcs, reward_processing_classes=reward_processing_classes)
+    toolbox = None  # the thread pool of the tool calls: this loop's, closed below however the run ends
     try:
-        return _train(run.config, run, state, show_progress)  # its defaults resolved (learning rate)
+        toolbox = open_toolbox(run.tooling)
+        return _train(run.config, run, state, show_progress, toolbox)  # its defaults resolved (learning rate)
     except (preemption.Preempted, preemption.RunFailed, preemption.Interrupted):
         raise
     except Exception as error:
@@ -130,12 +133,12 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
         raise preemption.failed(error, run.output_dir, checkpoint.nbytes(state, run.keep_ref),
                                 named=run.config.output_dir is not None) from error
     finally:
-        if run.tooling is not None:
-            run.tooling.toolbox.close()
-        run.output_lock.release()
+        if toolbox is not None:
+            toolbox.close()
+        held.release()
 
 
-def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> dict:
+def _train(config: Config, run: Run, state: TrainState, show_progress: bool, toolbox) -> dict:
     """`train` once `build` is done: restore, the round loop with its saves, evaluation and the final export."""
     main = jax.process_index() == 0
     named = run.config.output_dir is not None  # else a rerun needs output_dir= added (`preemption.again`)
@@ -145,6 +148,7 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
     mngr = checkpoint.manager(run.output_dir, save_total_limit=config.save_total_limit)
     data_state = data.DataState(epoch=0, index=0, seed=config.seed)
     plan = stream.SlotPlan()  # a speed choice: the tokens do not depend on it, so it is not saved
+    warned: set = set()  # the keys of the warnings given once a run, not every round (`prepare_round`)
     round_batch, round_index, history, before, arrays = None, 0, [], None, {}
     if run.resuming:
         state, data_state, round_batch, round_index, history, before, arrays = _restore(run, state, data_state, mngr)
@@ -157,7 +161,8 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
     sampler = None  # asynchronous rounds: sampled ahead by a thread (`grpo_jax.rollout.async_rounds`)
     if async_rounds.enabled(config):
         sampler = async_rounds.Sampler(run, state, next_round=round_index + (round_batch is not None),
-                                       data_state=data_state, arrays=arrays)
+                                       data_state=data_state, arrays=arrays, warned=warned,
+                                       toolbox=toolbox)
     saved_step = int(state.step) if history else -1
     writer = MetricsWriter(run.output_dir, max_steps=config.max_steps, initial_step=int(state.step),
                            logging_steps=config.logging_steps, show_progress=show_progress and not config.disable_tqdm,
@@ -165,7 +170,7 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
                            write_file=main, report_to=config.report_to,
                            num_completions_to_print=config.num_completions_to_print, run_config=to_dict(config))
     if before is None:
-        before = evaluate(run, state.params, int(state.step))
+        before = evaluate(run, state.params, int(state.step), toolbox=toolbox)
         writer.write_eval(int(state.step), before)
     after = {}
 
@@ -186,7 +191,8 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
                 if round_batch is None and sampler is not None:
                     round_batch, data_state = sampler.take(state, round_index)
                 elif round_batch is None:  # the data position moves only once the round is prepared
-                    round_batch, data_state = prepare_round(run, state, data_state, round_index, slots=plan.slots)
+                    round_batch, data_state = prepare_round(run, state, data_state, round_index, slots=plan.slots,
+                                                             warned=warned, toolbox=toolbox)
                     plan = _plan(run, plan, round_batch)
                 until = config.max_steps
                 if sampler is not None and sampler.next_feed(step) is not None:  # its params, before the update
@@ -213,13 +219,13 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool) -> 
                     raise RuntimeError(stalled)
                 if config.eval.steps and step % config.eval.steps == 0 and step < config.max_steps \
                         and not guard.requested:
-                    writer.write_eval(step, evaluate(run, state.params, step))
+                    writer.write_eval(step, evaluate(run, state.params, step, toolbox=toolbox))
                 if config.save_steps and step % config.save_steps == 0 and step < config.max_steps \
                         and not guard.requested:
                     save(wait=False)
                     saved_step = step
             if not guard.requested:
-                after = _evaluate_after(run, state, writer, step)
+                after = _evaluate_after(run, state, writer, step, toolbox)
             if step != saved_step:
                 save(wait=True)
             if guard.requested:
@@ -277,13 +283,13 @@ def _plan(run: Run, plan: stream.SlotPlan, round_batch: RoundBatch) -> stream.Sl
         seconds=seconds["sample"], chunks=run.programs.decoder.chunks(tc.generation_batch_size, tc.num_generations)))
 
 
-def _evaluate_after(run: Run, state: TrainState, writer: MetricsWriter, step: int) -> dict:
+def _evaluate_after(run: Run, state: TrainState, writer: MetricsWriter, step: int, toolbox) -> dict:
     """The evaluation after training, logged; one logged at this step already (a resumed run that had ended)
     is reused."""
     last = writer.history[-1] if writer.history else {}
     if is_eval(last) and last["step"] == step:
         return {k: v for k, v in last.items() if k != "step"}
-    metrics = evaluate(run, state.params, step)
+    metrics = evaluate(run, state.params, step, toolbox=toolbox)
     writer.write_eval(step, metrics)
     return metrics
 

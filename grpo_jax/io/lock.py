@@ -45,8 +45,8 @@ def _try_lock(output_dir: Path) -> tuple[RunLock | None, str | None]:
         holder = f.read().strip() or "another process"
         f.close()
         if holder.startswith(f"pid {os.getpid()} on host {socket.gethostname()},"):
-            return None, (f"output_dir={str(output_dir)!r} is held by this process already: a `Run` from an earlier "
-                          "`build` still holds it; call its `output_lock.release()` first")
+            return None, (f"output_dir={str(output_dir)!r} is held by this process already: an earlier `build` "
+                          "still holds its lock; call the lock it returned's `release()` first")
         return None, (f"output_dir={str(output_dir)!r} is in use by another grpo_jax run ({holder}; {path} is "
                       "locked): wait for that run to end or stop it (a scheduler's requeue must end the old job "
                       "first), or choose another output_dir")

@@ -118,8 +118,10 @@ class Sampler:
     """
 
     def __init__(self, run: Run, state: TrainState, *, next_round: int, data_state: data.DataState,
-                 arrays: dict | None = None):
+                 arrays: dict | None = None, warned: set | None = None, toolbox=None):
         self.run, self.sampler_run = run, _sampler_run(run)
+        self.warned = set() if warned is None else warned  # the loop's warned-once keys (`prepare_round`)
+        self.toolbox = toolbox  # the loop's, which closes it after `close` (`tools.calls.open_toolbox`)
         self.train_config = run.config.train
         self.next_round = next_round  # the first round not yet handed to the sampler
         self.data_state = data_state  # the data position after the last round taken (before `next_round`)
@@ -214,7 +216,8 @@ class Sampler:
             decoder = self._switching(run.programs.decoder, round_index, lengths)
             run = dataclasses.replace(run, programs=run.programs._replace(decoder=decoder))
         round_batch, data_state = rollout.prepare_round(run, at_version, data_state, round_index,
-                                                        old=behaviour_old(self.run.config))
+                                                        old=behaviour_old(self.run.config), warned=self.warned,
+                                                        toolbox=self.toolbox)
         if self.interruptible:
             versions_NxT = _token_versions(lengths, round_batch.rows.completion_ids.shape)
             newer = np.sum(versions_NxT > v) / max(np.sum(versions_NxT >= 0), 1)

@@ -18,7 +18,6 @@ from grpo_jax.algo import programs
 from grpo_jax.config import Config
 from grpo_jax.data import prompts as data
 from grpo_jax.device import sharding
-from grpo_jax.io import lock
 from grpo_jax.rollout import shapes
 from grpo_jax.tools import calls as tools
 
@@ -29,6 +28,8 @@ class Run:
 
     The train state is not here: `build` returns it beside the run, and the loop passes it explicitly.
     The data position is not here either: it is a `data.DataState` the loop passes beside the train state.
+    Nor is what lives through the loop: the output_dir's lock (`build` returns it too) and the keys of warnings
+    given once a run (a set the loop makes and passes to `prepare_round`).
     """
 
     config: Config
@@ -47,8 +48,6 @@ class Run:
     round_prompt_group_size: int = 1  # > 1: the round's log-prob passes share each group's prompt
     resuming: bool = False  # output_dir holds this run already: `train` continues from its newest checkpoint
     tooling: tools.Tooling | None = None  # tools and environments of multi-turn rollouts (None: one turn a row)
-    output_lock: lock.RunLock = dataclasses.field(default_factory=lock.RunLock)  # held; `train` releases it
-    warned: set = dataclasses.field(default_factory=set)  # warnings given once a run, not every round (their keys)
     rollout_mesh: Mesh | None = None  # mesh.rollout > 0: the sampling devices (`mesh` holds the training ones)
     rollout_programs: programs.Programs | None = None  # the sampling programs over `rollout_mesh`
     shapes: shapes.RunShapes | None = None  # what the programs are compiled for (None: asynchronous rounds, any)

@@ -103,7 +103,7 @@ def eval_key(seed: int):
     return jax.random.fold_in(jax.random.PRNGKey(seed), EVAL_STREAM)
 
 
-def _generate(run, decoder, params, n: int, key, greedy: bool):
+def _generate(run, decoder, params, n: int, key, greedy: bool, toolbox):
     """n completions of every held-out prompt: (texts, rewards_NxF, completion_mask), N = P x n group-major. With
     tools the rows run their turns as in training (no journal: evaluation may call a tool again) and a text is
     the last assistant message."""
@@ -119,7 +119,7 @@ def _generate(run, decoder, params, n: int, key, greedy: bool):
                                          chat_template=tooling and tooling.chat_template)
     columns = {k: [r.get(k) for r in chosen] for k in dict.fromkeys(k for r in chosen for k in r) if k != "prompt"}
     batch = data.repeat_groups(data.PromptBatch(ids, mask, [r["prompt"] for r in chosen], columns, 0), n)
-    batch, turns, environments = multiturn.setup(tooling, run.tokenizer, batch, None, n)
+    batch, turns, environments = multiturn.setup(tooling, run.tokenizer, batch, None, n, toolbox=toolbox)
     completion_ids = np.zeros((len(batch.prompt_ids), cfg.sampling.max_completion_length), np.int32)
     completion_mask = np.zeros_like(completion_ids)
     messages = [None] * len(completion_ids)
@@ -149,18 +149,19 @@ def _generate(run, decoder, params, n: int, key, greedy: bool):
     return texts, scores, completion_mask
 
 
-def evaluate(run, params, step: int) -> dict[str, float]:
+def evaluate(run, params, step: int, *, toolbox=None) -> dict[str, float]:
     """The held-out metrics of `params` after `step` optimizer steps (see the module docstring); {} without
-    held-out rows. Decodes with `run.programs.decoder` (greedy) and `run.programs.eval_decoder` (sampled)."""
+    held-out rows. Decodes with `run.programs.decoder` (greedy) and `run.programs.eval_decoder` (sampled);
+    ``toolbox``: the loop's, for a run with tools (`tools.calls.open_toolbox`)."""
     if not run.eval_rows:
         return {}
     cfg = run.config.eval
     names = [name.split(":")[-1] for name, _ in run.eval_reward_fns]
-    _, scores, _ = _generate(run, run.programs.decoder, params, 1, jax.random.PRNGKey(0), True)
+    _, scores, _ = _generate(run, run.programs.decoder, params, 1, jax.random.PRNGKey(0), True, toolbox)
     metrics = {f"eval/greedy/{name}": float(rewards.scored(np.nanmean, scores[:, i])) for i, name in enumerate(names)}
     if cfg.num_generations:
         key = run.programs.sample_key(eval_key(run.config.seed), step, 0)
-        texts, scores, mask = _generate(run, run.programs.eval_decoder, params, cfg.num_generations, key, False)
+        texts, scores, mask = _generate(run, run.programs.eval_decoder, params, cfg.num_generations, key, False, toolbox)
         extract = resolve_reward_fn(cfg.answer_extractor)
         metrics.update(sampled_metrics(scores, names, [extract(t) for t in texts], mask.sum(axis=1),
                                        num_generations=cfg.num_generations, ks=cfg.ks))

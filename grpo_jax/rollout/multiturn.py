@@ -236,12 +236,14 @@ def make_turns(tokenizer, rows_tools: list, prompt_ids: list, toolbox: Toolbox, 
     return Turns(tokenizer, episodes, toolbox, journal, template=tools.compiled_template(tokenizer), **options)
 
 
-def setup(tooling: tools.Tooling | None, tokenizer, batch, journal: Path | None, group_size: int):
+def setup(tooling: tools.Tooling | None, tokenizer, batch, journal: Path | None, group_size: int, *,
+          toolbox: Toolbox | None = None):
     """A sampling pass's rows (`data.PromptBatch`, G rows a prompt) made ready for their tools: each row's
     environment drawn from the pool and reset with its row (TRL: the returned string is appended to the last user
     message, and the prompts are tokenized again), and the pass's `Turns`. Returns (batch, Turns or None,
     environments or None). With several processes only process 0 holds environments (the others get None) and
-    its journal; its reset observations are every process's."""
+    its journal; its reset observations are every process's. ``toolbox`` runs the calls: the caller's
+    (`tools.open_toolbox`), which it closes."""
     if tooling is None:
         return batch, None, None
     rows = [{"prompt": prompt, **{k: v[i] for k, v in batch.columns.items()}} for i, prompt in enumerate(batch.prompts)]
@@ -269,7 +271,10 @@ def setup(tooling: tools.Tooling | None, tokenizer, batch, journal: Path | None,
     row_tools = [tooling.schemas(row) for row in rows] if environments is None else \
         [list(tooling.tools) + tools.methods(env) for env in environments]
     prompt_ids = [ids[m == 1].tolist() for ids, m in zip(batch.prompt_ids, batch.prompt_mask)]
-    turns = make_turns(tokenizer, row_tools, prompt_ids, tooling.toolbox, Journal(journal if calls_tools else None),
+    if toolbox is None:
+        raise ValueError("a run with tools or environments samples with a toolbox: pass toolbox=grpo_jax.tools.calls."
+                         "open_toolbox(run.tooling) (and close it when done), as `train` does")
+    turns = make_turns(tokenizer, row_tools, prompt_ids, toolbox, Journal(journal if calls_tools else None),
                        replayable=[fn.__name__ for fn in tooling.tools],
                        max_iterations=tooling.max_iterations, max_model_len=tooling.max_model_len,
                        chat_template=tooling.chat_template, calls_tools=calls_tools)

@@ -10,7 +10,8 @@ functions saw (`rounds.Draw`). Completions reach the host once (`stream.decode`'
 (state, round_batch, metrics)` take the states explicitly and return them; a round can be sampled with other params
 than the state's (``params``). `grpo_jax.api.run.build` makes the immutable `Run` (data, rewards, mesh,
 `grpo_jax.algo.programs`), the maths lives in pure functions behind those programs, and `grpo_jax.api.trainer` repeats rounds
-with checkpoints, evaluation and outputs around them.
+with checkpoints, evaluation and outputs around them. What lives through the loop is the loop's and passed in: the
+tool calls' `Toolbox` (``toolbox``) and the keys of the warnings given once a run (``warned``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -26,6 +28,7 @@ import numpy as np
 from grpo_jax.algo import rounds, trajectory
 from grpo_jax.algo.state import TrainState
 from grpo_jax.algo.trajectory import Trajectory
+from grpo_jax.config import Config
 from grpo_jax.data import prompts as data
 from grpo_jax.device import cpu, sharding
 from grpo_jax.io.reporting import completion_rows, plain
@@ -53,8 +56,8 @@ class RoundBatch(NamedTuple):
     token_versions: np.ndarray | None = None  # [N, T] interruptible rollouts: the params version of each token
 
 
-def _weights(run: Run) -> np.ndarray:
-    return scoring.reward_weights(run.config.reward.weights, len(run.reward_fns))
+def _weights(config: Config, reward_fns: list) -> np.ndarray:
+    return scoring.reward_weights(config.reward.weights, len(reward_fns))
 
 
 def _counts(prompt_mask: np.ndarray, completion_mask: np.ndarray) -> np.ndarray:
@@ -99,16 +102,16 @@ def dispatch_logps(run: Run, state: TrainState, params, rows: Trajectory, counts
     return ref, rows.sampler_per_token_logps if in_float32 else run.programs.logps(params, *args)
 
 
-def _reward_context(run: Run, state: TrainState, data_state: data.DataState) -> dict:
+def _reward_context(dataset: data.Dataset, max_steps: int, step: int, data_state: data.DataState) -> dict:
     """The keywords TRL 1.16 passes every reward function beside the dataset's columns (`scoring.score` adds
     `log_metric` and `log_extra`)."""
-    epoch = data.epochs_read(run.dataset, data_state)
-    return {"trainer_state": rewards.trainer_state(int(state.step), run.config.max_steps, epoch)}
+    epoch = data.epochs_read(dataset, data_state)
+    return {"trainer_state": rewards.trainer_state(step, max_steps, epoch)}
 
 
-def _journal(run: Run, round_index: int, pass_index: int):
+def _journal(output_dir: Path, round_index: int, pass_index: int) -> Path:
     """Where a sampling pass's tool results are kept as they arrive (`multiturn.Journal`)."""
-    return run.output_dir / "tool_calls" / f"round-{round_index}-pass-{pass_index}.jsonl"
+    return output_dir / "tool_calls" / f"round-{round_index}-pass-{pass_index}.jsonl"
 
 
 def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBatch, key, seconds: dict,
@@ -123,8 +126,9 @@ def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBat
     timer = time.perf_counter()
     pieces, scores, rows, queued = [], [], None, None
     process = run.config.train.advantage_estimator == "process"
+    weights = _weights(run.config, run.reward_fns) if process else None
     score = functools.partial(scoring.score, batch, context=context, log=log, tokenizer=run.tokenizer,
-                              reward_fns=run.reward_fns, step_weights=_weights(run) if process else None,
+                              reward_fns=run.reward_fns, step_weights=weights,
                               environments=environments)
     # process 0 scores rows with environments once decoding is over: the decoding thread's collectives are done
     later = multiturn.scores_on_first(run.tooling)
@@ -155,24 +159,26 @@ def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBat
 
 
 def _dynamic_sampling_passes(run: Run, state: TrainState, params, data_state: data.DataState, round_index: int,
-                             seconds: dict, context: dict, log: rewards.RewardLog):
+                             seconds: dict, context: dict, log: rewards.RewardLog, toolbox):
     """DAPO dynamic sampling: passes until informative groups fill the round (`rounds.init/update/finalize`); the
     chosen rows are gathered on the devices. Returns (rows, draw, their token counts, metrics, data position)."""
     tc = run.config.train
     passes, trajectories, prompt_masks = rounds.init(), [], []
+    weights = _weights(run.config, run.reward_fns)
     seconds.update(sample=0.0, score=0.0)
     while not (rounds.is_full(passes, tc.prompts_per_round) or len(passes.draws) >= tc.max_num_gen_batches):
         batch, data_state = data.next_batch(run.dataset, data_state, tc.prompts_per_round)
         batch = data.repeat_groups(batch, tc.num_generations)
-        batch, turns, environments = multiturn.setup(run.tooling, run.tokenizer, batch,
-                                                     _journal(run, round_index, len(passes.draws)), tc.num_generations)
+        journal = _journal(run.output_dir, round_index, len(passes.draws))
+        batch, turns, environments = multiturn.setup(run.tooling, run.tokenizer, batch, journal, tc.num_generations,
+                                                     toolbox=toolbox)
         key = run.programs.sample_key(state.key, round_index, len(passes.draws))
         rows, draw, _ = _sample_and_score(run, state, params, batch, key, seconds, context, log, logps=False,
                                           turns=turns, environments=environments)
         trajectories.append(rows)
         prompt_masks.append(batch.prompt_mask)
         timer = time.perf_counter()
-        passes = rounds.update(passes, draw, rounds.zero_std_groups(draw, _weights(run), tc.num_generations))
+        passes = rounds.update(passes, draw, rounds.zero_std_groups(draw, weights, tc.num_generations))
         seconds["score"] += time.perf_counter() - timer
     draw, chosen, metrics = rounds.finalize(passes, tc.prompts_per_round, tc.num_generations)
     every = trajectories[0] if len(trajectories) == 1 else run.programs.decoder.concat(trajectories)
@@ -180,10 +186,10 @@ def _dynamic_sampling_passes(run: Run, state: TrainState, params, data_state: da
     return run.programs.take(every, chosen), draw, counts, metrics, data_state
 
 
-def _step_rows(run: Run, round_index: int) -> np.ndarray:
+def _step_rows(cfg: Config, step_prompt_group_size: int, round_index: int) -> np.ndarray:
     """[K, B] rows of each step: `steps_per_generation` disjoint shuffled slices, repeated `num_iterations` times."""
-    cfg, tc = run.config, run.config.train
-    if run.step_prompt_group_size > 1:  # one step takes the whole round: its row order changes nothing
+    tc = cfg.train
+    if step_prompt_group_size > 1:  # one step takes the whole round: its row order changes nothing
         order = np.arange(tc.generation_batch_size)
     else:
         order = np.random.default_rng([cfg.seed, round_index]).permutation(tc.generation_batch_size)
@@ -192,28 +198,32 @@ def _step_rows(run: Run, round_index: int) -> np.ndarray:
 
 
 def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round_index: int, *, params=None,
-                  slots: int = 0, old: bool | None = None) -> tuple[RoundBatch, data.DataState]:
+                  slots: int = 0, old: bool | None = None, warned: set | None = None, toolbox=None
+                  ) -> tuple[RoundBatch, data.DataState]:
     """A round before its updates: decode (jit) -> ref/old log-probs queued -> rows to the host -> score (host) ->
     advantages (host) -> RoundBatch, and the data position after its prompts. ``params`` samples the round (and
     gives its old log-probs; None: the state's); the state gives the key, the step and the reference. ``slots``:
     the decode slots (`stream.plan_slots`; 0: `sampling.max_batch_rows`), kept in its `seconds` with the decode
     steps. With DAPO dynamic sampling the passes are merged first. ``old``: whether the rows get old-policy
-    log-probs (under ``params``; None: `train.needs_old_logps`)."""
+    log-probs (under ``params``; None: `train.needs_old_logps`). ``warned``: the keys of the warnings given once
+    a run, which the loop owns and this adds to (None: this round's own, so it warns again next round). ``toolbox``: the
+    loop's `tools.calls.open_toolbox`, for a run with tools (the loop closes it)."""
     cfg, tc = run.config, run.config.train
     params = state.params if params is None else params
     old = tc.needs_old_logps if old is None else old
     seconds: dict = {"decode_slots": slots}
     log = rewards.RewardLog()
-    context = _reward_context(run, state, data_state)
+    context = _reward_context(run.dataset, cfg.max_steps, int(state.step), data_state)
     if tc.dynamic_sampling:
         rows, draw, counts, sampling_metrics, data_state = _dynamic_sampling_passes(
-            run, state, params, data_state, round_index, seconds, context, log)
+            run, state, params, data_state, round_index, seconds, context, log, toolbox)
         ref, old = dispatch_logps(run, state, params, rows, counts, old=old)
     else:
         batch, data_state = data.next_batch(run.dataset, data_state, tc.prompts_per_round)
         batch = data.repeat_groups(batch, tc.num_generations)
-        batch, turns, environments = multiturn.setup(run.tooling, run.tokenizer, batch, _journal(run, round_index, 0),
-                                                     tc.num_generations)
+        journal = _journal(run.output_dir, round_index, 0)
+        batch, turns, environments = multiturn.setup(run.tooling, run.tokenizer, batch, journal, tc.num_generations,
+                                                     toolbox=toolbox)
         key = run.programs.sample_key(state.key, round_index, 0)
         rows, draw, (ref, old) = _sample_and_score(run, state, params, batch, key, seconds, context, log, logps=True,
                                                    old=old, slots=slots, turns=turns, environments=environments)
@@ -222,7 +232,7 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
     timer = time.perf_counter()
     mask = rounds.mask_truncated(draw.trained_mask, draw.is_truncated) if tc.mask_truncated_completions \
         else draw.trained_mask
-    advantages, r_N, std_N = run.programs.advantages(draw.rewards, _weights(run), mask,
+    advantages, r_N, std_N = run.programs.advantages(draw.rewards, _weights(run.config, run.reward_fns), mask,
                                                      *rounds.pad_steps(draw, mask.shape[1]))
     rows = run.programs.rows(rows, advantages, old, ref)
     seconds["score"] += time.perf_counter() - timer
@@ -233,7 +243,7 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
     seconds["logps"] = time.perf_counter() - timer
 
     names = [name for name, _ in run.reward_fns]
-    scoring.warn_unscored(run.warned, draw.rewards, names, round_index, int(state.step))
+    scoring.warn_unscored(set() if warned is None else warned, draw.rewards, names, round_index, int(state.step))
     metrics = {**scoring.reward_metrics(draw.rewards, r_N, std_N, names, tc.num_generations),
                **scoring.completion_metrics(draw.trained_mask, draw.is_truncated),
                **(multiturn.metrics(draw.tool_counts) if draw.tool_counts is not None else {}),
@@ -242,8 +252,9 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
     if cfg.log_completions:
         completions = completion_rows(draw.prompts, scoring.decode(run.tokenizer, draw.completion_ids, draw.completion_mask),
                                       draw.rewards, names, r_N, advantages, mask, extra=log.extra)
-    return RoundBatch(rows=rows, token_counts=counts, step_rows=_step_rows(run, round_index),
-                      round_index=round_index, first_step=int(state.step), position=0,
+    step_rows = _step_rows(cfg, run.step_prompt_group_size, round_index)
+    return RoundBatch(rows=rows, token_counts=counts, step_rows=step_rows, round_index=round_index,
+                      first_step=int(state.step), position=0,
                       metrics={k: plain(v) for k, v in metrics.items()}, seconds=seconds,
                       completions=completions), data_state
 
@@ -292,9 +303,9 @@ def run_steps(run: Run, state: TrainState, round_batch: RoundBatch, *, until: in
     return state, rb._replace(position=position), lines
 
 
-def run_round(run: Run, state: TrainState, data_state: data.DataState, round_index: int
-              ) -> tuple[TrainState, data.DataState, RoundBatch, list[dict]]:
+def run_round(run: Run, state: TrainState, data_state: data.DataState, round_index: int, *,
+              warned: set | None = None) -> tuple[TrainState, data.DataState, RoundBatch, list[dict]]:
     """One generation round: `prepare_round`, then all its optimizer steps (`run_steps`)."""
-    round_batch, data_state = prepare_round(run, state, data_state, round_index)
+    round_batch, data_state = prepare_round(run, state, data_state, round_index, warned=warned)
     state, round_batch, lines = run_steps(run, state, round_batch, until=run.config.max_steps)
     return state, data_state, round_batch, lines

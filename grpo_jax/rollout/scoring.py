@@ -49,7 +49,7 @@ def reward_metrics(rewards_NxF, r_N, std_N, names, num_generations: int) -> dict
 
 
 def warn_unscored(warned: set, rewards_NxF: np.ndarray, names: list[str], round_index: int, step: int) -> None:
-    """Once a run (its keys kept in ``warned``, the run's `Run.warned`): a warning naming the reward functions that returned None for every completion of a
+    """Once a run (its keys kept in ``warned``, the set the training loop owns): a warning naming the reward functions that returned None for every completion of a
     round, or counting the completions no function scored; either trains on less than the user meant."""
     silent, none_rows = rewards.unscored(rewards_NxF, names)
     where, listed = f"round {round_index} (step {step + 1})", ", ".join(f"'{name}'" for name in silent)

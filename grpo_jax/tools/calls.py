@@ -232,13 +232,15 @@ def _parser_and_template(tokenizer) -> str | None:
 class Tooling:
     """A run's tools and environments, built once (`build`): the standalone tools, the environment factories with
     each one's tools (from a probe instance, as TRL renders the schemas), a pool of instances reused round after
-    round (reset before every rollout), the `Toolbox` and the chat template multi-turn rendering uses."""
+    round (reset before every rollout), the tool calls' timeout and the chat template multi-turn rendering uses.
+    The `Toolbox` that runs the calls (a thread pool) is not here: the loop that rounds makes it (`open_toolbox`)
+    and closes it."""
 
     tools: tuple  # standalone tools (callables)
     factories: dict | None  # {environment name (None: the one): factory}
     env_tools: dict  # {environment name: its probe instance's methods}
     pool: dict  # {environment name: [instances]}
-    toolbox: toolbox.Toolbox
+    timeout: float  # seconds a tool call may take (`toolbox.Toolbox`)
     chat_template: str | None
     max_iterations: int | None
     max_model_len: int | None
@@ -302,8 +304,14 @@ def build(tool_specs, factory_spec, tokenizer, *, timeout: float, max_iterations
         instance = make_environment(name, factory)
         check_environment(name, instance)
         env_tools[name], pool[name] = methods(instance), [instance]
-    return Tooling(tuple(standalone), factories, env_tools, pool, toolbox.Toolbox(timeout),
-                   _parser_and_template(tokenizer), max_iterations, max_model_len)
+    return Tooling(tuple(standalone), factories, env_tools, pool, timeout, _parser_and_template(tokenizer),
+                   max_iterations, max_model_len)
+
+
+def open_toolbox(tooling: Tooling | None) -> toolbox.Toolbox | None:
+    """The thread pool that runs a run's tool calls (None without tools), for the loop that rounds with it: that
+    loop closes it (`Toolbox.close`) however it ends."""
+    return None if tooling is None else toolbox.Toolbox(tooling.timeout)
 
 
 def env_rewards(tooling: Tooling | None) -> list[tuple[str, Callable]]:

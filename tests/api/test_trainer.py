@@ -88,7 +88,7 @@ def test_streamed_round_scores_groups_as_they_finish_and_equals_the_static_round
         config = load_config(None, [f"output_dir={tmp_path / str(slots)}", *QUICK, "max_steps=1",
                                     "log_completions=true", "eval.num_examples=0", "sampling.max_completion_length=12",
                                     f"sampling.max_batch_rows={slots}", *overrides])
-        run, state = trainer.build(config)
+        run, state, held = trainer.build(config)
         calls = []
         run = dataclasses.replace(run, reward_fns=[(name, lambda fn=fn, **kw: calls.append(len(kw["completions"]))
                                                     or fn(**kw)) for name, fn in run.reward_fns])
@@ -166,7 +166,7 @@ def test_on_policy_round_skips_old_logps(tmp_path, monkeypatch):
     """With one update per round the old-policy forward is never run (old = sg(logp))."""
     # the programs of test_a_step_gets_its_rows[16-1] and _one_round (compiled once per session)
     config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "max_steps=1", "eval.num_examples=0"])
-    run, state = trainer.build(config)
+    run, state, held = trainer.build(config)
     calls = []
     run = spy(run, logps=lambda *a: calls.append(1) or run.programs.logps(*a))
     state, _, _, _ = trainer.run_round(run, state, START, 0)
@@ -226,7 +226,7 @@ def test_no_recompilation_across_rounds(tmp_path):
     """Static shapes: sampler, log-prob and step programs compile once, whatever the prompts and completions."""
     config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "max_steps=6", "eval.num_examples=0",
                                 "train.steps_per_generation=2"])
-    run, state = trainer.build(config)
+    run, state, held = trainer.build(config)
     position = START
     for round_index in range(3):
         state, position, _, _ = trainer.run_round(run, state, position, round_index)
@@ -245,7 +245,7 @@ def test_a_step_gets_its_rows(tmp_path, batch_size, gathers):
     gather program; a shuffled step gathers its rows. Either way it trains on exactly its rows."""
     config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "max_steps=1", "eval.num_examples=0",
                                 f"train.train_batch_size={batch_size}"])
-    run, state = trainer.build(config)
+    run, state, held = trainer.build(config)
     taken, batches = [], []
     take, step = run.programs.take, run.programs.step
     run = spy(run, take=lambda batch, rows: taken.append(rows) or take(batch, rows),
@@ -265,7 +265,7 @@ def test_sampler_logps_serve_as_old_logps(tmp_path):
     """With float32 compute the sampler's log-probs equal a fresh forward pass of the same params."""
     config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "max_steps=2", "eval.num_examples=0",
                                 "train.steps_per_generation=2"])
-    run, state = trainer.build(config)
+    run, state, held = trainer.build(config)
     rows = trainer.prepare_round(run, state, START, 0)[0].rows
     fresh = run.programs.logps(state.params, rows.prompt_ids, rows.prompt_mask, rows.completion_ids,
                                rows.completion_mask, None)
@@ -301,7 +301,7 @@ def test_shared_prompt_round_equals_per_row_round(tmp_path):
         config = load_config(None, [f"output_dir={tmp_path / str(share)}", *QUICK, "max_steps=1",
                                     "eval.num_examples=0", "train.train_batch_size=32",  # one group per device
                                     f"train.share_prompt_prefix={str(share).lower()}"])
-        run, state = trainer.build(config)
+        run, state, held = trainer.build(config)
         assert run.step_prompt_group_size == (4 if share else 1)
         _, _, round_batch, lines = trainer.run_round(run, state, START, 0)
         rows = round_batch.rows
@@ -325,7 +325,7 @@ def test_packed_round_equals_padded_round(tmp_path, overrides):
     for packing in (True, False):
         config = load_config(None, [f"output_dir={tmp_path / str(packing)}", *QUICK, "max_steps=2",
                                     "eval.num_examples=0", f"train.packing={str(packing).lower()}", *overrides])
-        run, state = trainer.build(config)
+        run, state, held = trainer.build(config)
         _, _, round_batch, lines = trainer.run_round(run, state, START, 0)
         rows = round_batch.rows
         out[packing] = (*jax.device_get((rows.completion_mask, rows.ref_per_token_logps, rows.old_per_token_logps)),
@@ -350,7 +350,7 @@ def test_seeded_runs_are_reproducible(tmp_path):
     params = []
     for name in ("a", "b"):
         config = load_config(None, [f"output_dir={tmp_path / name}", *QUICK, "max_steps=2", "eval.num_examples=0"])
-        run, state = trainer.build(config)
+        run, state, held = trainer.build(config)
         state, position, _, _ = trainer.run_round(run, state, START, 0)
         state, _, _, _ = trainer.run_round(run, state, position, 1)
         params.append(jax.device_get(state.params))
@@ -378,7 +378,7 @@ def step_reward(prompts, completions, completion_ids, **kwargs):
 def _one_round(tmp_path, overrides, loss_fn=None):
     """Builds a quick run, spies on the reward calls and the step batches, and runs one round."""
     config = load_config(None, [f"output_dir={tmp_path}", *QUICK, "max_steps=1", "eval.num_examples=0", *overrides])
-    run, state = trainer.build(config, loss_fn=loss_fn)
+    run, state, held = trainer.build(config, loss_fn=loss_fn)
     calls, batches = [], []
     step = run.programs.step
     run = dataclasses.replace(spy(run, step=lambda state, batch, *packed: batches.append(batch)
@@ -469,7 +469,7 @@ def test_training_from_a_hugging_face_folder(tmp_path):
                                 f"model.path={folder}", "loss.beta=0.04", "train.learning_rate=1e-3",
                                 # rewards that differ inside every group: the update cannot be zero
                                 "reward.functions=[tests.api.test_trainer:alternating_reward]"])
-    run, state = trainer.build(config)
+    run, state, held = trainer.build(config)
     assert run.config.model.hidden_size == 64 and run.config.model.vocab_size == hf_fixtures.VOCAB
     ids = np.array([[3, 4, 5, 6], [0, 7, 8, 9]], np.int32)
     mask = np.array([[1, 1, 1, 1], [0, 1, 1, 1]], np.int32)
@@ -496,7 +496,7 @@ def test_offloaded_reference_trains_like_one_on_the_devices(tmp_path, sync):
                                     "eval.num_examples=0", "train.steps_per_generation=2",
                                     f"train.offload_ref_params={str(offload).lower()}",
                                     f"train.sync_ref_model={str(sync).lower()}", "train.ref_model_sync_steps=1"])
-        run, state = trainer.build(config)
+        run, state, held = trainer.build(config)
         kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.ref_params)}
         assert kinds == ({"pinned_host"} if offload else {"device"})
         initial_ref = jax.device_get(state.ref_params)
@@ -613,7 +613,7 @@ def test_reporting_and_evaluation_during_training(tmp_path, monkeypatch, capsys)
     # the same config without evaluation or outputs, its rounds run one by one: the same training, line for line
     quiet = dataclasses.replace(config, output_dir=str(tmp_path / "quiet"), report_to=(), log_completions=False,
                                 eval=dataclasses.replace(config.eval, num_examples=0))
-    run, state = trainer.build(quiet)
+    run, state, held = trainer.build(quiet)
     expected, position = [], START
     for round_index in range(4):
         state, position, _, round_lines = trainer.run_round(run, state, position, round_index)

@@ -153,8 +153,8 @@ def test_the_trl_shaped_trainer_is_train_on_the_same_config_bit_for_bit(tmp_path
     assert any(not np.array_equal(ours[k], initial[k]) for k in initial)  # it trained
 
     def built_rate(config):
-        run, _ = build(config, train_dataset=ROWS, reward_funcs=[answer_reward])
-        run.output_lock.release()
+        run, _, held = build(config, train_dataset=ROWS, reward_funcs=[answer_reward])
+        held.release()
         return run.config.train.learning_rate
     assert built_rate(config) == 1e-6
     older = yaml.safe_load(saved.read_text())

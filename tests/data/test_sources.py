@@ -129,12 +129,12 @@ def test_prompt_length_fits_the_data_or_warns_how_many_are_cut(files, tmp_path):
                                 f"data.path={files['parquet']}", "data.max_prompt_length=3",
                                 "reward.functions=[tests.data.test_sources:digit_reward]"])
     with pytest.warns(RuntimeWarning, match="24 of 24 prompts are longer than data.max_prompt_length=3 tokens"):
-        run, _ = build(config)
-    run.output_lock.release()
-    run, _ = build(load_config(None, [f"output_dir={tmp_path / 'fit'}", *QUICK, f"data.tokenizer_path={tokenizer}",
-                                      f"data.path={files['jsonl']}",
-                                      "reward.functions=[tests.data.test_sources:digit_reward]"]))
-    run.output_lock.release()
+        run, _, held = build(config)
+    held.release()
+    run, _, held = build(load_config(None, [f"output_dir={tmp_path / 'fit'}", *QUICK, f"data.tokenizer_path={tokenizer}",
+                                            f"data.path={files['jsonl']}",
+                                            "reward.functions=[tests.data.test_sources:digit_reward]"]))
+    held.release()
     assert run.config.data.max_prompt_length == 16  # 4-token prompts, rounded up to 16
 
 

@@ -213,7 +213,7 @@ def test_split_placement_samples_on_the_rollout_devices_and_trains_on_the_others
     from grpo_jax.data import prompts as data
 
     config = load_config(None, [f"output_dir={tmp_path}", *TINY, "mesh.rollout=4", "train.max_staleness=2"])
-    run, state = trainer.build(config)
+    run, state, held = trainer.build(config)
     try:
         rollout, training = set(run.rollout_mesh.devices.flat), set(run.mesh.devices.flat)
         assert len(rollout) == len(training) == 4 and not rollout & training
@@ -226,4 +226,4 @@ def test_split_placement_samples_on_the_rollout_devices_and_trains_on_the_others
         assert all(leaf.sharding.device_set == training for leaf in jax.tree.leaves(round_batch.rows))
         sampler.close()
     finally:
-        run.output_lock.release()
+        held.release()

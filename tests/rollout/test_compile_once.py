@@ -48,7 +48,7 @@ def test_after_the_warm_up_no_round_or_step_compiles(tmp_path):
                                 "data.task_max_len=9", "sampling.max_completion_length=12", "eval.num_examples=0",
                                 "max_steps=8", "cpu_speedups=false"])
     listen = Compiles()
-    run, state = trainer.build(config)
+    run, state, held = trainer.build(config)
     listed = run.shapes
     assert listed.step_packings and (0, 0) not in listed.step_packings  # packing=true: packed layouts only
     assert len(listed.decode_slots) > 1 and listed.decode_slots[0] == 0

@@ -142,6 +142,31 @@ def test_a_reset_that_raises_names_the_environment():
         multiturn.setup(tooling, tok, batch, None, 1)
 
 
+def test_the_tooling_is_a_value_and_the_toolbox_belongs_to_whoever_opens_it():
+    import threading
+
+    from grpo_jax.data import prompts as data
+    from grpo_jax.rollout import multiturn
+
+    tok = tool_task.build_tokenizer()
+    before = {t.ident for t in threading.enumerate()}
+    tooling = tools.build((double,), None, tok, timeout=1.0, max_iterations=None, max_model_len=None)
+    assert {t.ident for t in threading.enumerate()} == before  # building the run's tools starts no thread
+    assert tools.open_toolbox(None) is None
+    rows = tool_task.make_examples(2, seed=0)
+    batch = data.PromptBatch(np.zeros((2, 4), np.int32), np.ones((2, 4), np.int32), [r["prompt"] for r in rows],
+                             {"answer": [r["answer"] for r in rows]}, 0)
+    with pytest.raises(ValueError, match=r"pass toolbox=grpo_jax.tools.calls.open_toolbox\(run.tooling\)"):
+        multiturn.setup(tooling, tok, batch, None, 1)
+    box = tools.open_toolbox(tooling)
+    try:
+        assert box.timeout == 1.0 and box.submit([], {}).result(timeout=5).outcomes == []
+        _, turns, _ = multiturn.setup(tooling, tok, batch, None, 1, toolbox=box)
+        assert turns.toolbox is box
+    finally:
+        box.close()
+
+
 def test_a_tokenizer_without_a_response_parser_needs_one(monkeypatch):
     tok = tool_task.build_tokenizer()
     tok.response_template = None
