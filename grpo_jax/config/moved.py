@@ -1,9 +1,15 @@
 """Where the modules of the flat layout went when they moved into subpackages (issue 43): the "module:function"
 paths that a run folder's config.yaml or a checkpoint's code fingerprints may name, old and new alike, read as the
-same path. Imports nothing.
+same path; and the same modules imported by their old names (`grpo_jax.decoder`, `grpo_jax.rewards.accuracy`, ...),
+as users' scripts wrote them (`spec`, `forward`). Imports nothing at import time.
 """
 
 from __future__ import annotations
+
+import importlib
+import types
+from importlib.abc import Loader
+from importlib.util import spec_from_loader
 
 # the flat module -> its subpackage module; a run written before the move names the left side
 MOVED = {
@@ -48,3 +54,34 @@ def current_path(value):
         return value
     module, _, attr = value.partition(":")
     return f"{current_module(module)}:{attr}"
+
+
+class _Alias(Loader):
+    """Loads an old module name as the module it moved to (the same object)."""
+
+    def create_module(self, spec):
+        module = importlib.import_module(MOVED[spec.name])
+        self.spec = module.__spec__
+        return module
+
+    def exec_module(self, module):
+        module.__spec__ = self.spec  # the import system stamped the alias's spec on the module: its own back
+
+
+def spec(name: str):
+    """The import spec of an old module name (`grpo_jax/__init__.py`'s finder asks, last on `sys.meta_path`, so only
+    for names nothing else finds), or None."""
+    return spec_from_loader(name, _Alias()) if name in MOVED else None
+
+
+def forward(package: str, module: str):
+    """A package's `__getattr__` for the four flat modules a package took the name of (`grpo_jax.rewards` was
+    `rewards.functions`): their functions still read from the package; submodules are left to the import system."""
+
+    def __getattr__(name: str):
+        value = getattr(importlib.import_module(module), name, None)
+        if value is None or isinstance(value, types.ModuleType):
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return value
+
+    return __getattr__
