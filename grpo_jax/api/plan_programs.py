@@ -188,16 +188,17 @@ def kernel_attention_flops(config: Config, *, rows: int, group: int, tensor: int
     return 4.0 * model.resolved_head_dim * heads * pairs * (rows / group) * passes
 
 
-def unembedding_flops(config: Config, *, rows: int, chips: int, passes: int) -> tuple[float, int]:
+def unembedding_flops(config: Config, *, rows: int, chips: int, passes: int, shards: int = 1) -> tuple[float, int]:
     """(FLOPs per chip of unembedding ``rows`` rows' T completion slots, 2 x hidden x vocab a slot, ``passes``
     forwards' worth, the work split evenly over ``chips``; the trips of `logprobs`' loop over chunks and pieces).
-    Under ``train.logps_chunk_size`` XLA's count holds one trip of them: the loop runs over every row of the batch
-    on each chip, each trip's product split over the chips (the hidden dim is fsdp's)."""
+    Under ``train.logps_chunk_size`` XLA's count holds one trip of them: the loop runs over each of ``shards`` row
+    shards' rows (the log-prob program pins rows to their shards; the train step's loop runs over every row of the
+    micro-batch, each trip's product split over the chips: the hidden dim is fsdp's)."""
     from grpo_jax.algo.logprobs import _slots_per_piece
 
     model, T, chunk = config.model, config.sampling.max_completion_length, config.train.logps_chunk_size
     piece = _slots_per_piece(T, chunk * model.vocab_size)
-    trips = -(-rows // chunk) * -(-T // piece)
+    trips = -(-(-(-rows // shards)) // chunk) * -(-T // piece)
     return 2.0 * model.hidden_size * model.vocab_size * T * rows / chips * passes, trips
 
 
@@ -233,12 +234,14 @@ def costs(config: Config, mesh, compiled: dict[str, Program], *, tpu: bool) -> d
         scale = tc.gradient_accumulation_steps if name == "train_step" else 1
         out[name] = (max(totals[0], 0.0) * scale, max(totals[1], 0.0) * scale)
     if tc.logps_chunk_size > 0:  # the unembedding's trips XLA did not count
-        m, chips = tc.gradient_accumulation_steps, mesh.devices.size
+        from grpo_jax.device import sharding
+
+        m, chips, shards = tc.gradient_accumulation_steps, mesh.devices.size, sharding.num_row_shards(mesh)
         remat = 2  # its pieces are checkpointed: forward, again in the backward, and the backward's two products
-        for name, rows, passes, scale in (("logps", tc.generation_batch_size, 1, 1),
-                                          ("train_step", tc.train_batch_size // m, 2 + remat, m)):
+        for name, rows, passes, scale, split in (("logps", tc.generation_batch_size, 1, 1, shards),
+                                                 ("train_step", tc.train_batch_size // m, 2 + remat, m, 1)):
             if name in out:
-                flops, trips = unembedding_flops(config, rows=rows, chips=chips, passes=passes)
+                flops, trips = unembedding_flops(config, rows=rows, chips=chips, passes=passes, shards=split)
                 out[name] = (out[name][0] + flops * (1 - 1 / trips) * scale, out[name][1])
     platform = mesh.devices.flat[0].platform
     backend = model.attention if model.attention != "auto" else {"tpu": "splash"}.get(platform)
