@@ -28,7 +28,7 @@ from grpo_jax.config.model import ModelConfig
 from grpo_jax.config.sections import SamplingConfig
 from grpo_jax.device import cpu, sharding
 from grpo_jax.models import lora
-from grpo_jax.models.transformer import init_model
+from grpo_jax.models.transformer import forward, init_model
 
 
 class Programs(NamedTuple):
@@ -390,3 +390,17 @@ def build(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, optio
         step=jit_train_step(graphdef, optimizer, options, mesh, state_sharding),
         eval_decoder=eval_decoder,
     )
+
+
+def jit_reward_scores(graphdef: nnx.GraphDef):
+    """A sequence classifier's first logit at each row's last non-pad token (transformers' pooling), for
+    `grpo_jax.rewards.reward_model`: (params, score_weight [labels, D], ids [B, T], mask [B, T], pad_id) -> [B]."""
+    def scores(params, score_weight, ids_BxT, mask_BxT, pad_id):
+        positions_BxT = jnp.broadcast_to(jnp.arange(ids_BxT.shape[1]), ids_BxT.shape)  # right-padded rows
+        hidden_BxTxD, _ = forward(graphdef, params, ids_BxT, positions_BxT, mask_BxT)
+        logits_BxT = jnp.einsum("btd,d->bt", hidden_BxTxD.astype(jnp.float32), score_weight[0])
+        last_B = jnp.argmax(jnp.arange(ids_BxT.shape[1]) * (ids_BxT != pad_id), axis=-1)
+        return jnp.take_along_axis(logits_BxT, last_B[:, None], axis=1)[:, 0]
+
+    return jax.jit(scores)
+

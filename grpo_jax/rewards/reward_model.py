@@ -57,31 +57,13 @@ def _tokenizer_of(name: str):
         return None
 
 
-def jit_scores(graphdef):
-    """A sequence classifier's first logit at each row's last non-pad token (transformers' pooling), jitted:
-    (params, score_weight [labels, D], ids [B, T], mask [B, T], pad_id) -> [B]. The reward model's own program,
-    not one of the run's (`grpo_jax.algo.programs`): it is called from the host's reward functions."""
-    import jax
-    import jax.numpy as jnp
-
-    from grpo_jax.models.transformer import forward
-
-    def scores(params, score_weight, ids_BxT, mask_BxT, pad_id):
-        positions_BxT = jnp.broadcast_to(jnp.arange(ids_BxT.shape[1]), ids_BxT.shape)  # right-padded rows
-        hidden_BxTxD, _ = forward(graphdef, params, ids_BxT, positions_BxT, mask_BxT)
-        logits_BxT = jnp.einsum("btd,d->bt", hidden_BxTxD.astype(jnp.float32), score_weight[0])
-        last_B = jnp.argmax(jnp.arange(ids_BxT.shape[1]) * (ids_BxT != pad_id), axis=-1)
-        return jnp.take_along_axis(logits_BxT, last_B[:, None], axis=1)[:, 0]
-
-    return jax.jit(scores)
-
-
 class RewardModel:
     """A reward function `fn(prompts, completions, **kwargs) -> list[float]` backed by a sequence classifier."""
 
     def __init__(self, path, mesh=None, tokenizer=None):
         from transformers import AutoTokenizer
 
+        from grpo_jax.algo import programs
         from grpo_jax.config.model import ModelConfig
         from grpo_jax.device import sharding
         from grpo_jax.models import abstract_model, from_pretrained, resolve_config, safetensors_io
@@ -103,7 +85,7 @@ class RewardModel:
         if self.tokenizer.pad_token is None:  # TRL: pad with EOS, and the model pools by that id
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.pad_token_id = int(self.tokenizer.pad_token_id)
-        self._scores = jit_scores(self.model.graphdef)
+        self._scores = programs.jit_reward_scores(self.model.graphdef)
 
     @classmethod
     def from_object(cls, model, mesh=None, tokenizer=None) -> RewardModel:
