@@ -239,13 +239,16 @@ def make_turns(tokenizer, rows_tools: list, prompt_ids: list, toolbox: Toolbox, 
 def setup(tooling: tools.Tooling | None, tokenizer, batch, journal: Path | None, group_size: int, *,
           toolbox: Toolbox | None = None):
     """A sampling pass's rows (`data.PromptBatch`, G rows a prompt) made ready for their tools: each row's
-    environment drawn from the pool and reset with its row (TRL: the returned string is appended to the last user
-    message, and the prompts are tokenized again), and the pass's `Turns`. Returns (batch, Turns or None,
-    environments or None). With several processes only process 0 holds environments (the others get None) and
-    its journal; its reset observations are every process's. ``toolbox`` runs the calls: the caller's
-    (`tools.open_toolbox`), which it closes."""
+    environment drawn from the toolbox's (`tools.Environments`) and reset with its row (TRL: the returned string is
+    appended to the last user message, and the prompts are tokenized again), and the pass's `Turns`. Returns (batch,
+    Turns or None, environments or None). With several processes only process 0 holds environments (the others get
+    None) and its journal; its reset observations are every process's. ``toolbox`` runs the calls and holds the
+    environments: the caller's (`tools.open_toolbox`), which it closes."""
     if tooling is None:
         return batch, None, None
+    if toolbox is None:
+        raise ValueError("a run with tools or environments samples with a toolbox: pass toolbox=grpo_jax.tools.calls."
+                         "open_toolbox(run.tooling) (and close it when done), as `train` does")
     rows = [{"prompt": prompt, **{k: v[i] for k, v in batch.columns.items()}} for i, prompt in enumerate(batch.prompts)]
     calls_tools = jax.process_index() == 0
     environments = None
@@ -255,7 +258,7 @@ def setup(tooling: tools.Tooling | None, tokenizer, batch, journal: Path | None,
 
         def reset():
             nonlocal environments
-            environments = tooling.environments(rows)
+            environments = toolbox.environments.draw(rows)
             return [_reset(env, {k: v for k, v in row.items() if k != "environment"} if multi else row)
                     for env, row in zip(environments, rows)]
 
@@ -271,9 +274,6 @@ def setup(tooling: tools.Tooling | None, tokenizer, batch, journal: Path | None,
     row_tools = [tooling.schemas(row) for row in rows] if environments is None else \
         [list(tooling.tools) + tools.methods(env) for env in environments]
     prompt_ids = [ids[m == 1].tolist() for ids, m in zip(batch.prompt_ids, batch.prompt_mask)]
-    if toolbox is None:
-        raise ValueError("a run with tools or environments samples with a toolbox: pass toolbox=grpo_jax.tools.calls."
-                         "open_toolbox(run.tooling) (and close it when done), as `train` does")
     turns = make_turns(tokenizer, row_tools, prompt_ids, toolbox, Journal(journal if calls_tools else None),
                        replayable=[fn.__name__ for fn in tooling.tools],
                        max_iterations=tooling.max_iterations, max_model_len=tooling.max_model_len,
