@@ -7,14 +7,13 @@ All of a run's I/O is here.
 from __future__ import annotations
 
 import json
-import warnings
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from grpo_jax.algo.state import TrainState
-from grpo_jax.algo.trajectory import Trajectory
 from grpo_jax.api.arguments import check_arguments
 from grpo_jax.api.run import build
 from grpo_jax.config import Config, to_dict
@@ -35,66 +34,68 @@ __all__ = ["RoundBatch", "build", "prepare_round", "run_round", "run_steps", "tr
 _SCALARS = ("round_index", "first_step", "position", "metrics", "seconds", "completions")  # its JSON part
 
 
-def _meta(run: Run, data_state: data.DataState, round_index: int, round_batch: RoundBatch | None, history: list,
-          eval_before: dict) -> dict:
+class Place(NamedTuple):
+    """Where the loop stands: what a checkpoint saves (the train state, the data position, the round it is inside,
+    None between rounds, and the next round's index) and the decode slots of the next rounds, which it does not."""
+
+    state: TrainState
+    data_state: data.DataState
+    round_batch: RoundBatch | None
+    round_index: int
+    step: int  # optimizer steps done: the state's, known without a device sync
+    plan: stream.SlotPlan = stream.SlotPlan()  # a speed choice: the tokens do not depend on it
+
+
+def _meta(run: Run, place: Place, history: list, eval_before: dict) -> dict:
     """The JSON part of a checkpoint: everything but the train state and the round's arrays (the data position
     is three ints)."""
-    scalars = None if round_batch is None else {k: getattr(round_batch, k) for k in _SCALARS}
+    rb = place.round_batch
+    scalars = None if rb is None else {k: getattr(rb, k) for k in _SCALARS}
     # a copy: the save writes in the background while the loop appends to the history
-    return {"round_index": round_index, "data": data_state._asdict(), "buffer": scalars, "history": list(history),
-            "eval_before": eval_before, "config": to_dict(run.config), "model_config": to_dict(run.config.model),
-            "tokenizer_path": str(run.tokenizer_path), "data_fingerprint": run.dataset.fingerprint,
+    return {"round_index": place.round_index, "data": place.data_state._asdict(), "buffer": scalars,
+            "history": list(history), "eval_before": eval_before, "config": to_dict(run.config),
+            "model_config": to_dict(run.config.model), "tokenizer_path": str(run.tokenizer_path),
+            "data_fingerprint": run.dataset.fingerprint,
             "code_fingerprint": code_fingerprints.fingerprint(run.reward_fns, run.tooling)}
 
 
-def _arrays(round_batch: RoundBatch | None) -> dict:
-    """A RoundBatch's arrays as a checkpoint saves them: its rows by field name, `token_counts` and `step_rows`."""
-    if round_batch is None:
-        return {}
-    rows = {k: v for k, v in round_batch.rows._asdict().items() if v is not None}
-    return {**rows, "token_counts": round_batch.token_counts, "step_rows": round_batch.step_rows}
+def _arrays(place: Place, sampler) -> dict:
+    """A checkpoint's host arrays: the round's rows by field name, `token_counts` and `step_rows`, and the
+    params versions the asynchronous sampler still needs."""
+    rb = place.round_batch
+    versions = {} if sampler is None else sampler.saved_versions(place.step)
+    if rb is None:
+        return versions
+    rows = {k: v for k, v in rb.rows._asdict().items() if v is not None}
+    return {**rows, "token_counts": rb.token_counts, "step_rows": rb.step_rows, **versions}
 
 
-def saved_rows(arrays: dict) -> tuple[Trajectory, np.ndarray]:
-    """A checkpoint's round rows (host arrays by field name) and their [N, 2] real prompt / completion tokens. A
-    round saved before trajectories (no ``loss_mask``) trained and attended its ``completion_mask`` alike: it
-    becomes both masks, one turn a row."""
-    if "loss_mask" not in arrays:
-        mask = arrays["completion_mask"]
-        arrays = {"sampler_per_token_logps": np.zeros(mask.shape, np.float32), **arrays, "loss_mask": mask,
-                  "turns": np.where(mask == 1, 0, -1).astype(np.int32), "is_truncated": np.zeros(len(mask), bool)}
-    counts = arrays.get("token_counts")
-    if counts is None:
-        counts = np.stack([np.sum(arrays["prompt_mask"], 1), np.sum(arrays["completion_mask"], 1)], 1).astype(np.int32)
-    return Trajectory(**{k: arrays.get(k) for k in Trajectory._fields}), counts
-
-
-def _restore(run: Run, state: TrainState, data_state: data.DataState, mngr):
-    """Continues a run from its newest valid checkpoint: (state, data position, round batch, round index, history,
-    eval before, its host arrays)."""
-    restored = checkpoint.restore_latest(mngr, state, keep_ref=run.keep_ref)
-    if restored is None:
+def _restore(run: Run, state: TrainState, mngr) -> tuple[Place, list, dict | None, dict]:
+    """Where the run continues: the place of its newest valid checkpoint (`checkpoint.resume`, which reads older
+    layouts), its metrics history, eval before and host arrays; step 0's when it has none."""
+    start = Place(state, data.DataState(epoch=0, index=0, seed=run.config.seed), None, 0, int(state.step))
+    if not run.resuming:
+        return start, [], None, {}
+    cfg = run.config
+    resumed = checkpoint.resume(mngr, state, keep_ref=run.keep_ref, seed=cfg.seed, fingerprints={
+        "data_fingerprint": lambda saved, step: sources.check_fingerprint(
+            saved, run.dataset.fingerprint, step=step, allow_changed=cfg.data.allow_changed),
+        "code_fingerprint": lambda saved, step: code_fingerprints.check(
+            saved, code_fingerprints.fingerprint(run.reward_fns, run.tooling), step=step,
+            allow_changed=cfg.reward.allow_changed)})
+    if resumed is None:
         print(f"grpo_jax: {run.output_dir} has no checkpoint yet: starting from step 0")
-        return state, data_state, None, 0, [], None, {}
-    step, state, meta, arrays = restored
-    changed = sources.check_fingerprint(meta.get("data_fingerprint"), run.dataset.fingerprint, step=step,
-                                        allow_changed=run.config.data.allow_changed)  # older checkpoints: none
-    if changed:
-        warnings.warn(changed, RuntimeWarning, stacklevel=2)
-    changed = code_fingerprints.check(meta.get("code_fingerprint"), code_fingerprints.fingerprint(
-        run.reward_fns, run.tooling), step=step, allow_changed=run.config.reward.allow_changed)
-    if changed:
-        warnings.warn(changed, RuntimeWarning, stacklevel=2)
-    data_state = data.DataState(**{"seed": run.config.seed, **meta["data"]})  # older runs saved no seed
+        return start, [], None, {}
     round_batch = None
-    if meta["buffer"] is not None:
-        rows, counts = saved_rows(arrays)
-        round_batch = RoundBatch(rows=sharding.shard_global_rows(rows, run.mesh), token_counts=counts,
-                                 step_rows=arrays["step_rows"], **meta["buffer"])
+    if resumed.buffer is not None:
+        round_batch = RoundBatch(rows=sharding.shard_global_rows(resumed.rows, run.mesh),
+                                 token_counts=resumed.token_counts, step_rows=resumed.arrays["step_rows"],
+                                 **resumed.buffer)
     where = "" if round_batch is None else f", inside round {round_batch.round_index} ({round_batch.position} " \
         f"of its {len(round_batch.step_rows)} steps done)"
-    print(f"grpo_jax: resuming from checkpoint {mngr.directory / str(step)} at step {step}{where}")
-    return state, data_state, round_batch, meta["round_index"], meta["history"], meta["eval_before"], arrays
+    print(f"grpo_jax: resuming from checkpoint {mngr.directory / str(resumed.step)} at step {resumed.step}{where}")
+    place = Place(resumed.state, data.DataState(**resumed.data), round_batch, resumed.round_index, resumed.step)
+    return place, resumed.history, resumed.eval_before, resumed.arrays
 
 
 def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | None = None, train_dataset=None,
@@ -141,118 +142,176 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
 def _train(config: Config, run: Run, state: TrainState, show_progress: bool, toolbox) -> dict:
     """`train` once `build` is done: restore, the round loop with its saves, evaluation and the final export."""
     main = jax.process_index() == 0
-    named = run.config.output_dir is not None  # else a rerun needs output_dir= added (`preemption.again`)
+    named = config.output_dir is not None  # else a rerun needs output_dir= added (`preemption.again`)
     preemption.Console.log_to(run.output_dir)
     print(f"grpo_jax: output_dir={run.output_dir}  devices={len(run.mesh.devices.flat)} "
           f"({jax.devices()[0].platform})  mesh={dict(run.mesh.shape)}")
     mngr = checkpoint.manager(run.output_dir, save_total_limit=config.save_total_limit)
-    data_state = data.DataState(epoch=0, index=0, seed=config.seed)
-    plan = stream.SlotPlan()  # a speed choice: the tokens do not depend on it, so it is not saved
+    place, history, before, arrays = _restore(run, state, mngr)
+    compile_seconds = _compile_ahead(run, place.state)
     warned: set = set()  # the keys of the warnings given once a run, not every round (`prepare_round`)
-    round_batch, round_index, history, before, arrays = None, 0, [], None, {}
-    if run.resuming:
-        state, data_state, round_batch, round_index, history, before, arrays = _restore(run, state, data_state, mngr)
-    compile_seconds = 0.0
-    if run.shapes is not None:  # every program of the rounds compiled now, not inside a step
-        count, compile_seconds, peaks = shapes.compile_ahead(run, state, run.shapes)
-        print(f"grpo_jax: compiled {count} programs in {compile_seconds:.1f}s before the first step; "
-              + "; ".join(run.shapes.describe())
-              + f"; peak per device: {shapes.describe_peaks(peaks, jax.local_devices()[0])}")
     sampler = None  # asynchronous rounds: sampled ahead by a thread (`grpo_jax.rollout.async_rounds`)
     if async_rounds.enabled(config):
-        sampler = async_rounds.Sampler(run, state, next_round=round_index + (round_batch is not None),
-                                       data_state=data_state, arrays=arrays, warned=warned,
-                                       toolbox=toolbox)
-    saved_step = int(state.step) if history else -1
-    writer = MetricsWriter(run.output_dir, max_steps=config.max_steps, initial_step=int(state.step),
-                           logging_steps=config.logging_steps, show_progress=show_progress and not config.disable_tqdm,
-                           history=history,
-                           write_file=main, report_to=config.report_to,
-                           num_completions_to_print=config.num_completions_to_print, run_config=to_dict(config))
+        sampler = async_rounds.Sampler(run, place.state, next_round=place.round_index + (place.round_batch is not None),
+                                       data_state=place.data_state, arrays=arrays, warned=warned, toolbox=toolbox)
+    saved_step = place.step if history else -1
+    writer = _writer(run, place.step, history, show_progress and not config.disable_tqdm, main)
     if before is None:
-        before = evaluate(run, state.params, int(state.step), toolbox=toolbox)
-        writer.write_eval(int(state.step), before)
-    after = {}
-
-    def saved_arrays() -> dict:
-        return {**_arrays(round_batch), **(sampler.saved_versions(step) if sampler is not None else {})}
+        before = _evaluate(run, writer, place, toolbox)
 
     def save(wait: bool) -> None:
-        checkpoint.save(mngr, state, keep_ref=run.keep_ref, wait=wait, arrays=saved_arrays(),
-                        meta=_meta(run, data_state, round_index, round_batch, writer.history, before))
+        checkpoint.save(mngr, place.state, keep_ref=run.keep_ref, wait=wait, arrays=_arrays(place, sampler),
+                        meta=_meta(run, place, writer.history, before))
 
-    skipped, step = 0, int(state.step)
-    failure = None  # what stopped the loop
+    skipped, after, failure = 0, {}, None
     try:
         with preemption.PreemptionGuard() as guard:
-            while step < config.max_steps and not guard.requested:
-                if sampler is not None:  # rounds whose params version is this step's go to the sampler now
-                    sampler.feed(state, step)
-                if round_batch is None and sampler is not None:
-                    round_batch, data_state = sampler.take(state, round_index)
-                elif round_batch is None:  # the data position moves only once the round is prepared
-                    round_batch, data_state = prepare_round(run, state, data_state, round_index, slots=plan.slots,
-                                                             warned=warned, toolbox=toolbox)
-                    plan = _plan(run, plan, round_batch)
-                until = config.max_steps
-                if sampler is not None and sampler.next_feed(step) is not None:  # its params, before the update
-                    until = min(until, sampler.next_feed(step))
-                if config.save_steps:
-                    until = min(until, (step // config.save_steps + 1) * config.save_steps)
-                if config.eval.steps:
-                    until = min(until, (step // config.eval.steps + 1) * config.eval.steps)
-                state, round_batch, lines = run_steps(run, state, round_batch, until=until,
-                                                      stop=lambda: guard.requested,
-                                                      max_skipped=config.train.max_nonfinite_steps - skipped)
-                if sampler is not None:
-                    lines = [{**line, **async_rounds.step_metrics(config.train, line["step"]),
-                              "step_time/sample_wait": round_batch.seconds["sample_wait"] / len(round_batch.step_rows)}
-                             for line in lines]
-                writer.write_steps(lines, completions=round_batch.completions)
-                step = round_batch.first_step + round_batch.position
-                if round_batch.position == len(round_batch.step_rows):
-                    round_batch, round_index = None, round_index + 1
-                skipped = sum(int(h.get("skipped") or 0) for h in writer.history)
-                stalled = preemption.stalled([h for h in writer.history if not is_eval(h)],
-                                             config.train.max_nonfinite_steps)
-                if stalled:
-                    raise RuntimeError(stalled)
-                if config.eval.steps and step % config.eval.steps == 0 and step < config.max_steps \
-                        and not guard.requested:
-                    writer.write_eval(step, evaluate(run, state.params, step, toolbox=toolbox))
-                if config.save_steps and step % config.save_steps == 0 and step < config.max_steps \
-                        and not guard.requested:
+            while place.step < config.max_steps and not guard.requested:
+                place = _next_round(run, place, sampler, warned, toolbox)
+                place, lines, completions = _steps(run, place, sampler, stop=lambda: guard.requested,
+                                                   max_skipped=config.train.max_nonfinite_steps - skipped)
+                writer.write_steps(lines, completions=completions)
+                skipped = _skipped(writer.history, config.train.max_nonfinite_steps)
+                if _due(config.eval.steps, place.step, config.max_steps) and not guard.requested:
+                    _evaluate(run, writer, place, toolbox)
+                if _due(config.save_steps, place.step, config.max_steps) and not guard.requested:
                     save(wait=False)
-                    saved_step = step
+                    saved_step = place.step
             if not guard.requested:
-                after = _evaluate_after(run, state, writer, step, toolbox)
-            if step != saved_step:
+                after = _evaluate_after(run, writer, place, toolbox)
+            if place.step != saved_step:
                 save(wait=True)
             if guard.requested:
-                raise preemption.Preempted(guard.signum, step, mngr.directory / str(step),
+                raise preemption.Preempted(guard.signum, place.step, mngr.directory / str(place.step),
                                            preemption.again(run.output_dir, named))
     except preemption.Preempted:
         raise
     except (Exception, SystemExit, KeyboardInterrupt) as error:  # a library's sys.exit, or Python's interrupt
         failure = error
-        stopped = preemption.failed(error, run.output_dir, checkpoint.nbytes(state, run.keep_ref, saved_arrays()),
-                                    state=state, steps=sum(not is_eval(h) for h in writer.history),
-                                    saved_step=saved_step, save=save, named=named)
-        if isinstance(error, KeyboardInterrupt):  # raised by Python code, not a signal: still an interrupt
-            raise preemption.Interrupted(str(stopped)) from error
-        raise stopped from error
+        raise _stopped(error, run, place, sampler, writer, saved_step, save, named) from error
     finally:
-        if sampler is not None:
-            sampler.close()
-        try:
-            mngr.wait_until_finished()
-            mngr.close()
-        except Exception:  # a save that failed with the error in flight: that error says it
-            if failure is None:
-                raise
-        writer.close()
-        if writer.history and main and (failure is None or preemption.storage_error(failure) is None):
-            plot_run(writer.history, run.output_dir)
+        _close(run, mngr, writer, sampler, failure, main)
+    return _finish(run, place.state, writer, before, after, skipped, compile_seconds, main)
+
+
+def _compile_ahead(run: Run, state: TrainState) -> float:
+    """Every program of the rounds compiled before the first step, not inside one (`shapes.compile_ahead`): the
+    seconds it took."""
+    if run.shapes is None:
+        return 0.0
+    count, seconds, peaks = shapes.compile_ahead(run, state, run.shapes)
+    print(f"grpo_jax: compiled {count} programs in {seconds:.1f}s before the first step; "
+          + "; ".join(run.shapes.describe())
+          + f"; peak per device: {shapes.describe_peaks(peaks, jax.local_devices()[0])}")
+    return seconds
+
+
+def _writer(run: Run, step: int, history: list, show_progress: bool, main: bool) -> MetricsWriter:
+    config = run.config
+    return MetricsWriter(run.output_dir, max_steps=config.max_steps, initial_step=step,
+                         logging_steps=config.logging_steps, show_progress=show_progress, history=history,
+                         write_file=main, report_to=config.report_to,
+                         num_completions_to_print=config.num_completions_to_print, run_config=to_dict(config))
+
+
+def _next_round(run: Run, place: Place, sampler, warned: set, toolbox) -> Place:
+    """The place with the round whose steps come next: the one it is inside, else the sampler's round or a new one
+    (`prepare_round`), the data position moved past its prompts."""
+    if sampler is not None:  # rounds whose params version is this step's go to the sampler now
+        sampler.feed(place.state, place.step)
+    if place.round_batch is not None:
+        return place
+    if sampler is not None:
+        round_batch, data_state = sampler.take(place.state, place.round_index)
+        return place._replace(round_batch=round_batch, data_state=data_state)
+    round_batch, data_state = prepare_round(run, place.state, place.data_state, place.round_index,
+                                            slots=place.plan.slots, warned=warned, toolbox=toolbox)
+    place = place._replace(round_batch=round_batch, data_state=data_state)
+    return place._replace(plan=_plan(run, place.plan, round_batch))
+
+
+def _steps(run: Run, place: Place, sampler, *, stop: Callable[[], bool], max_skipped: int
+           ) -> tuple[Place, list[dict], list | None]:
+    """The round's next optimizer steps (`run_steps`) up to the next save, evaluation, sampler feed or max_steps:
+    the place after them (between rounds once the round's last step is done), their metrics lines and the round's
+    completions table."""
+    config = run.config
+    until = config.max_steps
+    if sampler is not None and sampler.next_feed(place.step) is not None:  # its params, before the update
+        until = min(until, sampler.next_feed(place.step))
+    for every in (config.save_steps, config.eval.steps):
+        if every:
+            until = min(until, (place.step // every + 1) * every)
+    state, round_batch, lines = run_steps(run, place.state, place.round_batch, until=until, stop=stop,
+                                          max_skipped=max_skipped)
+    if sampler is not None:
+        lines = [{**line, **async_rounds.step_metrics(config.train, line["step"]),
+                  "step_time/sample_wait": round_batch.seconds["sample_wait"] / len(round_batch.step_rows)}
+                 for line in lines]
+    place = place._replace(state=state, round_batch=round_batch, step=round_batch.first_step + round_batch.position)
+    if round_batch.position == len(round_batch.step_rows):
+        place = place._replace(round_batch=None, round_index=place.round_index + 1)
+    return place, lines, round_batch.completions
+
+
+def _due(every: int | None, step: int, max_steps: int) -> bool:
+    """Whether a periodic save or evaluation falls after this step (the last step's come after the loop)."""
+    return bool(every) and step % every == 0 and step < max_steps
+
+
+def _skipped(history: list[dict], max_nonfinite_steps: int) -> int:
+    """The run's skipped (non-finite) steps so far; a RuntimeError when they stalled it (`preemption.stalled`)."""
+    stalled = preemption.stalled([h for h in history if not is_eval(h)], max_nonfinite_steps)
+    if stalled:
+        raise RuntimeError(stalled)
+    return sum(int(h.get("skipped") or 0) for h in history)
+
+
+def _evaluate(run: Run, writer: MetricsWriter, place: Place, toolbox) -> dict:
+    """The held-out metrics of the place's params (`evaluate`), logged."""
+    metrics = evaluate(run, place.state.params, place.step, toolbox=toolbox)
+    writer.write_eval(place.step, metrics)
+    return metrics
+
+
+def _evaluate_after(run: Run, writer: MetricsWriter, place: Place, toolbox) -> dict:
+    """The evaluation after training, logged; one logged at this step already (a resumed run that had ended)
+    is reused."""
+    last = writer.history[-1] if writer.history else {}
+    if is_eval(last) and last["step"] == place.step:
+        return {k: v for k, v in last.items() if k != "step"}
+    return _evaluate(run, writer, place, toolbox)
+
+
+def _stopped(error: BaseException, run: Run, place: Place, sampler, writer: MetricsWriter, saved_step: int,
+             save: Callable[[bool], None], named: bool) -> BaseException:
+    """What a failed loop raises (`preemption.failed`), after saving the last good state when no checkpoint has
+    its steps; an interrupt raised by Python code, not a signal, is still an interrupt."""
+    stopped = preemption.failed(error, run.output_dir, checkpoint.nbytes(place.state, run.keep_ref,
+                                                                         _arrays(place, sampler)),
+                                state=place.state, steps=sum(not is_eval(h) for h in writer.history),
+                                saved_step=saved_step, save=save, named=named)
+    return preemption.Interrupted(str(stopped)) if isinstance(error, KeyboardInterrupt) else stopped
+
+
+def _close(run: Run, mngr, writer: MetricsWriter, sampler, failure: BaseException | None, main: bool) -> None:
+    """However the loop ended: the sampler stopped, the saves finished, the metrics closed and plotted."""
+    if sampler is not None:
+        sampler.close()
+    try:
+        mngr.wait_until_finished()
+        mngr.close()
+    except Exception:  # a save that failed with the error in flight: that error says it
+        if failure is None:
+            raise
+    writer.close()
+    if writer.history and main and (failure is None or preemption.storage_error(failure) is None):
+        plot_run(writer.history, run.output_dir)
+
+
+def _finish(run: Run, state: TrainState, writer: MetricsWriter, before: dict, after: dict, skipped: int,
+            compile_seconds: float, main: bool) -> dict:
+    """summary.json and the policy exported to `output_dir/final/`; returns the summary."""
     summary = {"output_dir": str(run.output_dir), "steps": int(state.step), "skipped_steps": skipped,
                "compile_seconds": round(compile_seconds, 2),
                "eval_before": short_names(before), "eval_after": short_names(after),
@@ -281,17 +340,6 @@ def _plan(run: Run, plan: stream.SlotPlan, round_batch: RoundBatch) -> stream.Sl
     return sharding.from_first_process(lambda: stream.plan_slots(
         plan, round_batch.token_counts[:, 1], slots=seconds["decode_slots"], steps=seconds["decode_steps"],
         seconds=seconds["sample"], chunks=run.programs.decoder.chunks(tc.generation_batch_size, tc.num_generations)))
-
-
-def _evaluate_after(run: Run, state: TrainState, writer: MetricsWriter, step: int, toolbox) -> dict:
-    """The evaluation after training, logged; one logged at this step already (a resumed run that had ended)
-    is reused."""
-    last = writer.history[-1] if writer.history else {}
-    if is_eval(last) and last["step"] == step:
-        return {k: v for k, v in last.items() if k != "step"}
-    metrics = evaluate(run, state.params, step, toolbox=toolbox)
-    writer.write_eval(step, metrics)
-    return metrics
 
 
 def _reward_summary(history: list[dict]) -> dict:

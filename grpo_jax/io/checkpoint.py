@@ -22,7 +22,9 @@ import os
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +32,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import xxhash
 
+from grpo_jax.algo.trajectory import Trajectory
 from grpo_jax.config.moved import current_path
 
 CHECKPOINTS = "checkpoints"
@@ -227,6 +230,54 @@ def restore_latest(mngr: ocp.CheckpointManager, fresh_state, *, keep_ref: bool):
                          + f"): nothing was moved or deleted; `grpo-jax verify {directory.parent}` lists what "
                          "differs. Start again from step 0 with a new output_dir (or move this one away)")
     return None
+
+
+class Resumed(NamedTuple):
+    """A run's newest checkpoint as the loop continues from it (`resume`), older layouts read as today's."""
+
+    step: int
+    state: object  # the `TrainState`
+    data: dict  # the data position's fields (`data.DataState`)
+    round_index: int
+    history: list  # the metrics lines so far
+    eval_before: dict | None
+    buffer: dict | None  # the scalars of the round the run stopped inside (None: between rounds)
+    rows: Trajectory | None  # that round's rows on the host (`saved_rows`)
+    token_counts: np.ndarray | None  # [N, 2] their real prompt and completion tokens
+    arrays: dict  # every host array saved (asynchronous rounds' params versions too)
+
+
+def resume(mngr: ocp.CheckpointManager, fresh_state, *, keep_ref: bool, seed: int,
+           fingerprints: dict[str, Callable]) -> Resumed | None:
+    """The newest valid checkpoint (`restore_latest`) as a `Resumed`, None when there is none. ``fingerprints``: a
+    check of each fingerprint the meta holds by its key, ``check(saved or None, step=)`` -> None, or the warning of a
+    change allowed (it raises for one refused): the data's and the reward/tool code's. A checkpoint from before a
+    fingerprint (None), the data seed or trajectories (`saved_rows`) is read as the run that wrote it trained."""
+    restored = restore_latest(mngr, fresh_state, keep_ref=keep_ref)
+    if restored is None:
+        return None
+    step, state, meta, arrays = restored
+    for key, check in fingerprints.items():
+        changed = check(meta.get(key), step=step)
+        if changed:
+            warnings.warn(changed, RuntimeWarning, stacklevel=3)
+    rows, counts = saved_rows(arrays) if meta["buffer"] is not None else (None, None)
+    return Resumed(step, state, {"seed": seed, **meta["data"]}, meta["round_index"], meta["history"],
+                   meta["eval_before"], meta["buffer"], rows, counts, arrays)  # older runs saved no data seed
+
+
+def saved_rows(arrays: dict) -> tuple[Trajectory, np.ndarray]:
+    """A checkpoint's round rows (host arrays by field name) and their [N, 2] real prompt / completion tokens. A
+    round saved before trajectories (no ``loss_mask``) trained and attended its ``completion_mask`` alike: it
+    becomes both masks, one turn a row."""
+    if "loss_mask" not in arrays:
+        mask = arrays["completion_mask"]
+        arrays = {"sampler_per_token_logps": np.zeros(mask.shape, np.float32), **arrays, "loss_mask": mask,
+                  "turns": np.where(mask == 1, 0, -1).astype(np.int32), "is_truncated": np.zeros(len(mask), bool)}
+    counts = arrays.get("token_counts")
+    if counts is None:
+        counts = np.stack([np.sum(arrays["prompt_mask"], 1), np.sum(arrays["completion_mask"], 1)], 1).astype(np.int32)
+    return Trajectory(**{k: arrays.get(k) for k in Trajectory._fields}), counts
 
 
 def _move_aside(mngr: ocp.CheckpointManager, errors: list[tuple[int, str]], *, used: int) -> None:

@@ -54,7 +54,7 @@ def fingerprint(reward_fns: Sequence[tuple[str, Callable]], tooling=None) -> dic
     environments = {} if tooling is None or tooling.factories is None else tooling.factories
     return {"reward_funcs": [[name, code_hash(fn)] for name, fn in reward_fns],
             "tools": [[getattr(t, "__name__", type(t).__name__), code_hash(t)] for t in tools],
-            "environments": [[str(name), code_hash(type(tooling.pool[name][0]))] for name in environments]}
+            "environments": [[str(name), code_hash(type(tooling.probes[name]))] for name in environments]}
 
 
 KINDS = {"reward_funcs": "reward function", "tools": "tool", "environments": "environment"}

@@ -240,7 +240,8 @@ class Sampler:
         rows = round_batch.rows
         if run.rollout_mesh is not None:
             rows = jax.device_put(rows, sharding.row_sharded(run.mesh))
-        ref, _ = rollout.dispatch_logps(run, state, None, rows, round_batch.token_counts, old=False)
+        ref, _ = rollout.dispatch_logps(run.programs, rollout.logps_args(run, rows, round_batch.token_counts),
+                                        state.reference_params, None, old=False)
         old = rows.old_per_token_logps
         if proximal_old(run.config):
             old = run.programs.logps(state.params, *rollout.logps_args(run, rows, round_batch.token_counts))

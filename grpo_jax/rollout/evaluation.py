@@ -19,6 +19,7 @@ Dimension letters: P prompts, n completions per prompt, N = P x n rows, F reward
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import jax
@@ -28,7 +29,8 @@ from grpo_jax.data import prompts as data
 from grpo_jax.device import sharding
 from grpo_jax.rewards import functions as rewards
 from grpo_jax.rewards.paths import resolve_reward_fn
-from grpo_jax.rollout import multiturn, stream
+from grpo_jax.rollout import multiturn, scoring
+from grpo_jax.rollout.piece import Piece
 
 EVAL_STREAM = 0x6576616C  # "eval", folded into the seed's key: a stream the training key never meets
 TASK_REWARDS = ("grpo_jax.data.task:exact_match", "grpo_jax.data.task:char_accuracy")  # the digit tasks' own
@@ -103,50 +105,61 @@ def eval_key(seed: int):
     return jax.random.fold_in(jax.random.PRNGKey(seed), EVAL_STREAM)
 
 
-def _generate(run, decoder, params, n: int, key, greedy: bool, toolbox):
-    """n completions of every held-out prompt: (texts, rewards_NxF, completion_mask), N = P x n group-major. With
-    tools the rows run their turns as in training (no journal: evaluation may call a tool again) and a text is
-    the last assistant message."""
-    cfg, rows = run.config, run.eval_rows
-    num_prompts, shards = len(rows), sharding.num_row_shards(run.mesh)
-    padded = num_prompts
+def _eval_batch(rows: list[dict], n: int, shards: int, tokenizer, tooling, max_prompt_length: int
+                ) -> data.PromptBatch:
+    """The held-out ``rows`` tokenized, n rows a prompt, whole prompts repeated after them until the rows split over
+    ``shards`` row shards."""
+    num_prompts = padded = len(rows)
     while (padded * n) % shards:  # whole prompts, repeated until the rows split over the devices
         padded += 1
     chosen = [rows[i % num_prompts] for i in range(padded)]
-    tooling = run.tooling
-    ids, mask, _ = data.tokenize_prompts(run.tokenizer, [r["prompt"] for r in chosen], cfg.data.max_prompt_length,
+    ids, mask, _ = data.tokenize_prompts(tokenizer, [r["prompt"] for r in chosen], max_prompt_length,
                                          truncation="left", tools=tooling and [tooling.schemas(r) for r in chosen],
                                          chat_template=tooling and tooling.chat_template)
     columns = {k: [r.get(k) for r in chosen] for k in dict.fromkeys(k for r in chosen for k in r) if k != "prompt"}
-    batch = data.repeat_groups(data.PromptBatch(ids, mask, [r["prompt"] for r in chosen], columns, 0), n)
-    batch, turns, environments = multiturn.setup(tooling, run.tokenizer, batch, None, n, toolbox=toolbox)
-    completion_ids = np.zeros((len(batch.prompt_ids), cfg.sampling.max_completion_length), np.int32)
-    completion_mask = np.zeros_like(completion_ids)
-    messages = [None] * len(completion_ids)
-    for piece in stream.decode(decoder, params, batch.prompt_ids, batch.prompt_mask, key, greedy=greedy,
-                               group_size=n, turns=turns):
-        completion_ids[piece.rows], completion_mask[piece.rows] = piece.completion_ids, piece.completion_mask
-        for row, completion in zip(piece.rows, piece.completions or ()):
-            messages[row] = completion
-    N = num_prompts * n
-    completion_ids, completion_mask, messages = completion_ids[:N], completion_mask[:N], messages[:N]
-    # as the training rounds hand them to reward functions: EOS kept in the ids, padding removed
-    token_ids = [row[:length] for row, length in zip(completion_ids.tolist(), completion_mask.sum(axis=1))]
-    columns = {k: v[:N] for k, v in batch.columns.items()}
-    columns["completion_ids"] = token_ids
-    prompts = batch.prompts[:N]
-    context = {} if environments is None else {"environments": environments[:N]}
-    if turns is None:
-        texts = run.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
-        inputs = data.reward_inputs(prompts, texts)
-    else:
-        texts = [data.completion_text(c) for c in messages]
-        inputs = prompts, messages
-    def score():
-        return rewards.score_completions(run.eval_reward_fns, *inputs, columns, context)
+    return data.repeat_groups(data.PromptBatch(ids, mask, [r["prompt"] for r in chosen], columns, 0), n)
 
-    scores = sharding.from_first_process(score) if multiturn.scores_on_first(tooling) else score()
-    return texts, scores, completion_mask
+
+def _generate(decoder, params, batch: data.PromptBatch, key, *, n: int, num_rows: int, greedy: bool, tokenizer,
+              reward_fns: list, tooling, toolbox) -> tuple[list, np.ndarray, np.ndarray]:
+    """The first ``num_rows`` rows of ``batch`` (`_eval_batch`), decoded and scored as a training pass is
+    (`scoring.decode_and_score`) with evaluation's ``reward_fns`` (no log, no trainer state): (texts, rewards_NxF,
+    completion_mask), N = ``num_rows``. With ``tooling`` the rows run their turns as in training (no journal:
+    evaluation may call a tool again) and a text is the last assistant message."""
+    N, F = num_rows, len(reward_fns)
+    batch, turns, environments = multiturn.setup(tooling, tokenizer, batch, None, n, toolbox=toolbox)
+    score = functools.partial(scoring.score, batch, context={}, log=None, tokenizer=tokenizer, reward_fns=reward_fns,
+                              environments=environments)
+
+    def score_held_out(piece: Piece) -> tuple:
+        piece = _held_out(piece, N)
+        return score(piece) if len(piece.rows) else (np.zeros((0, F), np.float32), None)
+
+    _, pieces, scores = scoring.decode_and_score(decoder, params, batch, key, score_held_out, group_size=n,
+                                                 greedy=greedy, turns=turns, later=multiturn.scores_on_first(tooling))
+    completion_mask = np.zeros((N, pieces[0].completion_ids.shape[1]), np.int32)
+    rewards_NxF = np.full((N, F), np.nan, np.float32)
+    texts = [None] * N
+    for piece, (r_NxF, _) in zip(pieces, scores):
+        piece = _held_out(piece, N)  # the rows past N repeat prompts so that the rows split over the devices
+        completion_mask[piece.rows], rewards_NxF[piece.rows] = piece.completion_mask, r_NxF
+        done = [data.completion_text(c) for c in piece.completions] if turns is not None else scoring.decode(
+            tokenizer, piece.completion_ids, piece.completion_mask)
+        for row, text in zip(piece.rows, done):
+            texts[row] = text
+    return texts, rewards_NxF, completion_mask
+
+
+def _held_out(piece: Piece, num_rows: int) -> Piece:
+    """A piece's rows among the first ``num_rows``, the held-out ones (the others repeat prompts to pad the call)."""
+    keep = piece.rows < num_rows
+    if keep.all():
+        return piece
+    kept = [c for c, k in zip(piece.completions, keep) if k] if piece.completions is not None else None
+    return piece._replace(rows=piece.rows[keep], completion_ids=piece.completion_ids[keep],
+                          completion_mask=piece.completion_mask[keep], is_truncated=piece.is_truncated[keep],
+                          loss_mask=None if piece.loss_mask is None else piece.loss_mask[keep], completions=kept,
+                          tool_counts=None if piece.tool_counts is None else piece.tool_counts[keep])
 
 
 def evaluate(run, params, step: int, *, toolbox=None) -> dict[str, float]:
@@ -157,11 +170,18 @@ def evaluate(run, params, step: int, *, toolbox=None) -> dict[str, float]:
         return {}
     cfg = run.config.eval
     names = [name.split(":")[-1] for name, _ in run.eval_reward_fns]
-    _, scores, _ = _generate(run, run.programs.decoder, params, 1, jax.random.PRNGKey(0), True, toolbox)
+
+    def generate(decoder, n: int, key, greedy: bool):
+        batch = _eval_batch(run.eval_rows, n, sharding.num_row_shards(run.mesh), run.tokenizer, run.tooling,
+                            run.config.data.max_prompt_length)
+        return _generate(decoder, params, batch, key, n=n, num_rows=len(run.eval_rows) * n, greedy=greedy,
+                         tokenizer=run.tokenizer, reward_fns=run.eval_reward_fns, tooling=run.tooling, toolbox=toolbox)
+
+    _, scores, _ = generate(run.programs.decoder, 1, jax.random.PRNGKey(0), True)
     metrics = {f"eval/greedy/{name}": float(rewards.scored(np.nanmean, scores[:, i])) for i, name in enumerate(names)}
     if cfg.num_generations:
         key = run.programs.sample_key(eval_key(run.config.seed), step, 0)
-        texts, scores, mask = _generate(run, run.programs.eval_decoder, params, cfg.num_generations, key, False, toolbox)
+        texts, scores, mask = generate(run.programs.eval_decoder, cfg.num_generations, key, False)
         extract = resolve_reward_fn(cfg.answer_extractor)
         metrics.update(sampled_metrics(scores, names, [extract(t) for t in texts], mask.sum(axis=1),
                                        num_generations=cfg.num_generations, ks=cfg.ks))

@@ -26,7 +26,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -129,73 +128,70 @@ def _bucket(n: int) -> int:
     return 1 << max(3, (n - 1).bit_length())
 
 
-def chunk(decoder, params, ids, mask, key, offset: int, options, group_size: int, turns: Turns) -> Iterator:
-    """One program's rows (from row ``offset`` of the call) decoded over their turns: their `Piece`s as
-    whole groups end, the call's `Trajectory` before the last. ``options`` with ``pause_at_eos``.
+@dataclasses.dataclass
+class Waiting:
+    """A decoding call's rows between their turns, across its segments (`between`)."""
 
-    Each segment is queued before the host reads the one before it, so the devices decode live rows while the host
-    parses turns and renders results; what the host does (retire, append) goes after the queued segment, and the
-    view it reads is one segment old (a row's tokens do not depend on when it is admitted again)."""
-    B, T = len(ids), options.sampling.max_completion_length
-    decoding, view = decoder.advance(params, decoder.start(params, ids, mask, key, np.int32(offset), options),
-                                     options, True)
-    waiting: dict = {}  # row -> future of its toolbox.Results (None on processes that do not run the tools)
-    seen_R = np.zeros(B // group_size, bool)
-    gave = False  # rows were appended after the segment now being read: the devices have work the view misses
-    while True:
-        decoding, ahead = decoder.advance(params, decoding, options, True)
-        ended, length, at_eos, tokens, steps, paused = sharding.to_host(view)
-        retire, give = [], []
-        for b in np.flatnonzero(paused):
-            ep = turns.episodes[b]
-            if b in waiting or ep.done or ep.parsed or length[b] <= ep.start:  # handled, or a pause already over
-                continue
-            calls = _parse(turns, b, tokens[b], int(length[b])).get("tool_calls")
-            if calls and (turns.max_iterations is None or ep.rounds < turns.max_iterations):
-                waiting[b] = _results(turns, offset + int(b), b, calls)
-            else:
-                retire.append(int(b))
-        idle = not retire and not gave and not np.any(~ended & ~paused)  # nothing to decode until a tool returns
-        for b, results in _returned(turns, waiting, idle):
-            del waiting[b]
-            ep = turns.episodes[b]
-            ep.calls, ep.failures = ep.calls + results.calls, ep.failures + results.failures
-            suffix = tools.suffix_ids(turns.tokenizer, results.messages, turns.chat_template, turns.suffix_cache,
-                                      **turns.template_kwargs)
-            n = int(length[b])
-            total = len(ep.prompt_ids) + n + len(suffix)
-            if n + len(suffix) > T or (turns.max_model_len is not None and total >= turns.max_model_len):
-                retire.append(int(b))  # TRL rolls the results back: the rollout ends after the calling turn
-                continue
-            ep.messages += results.messages
-            ep.appended.append((n, n + len(suffix)))
-            ep.start, ep.parsed, ep.rounds = n + len(suffix), False, ep.rounds + 1
-            give.append((int(b), suffix))
-        for b in retire:
-            turns.episodes[b].done = True
-        if retire:
-            decoding = decoder.retire(decoding, _padded(retire, B))
-        for width in sorted({_bucket(len(s)) for _, s in give}):  # a row's numbers: its own bucket's shape only
-            same = [(b, s) for b, s in give if _bucket(len(s)) == width]
-            for i in range(0, len(same), APPEND_ROWS):
-                part = same[i:i + APPEND_ROWS]
-                tokens_MxA = np.zeros((APPEND_ROWS, width), np.int32)
-                for m, (_, suffix) in enumerate(part):
-                    tokens_MxA[m, :len(suffix)] = suffix
-                decoding = decoder.append(params, decoding, _padded([b for b, _ in part], APPEND_ROWS), tokens_MxA,
-                                          _padded([len(s) for _, s in part], APPEND_ROWS), options)
-        gave = bool(give)
-        done_R = ended.reshape(-1, group_size).all(axis=1)
-        new_R = done_R & ~seen_R
-        if done_R.all():
-            yield decoder.trajectory(decoding)
-        if new_R.any():
-            rows = np.flatnonzero(np.repeat(new_R, group_size))
-            yield _piece(turns, rows, offset, tokens, length, at_eos, int(steps) if done_R.all() else 0)
-            seen_R = done_R
-        if done_R.all():
-            return
-        view = ahead
+    rows: dict = dataclasses.field(default_factory=dict)  # row -> future of its toolbox.Results (None on processes
+    # that do not run the tools)
+    gave: bool = False  # rows were appended after the segment now being read: the devices have work its view misses
+
+
+def between(turns: Turns, waiting: Waiting, decoder, params, decoding, options, view: tuple, offset: int):
+    """The host's part of a multi-turn call between two segments (`stream.chunk`, the one host driver): the paused
+    rows' turns parsed, their tool calls sent to the toolbox, the results that are back appended to their rows
+    (`decoder.append`) and the rows that called nothing, or can take no more, retired. ``view``: the segment's,
+    on the host, one segment old (a row's tokens do not depend on when it is admitted again); ``decoding``: the
+    state after the segment queued since, which this returns with the host's changes."""
+    B, T = len(view[0]), options.sampling.max_completion_length
+    ended, length, at_eos, tokens, steps, paused = view
+    retire, give = [], []
+    for b in np.flatnonzero(paused):
+        ep = turns.episodes[b]
+        if b in waiting.rows or ep.done or ep.parsed or length[b] <= ep.start:  # handled, or a pause already over
+            continue
+        calls = _parse(turns, b, tokens[b], int(length[b])).get("tool_calls")
+        if calls and (turns.max_iterations is None or ep.rounds < turns.max_iterations):
+            waiting.rows[b] = _results(turns, offset + int(b), b, calls)
+        else:
+            retire.append(int(b))
+    idle = not retire and not waiting.gave and not np.any(~ended & ~paused)  # nothing to decode until a tool returns
+    for b, results in _returned(turns, waiting.rows, idle):
+        del waiting.rows[b]
+        ep = turns.episodes[b]
+        ep.calls, ep.failures = ep.calls + results.calls, ep.failures + results.failures
+        suffix = tools.suffix_ids(turns.tokenizer, results.messages, turns.chat_template, turns.suffix_cache,
+                                  **turns.template_kwargs)
+        n = int(length[b])
+        total = len(ep.prompt_ids) + n + len(suffix)
+        if n + len(suffix) > T or (turns.max_model_len is not None and total >= turns.max_model_len):
+            retire.append(int(b))  # TRL rolls the results back: the rollout ends after the calling turn
+            continue
+        ep.messages += results.messages
+        ep.appended.append((n, n + len(suffix)))
+        ep.start, ep.parsed, ep.rounds = n + len(suffix), False, ep.rounds + 1
+        give.append((int(b), suffix))
+    for b in retire:
+        turns.episodes[b].done = True
+    if retire:
+        decoding = decoder.retire(decoding, _padded(retire, B))
+    for width in sorted({_bucket(len(s)) for _, s in give}):  # a row's numbers: its own bucket's shape only
+        same = [(b, s) for b, s in give if _bucket(len(s)) == width]
+        for i in range(0, len(same), APPEND_ROWS):
+            part = same[i:i + APPEND_ROWS]
+            tokens_MxA = np.zeros((APPEND_ROWS, width), np.int32)
+            for m, (_, suffix) in enumerate(part):
+                tokens_MxA[m, :len(suffix)] = suffix
+            decoding = decoder.append(params, decoding, _padded([b for b, _ in part], APPEND_ROWS), tokens_MxA,
+                                      _padded([len(s) for _, s in part], APPEND_ROWS), options)
+    waiting.gave = bool(give)
+    return decoding
+
+
+def piece(turns: Turns, rows: np.ndarray, offset: int, view: tuple) -> Piece:
+    """Finished rows of a multi-turn call as a `Piece` (`_piece`), from the segment's host ``view``."""
+    ended, length, at_eos, tokens, steps, _ = view
+    return _piece(turns, rows, offset, tokens, length, at_eos, int(steps) if ended.all() else 0)
 
 
 def _piece(turns: Turns, rows: np.ndarray, offset: int, tokens, length, at_eos, steps: int):
@@ -239,13 +235,16 @@ def make_turns(tokenizer, rows_tools: list, prompt_ids: list, toolbox: Toolbox, 
 def setup(tooling: tools.Tooling | None, tokenizer, batch, journal: Path | None, group_size: int, *,
           toolbox: Toolbox | None = None):
     """A sampling pass's rows (`data.PromptBatch`, G rows a prompt) made ready for their tools: each row's
-    environment drawn from the pool and reset with its row (TRL: the returned string is appended to the last user
-    message, and the prompts are tokenized again), and the pass's `Turns`. Returns (batch, Turns or None,
-    environments or None). With several processes only process 0 holds environments (the others get None) and
-    its journal; its reset observations are every process's. ``toolbox`` runs the calls: the caller's
-    (`tools.open_toolbox`), which it closes."""
+    environment drawn from the toolbox's (`tools.Environments`) and reset with its row (TRL: the returned string is
+    appended to the last user message, and the prompts are tokenized again), and the pass's `Turns`. Returns (batch,
+    Turns or None, environments or None). With several processes only process 0 holds environments (the others get
+    None) and its journal; its reset observations are every process's. ``toolbox`` runs the calls and holds the
+    environments: the caller's (`tools.open_toolbox`), which it closes."""
     if tooling is None:
         return batch, None, None
+    if toolbox is None:
+        raise ValueError("a run with tools or environments samples with a toolbox: pass toolbox=grpo_jax.tools.calls."
+                         "open_toolbox(run.tooling) (and close it when done), as `train` does")
     rows = [{"prompt": prompt, **{k: v[i] for k, v in batch.columns.items()}} for i, prompt in enumerate(batch.prompts)]
     calls_tools = jax.process_index() == 0
     environments = None
@@ -255,7 +254,7 @@ def setup(tooling: tools.Tooling | None, tokenizer, batch, journal: Path | None,
 
         def reset():
             nonlocal environments
-            environments = tooling.environments(rows)
+            environments = toolbox.environments.draw(rows)
             return [_reset(env, {k: v for k, v in row.items() if k != "environment"} if multi else row)
                     for env, row in zip(environments, rows)]
 
@@ -271,9 +270,6 @@ def setup(tooling: tools.Tooling | None, tokenizer, batch, journal: Path | None,
     row_tools = [tooling.schemas(row) for row in rows] if environments is None else \
         [list(tooling.tools) + tools.methods(env) for env in environments]
     prompt_ids = [ids[m == 1].tolist() for ids, m in zip(batch.prompt_ids, batch.prompt_mask)]
-    if toolbox is None:
-        raise ValueError("a run with tools or environments samples with a toolbox: pass toolbox=grpo_jax.tools.calls."
-                         "open_toolbox(run.tooling) (and close it when done), as `train` does")
     turns = make_turns(tokenizer, row_tools, prompt_ids, toolbox, Journal(journal if calls_tools else None),
                        replayable=[fn.__name__ for fn in tooling.tools],
                        max_iterations=tooling.max_iterations, max_model_len=tooling.max_model_len,

@@ -1,5 +1,5 @@
-"""`Piece`: finished rows of a decoding call, on the host: what `stream.decode` and the multi-turn driver
-(`multiturn.chunk`) hand the round, whole groups at a time.
+"""`Piece`: finished rows of a decoding call, on the host: what `stream.decode` (its one host driver,
+`stream.chunk`, single- and multi-turn alike) hands the round, whole groups at a time.
 """
 
 from __future__ import annotations

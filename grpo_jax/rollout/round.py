@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from grpo_jax.algo import rounds, trajectory
+from grpo_jax.algo.programs import Programs
 from grpo_jax.algo.state import TrainState
 from grpo_jax.algo.trajectory import Trajectory
 from grpo_jax.config import Config
@@ -33,7 +34,7 @@ from grpo_jax.data import prompts as data
 from grpo_jax.device import cpu, sharding
 from grpo_jax.io.reporting import completion_rows, plain
 from grpo_jax.rewards import functions as rewards
-from grpo_jax.rollout import multiturn, scoring, stream
+from grpo_jax.rollout import multiturn, scoring
 from grpo_jax.rollout.context import Run
 
 
@@ -65,41 +66,48 @@ def _counts(prompt_mask: np.ndarray, completion_mask: np.ndarray) -> np.ndarray:
     return np.stack([np.sum(prompt_mask, axis=1), np.sum(completion_mask, axis=1)], axis=1).astype(np.int32)
 
 
-def _packing(run: Run, counts_Nx2: np.ndarray, group_size: int, micro_batches: int = 1, listed=None
-             ) -> tuple[int, int]:
-    """(packed buffer length, buffers a micro-batch) of these rows' forwards, (0, 0) for the static layout:
-    `train.packing`, or when it is null whichever layout costs fewer FLOPs (`trajectory.choose_packing`), among the
-    ``listed`` shapes (`Run.shapes`' round or step packings, compiled ahead; None: any).
-    ``micro_batches`` M: the rows are split as `train_step` splits them (micro-batch m takes rows m, m + M, ...)."""
-    cfg = run.config
+def _packing(cfg: Config, shards: int, counts_Nx2: np.ndarray, group_size: int, micro_batches: int = 1,
+             listed=None) -> tuple[int, int]:
+    """(packed buffer length, buffers a micro-batch) of these rows' forwards over ``shards`` row shards, (0, 0) for
+    the static layout: `train.packing`, or when it is null whichever layout costs fewer FLOPs
+    (`trajectory.choose_packing`), among the ``listed`` shapes (`Run.shapes`' round or step packings, compiled
+    ahead; None: any). ``micro_batches`` M: the rows are split as `train_step` splits them (micro-batch m takes rows
+    m, m + M, ...)."""
     M = micro_batches
     counts_Nx2 = np.concatenate([counts_Nx2[m::M] for m in range(M)])  # micro-batch order
     on_cpu = cpu.enabled(cfg.cpu_speedups)
     return trajectory.choose_packing(
         counts_Nx2[:, 0], counts_Nx2[:, 1], group_size, cfg.data.max_prompt_length, cfg.sampling.max_completion_length,
-        trajectory.forward_flops(cfg.model), packing=cfg.train.packing, micro_batches=M,
-        shards=sharding.num_row_shards(run.mesh), dense_pair_cost=cpu.DENSE_PAIR_COST if on_cpu else 1.0,
-        blocked_pairs=cpu.blocked_pairs if on_cpu else None, shapes=listed)
+        trajectory.forward_flops(cfg.model), packing=cfg.train.packing, micro_batches=M, shards=shards,
+        dense_pair_cost=cpu.DENSE_PAIR_COST if on_cpu else 1.0, blocked_pairs=cpu.blocked_pairs if on_cpu else None,
+        shapes=listed)
 
 
 def logps_args(run: Run, rows: Trajectory, counts_Nx2: np.ndarray) -> tuple:
     """A round's rows as the log-prob programs take them: the four row arrays, the experts the sampler chose (routing
     replay; None otherwise) and their packing (`_packing`)."""
     return (rows.prompt_ids, rows.prompt_mask, rows.completion_ids, rows.completion_mask, rows.routed_experts,
-            *_packing(run, counts_Nx2, run.round_prompt_group_size,
+            *_packing(run.config, sharding.num_row_shards(run.mesh), counts_Nx2, run.round_prompt_group_size,
                       listed=None if run.shapes is None else run.shapes.round_packings))
 
 
-def dispatch_logps(run: Run, state: TrainState, params, rows: Trajectory, counts_Nx2: np.ndarray, *, old: bool):
-    """(reference, old-policy) log-probs of the rows, queued on the devices without waiting; None where the run has no
-    reference or ``old`` is false. In float32 the sampler's log-probs are the old policy's (same ``params``,
-    full-vocabulary log-softmax at the temperature) up to rounding: no forward pass for them."""
-    args = logps_args(run, rows, counts_Nx2)
-    ref = None if run.programs.ref_logps is None else run.programs.ref_logps(state.reference_params, *args)
+def dispatch_logps(programs: Programs, args: tuple, reference_params, params, *, old: bool,
+                   sampler_logps=None) -> tuple:
+    """(reference, old-policy) log-probs of rows laid out as ``args`` (`logps_args`), queued on the devices without
+    waiting; None where the run has no reference or ``old`` is false. ``sampler_logps``: the rows' sampler
+    log-probs, given in float32, where they are the old policy's (same ``params``, full-vocabulary log-softmax at
+    the temperature) up to rounding: no forward pass for them."""
+    ref = None if programs.ref_logps is None else programs.ref_logps(reference_params, *args)
     if not old:
         return ref, None
+    return ref, sampler_logps if sampler_logps is not None else programs.logps(params, *args)
+
+
+def _queue_logps(run: Run, state: TrainState, params, rows: Trajectory, counts_Nx2: np.ndarray, old: bool) -> tuple:
+    """`dispatch_logps` of a round's rows under ``params``, the state's reference."""
     in_float32 = run.config.model.dtype == "float32"
-    return ref, rows.sampler_per_token_logps if in_float32 else run.programs.logps(params, *args)
+    return dispatch_logps(run.programs, logps_args(run, rows, counts_Nx2), state.reference_params, params, old=old,
+                          sampler_logps=rows.sampler_per_token_logps if in_float32 else None)
 
 
 def _reward_context(dataset: data.Dataset, max_steps: int, step: int, data_state: data.DataState) -> dict:
@@ -124,32 +132,29 @@ def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBat
     reach the host), `score` time (host scoring after that) and `decode_steps` to ``seconds``.
     Returns (the rows on the devices, `rounds.Draw`, (ref, old) or None)."""
     timer = time.perf_counter()
-    pieces, scores, rows, queued = [], [], None, None
+    queued = None
     process = run.config.train.advantage_estimator == "process"
     weights = _weights(run.config, run.reward_fns) if process else None
     score = functools.partial(scoring.score, batch, context=context, log=log, tokenizer=run.tokenizer,
                               reward_fns=run.reward_fns, step_weights=weights,
                               environments=environments)
+
+    def decoded(piece, pieces: list) -> None:  # every row's tokens on the host: the log-probs queued first
+        nonlocal queued, timer
+        seconds["decode_steps"] = seconds.get("decode_steps", 0) + piece.decode_steps
+        if logps:
+            completion_mask = np.zeros_like(batch.prompt_ids, shape=piece.trajectory.completion_ids.shape)
+            for done in (*pieces, piece):
+                completion_mask[done.rows] = done.completion_mask
+            queued = _queue_logps(run, state, params, piece.trajectory, _counts(batch.prompt_mask, completion_mask),
+                                  old)
+        seconds["sample"] = seconds.get("sample", 0.0) + time.perf_counter() - timer
+        timer = time.perf_counter()
+
     # process 0 scores rows with environments once decoding is over: the decoding thread's collectives are done
-    later = multiturn.scores_on_first(run.tooling)
-    for piece in stream.decode(run.programs.decoder, params, batch.prompt_ids, batch.prompt_mask, key,
-                               group_size=run.config.train.num_generations, slots=slots, turns=turns):
-        if piece.trajectory is not None:  # decoding is over: every row's tokens are on the host
-            rows = piece.trajectory
-            seconds["decode_steps"] = seconds.get("decode_steps", 0) + piece.decode_steps
-            if logps:
-                completion_mask = np.zeros_like(batch.prompt_ids, shape=rows.completion_ids.shape)
-                for done in (*pieces, piece):
-                    completion_mask[done.rows] = done.completion_mask
-                queued = dispatch_logps(run, state, params, rows, _counts(batch.prompt_mask, completion_mask), old=old)
-            seconds["sample"] = seconds.get("sample", 0.0) + time.perf_counter() - timer
-            timer = time.perf_counter()
-        pieces.append(piece)
-        if not later:
-            scores.append(score(piece))
-    if later:  # what the functions logged comes along
-        scores, log.metrics, log.extra = sharding.from_first_process(lambda: (
-            [score(piece) for piece in pieces], log.metrics, log.extra))
+    rows, pieces, scores = scoring.decode_and_score(
+        run.programs.decoder, params, batch, key, score, group_size=run.config.train.num_generations, slots=slots,
+        turns=turns, later=multiturn.scores_on_first(run.tooling), log=log, decoded=decoded)
     draw = scoring.draw(batch, pieces, scores)
     seconds["score"] = seconds.get("score", 0.0) + time.perf_counter() - timer
     if turns is not None:  # the time a decoding chunk had nothing to decode until a tool returned, chunks' mean
@@ -158,25 +163,39 @@ def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBat
     return rows, draw, queued
 
 
+def _sample_pass(run: Run, state: TrainState, params, data_state: data.DataState, round_index: int, pass_index: int,
+                 seconds: dict, context: dict, log: rewards.RewardLog, toolbox, *, logps: bool, old: bool = False,
+                 slots: int = 0):
+    """The pipeline's head, one sampling pass of a round: the next prompts, G rows each, made ready for their tools
+    (`multiturn.setup`, the pass's journal), decoded with the pass's key and scored (`_sample_and_score`). Returns
+    (the rows on the devices, `rounds.Draw`, (ref, old) log-probs queued or None, the prompt mask, data position)."""
+    tc = run.config.train
+    batch, data_state = data.next_batch(run.dataset, data_state, tc.prompts_per_round)
+    batch = data.repeat_groups(batch, tc.num_generations)
+    journal = _journal(run.output_dir, round_index, pass_index)
+    batch, turns, environments = multiturn.setup(run.tooling, run.tokenizer, batch, journal, tc.num_generations,
+                                                 toolbox=toolbox)
+    key = run.programs.sample_key(state.key, round_index, pass_index)
+    rows, draw, queued = _sample_and_score(run, state, params, batch, key, seconds, context, log, logps=logps,
+                                           old=old, slots=slots, turns=turns, environments=environments)
+    return rows, draw, queued, batch.prompt_mask, data_state
+
+
 def _dynamic_sampling_passes(run: Run, state: TrainState, params, data_state: data.DataState, round_index: int,
                              seconds: dict, context: dict, log: rewards.RewardLog, toolbox):
-    """DAPO dynamic sampling: passes until informative groups fill the round (`rounds.init/update/finalize`); the
-    chosen rows are gathered on the devices. Returns (rows, draw, their token counts, metrics, data position)."""
+    """DAPO dynamic sampling: passes (`_sample_pass`) until informative groups fill the round
+    (`rounds.init/update/finalize`); the chosen rows are gathered on the devices. Returns (rows, draw, their token
+    counts, metrics, data position)."""
     tc = run.config.train
     passes, trajectories, prompt_masks = rounds.init(), [], []
     weights = _weights(run.config, run.reward_fns)
     seconds.update(sample=0.0, score=0.0)
     while not (rounds.is_full(passes, tc.prompts_per_round) or len(passes.draws) >= tc.max_num_gen_batches):
-        batch, data_state = data.next_batch(run.dataset, data_state, tc.prompts_per_round)
-        batch = data.repeat_groups(batch, tc.num_generations)
-        journal = _journal(run.output_dir, round_index, len(passes.draws))
-        batch, turns, environments = multiturn.setup(run.tooling, run.tokenizer, batch, journal, tc.num_generations,
-                                                     toolbox=toolbox)
-        key = run.programs.sample_key(state.key, round_index, len(passes.draws))
-        rows, draw, _ = _sample_and_score(run, state, params, batch, key, seconds, context, log, logps=False,
-                                          turns=turns, environments=environments)
+        rows, draw, _, prompt_mask, data_state = _sample_pass(run, state, params, data_state, round_index,
+                                                              len(passes.draws), seconds, context, log, toolbox,
+                                                              logps=False)
         trajectories.append(rows)
-        prompt_masks.append(batch.prompt_mask)
+        prompt_masks.append(prompt_mask)
         timer = time.perf_counter()
         passes = rounds.update(passes, draw, rounds.zero_std_groups(draw, weights, tc.num_generations))
         seconds["score"] += time.perf_counter() - timer
@@ -217,17 +236,12 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
     if tc.dynamic_sampling:
         rows, draw, counts, sampling_metrics, data_state = _dynamic_sampling_passes(
             run, state, params, data_state, round_index, seconds, context, log, toolbox)
-        ref, old = dispatch_logps(run, state, params, rows, counts, old=old)
+        ref, old = _queue_logps(run, state, params, rows, counts, old)
     else:
-        batch, data_state = data.next_batch(run.dataset, data_state, tc.prompts_per_round)
-        batch = data.repeat_groups(batch, tc.num_generations)
-        journal = _journal(run.output_dir, round_index, 0)
-        batch, turns, environments = multiturn.setup(run.tooling, run.tokenizer, batch, journal, tc.num_generations,
-                                                     toolbox=toolbox)
-        key = run.programs.sample_key(state.key, round_index, 0)
-        rows, draw, (ref, old) = _sample_and_score(run, state, params, batch, key, seconds, context, log, logps=True,
-                                                   old=old, slots=slots, turns=turns, environments=environments)
-        counts, sampling_metrics = _counts(batch.prompt_mask, draw.completion_mask), {}
+        rows, draw, (ref, old), prompt_mask, data_state = _sample_pass(
+            run, state, params, data_state, round_index, 0, seconds, context, log, toolbox, logps=True, old=old,
+            slots=slots)
+        counts, sampling_metrics = _counts(prompt_mask, draw.completion_mask), {}
 
     timer = time.perf_counter()
     mask = rounds.mask_truncated(draw.trained_mask, draw.is_truncated) if tc.mask_truncated_completions \
@@ -279,7 +293,8 @@ def run_steps(run: Run, state: TrainState, round_batch: RoundBatch, *, until: in
         step_rows = rb.step_rows[position]
         # a step of all the round's rows in order (one step per round) takes them as they are, without a gather
         in_order = len(step_rows) == num_rows and np.array_equal(step_rows, np.arange(num_rows))
-        length, buffers = _packing(run, rb.token_counts[step_rows], run.step_prompt_group_size,
+        length, buffers = _packing(run.config, sharding.num_row_shards(run.mesh), rb.token_counts[step_rows],
+                                   run.step_prompt_group_size,
                                    run.config.train.gradient_accumulation_steps,
                                    None if run.shapes is None else run.shapes.step_packings)
         rows = rb.rows if in_order else run.programs.take(rb.rows, step_rows)

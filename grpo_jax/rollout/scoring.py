@@ -1,18 +1,52 @@
-"""The host's scoring of finished rows: completion texts (`decode`), the reward functions over one piece's rows
-(`score`) with TRL's columns and weights, a pass's rows and scores placed as one `rounds.Draw` (`draw`), and the
-round's completion and reward metrics; reward functions that return None are warned about once a run.
+"""The host's scoring of finished rows: a sampling pass decoded and scored (`decode_and_score`: the one decode ->
+score path of training rounds and evaluation alike), completion texts (`decode`), the reward functions over one
+piece's rows (`score`) with TRL's columns and weights, a pass's rows and scores placed as one `rounds.Draw`
+(`draw`), and the round's completion and reward metrics; reward functions that return None are warned about once a
+run.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 
 from grpo_jax.algo import rounds
+from grpo_jax.algo.trajectory import Trajectory
 from grpo_jax.data import prompts as data
+from grpo_jax.device import sharding
 from grpo_jax.rewards import functions as rewards
+from grpo_jax.rollout import multiturn, stream
 from grpo_jax.rollout.piece import Piece
+
+
+def decode_and_score(decoder, params, batch: data.PromptBatch, key, score: Callable[[Piece], tuple], *,
+                     group_size: int, greedy: bool = False, slots: int = 0, turns: multiturn.Turns | None = None,
+                     later: bool = False, log: rewards.RewardLog | None = None,
+                     decoded: Callable[[Piece, list], None] | None = None) -> tuple[Trajectory, list, list]:
+    """One sampling pass of ``batch``'s rows (`stream.decode` with ``decoder``), each piece scored on the host with
+    ``score`` (a `score` partial) as soon as its groups end, while the devices decode the others. ``later``
+    (`multiturn.scores_on_first`): every piece scored on process 0 once decoding is over, the scores (and what the
+    functions logged to ``log``) handed to every process. ``decoded(last piece, earlier pieces)`` runs once every
+    row's tokens are on the host, before the last rows are scored (training queues its log-probs there). Returns
+    (the rows on the devices, the pieces, their scores)."""
+    pieces, scores, rows = [], [], None
+    for piece in stream.decode(decoder, params, batch.prompt_ids, batch.prompt_mask, key, greedy=greedy,
+                               group_size=group_size, slots=slots, turns=turns):
+        if piece.trajectory is not None:  # decoding is over: every row's tokens are on the host
+            rows = piece.trajectory
+            if decoded is not None:
+                decoded(piece, pieces)
+        pieces.append(piece)
+        if not later:
+            scores.append(score(piece))
+    if later and log is None:
+        scores = sharding.from_first_process(lambda: [score(piece) for piece in pieces])
+    elif later:  # what the functions logged comes along
+        scores, log.metrics, log.extra = sharding.from_first_process(lambda: (
+            [score(piece) for piece in pieces], log.metrics, log.extra))
+    return rows, pieces, scores
 
 
 def decode(tokenizer, completion_ids: np.ndarray, completion_mask: np.ndarray) -> list[str]:
@@ -77,17 +111,20 @@ def reward_weights(weights: list[float] | None, num_functions: int) -> np.ndarra
     return np.asarray(weights + [1.0] * (num_functions - len(weights)), np.float32)
 
 
-def score(batch: data.PromptBatch, piece: Piece, context: dict, log: rewards.RewardLog, *, tokenizer,
+def score(batch: data.PromptBatch, piece: Piece, context: dict, log: rewards.RewardLog | None, *, tokenizer,
           reward_fns: list, step_weights: np.ndarray | None = None, environments: list | None = None) -> tuple:
     """The reward functions ``reward_fns`` ((name, fn) pairs) on the host over one piece's rows: (rewards_NxF, process
     supervision's (step rewards, step end indices) or None); ``step_weights`` [F] (`reward_weights`): process
-    supervision, its steps merged with these weights (None: one reward a completion). ``context``: TRL's `trainer_state` (`_reward_context`); what the functions log
-    goes to ``log`` at the piece's rows. Multi-turn rows give their message lists as completions (TRL's) and the
-    rows' ``environments``; a function may then score each turn (`rewards.score_steps`)."""
+    supervision, its steps merged with these weights (None: one reward a completion). ``context``: TRL's
+    `trainer_state` (`_reward_context`); what the functions log goes to ``log`` at the piece's rows (None:
+    evaluation's, which gives them no `log_metric` / `log_extra`). Multi-turn rows give their message lists as
+    completions (TRL's) and the rows' ``environments``; a function may then score each turn
+    (`rewards.score_steps`)."""
     rows = piece.rows
     columns = {k: [v[i] for i in rows] for k, v in batch.columns.items()}
     piece_log = rewards.RewardLog()
-    context = {**context, "log_metric": piece_log.log_metric, "log_extra": piece_log.log_extra}
+    if log is not None:
+        context = {**context, "log_metric": piece_log.log_metric, "log_extra": piece_log.log_extra}
     if environments is not None:
         context["environments"] = [environments[i] for i in rows]
     columns = columns_with_ids(columns, piece.completion_ids, piece.completion_mask)
@@ -104,7 +141,8 @@ def score(batch: data.PromptBatch, piece: Piece, context: dict, log: rewards.Rew
                                                   turn_ends=ends)
     else:
         rewards_NxF = rewards.score_completions(reward_fns, *inputs, columns, context)
-    log.add(piece_log, rows, len(batch.prompts))
+    if log is not None:
+        log.add(piece_log, rows, len(batch.prompts))
     return rewards_NxF, steps
 
 

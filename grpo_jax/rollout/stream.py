@@ -33,28 +33,42 @@ def _piece(rows: np.ndarray, view, offset: int) -> Piece:
     return Piece(rows + offset, tokens_BxT[rows], mask, ~at_eos_B[rows], decode_steps=steps)
 
 
-def _chunk(decoder, params, ids, mask, key, offset: int, options, group_size: int) -> Iterator:
-    """One program's rows (from row ``offset`` of the call): its `Piece`s, then its `Trajectory`."""
-    if not options.num_slots or options.num_slots >= len(ids):  # a static batch: every row at once, one program
+def chunk(decoder, params, ids, mask, key, offset: int, options, group_size: int,
+          turns: multiturn.Turns | None = None) -> Iterator:
+    """One program's rows (from row ``offset`` of the call): its `Piece`s as whole groups end, then (before the
+    last) its `Trajectory`. The one host driver of the decoder: with ``turns`` (``options`` with ``pause_at_eos``)
+    the rows run their tool turns between segments (`multiturn.between`).
+
+    Each segment is queued before the host reads the one before it, so the devices decode while the host scores,
+    parses turns and renders results; what the host does (retire, append) goes after the queued segment."""
+    if turns is None and (not options.num_slots or options.num_slots >= len(ids)):  # a static batch: one program
         rows, view = decoder.generate(params, ids, mask, key, np.int32(offset), options)
         yield rows
         yield _piece(np.arange(len(ids)), sharding.to_host(view), offset)
         return
-    decoding = decoder.start(params, ids, mask, key, np.int32(offset), options)
-    decoding, view = decoder.advance(params, decoding, options, True)
+    decoding, view = decoder.advance(params, decoder.start(params, ids, mask, key, np.int32(offset), options),
+                                     options, True)
+    waiting = None if turns is None else multiturn.Waiting()
     seen_R = np.zeros(len(ids) // group_size, bool)
     while True:
-        ahead = decoder.advance(params, decoding, options, True)  # queued before this segment is read
-        ended_B = np.asarray(sharding.to_host(view[0]))
+        decoding, ahead = decoder.advance(params, decoding, options, True)  # queued before this segment is read
+        if turns is None:  # one turn a row: the rows' ends alone, the rest of the view only with a piece
+            ended_B = np.asarray(sharding.to_host(view[0]))
+        else:
+            view = sharding.to_host(view)
+            ended_B = view[0]
+            decoding = multiturn.between(turns, waiting, decoder, params, decoding, options, view, offset)
         done_R = ended_B.reshape(-1, group_size).all(axis=1)
-        if done_R.all():  # the segment queued ahead found nothing left to decode: its state is the final one
-            yield decoder.trajectory(ahead[0])
+        if done_R.all():  # the segment queued since found nothing left to decode: its state is the final one
+            yield decoder.trajectory(decoding)
         if (done_R & ~seen_R).any():
-            yield _piece(np.flatnonzero(np.repeat(done_R & ~seen_R, group_size)), sharding.to_host(view), offset)
+            rows = np.flatnonzero(np.repeat(done_R & ~seen_R, group_size))
+            yield _piece(rows, sharding.to_host(view), offset) if turns is None else \
+                multiturn.piece(turns, rows, offset, view)
             seen_R = done_R
         if done_R.all():
             return
-        decoding, view = ahead
+        view = ahead
 
 
 def _merged(calls: list[Callable[[], Iterator]], pool) -> Iterator:
@@ -87,7 +101,7 @@ def decode(decoder, params, prompt_ids_BxP, prompt_mask_BxP, key, *, greedy: boo
     """A decoding call of ``decoder`` (`programs.Decoder`) over host prompt rows (every process's, the same): its
     `Piece`s, whole groups of ``group_size`` rows as they finish; the last carries the call's `Trajectory`.
     ``slots``: the call's decode slots (`plan_slots`; 0: `sampling.max_batch_rows`). With ``turns`` the rows call
-    tools between turns (`multiturn.chunk`)."""
+    tools between turns (`chunk`, `multiturn.between`)."""
     B = len(prompt_ids_BxP)
     k = decoder.chunks(B, group_size)
     rows = B // k
@@ -96,12 +110,9 @@ def decode(decoder, params, prompt_ids_BxP, prompt_mask_BxP, key, *, greedy: boo
         (prompt_ids_BxP[i * rows:(i + 1) * rows], prompt_mask_BxP[i * rows:(i + 1) * rows]) for i in range(k)]
     if turns is not None:
         options = dataclasses.replace(options, pause_at_eos=True)
-        calls = [lambda i=i: multiturn.chunk(
-            decoder, params, *parts[i], key, i * rows, options, group_size,
-            dataclasses.replace(turns, episodes=turns.episodes[i * rows:(i + 1) * rows], waits=turns.waits))
-            for i in range(k)]
-    else:
-        calls = [lambda i=i: _chunk(decoder, params, *parts[i], key, i * rows, options, group_size) for i in range(k)]
+    calls = [lambda i=i: chunk(decoder, params, *parts[i], key, i * rows, options, group_size, turns and (
+        dataclasses.replace(turns, episodes=turns.episodes[i * rows:(i + 1) * rows], waits=turns.waits)))
+        for i in range(k)]
     if k == 1 and turns is None and (not options.num_slots or options.num_slots >= rows):  # a static batch: inline
         yield from _events(((0, event) for event in calls[0]()), decoder, B, k)
         return

@@ -231,15 +231,15 @@ def _parser_and_template(tokenizer) -> str | None:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Tooling:
     """A run's tools and environments, built once (`build`): the standalone tools, the environment factories with
-    each one's tools (from a probe instance, as TRL renders the schemas), a pool of instances reused round after
-    round (reset before every rollout), the tool calls' timeout and the chat template multi-turn rendering uses.
-    The `Toolbox` that runs the calls (a thread pool) is not here: the loop that rounds makes it (`open_toolbox`)
-    and closes it."""
+    each one's tools (from a probe instance, as TRL renders the schemas), the tool calls' timeout and the chat
+    template multi-turn rendering uses. What lives through the loop is not here: the loop that rounds opens the
+    `Toolbox` that runs the calls (a thread pool) with the `Environments` its rollouts reset and use
+    (`open_toolbox`), and closes it."""
 
     tools: tuple  # standalone tools (callables)
     factories: dict | None  # {environment name (None: the one): factory}
     env_tools: dict  # {environment name: its probe instance's methods}
-    pool: dict  # {environment name: [instances]}
+    probes: dict  # {environment name: its probe instance}, the first instance `Environments` hands out
     timeout: float  # seconds a tool call may take (`toolbox.Toolbox`)
     chat_template: str | None
     max_iterations: int | None
@@ -269,17 +269,26 @@ class Tooling:
                              '{"role", "content"} messages), as TRL\'s tool loop does: the prompts are strings')
         return [self.schemas(row) for row in rows]
 
-    def environments(self, rows: list) -> list | None:
-        """One pooled instance per row (more made when a batch needs more of one environment), or None."""
-        if self.factories is None:
-            return None
+
+
+class Environments:
+    """The environment instances of a run's rollouts, reused round after round (each reset before its rollout) and
+    made when a batch needs more of one environment: the loop's, opened with its `Toolbox` (`open_toolbox`). The
+    probe instances `build` made come first."""
+
+    def __init__(self, tooling: Tooling):
+        self.tooling = tooling
+        self.pool = {name: [probe] for name, probe in tooling.probes.items()}  # {environment name: [instances]}
+
+    def draw(self, rows: list) -> list:
+        """One pooled instance per row, the instances of one environment in pool order."""
         out, cursor = [], {}
         for row in rows:
-            name = self.environment_name(row)
+            name = self.tooling.environment_name(row)
             pool = self.pool.setdefault(name, [])
             index = cursor.get(name, 0)
             if index == len(pool):
-                pool.append(make_environment(name, self.factories[name]))
+                pool.append(make_environment(name, self.tooling.factories[name]))
                 check_environment(name, pool[-1])
             cursor[name] = index + 1
             out.append(pool[index])
@@ -299,26 +308,28 @@ def build(tool_specs, factory_spec, tokenizer, *, timeout: float, max_iterations
             standalone.append(resolve(spec))
         except ValueError as e:
             raise ValueError(f"tools: {e}") from e
-    env_tools, pool = {}, {}
+    env_tools, probes = {}, {}
     for name, factory in (factories or {}).items():
         instance = make_environment(name, factory)
         check_environment(name, instance)
-        env_tools[name], pool[name] = methods(instance), [instance]
-    return Tooling(tuple(standalone), factories, env_tools, pool, timeout, _parser_and_template(tokenizer),
+        env_tools[name], probes[name] = methods(instance), instance
+    return Tooling(tuple(standalone), factories, env_tools, probes, timeout, _parser_and_template(tokenizer),
                    max_iterations, max_model_len)
 
 
 def open_toolbox(tooling: Tooling | None) -> toolbox.Toolbox | None:
-    """The thread pool that runs a run's tool calls (None without tools), for the loop that rounds with it: that
-    loop closes it (`Toolbox.close`) however it ends."""
-    return None if tooling is None else toolbox.Toolbox(tooling.timeout)
+    """The thread pool that runs a run's tool calls with the run's `Environments` (None without tools), for the
+    loop that rounds with it: that loop closes it (`Toolbox.close`) however it ends."""
+    if tooling is None:
+        return None
+    return toolbox.Toolbox(tooling.timeout, environments=None if tooling.factories is None else Environments(tooling))
 
 
 def env_rewards(tooling: Tooling | None) -> list[tuple[str, Callable]]:
     """(name, reward function) of each environment class with a `get_reward` (once a class), as TRL adds them."""
     seen, out = [], []
-    for instances in (tooling.pool.values() if tooling is not None else ()):
-        kind = type(instances[0])
+    for probe in (tooling.probes.values() if tooling is not None else ()):
+        kind = type(probe)
         if callable(getattr(kind, "get_reward", None)) and kind not in seen:
             seen.append(kind)
             out.append((kind.__name__, reward_of(kind)))

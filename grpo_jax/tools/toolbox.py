@@ -68,10 +68,12 @@ def _stopped(name: str, error: BaseException) -> BaseException:
 class Toolbox:
     """Runs tool calls off the decoding thread: each sync call on a daemon thread of its own, async ones on one
     event loop thread, each call under ``timeout`` seconds (past it the call's message is an error; a sync tool's
-    thread is left to finish on its own, as Python cannot stop it). `submit` returns a future of `Results`."""
+    thread is left to finish on its own, as Python cannot stop it). `submit` returns a future of `Results`.
+    ``environments``: the rollouts' environment instances (`calls.Environments`), which live as long as the box."""
 
-    def __init__(self, timeout: float, workers: int = 32):
+    def __init__(self, timeout: float, workers: int = 32, environments=None):
         self.timeout = timeout
+        self.environments = environments
         self._turns = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="grpo_jax-turn")
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="grpo_jax-tools-async", daemon=True).start()

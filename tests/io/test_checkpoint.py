@@ -249,14 +249,14 @@ def test_a_round_saved_before_trajectories_resumes_as_it_trained():
            "completion_ids": rng.integers(0, 9, (4, 5)), "completion_mask": mask,
            "advantages": rng.normal(size=4).astype(np.float32), "ref_per_token_logps": np.zeros((4, 5), np.float32),
            "step_rows": np.arange(4)[None]}
-    rows, counts = trainer.saved_rows(old)
+    rows, counts = checkpoint.saved_rows(old)
     np.testing.assert_array_equal(rows.loss_mask, mask)
     np.testing.assert_array_equal(rows.completion_mask, mask)
     np.testing.assert_array_equal(rows.turns, np.where(mask == 1, 0, -1))
     np.testing.assert_array_equal(counts, [[3, 5], [3, 2], [3, 0], [3, 3]])
     assert rows.old_per_token_logps is None and rows.sampler_per_token_logps.shape == (4, 5)
     current = {**rows._asdict(), "token_counts": counts + 1}  # saved counts are kept as saved
-    again, kept = trainer.saved_rows({k: v for k, v in current.items() if v is not None})
+    again, kept = checkpoint.saved_rows({k: v for k, v in current.items() if v is not None})
     np.testing.assert_array_equal(kept, counts + 1)
     for a, b in zip(again, rows):
         assert (a is None and b is None) or np.array_equal(a, b)

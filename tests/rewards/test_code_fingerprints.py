@@ -50,7 +50,7 @@ def test_the_hash_follows_the_code_not_the_object():
 def test_a_changed_entry_is_refused_naming_it_and_the_override():
     Tooling = type("Tooling", (), {})
     tooling = Tooling()
-    tooling.tools, tooling.factories, tooling.pool = (reward_v1,), {None: Env}, {None: [Env()]}
+    tooling.tools, tooling.factories, tooling.probes = (reward_v1,), {None: Env}, {None: Env()}
     saved = json.loads(json.dumps(code_fingerprints.fingerprint([("r", reward_v1)], tooling)))  # as meta holds it
     assert code_fingerprints.check(saved, code_fingerprints.fingerprint([("r", reward_v1)], tooling), step=4,
                                    allow_changed=False) is None
@@ -60,7 +60,7 @@ def test_a_changed_entry_is_refused_naming_it_and_the_override():
         code_fingerprints.check(saved, code_fingerprints.fingerprint([("r", reward_v2)], tooling), step=4,
                                 allow_changed=False)
     assert "\n" not in str(e.value)
-    tooling.pool = {None: [OtherEnv()]}
+    tooling.probes = {None: OtherEnv()}
     with pytest.raises(ValueError, match="environment 'None' has other code"):
         code_fingerprints.check(saved, code_fingerprints.fingerprint([("r", reward_v1)], tooling), step=4,
                                 allow_changed=False)

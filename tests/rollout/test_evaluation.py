@@ -1,10 +1,11 @@
 """pass@k, maj@n and the sampled evaluation's metrics as pure host functions, against direct counts; which reward
-functions score the held-out rows of a run."""
+functions score the held-out rows of a run; the held-out rows decoded and scored through the training pass's path."""
 
 import itertools
 import json
 import warnings
 
+import jax
 import numpy as np
 import pytest
 import yaml
@@ -160,3 +161,37 @@ def test_train_takes_evaluation_reward_functions_as_trl_style_arguments(tmp_path
     # ends_with_answer decides which samples are correct: pass@1 is its sampled mean
     assert evals[0]["eval/pass@1"] == pytest.approx(evals[0]["eval/sampled/rewards/ends_with_answer/mean"])
     assert summary["eval_after"]["greedy/ends_with_answer"] == evals[1]["eval/greedy/ends_with_answer"]
+
+
+class _IdsTokenizer:
+    def batch_decode(self, rows, skip_special_tokens=True):
+        return [" ".join(map(str, row)) for row in rows]
+
+
+def test_evaluation_decodes_and_scores_through_the_training_path_each_held_out_row_once(tiny_model):
+    """`_generate` (`scoring.decode_and_score`, as a training pass) over 5 prompts x 3 rows of which the first 3
+    prompts are held out and the rest pad the call: each held-out row's reward, mask and text are those of the rows
+    decoded alone (`decode_rows`), and no padding row reaches a reward function."""
+    from grpo_jax.data import prompts as data
+    from grpo_jax.rollout import evaluation
+    from tests.algo.test_decoder import EOS, G, IDS, MASK, decode_rows, make_decoder
+
+    want = decode_rows(tiny_model)
+    seen = []
+
+    def length(prompts, completions, completion_ids, **kwargs):
+        seen.extend(prompts)
+        return [float(len(ids)) for ids in completion_ids]
+
+    dec = make_decoder(tiny_model, eos=EOS, group=G, max_completion_length=9, temperature=0.9, top_k=12,
+                       max_batch_rows=4)  # groups end at different segments: several pieces, some padding
+    N = 3 * G
+    batch = data.PromptBatch(IDS, MASK, [f"p{i // G}" for i in range(len(IDS))], {}, 0)
+    texts, rewards_NxF, mask = evaluation._generate(dec, tiny_model[2], batch, jax.random.key(3), n=G, num_rows=N,
+                                                    greedy=False, tokenizer=_IdsTokenizer(),
+                                                    reward_fns=[("length", length)], tooling=None, toolbox=None)
+    assert sorted(seen) == [f"p{i // G}" for i in range(N)]  # each held-out row once, no padding row
+    np.testing.assert_array_equal(mask, want.completion_mask[:N])
+    np.testing.assert_array_equal(rewards_NxF[:, 0], want.completion_mask[:N].sum(axis=1))
+    assert texts == _IdsTokenizer().batch_decode(
+        [ids[:n].tolist() for ids, n in zip(want.completion_ids[:N], want.completion_mask[:N].sum(axis=1))])

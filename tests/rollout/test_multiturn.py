@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from grpo_jax.data import prompts as data
-from grpo_jax.rollout import multiturn
+from grpo_jax.rollout import multiturn, stream
 from grpo_jax.tools import calls as tools
 from grpo_jax.tools.toolbox import Toolbox
 
@@ -84,7 +84,7 @@ def ids(tok, text):
 
 
 def ours(tok, prompts, turns, fns, *, T, max_iterations=None, timeout=5.0, journal=None, group_size=1):
-    """The rows through `multiturn.chunk` with the scripted decoder: (per-row dicts as `trl_tool_loop` gives,
+    """The rows through `stream.chunk` (the host driver, with turns) with the scripted decoder: (per-row dicts as `trl_tool_loop` gives,
     the trajectory)."""
     template = tools._parser_and_template(tok)
     prompt_ids = [ids(tok, data.render_prompt(tok, p, fns, template)) for p in prompts]
@@ -97,7 +97,7 @@ def ours(tok, prompts, turns, fns, *, T, max_iterations=None, timeout=5.0, journ
     options = SimpleNamespace(sampling=SimpleNamespace(max_completion_length=T))
     decoder = ScriptedDecoder(turns, {tok.eos_token_id})
     pieces, trajectory = [], None
-    for event in multiturn.chunk(decoder, None, ids_BxP, mask_BxP, None, 0, options, group_size, turns_):
+    for event in stream.chunk(decoder, None, ids_BxP, mask_BxP, None, 0, options, group_size, turns_):
         if isinstance(event, SimpleNamespace):
             trajectory = event
         else:

@@ -3,6 +3,7 @@ environments and paths fail with errors naming them, per-turn rewards become pro
 ends."""
 
 import asyncio
+import dataclasses
 import sys
 import time
 
@@ -124,7 +125,7 @@ def test_environments_and_tool_paths_fail_with_errors_naming_them():
         tools.build(("no_such_module:f",), None, tok, **build)
     tooling = tools.build((), {"a": tool_task.LookupEnv}, tok, **build)
     with pytest.raises(ValueError, match=r"environment='b', which is not among environment_factory's \['a'\]"):
-        tooling.environments([{"environment": "b"}])
+        tools.Environments(tooling).draw([{"environment": "b"}])
     assert [m.__name__ for m in tooling.schemas({"environment": "a"})] == ["lookup"]
     assert tools.env_rewards(tooling) == []
 
@@ -138,8 +139,12 @@ def test_a_reset_that_raises_names_the_environment():
     rows = tool_task.make_examples(2, seed=0)
     batch = data.PromptBatch(np.zeros((2, 4), np.int32), np.ones((2, 4), np.int32), [r["prompt"] for r in rows],
                              {"answer": [r["answer"] for r in rows]}, 0)
-    with pytest.raises(RuntimeError, match=r"Picky.reset raised KeyError: 'answer' \(on a row with columns"):
-        multiturn.setup(tooling, tok, batch, None, 1)
+    box = tools.open_toolbox(tooling)
+    try:
+        with pytest.raises(RuntimeError, match=r"Picky.reset raised KeyError: 'answer' \(on a row with columns"):
+            multiturn.setup(tooling, tok, batch, None, 1, toolbox=box)
+    finally:
+        box.close()
 
 
 def test_the_tooling_is_a_value_and_the_toolbox_belongs_to_whoever_opens_it():
@@ -151,7 +156,7 @@ def test_the_tooling_is_a_value_and_the_toolbox_belongs_to_whoever_opens_it():
     tok = tool_task.build_tokenizer()
     before = {t.ident for t in threading.enumerate()}
     tooling = tools.build((double,), None, tok, timeout=1.0, max_iterations=None, max_model_len=None)
-    assert {t.ident for t in threading.enumerate()} == before  # building the run's tools starts no thread
+    assert {t.ident for t in threading.enumerate()} <= before  # building the run's tools starts no thread
     assert tools.open_toolbox(None) is None
     rows = tool_task.make_examples(2, seed=0)
     batch = data.PromptBatch(np.zeros((2, 4), np.int32), np.ones((2, 4), np.int32), [r["prompt"] for r in rows],
@@ -165,6 +170,33 @@ def test_the_tooling_is_a_value_and_the_toolbox_belongs_to_whoever_opens_it():
         assert turns.toolbox is box
     finally:
         box.close()
+
+
+def test_the_environments_live_in_the_toolbox_reused_round_after_round():
+    """The frozen Tooling holds one probe instance an environment; the instances rollouts reset and use are the
+    toolbox's (`open_toolbox`): the probe first, more made when a batch needs them, the same again next round."""
+    made = []
+
+    class Counted(tool_task.LookupEnv):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+    tok = tool_task.build_tokenizer()
+    tooling = tools.build((), Counted, tok, timeout=1.0, max_iterations=None, max_model_len=None)
+    assert len(made) == 1 and tooling.probes == {None: made[0]}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tooling.probes = {}
+    box = tools.open_toolbox(tooling)
+    try:
+        first = box.environments.draw([{}] * 3)
+        assert first[0] is made[0] and len(made) == 3 and len({id(e) for e in first}) == 3
+        assert box.environments.draw([{}] * 2) == first[:2] and len(made) == 3  # reused, none made
+    finally:
+        box.close()
+    box = tools.open_toolbox(tools.build((double,), None, tok, timeout=1.0, max_iterations=None, max_model_len=None))
+    assert box.environments is None  # tools alone: no environments
+    box.close()
 
 
 def test_a_tokenizer_without_a_response_parser_needs_one(monkeypatch):
@@ -242,7 +274,7 @@ def test_an_environments_get_reward_is_one_more_reward_named_after_its_class():
                           timeout=1.0, max_iterations=None, max_model_len=None)
     funcs = tools.env_rewards(tooling)
     assert [name for name, _ in funcs] == ["Scored", "AsyncScored"]
-    envs = tooling.environments([{"environment": n} for n in "abd"])
+    envs = tools.Environments(tooling).draw([{"environment": n} for n in "abd"])
     for env, answer in zip(envs, ["123", "45", "6"]):
         env.reset(answer=answer)
     got = rewards.score_completions(funcs, ["p"] * 3, ["c"] * 3, {}, {"environments": envs})
