@@ -192,8 +192,8 @@ def unembedding_flops(config: Config, *, rows: int, chips: int, passes: int, sha
     """(FLOPs per chip of unembedding ``rows`` rows' T completion slots, 2 x hidden x vocab a slot, ``passes``
     forwards' worth, the work split evenly over ``chips``; the trips of `logprobs`' loop over chunks and pieces).
     Under ``train.logps_chunk_size`` XLA's count holds one trip of them: the loop runs over each of ``shards`` row
-    shards' rows (the log-prob program pins rows to their shards; the train step's loop runs over every row of the
-    micro-batch, each trip's product split over the chips: the hidden dim is fsdp's)."""
+    shards' rows (the log-prob program and the train step pin rows to their shards, `completion_logps`'s
+    ``row_sharding``)."""
     from grpo_jax.algo.logprobs import _slots_per_piece
 
     model, T, chunk = config.model, config.sampling.max_completion_length, config.train.logps_chunk_size
@@ -238,10 +238,10 @@ def costs(config: Config, mesh, compiled: dict[str, Program], *, tpu: bool) -> d
 
         m, chips, shards = tc.gradient_accumulation_steps, mesh.devices.size, sharding.num_row_shards(mesh)
         remat = 2  # its pieces are checkpointed: forward, again in the backward, and the backward's two products
-        for name, rows, passes, scale, split in (("logps", tc.generation_batch_size, 1, 1, shards),
-                                                 ("train_step", tc.train_batch_size // m, 2 + remat, m, 1)):
+        for name, rows, passes, scale in (("logps", tc.generation_batch_size, 1, 1),
+                                          ("train_step", tc.train_batch_size // m, 2 + remat, m)):
             if name in out:
-                flops, trips = unembedding_flops(config, rows=rows, chips=chips, passes=passes, shards=split)
+                flops, trips = unembedding_flops(config, rows=rows, chips=chips, passes=passes, shards=shards)
                 out[name] = (out[name][0] + flops * (1 - 1 / trips) * scale, out[name][1])
     platform = mesh.devices.flat[0].platform
     backend = model.attention if model.attention != "auto" else {"tpu": "splash"}.get(platform)
