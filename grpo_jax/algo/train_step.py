@@ -106,6 +106,8 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
 
     router_aux = options.router_aux_loss_coef != 0.0
     M = options.gradient_accumulation_steps
+    # rows split over >1 shard stay on their shards through the unembedding (else XLA held every row on every chip)
+    split = sharding.row_sharded(mesh) if mesh is not None and sharding.num_row_shards(mesh) > 1 else None
 
     def loss_fn(trainable, micro: Trajectory):
         params = lora.join(trainable, frozen)
@@ -113,7 +115,7 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
             graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.completion_ids, micro.completion_mask,
             temperature=options.temperature, with_entropy=True, chunk_size=options.logps_chunk_size,
             prompt_group_size=options.prompt_group_size, packed_length=packed_length,
-            packed_buffers=packed_buffers, routing=micro.routed_experts, router_aux=router_aux)
+            packed_buffers=packed_buffers, routing=micro.routed_experts, router_aux=router_aux, row_sharding=split)
         # the entropy carries gradient only for the entropy bonus (compute_loss differentiates through what it gets)
         entropies_BxT = entropy_BxT if options.loss.entropy_coef != 0.0 else jax.lax.stop_gradient(entropy_BxT)
         sampler = micro.sampler_per_token_logps if options.use_sampler_logps else None

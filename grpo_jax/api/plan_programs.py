@@ -4,8 +4,9 @@
 abstract inputs (nothing is allocated). `costs` reads XLA's `cost_analysis` of those same programs and corrects it
 for loops, which XLA counts one trip of: the scan over the layers (extrapolated from one more compile of each
 scanned program at another `model.scan_unroll`) and the micro-batches (times their number). What XLA cannot see
-is counted by hand: Pallas splash attention's FLOPs (`kernel_attention_flops`) and the chunked unembedding's other
-trips (`unembedding_flops`).
+is counted by hand: Pallas splash attention's FLOPs (`kernel_attention_flops`), megablox's grouped products in a
+mixture of experts beyond XLA's count of them (`kernel_expert_flops`) and the chunked unembedding's other trips
+(`unembedding_flops`).
 """
 
 from __future__ import annotations
@@ -188,12 +189,41 @@ def kernel_attention_flops(config: Config, *, rows: int, group: int, tensor: int
     return 4.0 * model.resolved_head_dim * heads * pairs * (rows / group) * passes
 
 
+def kernel_expert_flops(config: Config, mesh, forwards: tuple[float, ...], *, passes: int) -> float:
+    """FLOPs per chip to add to XLA's count of megablox's grouped products (`models.grouped`) in a program whose
+    ``forwards`` run that many tokens a chip each, ``passes`` forwards' worth: the work done, 6 x hidden x
+    ``moe_intermediate_size`` per token-expert assignment (gate, up and down), K a token in each layer, less what
+    XLA counts. XLA takes the kernel's own estimate, 2 m k n per call over ALL m rows it is given, and one trip of
+    `moe.expert_parallel`'s loop over chunks: a chunk's rows gathered over ``expert`` (n x the chunk's tokens x K,
+    of which a chip runs its own experts' share, 1 / n) padded to whole row tiles. On one chip every assignment is
+    local and counted: nothing to add. A forward of `moe.CHUNK_ASSIGNMENTS` assignments or fewer runs
+    `jax.lax.ragged_dot` (`moe._all_tokens`), counted by XLA too."""
+    from grpo_jax.models import grouped, moe
+
+    model, chips = config.model, mesh.devices.size
+    K, n, D, F = model.num_experts_per_tok, mesh.shape["expert"], model.hidden_size, model.moe_intermediate_size
+    if chips == 1:
+        return 0.0
+    per_assignment = 6.0 * D * F * model.num_hidden_layers * passes
+    add = 0.0
+    for tokens in forwards:
+        if tokens * chips * K <= moe.CHUNK_ASSIGNMENTS:
+            continue
+        tokens = math.ceil(tokens)
+        chunk = max(1, moe.CHUNK_ASSIGNMENTS // (n * K))
+        chunks = -(-tokens // chunk)
+        gathered = n * -(-tokens // chunks) * K  # one chunk's rows
+        tile = grouped.tiling(gathered, D, F)[0]
+        add += (tokens * K - -(-gathered // tile) * tile) * per_assignment
+    return add
+
+
 def unembedding_flops(config: Config, *, rows: int, chips: int, passes: int, shards: int = 1) -> tuple[float, int]:
     """(FLOPs per chip of unembedding ``rows`` rows' T completion slots, 2 x hidden x vocab a slot, ``passes``
     forwards' worth, the work split evenly over ``chips``; the trips of `logprobs`' loop over chunks and pieces).
     Under ``train.logps_chunk_size`` XLA's count holds one trip of them: the loop runs over each of ``shards`` row
-    shards' rows (the log-prob program pins rows to their shards; the train step's loop runs over every row of the
-    micro-batch, each trip's product split over the chips: the hidden dim is fsdp's)."""
+    shards' rows (the log-prob program and the train step pin rows to their shards, `completion_logps`'s
+    ``row_sharding``)."""
     from grpo_jax.algo.logprobs import _slots_per_piece
 
     model, T, chunk = config.model, config.sampling.max_completion_length, config.train.logps_chunk_size
@@ -238,12 +268,32 @@ def costs(config: Config, mesh, compiled: dict[str, Program], *, tpu: bool) -> d
 
         m, chips, shards = tc.gradient_accumulation_steps, mesh.devices.size, sharding.num_row_shards(mesh)
         remat = 2  # its pieces are checkpointed: forward, again in the backward, and the backward's two products
-        for name, rows, passes, scale, split in (("logps", tc.generation_batch_size, 1, 1, shards),
-                                                 ("train_step", tc.train_batch_size // m, 2 + remat, m, 1)):
+        for name, rows, passes, scale in (("logps", tc.generation_batch_size, 1, 1),
+                                          ("train_step", tc.train_batch_size // m, 2 + remat, m)):
             if name in out:
-                flops, trips = unembedding_flops(config, rows=rows, chips=chips, passes=passes, shards=split)
+                flops, trips = unembedding_flops(config, rows=rows, chips=chips, passes=passes, shards=shards)
                 out[name] = (out[name][0] + flops * (1 - 1 / trips) * scale, out[name][1])
     platform = mesh.devices.flat[0].platform
+    if model.num_experts and platform == "tpu":  # megablox's grouped products (`models.grouped.resolve`)
+        from grpo_jax.api import run
+        from grpo_jax.device import sharding
+
+        round_group, step_group = run.prompt_group_sizes(config, mesh)
+        shards, m = sharding.num_row_shards(mesh), tc.gradient_accumulation_steps
+        P, T = config.data.max_prompt_length, config.sampling.max_completion_length
+        remat = 1 if model.remat != "none" else 0
+
+        def forwards(rows, group):  # tokens a chip runs in each forward: the shared layout's prompts, then branches
+            return (rows / group * P, rows * T) if group > 1 else (rows * (P + T),)
+
+        for name, runs, passes, scale in (
+                ("prefill", (tc.generation_batch_size / shards / tc.num_generations * P,), 1, 1),
+                ("logps", forwards(tc.generation_batch_size / shards, round_group), 1, 1),
+                # the chunks' checkpoint runs their forward again in the backward, and so does a layer's remat
+                ("train_step", forwards(tc.train_batch_size / m / shards, step_group), 4 + remat, m)):
+            if name in out:
+                flops = kernel_expert_flops(config, mesh, runs, passes=passes) * scale
+                out[name] = (out[name][0] + flops, out[name][1])
     backend = model.attention if model.attention != "auto" else {"tpu": "splash"}.get(platform)
     if backend in KERNEL_BACKENDS:  # the kernels' FLOPs, which XLA does not see (their bytes it does: operands)
         from grpo_jax.api import run

@@ -8,17 +8,17 @@ probabilities (renormalised to sum 1 with ``norm_topk_prob``) weight their SwiGL
 stacked tensor per projection: ``experts.gate_proj`` [E, D, F], ``experts.up_proj`` [E, D, F],
 ``experts.down_proj`` [E, F, D] (kernels [in, out], HF's per-expert ``weight`` transposed).
 
-Dispatch: the M assignments are sorted by expert and each expert's contiguous rows are multiplied by its weights
-with ``jax.lax.ragged_dot``: exact (no capacity, no dropped tokens, unlike capacity-factor einsum dispatch) and
-M*D*F work where the backend has a grouped matmul (XLA's ragged-dot instruction on GPU and TPU; XLA:TPU 0.10.2
-expands the weights' gradient, a ragged contraction, into a dense product over every group: E times its work). On
-CPU jax falls back to a masked dense product over all E groups (E times the work), so the CPU speed-ups swap in a
-block-by-block product (`grpo_jax.cpu.grouped_experts`). With an ``expert`` mesh axis each device holds E / n
-experts and its share of the tokens (split over data, fsdp and expert as the rows are); a chunk of every device's
-tokens at a time is gathered over ``expert``, each device computes the assignments routed to its experts, and a
-reduce-scatter adds the experts' outputs back on the token's device (`expert_parallel`). A chunk's buffers ([n *
-chunk * K, D]) bound the memory (all tokens at once, Qwen3-30B-A3B's block at 16k tokens a chip needed 26 GiB of
-temporaries, 2 in chunks).
+Dispatch: the M assignments are sorted by expert and each expert's contiguous rows are multiplied by its weights with
+``jax.lax.ragged_dot``: exact (no capacity, no dropped tokens, unlike capacity-factor einsum dispatch) and M*D*F work
+where the backend has a grouped matmul (XLA's ragged-dot instruction on GPU; on TPU megablox's kernel,
+`grouped.grouped_dot`, since XLA:TPU 0.10.2 expands ragged_dot's weight gradient into a dense product over every
+group: E times its work). On CPU jax falls back to a masked dense product over all E groups (E times the work), so
+the CPU speed-ups swap in a block-by-block product (`grpo_jax.cpu.grouped_experts`). With an ``expert`` mesh axis
+each device holds E / n experts and its share of the tokens (split over data, fsdp and expert as the rows are); a
+chunk of every device's tokens at a time is gathered over ``expert``, each device computes the assignments routed to
+its experts, and a reduce-scatter adds the experts' outputs back on the token's device (`expert_parallel`). A chunk's
+buffers ([n * chunk * K, D]) bound the memory (all tokens at once, Qwen3-30B-A3B's block at 16k tokens a chip needed
+26 GiB of temporaries, 2 in chunks).
 
 Routing replay: ``replay_NxK`` (expert indices chosen elsewhere, e.g. by the sampler) replaces the top-K choice;
 the weights still come from the current router's probabilities at those experts, renormalised as the model does,
@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
+
+from grpo_jax.models import grouped
 
 EXPERT = "expert"  # the mesh axis experts are split over (grpo_jax/device/sharding.py)
 ROWS = ("data", "fsdp", EXPERT)  # the mesh axes tokens are split over (grpo_jax/device/sharding.py ROWS)
@@ -61,19 +63,23 @@ class Experts(nnx.Module):
         self.up_proj = nnx.Param(init(rngs.params(), (E, D, F), dtype))
         self.down_proj = nnx.Param(init(rngs.params(), (E, F, D), dtype))
         self.dtype = config.jnp_dtype
-        # the grouped product: jax.lax.ragged_dot, or a backend's faster one (`grpo_jax.cpu.grouped_experts`)
-        self.ragged_dot = jax.lax.ragged_dot
+        # the grouped product: the backend's (`grouped.grouped_dot`: megablox on TPU), or the CPU's
+        # (`grpo_jax.cpu.grouped_experts`)
+        self.ragged_dot = grouped.grouped_dot
 
     def __call__(self, x_NxD, experts_NxK, weights_NxK):
         """sum_k weights[n, k] * expert_{experts[n, k]}(x[n]) -> [N, D], experts split over an ``expert`` mesh
         axis when the abstract mesh (`jax.set_mesh`) has one of size > 1."""
         stacks = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
         mesh = jax.sharding.get_abstract_mesh()
-        if EXPERT not in mesh.axis_names or mesh.shape[EXPERT] == 1:
+        # a kernel on several devices runs in expert_parallel's shard_map (XLA does not partition it), even at
+        # mesh.expert 1
+        manual = grouped.needs_manual(self.ragged_dot) and not mesh.empty and mesh.size > 1
+        if EXPERT not in mesh.axis_names or (mesh.shape[EXPERT] == 1 and not manual):
             return expert_mlp(x_NxD, experts_NxK, weights_NxK, *(w.astype(self.dtype) for w in stacks),
                               ragged_dot=self.ragged_dot).astype(self.dtype)
         return expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, *stacks, dtype=self.dtype,
-                               ragged_dot=self.ragged_dot).astype(self.dtype)
+                               ragged_dot=self.ragged_dot, manual=manual).astype(self.dtype)
 
 
 def expert_mlp(x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, first_expert=0, *,
@@ -98,7 +104,7 @@ def expert_mlp(x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD
 
 
 def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, *, dtype=None,
-                    ragged_dot=jax.lax.ragged_dot, chunk_tokens=None):
+                    ragged_dot=jax.lax.ragged_dot, chunk_tokens=None, manual=False):
     """`expert_mlp` with the experts split over the mesh's ``expert`` axis and the tokens over its row axes (data,
     fsdp, expert): each device takes its tokens in chunks; a chunk's tokens are gathered over ``expert``, each
     device runs the assignments to its E / n experts, and a reduce-scatter over ``expert`` sums every token's
@@ -107,7 +113,9 @@ def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF,
 
     With several chunks the weights come in as stored and are cast to ``dtype`` inside each, so their gradient
     sums the chunks in the stored dtype; with one (decode) they are cast first, so half the bytes move.
-    ``chunk_tokens``: tokens of one device per chunk (default: `CHUNK_ASSIGNMENTS` / (n K))."""
+    ``chunk_tokens``: tokens of one device per chunk (default: `CHUNK_ASSIGNMENTS` / (n K)). ``manual``: the
+    ``ragged_dot`` is a Pallas kernel (`grouped.needs_manual`), run with every mesh axis manual (the tokens
+    replicated over ``tensor``); `_all_tokens` (no gradient to speed up: decode) then runs ``jax.lax.ragged_dot``."""
     E = gate_ExDxF.shape[0]
     n = mesh.shape[EXPERT]
     if E % n:
@@ -116,7 +124,7 @@ def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF,
     if chunk_tokens is None and N * K <= CHUNK_ASSIGNMENTS:
         return _all_tokens(mesh, x_NxD, experts_NxK, weights_NxK, *(w.astype(dtype or x_NxD.dtype) for w in
                                                                      (gate_ExDxF, up_ExDxF, down_ExFxD)),
-                           ragged_dot=ragged_dot)
+                           ragged_dot=jax.lax.ragged_dot if manual else ragged_dot)
     rows = tuple(axis for axis in ROWS if axis in mesh.axis_names)
     shards = math.prod(mesh.shape[axis] for axis in rows)
     chunk = chunk_tokens or max(1, CHUNK_ASSIGNMENTS // (n * K))
@@ -134,7 +142,8 @@ def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF,
         first = first_1[0]
         # the weights vary over the row axes from here: the cast's transpose sums every device's gradient part
         others = tuple(axis for axis in rows if axis != EXPERT)
-        stacks = tuple(jax.lax.pcast(w, others, to="varying") for w in stacks) if others else stacks
+        if others and not manual:  # (without check_vma, below, shard_map's transpose sums them itself)
+            stacks = tuple(jax.lax.pcast(w, others, to="varying") for w in stacks)
         x, experts, weights = _pad(chunks * size - tokens, x, experts, weights)
 
         def one(part):
@@ -154,8 +163,9 @@ def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF,
     # (Qwen3-30B-A3B's train step over expert x fsdp)
     first_n = jnp.arange(n, dtype=jnp.int32) * (E // n)
     out_NxD = jax.shard_map(local, mesh=mesh, in_specs=(split, row_split, row_split, row_split, *[split] * 3),
-                            out_specs=row_split, axis_names=set(rows))(first_n, x_NxD, experts_NxK, weights_NxK,
-                                                                       *stacks)
+                            out_specs=row_split, axis_names=set(mesh.axis_names if manual else rows),
+                            check_vma=not manual)(  # a Pallas call's outputs carry no varying-axes type
+        first_n, x_NxD, experts_NxK, weights_NxK, *stacks)
     return out_NxD[:N]
 
 

@@ -281,3 +281,41 @@ def test_a_chunked_unembedding_counts_every_chunk(tmp_path):
     assert chunked["logps"] == pytest.approx(whole["logps"], rel=2e-3)
     one_pass = 2.0 * V * D * T * ROWS / 4  # every row's completion slots, over 4 chips
     assert chunked["train_step"] == pytest.approx(whole["train_step"] + one_pass, rel=2e-3)
+
+
+@needs_libtpu
+def test_tpu_plan_counts_the_experts_kernel_flops(tmp_path, monkeypatch):
+    """On TPU the experts multiply through megablox (`models.grouped`), whose calls XLA counts as 2 m k n over all
+    the rows it is given, in one trip of the chunks' loop: over expert 2 x fsdp 2 a chunk's rows are both chips'
+    (half of them another chip's experts') and the train step's micro-batch runs 4 chunks a chip. The plan counts
+    the work done (`kernel_expert_flops`). A qwen3_moe of K=2 experts of width 128 a token does a dense MLP of
+    width 256's work, plus its router (2 x D x E a token a pass) and, in the train step, the chunks' checkpointed
+    forward again: its log-prob and train FLOPs equal that dense model's, XLA's own count, plus those."""
+    from grpo_jax.models import moe
+
+    monkeypatch.setattr(moe, "CHUNK_ASSIGNMENTS", 1024)  # 256 tokens a chunk: the kernel's path at these sizes
+    Dm, E, K, Fe = 256, 8, 2, 128
+    shape = dict(vocab_size=V, hidden_size=Dm, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=64, max_position_embeddings=512, tie_word_embeddings=False)
+    dense = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], intermediate_size=K * Fe, **shape)
+    sparse = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], intermediate_size=512,
+                  moe_intermediate_size=Fe, num_experts=E, num_experts_per_tok=K, norm_topk_prob=True,
+                  decoder_sparse_step=1, mlp_only_layers=[], **shape)
+    flops = {}
+    for name, config_json in (("dense", dense), ("sparse", sparse)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config_json))
+        overrides = [o for o in OVERRIDES if not o.startswith("mesh.")] + [
+            f"model.path={folder}", "mesh.data=1", f"mesh.fsdp={2 if name == 'sparse' else 4}",
+            f"mesh.expert={2 if name == 'sparse' else 1}"]
+        config = load_config(None, overrides)
+        result = plan.plan(config, plan.topology_devices("v5e:2x2"))
+        flops[name] = {p.name: p.flops for p in result.phases}
+    tokens = {"logps": config.train.generation_batch_size * (P + T) / 4, "train_step": ROWS * (P + T) / 4}  # a chip
+    router, mlp = 2.0 * Dm * E, 6.0 * Dm * K * Fe  # a token's
+    want = {"logps": flops["dense"]["logps"] + router * tokens["logps"],
+            # remat full: forward, again, the backward's two; the chunks' forward once more
+            "train_step": flops["dense"]["train_step"] + (4 * router + mlp) * tokens["train_step"]}
+    for name in want:
+        assert flops["sparse"][name] == pytest.approx(want[name], rel=0.02), name
