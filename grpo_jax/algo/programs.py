@@ -10,9 +10,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ from jax.sharding import Mesh
 
 from grpo_jax.algo import decoder, rounds
 from grpo_jax.algo.logprobs import completion_logps
+from grpo_jax.algo.program_types import Decoder, Programs  # noqa: F401  (re-exported)
 from grpo_jax.algo.state import TrainState, abstract_state, model_graphdef, new_state
 from grpo_jax.algo.train_step import StepOptions, train_step
 from grpo_jax.config.model import ModelConfig
@@ -29,36 +29,6 @@ from grpo_jax.config.sections import SamplingConfig
 from grpo_jax.device import cpu, sharding
 from grpo_jax.models import lora
 from grpo_jax.models.transformer import forward, init_model
-
-
-class Programs(NamedTuple):
-    """The jitted device programs a run calls, built once by `build`.
-
-    - `decoder`: the round's decoding programs (`jit_decoder`, driven by `stream.decode`); greedy evaluation uses
-      them too
-    - `eval_decoder`: the same at `eval.temperature` with `eval.num_generations` rows per prompt; None when
-      evaluation samples nothing (`grpo_jax.rollout.evaluation`)
-    - `sample_key(key, round_index, draw_index) -> key`: the key of a round's sampling pass
-    - `logps(params, prompt_ids, prompt_mask, completion_ids, completion_mask) -> [N, T]` (old policy)
-    - `ref_logps(ref_params, ...)`: the same over the reference's layout; None when beta = 0. With LoRA
-      adapters it takes the policy's params (`TrainState.reference_params`) and runs them with the adapters off
-    - `advantages(rewards_NxF, weights_F, mask_NxT, step_rewards, step_ends) -> (advantages, r_N, std_N)`, on the
-      host's CPU (where the rewards are): numpy in, numpy out
-    - `rows(trajectory, advantages, old, ref) -> Trajectory`: the round's rows for its steps, row-split, the
-      advantages uploaded (`train.mask_truncated_completions` clears truncated rows' loss mask here)
-    - `take(rows, rows_B) -> Trajectory`: one step's rows of a round, gathered on the devices
-    - `step(state, rows) -> (state, metrics)`: one optimizer step, the state donated
-    """
-
-    decoder: Decoder
-    sample_key: Callable
-    logps: Callable
-    ref_logps: Callable | None
-    advantages: Callable
-    rows: Callable
-    take: Callable
-    step: Callable
-    eval_decoder: Decoder | None = None
 
 
 def use_compilation_cache(path: str | None) -> None:
@@ -209,34 +179,6 @@ def _view(decoding):
     """What the host reads of a decoding between segments: (ended, length, at_eos [B], tokens [B, T], steps,
     paused [B])."""
     return decoding.ended, decoding.length, decoding.at_eos, decoding.tokens, decoding.steps, decoding.paused
-
-
-class Decoder(NamedTuple):
-    """A run's decoding programs over the mesh (`grpo_jax.algo.decoder`), jitted once; `stream.decode` drives them.
-
-    - `generate(params, prompt_ids, prompt_mask, key, row_offset, options) -> (Trajectory, view)`: a call decoded
-      to its end in one program (a static batch)
-    - `start(params, prompt_ids, prompt_mask, key, row_offset, options) -> Decoding`
-    - `advance(params, decoding, options, segment) -> (Decoding, view)`, the decoding donated; ``view`` (ended,
-      length, at_eos [B], tokens [B, T], decode steps, paused [B]) is what the host reads between segments
-    - `append(params, decoding, rows, tokens, counts, options)`, `retire(decoding, rows)`: multi-turn rows
-    - `trajectory(decoding) -> Trajectory`; `concat(trajectories)` joins host-thread chunks' rows
-    - `options(rows, total_rows, greedy, slots=0) -> DecodeOptions` of a call (or chunk) of ``rows`` rows; ``slots``
-      the call's slot count (`stream.plan_slots`), 0: `sampling.max_batch_rows`'s
-    - `chunks(rows, group_size) -> k`: host-thread chunks of a call (`cpu.host_chunks`; 1 off the CPU switch)
-    - `place((prompt_ids, prompt_mask))`: a whole call's host rows as its programs take them (`sharding.host_rows`)
-    """
-
-    generate: Callable
-    start: Callable
-    advance: Callable
-    append: Callable
-    retire: Callable
-    trajectory: Callable
-    concat: Callable
-    options: Callable
-    chunks: Callable
-    place: Callable
 
 
 def paged_page_size(config, mesh) -> int:

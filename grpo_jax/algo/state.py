@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -10,12 +10,10 @@ import optax
 from flax import nnx
 
 from grpo_jax.algo import reference
+from grpo_jax.config import TrainConfig
 from grpo_jax.config.model import ModelConfig
 from grpo_jax.models import lora
 from grpo_jax.models.transformer import Transformer, init_model
-
-if TYPE_CHECKING:
-    from grpo_jax.config import TrainConfig
 
 
 class TrainState(NamedTuple):

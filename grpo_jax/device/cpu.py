@@ -38,6 +38,8 @@ from flax import nnx
 from grpo_jax.config.sections import HOST_ALLOCATORS
 # the blocked attention lives with the other attention backends (accelerators run packed layouts through it too)
 from grpo_jax.models.attention import ATTENTION_BLOCK, MIN_BLOCKED_LENGTH, blocked_attention  # noqa: F401
+from grpo_jax.models.layers import Attention
+from grpo_jax.models.moe import Experts
 
 
 def enabled(setting: bool | None) -> bool:
@@ -177,7 +179,6 @@ def blocked_pairs(prompt_tokens_R, branch_tokens_RxG, length: int, buffers: int 
 def packed_attention(graphdef: nnx.GraphDef, params: nnx.State, on: bool) -> nnx.GraphDef:
     """``graphdef`` whose attention layers run packed buffers' whole masks through `blocked_attention` when ``on``,
     else ``graphdef`` unchanged. Apply once, where the model is built; ``params`` may be abstract."""
-    from grpo_jax.models.layers import Attention
 
     return _with_hook(graphdef, params, on, Attention, "attend_whole_mask", blocked_attention)
 
@@ -230,7 +231,6 @@ def blocked_ragged_dot(x_MxD, w_ExDxF, group_sizes_E, preferred_element_type=Non
 def grouped_experts(graphdef: nnx.GraphDef, params: nnx.State, on: bool) -> nnx.GraphDef:
     """``graphdef`` whose mixture-of-experts layers multiply through `blocked_ragged_dot` when ``on``, else
     ``graphdef`` unchanged. Apply once, where the model is built; ``params`` may be abstract."""
-    from grpo_jax.models.moe import Experts
 
     return _with_hook(graphdef, params, on, Experts, "ragged_dot", blocked_ragged_dot)
 

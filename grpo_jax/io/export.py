@@ -21,8 +21,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from grpo_jax.algo.state import abstract_state, model_graphdef, optimizer_from_config
+from grpo_jax.config import TrainConfig, from_dict, to_dict
+from grpo_jax.data.prompts import load_tokenizer
 from grpo_jax.io.checkpoint import CHECKPOINTS, check_checksums, nonfinite_leaves
 from grpo_jax.io.preemption import storage_error
+from grpo_jax.models import Model, ModelConfig, init_model, lora, peft_io, save_pretrained
 
 FORMAT_NAMES = {"hf": "Hugging Face", "peft": "PEFT adapter", "native": "native"}  # export_policy's formats
 
@@ -64,7 +68,6 @@ def export_policy(graphdef, model_config, params, out: Path, *, tokenizer=None, 
     calls it (the arrays are gathered collectively); process 0 writes. With LoRA adapters: a PEFT adapter folder
     (`export_adapters`, "peft"), or with `merge` the merged model.
     """
-    from grpo_jax.models import Model, lora, save_pretrained
 
     adapters = lora.has_adapters(params) and not merge
     if lora.has_adapters(params) and merge:
@@ -105,7 +108,6 @@ def export_policy(graphdef, model_config, params, out: Path, *, tokenizer=None, 
 
 
 def _save_native(model_config, params, out: Path, tokenizer) -> None:
-    from grpo_jax.config import to_dict
 
     out.mkdir(parents=True, exist_ok=True)
     checkpointer = ocp.StandardCheckpointer()
@@ -133,7 +135,6 @@ def _publish(tmp: Path, out: Path) -> None:
 
 
 def _graphdef(model_config):
-    from grpo_jax.algo.state import model_graphdef
     return model_graphdef(model_config)
 
 
@@ -141,8 +142,6 @@ def export_adapters(model_config, params, out: Path, *, tokenizer=None, final: P
     """A LoRA policy's adapters as a PEFT folder (`models.peft_io.save_adapters`) that names `model.path` as its
     base; a random-init base (no `model.path`) is written beside them, to `out/base_model/`, and named instead
     (by its path once `out` is renamed to `final`)."""
-    from grpo_jax.models import lora, peft_io, save_pretrained
-    from grpo_jax.models.pretrained import Model
 
     out = Path(out).absolute()
     base_path = model_config.path and str(Path(model_config.path).absolute())
@@ -157,9 +156,6 @@ def export_adapters(model_config, params, out: Path, *, tokenizer=None, final: P
 
 def load_native(path: Path):
     """(graphdef, params) of a native-format export (see `export_policy`), on the default device."""
-    from grpo_jax.algo.state import model_graphdef
-    from grpo_jax.config import from_dict
-    from grpo_jax.models import ModelConfig, init_model
 
     path = Path(path).absolute()
     model_config = from_dict(ModelConfig, json.loads((path / "model_config.json").read_text()), "model.")
@@ -209,10 +205,6 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge: bool
     folder read, or is any run folder, always is. `merge`: a LoRA policy as the Hugging Face model
     with its adapters merged, not a PEFT adapter folder.
     """
-    from grpo_jax.algo.state import abstract_state, model_graphdef, optimizer_from_config
-    from grpo_jax.config import TrainConfig, from_dict
-    from grpo_jax.data.prompts import load_tokenizer
-    from grpo_jax.models import ModelConfig
 
     directory, step = _step_folder(Path(checkpoint))
     _check_not_a_run(Path(out), directory.parent)

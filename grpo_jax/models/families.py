@@ -4,8 +4,8 @@ the generic driver (`models.transformer`) does differently for it, its config.js
 Adding a family: write ``models/<family>.py`` with a decoder layer built from `models.layers` (its call takes
 ``(x, cos, sin, mask, cache_kv, cache_index, prefix_kv, prefix_group_size, whole_mask)`` and returns
 ``(x, cache_kv, new_kv)``, as `models.llama.DecoderLayer`), ``config_fields`` and ``hf_kwargs``; list its
-model types in `grpo_jax.config.model.MODEL_TYPES` and its module in `models.registry`. Sampling, log-probs and the losses
-see only `models.transformer`'s functions and need nothing.
+model types in `grpo_jax.config.model.MODEL_TYPES` and its ``FAMILY`` in `models.transformer.FAMILIES`. Sampling,
+log-probs and the losses see only `models.transformer`'s functions and need nothing.
 
 Per-layer attention kinds are transformers' ``layer_types`` (full_attention, sliding_attention): each kind has its
 window (`kind_window`) and its RoPE (`positional.rope_inv_freq`); a forward builds one mask and one RoPE table per

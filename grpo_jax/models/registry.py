@@ -1,6 +1,7 @@
-"""The model families by model_type (`family`, `supported_model_types`) and what goes through them: a transformers
-config's fields (`config_fields`), a model folder's architecture (`resolve_config`) and the config to export
-(`to_hf_config`). Above the family modules (`llama`, `gemma`, `qwen3_moe`), which import `families` and `hf_config`.
+"""What goes through the model families by model_type: a transformers config's fields (`config_fields`), a model
+folder's architecture (`resolve_config`), the config to export (`to_hf_config`) and the model types supported
+(`supported_model_types`). The family lookup (`family`, re-exported here) is `models.transformer`'s, which builds
+the decoder from it: this module sits above the driver and the family modules (`llama`, `gemma`, `qwen3_moe`).
 """
 
 from __future__ import annotations
@@ -9,27 +10,13 @@ import dataclasses
 import os
 
 from grpo_jax.config.model import ModelConfig
-from grpo_jax.models import gemma, llama, qwen3_moe
-from grpo_jax.models.families import Family
 from grpo_jax.models.folder_check import check_folder
-
-
-def family(model_type: str) -> Family:
-    """The `Family` of a model_type; an unknown one is an error listing the supported ones."""
-    registry = {mt: f for f in _families() for mt in f.architectures}
-    if model_type not in registry:
-        raise ValueError(f"model_type {model_type!r} is not supported: supported are {sorted(registry)}")
-    return registry[model_type]
+from grpo_jax.models.transformer import FAMILIES, family
 
 
 def supported_model_types() -> list[str]:
     """Every model_type some family reads and writes."""
-    return sorted(mt for f in _families() for mt in f.architectures)
-
-
-def _families() -> tuple[Family, ...]:
-    return llama.FAMILY, gemma.FAMILY, qwen3_moe.FAMILY
-
+    return sorted(mt for f in FAMILIES for mt in f.architectures)
 
 
 def config_fields(hf, where: str = "config.json") -> dict:

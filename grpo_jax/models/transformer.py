@@ -1,6 +1,8 @@
 """The decoder driver in Flax NNX, used as pure functions: embed, the family's stacked decoder layers (each with
 its attention kind's mask and RoPE), final norm, unembed. What differs between families is theirs
-(`models.families`); the shared layers are `models.layers`.
+(`models.families`); the driver picks a model_type's family from the family modules it imports (`family`, as
+MaxText's decoders module does), and `models.registry` above it maps config.json through the same families. The
+shared layers are `models.layers`.
 
 Dimension letters: B rows, T query tokens, S key slots (cache length), D hidden, H query heads,
 K key/value heads, G = H // K query heads per key/value head, Dh head dim, F MLP width, V vocab, L layers.
@@ -24,8 +26,8 @@ from flax import nnx
 
 from grpo_jax.config.model import ModelConfig  # noqa: F401  (re-exported)
 from grpo_jax.config.sections import check
-from grpo_jax.models import attention, paged
-from grpo_jax.models.families import kind_window, layer_kinds
+from grpo_jax.models import attention, gemma, llama, paged, qwen3_moe
+from grpo_jax.models.families import Family, kind_window, layer_kinds
 from grpo_jax.models.layers import KVCache, RMSNorm, linear
 from grpo_jax.models.moe import Routing
 from grpo_jax.models.positional import (  # noqa: F401  (positions_from_mask, rope_inv_freq: re-exported)
@@ -35,7 +37,17 @@ from grpo_jax.models.positional import (  # noqa: F401  (positions_from_mask, ro
     rope_inv_freq,
     rope_tables,
 )
-from grpo_jax.models.registry import family
+
+# every family the driver builds; a new family module is listed here (and its model types in config.model)
+FAMILIES = (llama.FAMILY, gemma.FAMILY, qwen3_moe.FAMILY)
+
+
+def family(model_type: str) -> Family:
+    """The `Family` of a model_type; an unknown one is an error listing the supported ones."""
+    by_type = {mt: f for f in FAMILIES for mt in f.architectures}
+    if model_type not in by_type:
+        raise ValueError(f"model_type {model_type!r} is not supported: supported are {sorted(by_type)}")
+    return by_type[model_type]
 
 
 # model.remat: what each decoder layer's backward pass keeps (None: everything, no rematerialisation)

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from grpo_jax.data import prompts as data
+
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # rewards and advantages are float32
 
@@ -366,7 +368,6 @@ def check_reward_fns(reward_fns: Sequence[tuple[str, Callable]], rows: list[dict
     produce them), as the trainer will call it, so a function that fails or returns the wrong thing stops the
     run before anything compiles. Raises a ValueError naming the function, what it did, and `where` the rows
     come from. What the functions log here is dropped."""
-    from grpo_jax.data import prompts as data
 
     if not reward_fns or not rows:
         return

@@ -1,6 +1,8 @@
 """The run context: what a run builds once and every round function reads (`Run`: config, tokenizer, data,
 rewards, mesh, programs), and the prompt-sharing group sizes its programs are built for (`prompt_group_sizes`).
-A frozen value made by `grpo_jax.api.run.build`, which sits above the round code that takes it.
+A frozen value made by `grpo_jax.api.run.build`, which sits above the round code that takes it. It holds the
+programs as their types (`algo.program_types`), not their builders (`algo.programs`, `rollout.shapes`), so the
+round code that reads it sits below those.
 """
 
 from __future__ import annotations
@@ -14,11 +16,10 @@ from flax import nnx
 from jax.sharding import Mesh
 from transformers import PreTrainedTokenizerBase
 
-from grpo_jax.algo import programs
+from grpo_jax.algo.program_types import Programs, RunShapes
 from grpo_jax.config import Config
 from grpo_jax.data import prompts as data
 from grpo_jax.device import sharding
-from grpo_jax.rollout import shapes
 from grpo_jax.tools import calls as tools
 
 
@@ -43,14 +44,14 @@ class Run:
     mesh: Mesh
     graphdef: nnx.GraphDef
     schedule: optax.Schedule
-    programs: programs.Programs
+    programs: Programs
     step_prompt_group_size: int = 1  # > 1: a step takes the round's rows in order (whole groups, shared prompts)
     round_prompt_group_size: int = 1  # > 1: the round's log-prob passes share each group's prompt
     resuming: bool = False  # output_dir holds this run already: `train` continues from its newest checkpoint
     tooling: tools.Tooling | None = None  # tools and environments of multi-turn rollouts (None: one turn a row)
     rollout_mesh: Mesh | None = None  # mesh.rollout > 0: the sampling devices (`mesh` holds the training ones)
-    rollout_programs: programs.Programs | None = None  # the sampling programs over `rollout_mesh`
-    shapes: shapes.RunShapes | None = None  # what the programs are compiled for (None: asynchronous rounds, any)
+    rollout_programs: Programs | None = None  # the sampling programs over `rollout_mesh`
+    shapes: RunShapes | None = None  # what the programs are compiled for (None: asynchronous rounds, any)
 
     @property
     def keep_ref(self) -> bool:

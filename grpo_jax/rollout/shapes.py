@@ -21,34 +21,11 @@ import numpy as np
 
 from grpo_jax.algo import trajectory
 from grpo_jax.algo.decoder import continuous_slots
+from grpo_jax.algo.program_types import RunShapes  # noqa: F401  (re-exported)
 from grpo_jax.device import cpu, sharding
 from grpo_jax.rollout import stream
 
 COMPILE_EVENT = "/grpo_jax/compile_ahead"  # a `jax.monitoring` duration event: the warm-up's seconds, at its end
-
-
-class RunShapes(NamedTuple):
-    """What a run's programs are compiled for, known before its first round."""
-
-    round_rows: int  # N rows a round samples (`train.generation_batch_size`)
-    step_rows: int  # B rows an optimizer step takes (`train.train_batch_size`)
-    prompt_length: int  # P: prompts left-padded to it
-    completion_length: int  # T: `sampling.max_completion_length`
-    prompt_range: tuple[int, int]  # (fewest, most) real tokens of a prompt
-    round_packings: tuple  # ((buffer length, buffers), ...) of the reference / old log-prob passes; (0, 0): static
-    step_packings: tuple  # the same of the optimizer step (buffers a micro-batch)
-    decode_slots: tuple  # slots a decoding call may take (`stream.plan_slots`), one per program; 0: every row
-    micro_batches: int = 1  # the step's (`train.gradient_accumulation_steps`)
-
-    def describe(self) -> list[str]:
-        """One line per phase: the shapes it is compiled for."""
-        def packings(pairs):
-            return ", ".join("static" if not L else f"{K}x{L}" for L, K in pairs) or "none"
-        return [f"decode: {self.round_rows} rows x {self.prompt_length} + {self.completion_length} tokens, slots "
-                + ", ".join(str(s) if s else "all" for s in self.decode_slots),
-                f"log-probs: {self.round_rows} rows, layouts {packings(self.round_packings)} (buffers x length)",
-                f"train step: {self.step_rows} rows in {self.micro_batches} micro-batch(es), layouts "
-                f"{packings(self.step_packings)} (buffers x length a micro-batch)"]
 
 
 def prompt_range(dataset) -> tuple[int, int]:

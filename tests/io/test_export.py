@@ -57,8 +57,6 @@ def test_a_failed_export_leaves_the_folder_as_it_was(tmp_path, tiny_model, monke
     keeps its files, nothing half-written is left, and the error is the disk's (no fallback, no exit 0)."""
     import errno
 
-    from grpo_jax import models
-
     config, graphdef, params = tiny_model
     out = tmp_path / "out"
     out.mkdir()
@@ -69,7 +67,7 @@ def test_a_failed_export_leaves_the_folder_as_it_was(tmp_path, tiny_model, monke
         (path / "model.safetensors").write_text("half")
         raise OSError(errno.ENOSPC, "No space left on device", str(path / "model.safetensors"))
 
-    monkeypatch.setattr(models, "save_pretrained", disk_full)
+    monkeypatch.setattr(export, "save_pretrained", disk_full)  # where export_policy looks it up
     with pytest.raises(OSError, match="No space left on device"):
         export.export_policy(graphdef, config, params, out, overwrite=True)
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
