@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from grpo_jax.algo import rounds, trajectory
-from grpo_jax.algo.programs import Programs
+from grpo_jax.algo.program_types import Programs
 from grpo_jax.algo.state import TrainState
 from grpo_jax.algo.trajectory import Trajectory
 from grpo_jax.config import Config
