@@ -54,6 +54,10 @@ class StepOptions:
     router_aux_loss_coef: float = 0.0  # mixture of experts: loss += coef * load-balancing loss / micro-batches
 
 
+# folded into the state's key for LoRA dropout's keys (then the step, then the micro-batch): no other use draws it
+LORA_DROPOUT_STREAM = 0x6C6F7261
+
+
 # LossAux field -> metric name as TRL logs it (docs/algorithms.md §9); other fields keep their own name
 AUX_METRIC_NAMES = {"kl": "kl", "clip_ratio_low": "clip_ratio/low_mean", "clip_ratio_high": "clip_ratio/high_mean",
                     "clip_ratio_region": "clip_ratio/region_mean"}
@@ -106,11 +110,16 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
 
     router_aux = options.router_aux_loss_coef != 0.0
     M = options.gradient_accumulation_steps
+    # LoRA dropout (TRL's loss forward runs in train mode): a key per micro-batch from the state, so resume replays it
+    dropout_keys = (jax.random.split(jax.random.fold_in(jax.random.fold_in(state.key, LORA_DROPOUT_STREAM),
+                                                        state.step), M)
+                    if lora.has_dropout(graphdef, state.params) else None)
 
-    def loss_fn(trainable, micro: Trajectory):
+    def loss_fn(trainable, micro: Trajectory, dropout_key=None):
         params = lora.join(trainable, frozen)
+        model = (graphdef, params) if dropout_key is None else lora.with_dropout(graphdef, params, dropout_key)
         logps_BxT, entropy_BxT, *router = completion_logps(
-            graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.completion_ids, micro.completion_mask,
+            *model, micro.prompt_ids, micro.prompt_mask, micro.completion_ids, micro.completion_mask,
             temperature=options.temperature, with_entropy=True, chunk_size=options.logps_chunk_size,
             prompt_group_size=options.prompt_group_size, packed_length=packed_length,
             packed_buffers=packed_buffers, routing=micro.routed_experts, router_aux=router_aux)
@@ -134,17 +143,19 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     micro_batches = _micro_batches(batch, options.gradient_accumulation_steps, mesh)
 
-    def accumulate(carry, micro):
+    def accumulate(carry, xs):
         grads, loss, aux_sum, entropy_sum = carry
-        (micro_loss, (aux, micro_entropy)), micro_grads = grad_fn(trainable, micro)
+        micro, dropout_key = xs
+        (micro_loss, (aux, micro_entropy)), micro_grads = grad_fn(trainable, micro, dropout_key)
         return (jax.tree.map(jnp.add, grads, micro_grads), loss + micro_loss,
                 jax.tree.map(jnp.add, aux_sum, aux), entropy_sum + micro_entropy), None
 
     zeros = jax.tree.map(jnp.zeros_like, trainable)
-    aux_shape = jax.eval_shape(lambda: loss_fn(trainable, jax.tree.map(lambda x: x[0], micro_batches))[1][0])
+    aux_shape = jax.eval_shape(lambda: loss_fn(trainable, jax.tree.map(lambda x: x[0], micro_batches),
+                                               None if dropout_keys is None else dropout_keys[0])[1][0])
     aux_zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
     init = (zeros, jnp.zeros((), jnp.float32), aux_zeros, jnp.zeros((), jnp.float32))
-    (grads, loss, aux_sum, entropy_sum), _ = jax.lax.scan(accumulate, init, micro_batches)
+    (grads, loss, aux_sum, entropy_sum), _ = jax.lax.scan(accumulate, init, (micro_batches, dropout_keys))
 
     grads = as_float32(grads)
     grad_norm = optax.tree_utils.tree_norm(grads)
