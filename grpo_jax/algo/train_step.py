@@ -58,6 +58,11 @@ class StepOptions:
 LORA_DROPOUT_STREAM = 0x6C6F7261
 
 
+# TRL's policy_loss metric is the mean over micro-batches of each one's policy loss: for these loss types that is
+# its share of the step's loss (the step's / M), for the others its own mean (the step's, summed over micro-batches)
+POLICY_LOSS_SHARES = ("cispo", "dapo", "vespo")
+
+
 # LossAux field -> metric name as TRL logs it (docs/algorithms.md §9); other fields keep their own name
 AUX_METRIC_NAMES = {"kl": "kl", "clip_ratio_low": "clip_ratio/low_mean", "clip_ratio_high": "clip_ratio/high_mean",
                     "clip_ratio_region": "clip_ratio/region_mean"}
@@ -133,7 +138,12 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
                              entropies=entropies_BxT, sampler_per_token_logps=sampler)
         # aux holds masked means over this micro-batch: weight by its tokens for exact step-level means
         tokens = jnp.sum(micro.loss_mask).astype(jnp.float32)
-        aux = jax.tree.map(lambda x: jax.lax.stop_gradient(x) * tokens, _aux_dict(aux))
+        aux = _aux_dict(aux)
+        policy = aux.pop("policy_loss", None)
+        aux = jax.tree.map(lambda x: jax.lax.stop_gradient(x) * tokens, aux)
+        if policy is not None:  # a share of the step's loss, summed (scaled back by the token weighting below)
+            share = 1.0 / M if options.loss.loss_type in POLICY_LOSS_SHARES else 1.0
+            aux["policy_loss"] = jax.lax.stop_gradient(policy) * share * num_items
         if router_aux:  # a mean over micro-batches, not tokens: scaled back by the token weighting below
             loss = loss + options.router_aux_loss_coef * router[0] / M
             aux["router_aux_loss"] = jax.lax.stop_gradient(router[0]) / M * num_items
@@ -185,6 +195,10 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
                 aux_mean.pop(name, None)
         if options.loss.loss_type != "cispo":
             aux_mean.pop("cispo_clip_ratio", None)
+        if options.loss.entropy_coef == 0.0:  # TRL logs these with its entropy bonus only
+            aux_mean.pop("policy_loss", None)
+        else:
+            aux_mean["entropy_coef"] = jnp.asarray(options.loss.entropy_coef, jnp.float32)
     metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32), **aux_mean,
                "entropy": entropy_sum / jnp.maximum(num_items, 1.0)}
     return new_state, metrics

@@ -1,7 +1,7 @@
 """TRL's entry point: a script that imports `GRPOConfig` and `GRPOTrainer` from `grpo_jax` instead of `trl` keeps its
 constructor calls, and `.train()` runs `grpo_jax.api.trainer.train`. What TRL takes as a Python object that grpo_jax
 cannot use as it is (a transformers model, a tokenizer not saved in a folder, a PEFT option with no counterpart) is
-refused in one line naming what to pass instead. Imports no jax until `.train()`.
+refused in one line naming what to pass instead. Imports no jax until `.train()` (or `GRPOConfig(use_cpu=True)`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,12 @@ _REPLACED_BY = {"per_device_train_batch_size": ("train_batch_size", "train.train
 def GRPOConfig(**kwargs: Any) -> Config:  # noqa: N802 - TRL's name for what builds the run's config
     """TRL's `GRPOConfig(...)` as a grpo_jax `Config`, with TRL 1.16's defaults (`TRL_DEFAULTS`): TRL's flat names
     (`beta=0.0`, `per_device_train_batch_size=4`), our dotted keys (`**{"sampling.top_k": 50}`) or sections
-    (`train={...}`), checked as `make_config` checks them."""
+    (`train={...}`), checked as `make_config` checks them.
+
+    ``use_cpu=True`` (TRL's: the CPU even where an accelerator exists) makes JAX's CPU its only backend, which holds
+    only before JAX has started on another: then a ValueError says so."""
+    if kwargs.pop("use_cpu", False):
+        _use_cpu()
     given = set(kwargs)
     for section, values in kwargs.items():
         if isinstance(values, Mapping):
@@ -50,6 +55,17 @@ def GRPOConfig(**kwargs: Any) -> Config:  # noqa: N802 - TRL's name for what bui
         if not given & {name, dotted, *_REPLACED_BY.get(name, ())}:
             defaults[name] = value
     return make_config(**defaults, **kwargs)
+
+
+def _use_cpu() -> None:
+    """JAX's platforms set to the CPU alone (the one import of jax before `.train()`: TRL's use_cpu takes effect where
+    it is given); a ValueError when JAX already runs on another backend, which this process cannot change."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    if jax.default_backend() != "cpu":
+        raise ValueError(f"use_cpu=True but JAX already started on {jax.default_backend()}: build GRPOConfig before "
+                         "anything uses JAX, or run with the environment variable JAX_PLATFORMS=cpu")
 
 
 # PEFT's LoraConfig fields with a model.lora counterpart, and their PEFT defaults (a dict leaves some out)

@@ -112,6 +112,8 @@ CONVERTED = {
     "dtype": ("model.param_dtype", _dtype),
     "model_init_kwargs": ("model.param_dtype", _model_init_kwargs),
     "disable_tqdm": ("disable_tqdm", lambda v: _bool("disable_tqdm", v, True, False)),
+    # TRL's RepeatSampler tests it for truth: None reads the rows in order, as false does
+    "shuffle_dataset": ("data.shuffle", lambda v: False if v is None else _bool("shuffle_dataset", v, True, False)),
 }
 
 # TRL names whose meaning differs here, or that have no counterpart: what to write instead
@@ -144,9 +146,9 @@ OFF = {
     "log_completions_hub_repo": ((None,), "completions go to completions.jsonl in output_dir (log_completions)"),
     "load_best_model_at_end": ((False,), "grpo_jax keeps the newest checkpoints (save_total_limit)"),
     "data_seed": ((None,), "the prompt order follows seed"),
-    "use_cpu": ((False,), "run with the environment variable JAX_PLATFORMS=cpu"),
+    "use_cpu": ((False,), "pass it to GRPOConfig(use_cpu=True) before JAX starts, or run with the environment "
+                "variable JAX_PLATFORMS=cpu"),
     "train_sampling_strategy": (("random",), "grpo_jax shuffles the prompts every epoch (by seed)"),
-    "shuffle_dataset": ((True, None), "grpo_jax always shuffles the prompts (by seed)"),
     "trust_remote_code": ((False,), "grpo_jax runs its own model code (the Llama, Gemma and Qwen3-MoE families)"),
     "generation_kwargs": ((None,), "set sampling.temperature / top_p / top_k / min_p"),
     "chat_template_kwargs": ((None,), "grpo_jax renders prompts with the tokenizer's chat template, no arguments"),

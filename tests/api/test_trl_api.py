@@ -36,6 +36,19 @@ def test_the_top_level_names_import_lazily_without_jax():
     assert out.split("\n")[:2] == ["[]", "True"], out
 
 
+def test_use_cpu_makes_the_cpu_jaxs_only_backend():
+    """GRPOConfig(use_cpu=True) before JAX starts (a fresh interpreter, no JAX_PLATFORMS): JAX starts on the CPU
+    alone, TRL's meaning; without it JAX's platforms stay unset (its default pick of an accelerator)."""
+    import os
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    code = ("from grpo_jax import GRPOConfig; GRPOConfig(use_cpu={}); import jax; "
+            "print(jax.config.jax_platforms, jax.default_backend() if {} else '')")
+    run = lambda on: subprocess.run([sys.executable, "-c", code.format(on, on)], capture_output=True,  # noqa: E731
+                                    text=True, check=True, env=env).stdout.split()
+    assert run(True) == ["cpu", "cpu"]
+    assert run(False) == ["None"]
+
+
 def test_a_config_from_keywords_is_the_config_of_the_same_overrides():
     from grpo_jax import GRPOConfig, make_config
 

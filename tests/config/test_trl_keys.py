@@ -134,3 +134,9 @@ def test_every_trl_grpo_and_model_config_field_is_handled():
                 if "unknown config key" in str(e):
                     unknown.append(f"{override}: {e}")
     assert not unknown, "\n".join(unknown)
+
+
+@pytest.mark.parametrize("value, shuffle", [("true", True), ("false", False), ("null", False)])
+def test_shuffle_dataset_is_data_shuffle(value, shuffle):
+    """TRL's RepeatSampler tests shuffle_dataset for truth: None reads the rows in order, as False does."""
+    assert load_config(None, [f"shuffle_dataset={value}"]).data.shuffle is shuffle
