@@ -287,13 +287,38 @@ class GRPOTrainer:
                                                      "train_loss": train_loss})
 
     def evaluate(self) -> dict:
-        """TRL's `evaluate()` after `train()`: the held-out evaluation of the trained policy that the run made at its
-        last step (`eval.*`: eval_dataset or the held-out rows), under TRL's `eval_` names."""
+        """TRL's `evaluate()`: the held-out evaluation (`eval.*`: eval_dataset or the held-out rows) under TRL's
+        `eval_` names. After `train()` the one the run made at its last step; before, the model as given (as TRL's
+        evaluates `self.model`, not a checkpoint `train()` may resume from)."""
+        if self._output_dir is None:
+            return self._evaluate_start()
         evaluations = [line for line in self.state.log_history if any(k.startswith("eval_") for k in line)]
         if not evaluations:
-            raise ValueError("evaluate() needs a trained run with an evaluation: call trainer.train() first, with "
-                             "eval_dataset (or eval.num_examples > 0) so the run evaluates its policy")
+            raise ValueError("evaluate() needs an evaluation: give eval_dataset (or eval.num_examples > 0) so the "
+                             "run evaluates its policy")
         return dict(evaluations[-1])
+
+    def _evaluate_start(self) -> dict:
+        """`evaluate()` before `train()`: builds the run (its lock held meanwhile) and evaluates its starting
+        params."""
+        from grpo_jax.api import trainer
+
+        run, state, held = trainer.build(self.args, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
+                                         reward_funcs=self.reward_funcs, tools=self.tools,
+                                         environment_factory=self.environment_factory,
+                                         reward_processing_classes=self.reward_processing_classes)
+        toolbox = None
+        try:
+            if not run.eval_rows:
+                raise ValueError("evaluate() needs held-out rows: give eval_dataset (or eval.num_examples > 0)")
+            toolbox = trainer.open_toolbox(run.tooling)
+            step = int(state.step)
+            metrics = trainer.evaluate(run, state.params, step, toolbox=toolbox)
+        finally:
+            if toolbox is not None:
+                toolbox.close()
+            held.release()
+        return trl_line({**metrics, "step": step})
 
     def save_model(self, output_dir: str | os.PathLike | None = None) -> None:
         """TRL's `save_model`: the trained policy as a Hugging Face folder (the run's `final/`, tokenizer included)

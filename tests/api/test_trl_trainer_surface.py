@@ -48,7 +48,7 @@ def test_train_returns_trls_output_and_keeps_the_history_in_memory(tmp_path, cap
     assert [line["step"] for line in steps] == [1, 2] and trainer.state.global_step == 2
     assert output.training_loss == pytest.approx(sum(line["loss"] for line in steps) / 2)
     assert trainer.state.log_history[-1]["train_loss"] == output.training_loss
-    with pytest.raises(ValueError, match="evaluate.. needs a trained run with an evaluation"):
+    with pytest.raises(ValueError, match="evaluate.. needs an evaluation"):
         trainer.evaluate()  # eval.num_examples=0: the run evaluated nothing
     trainer.save_model(tmp_path / "saved")
     assert (tmp_path / "saved" / "config.json").is_file() and (tmp_path / "saved" / "model.safetensors").is_file()
@@ -62,6 +62,33 @@ def test_train_returns_trls_output_and_keeps_the_history_in_memory(tmp_path, cap
     assert [trl_line(line) for line in lines] == more.state.log_history[:-1]  # the same lines as the file
     final_eval = [line for line in lines if "eval/greedy/answer_reward" in line][-1]
     assert final_eval["step"] == 3 and more.evaluate() == trl_line(final_eval)  # the trained policy's evaluation
+
+
+def test_evaluate_before_train_is_the_runs_step_0_evaluation(tmp_path):
+    """`evaluate()` before `train()` (TRL evaluates the model as given): the held-out evaluation the run itself logs
+    at step 0, under TRL's names; without held-out rows a one-line error."""
+    pytest.importorskip("torch")
+    import hf_fixtures
+
+    from grpo_jax import GRPOConfig, GRPOTrainer
+    from grpo_jax.data import task
+
+    folder = hf_fixtures.save_model(hf_fixtures.build_model("qwen2", tied=True), tmp_path / "hf")
+    task.build_tokenizer(folder)
+    args = dict(output_dir=str(tmp_path / "run"), max_steps=1, num_generations=4, max_completion_length=4,
+                per_device_train_batch_size=1, report_to="none", disable_tqdm=True)
+    trainer = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS, eval_dataset=ROWS[:4],
+                          args=GRPOConfig(**args, **{"eval.num_examples": 4}))
+    before = trainer.evaluate()
+    assert before["step"] == 0 and "eval_greedy/answer_reward" in before
+    trainer.train()
+    logged = [line for line in trainer.state.log_history if line.get("step") == 0 and "eval_greedy/answer_reward"
+              in line]
+    assert logged == [before]
+    bare = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS,
+                       args=GRPOConfig(**{**args, "output_dir": str(tmp_path / "bare")}, **{"eval.num_examples": 0}))
+    with pytest.raises(ValueError, match="evaluate.. needs held-out rows: give eval_dataset"):
+        bare.evaluate()
 
 
 def test_a_model_object_trains_as_its_folder_and_trainer_model_reads_the_weights(tmp_path, monkeypatch):
