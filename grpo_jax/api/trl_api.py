@@ -7,6 +7,7 @@ refused in one line naming what to pass instead. Imports no jax until `.train()`
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -247,6 +248,19 @@ class GRPOTrainer:
         _trl_checks(self.args, self.reward_funcs, reward_processing_classes)
         self.state, self._output_dir = TrainerState(), None
         self.model = PolicyView(self)
+        self.use_vllm = False  # TRL's flags scripts and tests read: grpo_jax samples with its own sampler
+        self.entropy_coef = self.args.loss.entropy_coef
+
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """TRL's: the model is a mixture of experts (its config has ``output_router_logits``) and the load-balancing
+        coefficient (`loss.router_aux_loss_coef`, None: the model's own) is not 0."""
+        with open(os.path.join(self.args.model.path, "config.json")) as f:
+            hf = json.load(f)
+        hf = hf.get("text_config", hf)
+        coef = self.args.loss.router_aux_loss_coef
+        coef = hf.get("router_aux_loss_coef", 0.0) if coef is None else coef
+        return "output_router_logits" in hf and coef != 0.0
 
     def train(self, resume_from_checkpoint: bool | str | None = None):
         """Trains (`grpo_jax.api.trainer.train`) and returns transformers' `TrainOutput` (global_step, training_loss,
