@@ -32,10 +32,13 @@ TINY = dict(hidden_size=8, num_attention_heads=4, num_key_value_heads=2, num_hid
 MODELS = {
     "tiny-Qwen2ForCausalLM-2.5": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "tiny-Qwen2ForSequenceClassification-2.5": ("Qwen2Config", "Qwen2ForSequenceClassification", {"num_labels": 1}),
-    "tiny-Qwen3ForCausalLM": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
-    "tiny-Qwen3ForSequenceClassification": ("Qwen3Config", "Qwen3ForSequenceClassification",
-                                            {"head_dim": 8, "num_labels": 1}),
+    "tiny-Qwen3ForCausalLM": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "tiny-Qwen3ForSequenceClassification": ("Qwen3Config", "Qwen3ForSequenceClassification", {"num_labels": 1}),
+    "tiny-Qwen3MoeForCausalLM": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                                 {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+                                  "head_dim": 128}),
     "tiny-LlamaForCausalLM-3.2": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "tiny-Gemma2ForCausalLM": ("Gemma2Config", "Gemma2ForCausalLM", {}),
 }
 SWAP = ("from trl import GRPOConfig, GRPOTrainer", "from grpo_jax import GRPOConfig, GRPOTrainer")
 

@@ -251,6 +251,33 @@ class GRPOTrainer:
         self.use_vllm = False  # TRL's flags scripts and tests read: grpo_jax samples with its own sampler
         self.entropy_coef = self.args.loss.entropy_coef
 
+    def get_high_entropy_mask(self, entropies, mask, threshold: float):
+        """TRL's method on torch tensors: True where a valid token's entropy is >= the ``threshold`` quantile of the
+        valid entropies (`grpo_jax.losses.masks.high_entropy_mask` with top quantile 1 - threshold)."""
+        import jax.numpy as jnp
+        import numpy as np
+        import torch
+
+        from grpo_jax.losses.masks import high_entropy_mask
+        out = high_entropy_mask(jnp.asarray(entropies.float().numpy()), jnp.asarray(mask.float().numpy()),
+                                top_quantile=1.0 - threshold)
+        return torch.from_numpy(np.asarray(out) > 0)
+
+    @staticmethod
+    def get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
+        """TRL's static method on torch tensors: [B, 1] in ``mask``'s dtype, 1 unless A < 0 and the sequence's mean
+        sampler-vs-policy log-ratio exceeds the threshold (`grpo_jax.losses.masks.off_policy_sequence_mask`)."""
+        import jax.numpy as jnp
+        import numpy as np
+        import torch
+
+        from grpo_jax.losses.masks import off_policy_sequence_mask
+        as_jax = lambda t: jnp.asarray(t.detach().float().numpy())  # noqa: E731
+        out = off_policy_sequence_mask(as_jax(advantages), as_jax(per_token_logps),
+                                       as_jax(sampling_per_token_logps), as_jax(mask),
+                                       threshold=off_policy_threshold)
+        return torch.from_numpy(np.asarray(out)).to(mask.dtype)
+
     @property
     def aux_loss_enabled(self) -> bool:
         """TRL's: the model is a mixture of experts (its config has ``output_router_logits``) and the load-balancing
@@ -285,7 +312,8 @@ class GRPOTrainer:
         history = [trl_line(line) for line in meta.get("history", [])]
         losses = [line["loss"] for line in history if line.get("loss") is not None]
         train_loss = sum(losses) / len(losses) if losses else float("nan")
-        history.append({"train_runtime": round(time.perf_counter() - started, 4), "train_loss": train_loss,
+        history.append({**_residual_means(history, summary["steps"], config.logging_steps),
+                        "train_runtime": round(time.perf_counter() - started, 4), "train_loss": train_loss,
                         "step": summary["steps"]})
         self.state = TrainerState(global_step=summary["steps"], max_steps=summary["steps"], log_history=history)
         try:
@@ -349,6 +377,17 @@ class GRPOTrainer:
 logger = logging.getLogger("trl.trainer.grpo_trainer")  # TRL's logger, so a script's log filters apply
 
 
+def _residual_means(history: list[dict], last_step: int, logging_steps: int) -> dict:
+    """The metrics TRL's final log line carries: each metric's mean over the steps after the last multiple of
+    `logging_steps` (TRL logs and clears its metrics every `logging_steps`, and logs what remains with the run's
+    summary); {} when the run ended on a multiple."""
+    boundary = last_step - last_step % max(logging_steps, 1)
+    lines = [line for line in history if "loss" in line and boundary < line.get("step", 0) <= last_step]
+    keys = dict.fromkeys(k for line in lines for k, v in line.items()
+                         if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool))
+    return {k: sum(line[k] for line in lines if k in line) / sum(k in line for line in lines) for k in keys}
+
+
 def _trl_checks(config: Config, reward_funcs: list | None, processing_classes: Any) -> None:
     """TRL's GRPOTrainer `__init__` checks on the arguments together (its messages), and its warnings."""
     if reward_funcs is not None:
@@ -356,8 +395,10 @@ def _trl_checks(config: Config, reward_funcs: list | None, processing_classes: A
         if weights is not None and len(weights) != len(reward_funcs):
             raise ValueError(f"Number of reward weights ({len(weights)}) must match number of reward functions "
                              f"({len(reward_funcs)})")
-        if isinstance(processing_classes, (list, tuple)) and len(processing_classes) != len(reward_funcs):
-            raise ValueError(f"The number of reward processing classes ({len(processing_classes)}) must match the "
+        # TRL takes a single class as a list of one
+        classes = processing_classes if isinstance(processing_classes, (list, tuple)) else [processing_classes]
+        if processing_classes is not None and len(classes) != len(reward_funcs):
+            raise ValueError(f"The number of reward processing classes ({len(classes)}) must match the "
                              f"number of reward functions ({len(reward_funcs)}).")
     loss = config.loss
     if loss.loss_type == "luspo" and loss.importance_sampling_level != "sequence":

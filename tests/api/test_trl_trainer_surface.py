@@ -24,6 +24,17 @@ def test_trl_names_and_checkpoint_folders(tmp_path):
     assert trl_checkpoint(True) is True and trl_checkpoint(None) is None
 
 
+def test_the_final_line_carries_the_metrics_after_the_last_logging_boundary():
+    """TRL logs (and clears) its metric means every logging_steps and logs the rest with the run's summary."""
+    from grpo_jax.api.trl_api import _residual_means
+
+    history = [{"step": s, "loss": float(s), "reward": 10.0 * s} for s in range(1, 14)] + \
+        [{"step": 13, "eval_reward": 1.0}]
+    assert _residual_means(history, 13, 10) == {"loss": 12.0, "reward": 120.0}
+    assert _residual_means(history[:10], 10, 10) == {}
+    assert _residual_means(history, 13, 1) == {}  # every step logged already
+
+
 def test_train_returns_trls_output_and_keeps_the_history_in_memory(tmp_path, capfd):
     pytest.importorskip("torch")
     import hf_fixtures
@@ -132,6 +143,9 @@ def test_a_model_object_trains_as_its_folder_and_trainer_model_reads_the_weights
     (dict(args=dict(reward_weights=[0.7, 0.3]), reward_funcs=[answer_reward]), "Number of reward weights"),
     (dict(reward_funcs=[answer_reward], reward_processing_classes=[None, None]),
      "The number of reward processing classes"),
+    # one class, not in a list, for two functions: TRL takes it as a list of one
+    (dict(reward_funcs=[answer_reward, answer_reward], reward_processing_classes="tokenizer-folder"),
+     r"The number of reward processing classes \(1\) must match"),
 ])
 def test_trls_init_checks_raise_trls_message(tmp_path, kwargs, message):
     """Arguments that TRL 1.16 refuses in GRPOTrainer.__init__ are refused with its message (grpo_trainer.py)."""
@@ -162,3 +176,27 @@ def test_model_init_kwargs_dtype_is_the_weights_dtype():
     assert GRPOConfig(model_init_kwargs={"dtype": "bfloat16", "device_map": "auto"}).model.param_dtype == "bfloat16"
     with pytest.raises(ValueError, match="model_init_kwargs.trust_remote_code has no counterpart"):
         GRPOConfig(model_init_kwargs={"trust_remote_code": True})
+
+
+def test_trls_mask_methods_are_trls_on_torch_tensors():
+    """`GRPOTrainer.get_high_entropy_mask` / `get_off_policy_mask` (TRL's methods, which TRL's tests call) give
+    TRL 1.16's own outputs on random inputs with padding."""
+    torch = pytest.importorskip("torch")
+    trl_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
+    from unittest.mock import Mock
+
+    from grpo_jax import GRPOTrainer
+
+    g = torch.Generator().manual_seed(0)
+    entropies, logps, sampler = (torch.rand((4, 6), generator=g) * 3 for _ in range(3))
+    mask = (torch.arange(6)[None] < torch.tensor([[6], [3], [1], [5]])).float()
+    advantages = torch.tensor([[1.0], [-1.0], [-2.0], [-0.5]])
+    trl = Mock(spec=trl_trainer.GRPOTrainer)
+    trl.accelerator = Mock(num_processes=1, gather=lambda x: x, pad_across_processes=lambda x, dim, pad_index: x)
+    for threshold in (0.0, 0.5, 0.8):
+        ours = GRPOTrainer.get_high_entropy_mask(None, entropies, mask, threshold)
+        assert torch.equal(ours, trl_trainer.GRPOTrainer.get_high_entropy_mask(trl, entropies, mask, threshold))
+    for threshold in (0.1, 0.5, 1.5):
+        ours = GRPOTrainer.get_off_policy_mask(advantages, -logps, -sampler, mask, threshold)
+        theirs = trl_trainer.GRPOTrainer.get_off_policy_mask(advantages, -logps, -sampler, mask, threshold)
+        assert torch.equal(ours, theirs), threshold
