@@ -119,8 +119,10 @@ def test_the_trainer_takes_a_cached_model_id_and_refuses_objects(tmp_path, monke
         GRPOTrainer({"weights": 1}, answer_reward)
     with pytest.raises(ValueError, match=r"processing_class is a \w+ not loaded from a folder"):
         GRPOTrainer(str(snapshot), answer_reward, processing_class=task.build_tokenizer())
-    with pytest.raises(ValueError, match=r"peft_config: model.lora.dropout=0.05 is not supported"):
-        GRPOTrainer(str(snapshot), answer_reward, peft_config={"lora_dropout": 0.05})
+    with pytest.raises(ValueError, match=r"peft_config: model.lora.dropout=1.5 must be in \[0, 1\)"):
+        GRPOTrainer(str(snapshot), answer_reward, peft_config={"lora_dropout": 1.5})
+    assert GRPOTrainer(str(snapshot), answer_reward, peft_config={"lora_dropout": 0.05}).args.model.lora.dropout \
+        == 0.05
     with pytest.raises(ValueError, match=r"model.init=random with model.path="):
         GRPOTrainer(str(snapshot), answer_reward, args=GRPOConfig(model={"init": "random"}))
     for hook in ({"callbacks": [object()]}, {"optimizers": (object(), None)}, {"quantization_config": {"bits": 4}},
