@@ -276,7 +276,7 @@ class GRPOTrainer:
         out = off_policy_sequence_mask(as_jax(advantages), as_jax(per_token_logps),
                                        as_jax(sampling_per_token_logps), as_jax(mask),
                                        threshold=off_policy_threshold)
-        return torch.from_numpy(np.asarray(out)).to(mask.dtype)
+        return torch.from_numpy(np.array(out)).to(mask.dtype)
 
     @property
     def aux_loss_enabled(self) -> bool:
@@ -377,14 +377,18 @@ class GRPOTrainer:
 logger = logging.getLogger("trl.trainer.grpo_trainer")  # TRL's logger, so a script's log filters apply
 
 
+_TRAINER_LOGS = ("step", "loss", "grad_norm", "learning_rate", "epoch")  # transformers' Trainer logs these itself
+
+
 def _residual_means(history: list[dict], last_step: int, logging_steps: int) -> dict:
     """The metrics TRL's final log line carries: each metric's mean over the steps after the last multiple of
     `logging_steps` (TRL logs and clears its metrics every `logging_steps`, and logs what remains with the run's
-    summary); {} when the run ended on a multiple."""
+    summary); {} when the run ended on a multiple. The Trainer's own (loss, grad_norm, learning_rate, epoch) are
+    logged at logging steps only."""
     boundary = last_step - last_step % max(logging_steps, 1)
     lines = [line for line in history if "loss" in line and boundary < line.get("step", 0) <= last_step]
     keys = dict.fromkeys(k for line in lines for k, v in line.items()
-                         if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool))
+                         if k not in _TRAINER_LOGS and isinstance(v, (int, float)) and not isinstance(v, bool))
     return {k: sum(line[k] for line in lines if k in line) / sum(k in line for line in lines) for k in keys}
 
 
