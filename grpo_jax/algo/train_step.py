@@ -54,6 +54,15 @@ class StepOptions:
     router_aux_loss_coef: float = 0.0  # mixture of experts: loss += coef * load-balancing loss / micro-batches
 
 
+# folded into the state's key for LoRA dropout's keys (then the step, then the micro-batch): no other use draws it
+LORA_DROPOUT_STREAM = 0x6C6F7261
+
+
+# TRL's policy_loss metric is the mean over micro-batches of each one's policy loss: for these loss types that is
+# its share of the step's loss (the step's / M), for the others its own mean (the step's, summed over micro-batches)
+POLICY_LOSS_SHARES = ("cispo", "dapo", "vespo")
+
+
 # LossAux field -> metric name as TRL logs it (docs/algorithms.md §9); other fields keep their own name
 AUX_METRIC_NAMES = {"kl": "kl", "clip_ratio_low": "clip_ratio/low_mean", "clip_ratio_high": "clip_ratio/high_mean",
                     "clip_ratio_region": "clip_ratio/region_mean"}
@@ -108,11 +117,16 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     M = options.gradient_accumulation_steps
     # rows split over >1 shard stay on their shards through the unembedding (else XLA held every row on every chip)
     split = sharding.row_sharded(mesh) if mesh is not None and sharding.num_row_shards(mesh) > 1 else None
+    # LoRA dropout (TRL's loss forward runs in train mode): a key per micro-batch from the state, so resume replays it
+    dropout_keys = (jax.random.split(jax.random.fold_in(jax.random.fold_in(state.key, LORA_DROPOUT_STREAM),
+                                                        state.step), M)
+                    if lora.has_dropout(graphdef, state.params) else None)
 
-    def loss_fn(trainable, micro: Trajectory):
+    def loss_fn(trainable, micro: Trajectory, dropout_key=None):
         params = lora.join(trainable, frozen)
+        model = (graphdef, params) if dropout_key is None else lora.with_dropout(graphdef, params, dropout_key)
         logps_BxT, entropy_BxT, *router = completion_logps(
-            graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.completion_ids, micro.completion_mask,
+            *model, micro.prompt_ids, micro.prompt_mask, micro.completion_ids, micro.completion_mask,
             temperature=options.temperature, with_entropy=True, chunk_size=options.logps_chunk_size,
             prompt_group_size=options.prompt_group_size, packed_length=packed_length,
             packed_buffers=packed_buffers, routing=micro.routed_experts, router_aux=router_aux, row_sharding=split)
@@ -126,7 +140,12 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
                              entropies=entropies_BxT, sampler_per_token_logps=sampler)
         # aux holds masked means over this micro-batch: weight by its tokens for exact step-level means
         tokens = jnp.sum(micro.loss_mask).astype(jnp.float32)
-        aux = jax.tree.map(lambda x: jax.lax.stop_gradient(x) * tokens, _aux_dict(aux))
+        aux = _aux_dict(aux)
+        policy = aux.pop("policy_loss", None)
+        aux = jax.tree.map(lambda x: jax.lax.stop_gradient(x) * tokens, aux)
+        if policy is not None:  # a share of the step's loss, summed (scaled back by the token weighting below)
+            share = 1.0 / M if options.loss.loss_type in POLICY_LOSS_SHARES else 1.0
+            aux["policy_loss"] = jax.lax.stop_gradient(policy) * share * num_items
         if router_aux:  # a mean over micro-batches, not tokens: scaled back by the token weighting below
             loss = loss + options.router_aux_loss_coef * router[0] / M
             aux["router_aux_loss"] = jax.lax.stop_gradient(router[0]) / M * num_items
@@ -136,17 +155,19 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     micro_batches = _micro_batches(batch, options.gradient_accumulation_steps, mesh)
 
-    def accumulate(carry, micro):
+    def accumulate(carry, xs):
         grads, loss, aux_sum, entropy_sum = carry
-        (micro_loss, (aux, micro_entropy)), micro_grads = grad_fn(trainable, micro)
+        micro, dropout_key = xs
+        (micro_loss, (aux, micro_entropy)), micro_grads = grad_fn(trainable, micro, dropout_key)
         return (jax.tree.map(jnp.add, grads, micro_grads), loss + micro_loss,
                 jax.tree.map(jnp.add, aux_sum, aux), entropy_sum + micro_entropy), None
 
     zeros = jax.tree.map(jnp.zeros_like, trainable)
-    aux_shape = jax.eval_shape(lambda: loss_fn(trainable, jax.tree.map(lambda x: x[0], micro_batches))[1][0])
+    aux_shape = jax.eval_shape(lambda: loss_fn(trainable, jax.tree.map(lambda x: x[0], micro_batches),
+                                               None if dropout_keys is None else dropout_keys[0])[1][0])
     aux_zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
     init = (zeros, jnp.zeros((), jnp.float32), aux_zeros, jnp.zeros((), jnp.float32))
-    (grads, loss, aux_sum, entropy_sum), _ = jax.lax.scan(accumulate, init, micro_batches)
+    (grads, loss, aux_sum, entropy_sum), _ = jax.lax.scan(accumulate, init, (micro_batches, dropout_keys))
 
     grads = as_float32(grads)
     grad_norm = optax.tree_utils.tree_norm(grads)
@@ -176,6 +197,10 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
                 aux_mean.pop(name, None)
         if options.loss.loss_type != "cispo":
             aux_mean.pop("cispo_clip_ratio", None)
+        if options.loss.entropy_coef == 0.0:  # TRL logs these with its entropy bonus only
+            aux_mean.pop("policy_loss", None)
+        else:
+            aux_mean["entropy_coef"] = jnp.asarray(options.loss.entropy_coef, jnp.float32)
     metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32), **aux_mean,
                "entropy": entropy_sum / jnp.maximum(num_items, 1.0)}
     return new_state, metrics

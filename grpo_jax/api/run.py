@@ -112,7 +112,8 @@ def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_datase
     _check_positions(config, np.minimum(lengths, length))
     dataset = data.Dataset(train_rows, tokens, offsets, length, tokenizer.pad_token_id,
                            sources.fingerprint(train_rows, train_where,
-                                               path=None if train_dataset is not None else config.data.path))
+                                               path=None if train_dataset is not None else config.data.path),
+                           shuffle=config.data.shuffle)
     return tokenizer, tokenizer_dir, dataset, list(eval_rows), tooling
 
 

@@ -1,12 +1,13 @@
 """TRL's entry point: a script that imports `GRPOConfig` and `GRPOTrainer` from `grpo_jax` instead of `trl` keeps its
 constructor calls, and `.train()` runs `grpo_jax.api.trainer.train`. What TRL takes as a Python object that grpo_jax
 cannot use as it is (a transformers model, a tokenizer not saved in a folder, a PEFT option with no counterpart) is
-refused in one line naming what to pass instead. Imports no jax until `.train()`.
+refused in one line naming what to pass instead. Imports no jax until `.train()` (or `GRPOConfig(use_cpu=True)`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -37,7 +38,12 @@ _REPLACED_BY = {"per_device_train_batch_size": ("train_batch_size", "train.train
 def GRPOConfig(**kwargs: Any) -> Config:  # noqa: N802 - TRL's name for what builds the run's config
     """TRL's `GRPOConfig(...)` as a grpo_jax `Config`, with TRL 1.16's defaults (`TRL_DEFAULTS`): TRL's flat names
     (`beta=0.0`, `per_device_train_batch_size=4`), our dotted keys (`**{"sampling.top_k": 50}`) or sections
-    (`train={...}`), checked as `make_config` checks them."""
+    (`train={...}`), checked as `make_config` checks them.
+
+    ``use_cpu=True`` (TRL's: the CPU even where an accelerator exists) makes JAX's CPU its only backend, which holds
+    only before JAX has started on another: then a ValueError says so."""
+    if kwargs.pop("use_cpu", False):
+        _use_cpu()
     given = set(kwargs)
     for section, values in kwargs.items():
         if isinstance(values, Mapping):
@@ -50,6 +56,17 @@ def GRPOConfig(**kwargs: Any) -> Config:  # noqa: N802 - TRL's name for what bui
         if not given & {name, dotted, *_REPLACED_BY.get(name, ())}:
             defaults[name] = value
     return make_config(**defaults, **kwargs)
+
+
+def _use_cpu() -> None:
+    """JAX's platforms set to the CPU alone (the one import of jax before `.train()`: TRL's use_cpu takes effect where
+    it is given); a ValueError when JAX already runs on another backend, which this process cannot change."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    if jax.default_backend() != "cpu":
+        raise ValueError(f"use_cpu=True but JAX already started on {jax.default_backend()}: build GRPOConfig before "
+                         "anything uses JAX, or run with the environment variable JAX_PLATFORMS=cpu")
 
 
 # PEFT's LoraConfig fields with a model.lora counterpart, and their PEFT defaults (a dict leaves some out)
@@ -231,6 +248,46 @@ class GRPOTrainer:
         _trl_checks(self.args, self.reward_funcs, reward_processing_classes)
         self.state, self._output_dir = TrainerState(), None
         self.model = PolicyView(self)
+        self.use_vllm = False  # TRL's flags scripts and tests read: grpo_jax samples with its own sampler
+        self.entropy_coef = self.args.loss.entropy_coef
+
+    def get_high_entropy_mask(self, entropies, mask, threshold: float):
+        """TRL's method on torch tensors: True where a valid token's entropy is >= the ``threshold`` quantile of the
+        valid entropies (`grpo_jax.losses.masks.high_entropy_mask` with top quantile 1 - threshold)."""
+        import jax.numpy as jnp
+        import numpy as np
+        import torch
+
+        from grpo_jax.losses.masks import high_entropy_mask
+        out = high_entropy_mask(jnp.asarray(entropies.float().numpy()), jnp.asarray(mask.float().numpy()),
+                                top_quantile=1.0 - threshold)
+        return torch.from_numpy(np.asarray(out) > 0)
+
+    @staticmethod
+    def get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
+        """TRL's static method on torch tensors: [B, 1] in ``mask``'s dtype, 1 unless A < 0 and the sequence's mean
+        sampler-vs-policy log-ratio exceeds the threshold (`grpo_jax.losses.masks.off_policy_sequence_mask`)."""
+        import jax.numpy as jnp
+        import numpy as np
+        import torch
+
+        from grpo_jax.losses.masks import off_policy_sequence_mask
+        as_jax = lambda t: jnp.asarray(t.detach().float().numpy())  # noqa: E731
+        out = off_policy_sequence_mask(as_jax(advantages), as_jax(per_token_logps),
+                                       as_jax(sampling_per_token_logps), as_jax(mask),
+                                       threshold=off_policy_threshold)
+        return torch.from_numpy(np.array(out)).to(mask.dtype)
+
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """TRL's: the model is a mixture of experts (its config has ``output_router_logits``) and the load-balancing
+        coefficient (`loss.router_aux_loss_coef`, None: the model's own) is not 0."""
+        with open(os.path.join(self.args.model.path, "config.json")) as f:
+            hf = json.load(f)
+        hf = hf.get("text_config", hf)
+        coef = self.args.loss.router_aux_loss_coef
+        coef = hf.get("router_aux_loss_coef", 0.0) if coef is None else coef
+        return "output_router_logits" in hf and coef != 0.0
 
     def train(self, resume_from_checkpoint: bool | str | None = None):
         """Trains (`grpo_jax.api.trainer.train`) and returns transformers' `TrainOutput` (global_step, training_loss,
@@ -255,7 +312,8 @@ class GRPOTrainer:
         history = [trl_line(line) for line in meta.get("history", [])]
         losses = [line["loss"] for line in history if line.get("loss") is not None]
         train_loss = sum(losses) / len(losses) if losses else float("nan")
-        history.append({"train_runtime": round(time.perf_counter() - started, 4), "train_loss": train_loss,
+        history.append({**_residual_means(history, summary["steps"], config.logging_steps),
+                        "train_runtime": round(time.perf_counter() - started, 4), "train_loss": train_loss,
                         "step": summary["steps"]})
         self.state = TrainerState(global_step=summary["steps"], max_steps=summary["steps"], log_history=history)
         try:
@@ -271,13 +329,38 @@ class GRPOTrainer:
                                                      "train_loss": train_loss})
 
     def evaluate(self) -> dict:
-        """TRL's `evaluate()` after `train()`: the held-out evaluation of the trained policy that the run made at its
-        last step (`eval.*`: eval_dataset or the held-out rows), under TRL's `eval_` names."""
+        """TRL's `evaluate()`: the held-out evaluation (`eval.*`: eval_dataset or the held-out rows) under TRL's
+        `eval_` names. After `train()` the one the run made at its last step; before, the model as given (as TRL's
+        evaluates `self.model`, not a checkpoint `train()` may resume from)."""
+        if self._output_dir is None:
+            return self._evaluate_start()
         evaluations = [line for line in self.state.log_history if any(k.startswith("eval_") for k in line)]
         if not evaluations:
-            raise ValueError("evaluate() needs a trained run with an evaluation: call trainer.train() first, with "
-                             "eval_dataset (or eval.num_examples > 0) so the run evaluates its policy")
+            raise ValueError("evaluate() needs an evaluation: give eval_dataset (or eval.num_examples > 0) so the "
+                             "run evaluates its policy")
         return dict(evaluations[-1])
+
+    def _evaluate_start(self) -> dict:
+        """`evaluate()` before `train()`: builds the run (its lock held meanwhile) and evaluates its starting
+        params."""
+        from grpo_jax.api import trainer
+
+        run, state, held = trainer.build(self.args, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
+                                         reward_funcs=self.reward_funcs, tools=self.tools,
+                                         environment_factory=self.environment_factory,
+                                         reward_processing_classes=self.reward_processing_classes)
+        toolbox = None
+        try:
+            if not run.eval_rows:
+                raise ValueError("evaluate() needs held-out rows: give eval_dataset (or eval.num_examples > 0)")
+            toolbox = trainer.open_toolbox(run.tooling)
+            step = int(state.step)
+            metrics = trainer.evaluate(run, state.params, step, toolbox=toolbox)
+        finally:
+            if toolbox is not None:
+                toolbox.close()
+            held.release()
+        return trl_line({**metrics, "step": step})
 
     def save_model(self, output_dir: str | os.PathLike | None = None) -> None:
         """TRL's `save_model`: the trained policy as a Hugging Face folder (the run's `final/`, tokenizer included)
@@ -294,6 +377,21 @@ class GRPOTrainer:
 logger = logging.getLogger("trl.trainer.grpo_trainer")  # TRL's logger, so a script's log filters apply
 
 
+_TRAINER_LOGS = ("step", "loss", "grad_norm", "learning_rate", "epoch")  # transformers' Trainer logs these itself
+
+
+def _residual_means(history: list[dict], last_step: int, logging_steps: int) -> dict:
+    """The metrics TRL's final log line carries: each metric's mean over the steps after the last multiple of
+    `logging_steps` (TRL logs and clears its metrics every `logging_steps`, and logs what remains with the run's
+    summary); {} when the run ended on a multiple. The Trainer's own (loss, grad_norm, learning_rate, epoch) are
+    logged at logging steps only."""
+    boundary = last_step - last_step % max(logging_steps, 1)
+    lines = [line for line in history if "loss" in line and boundary < line.get("step", 0) <= last_step]
+    keys = dict.fromkeys(k for line in lines for k, v in line.items()
+                         if k not in _TRAINER_LOGS and isinstance(v, (int, float)) and not isinstance(v, bool))
+    return {k: sum(line[k] for line in lines if k in line) / sum(k in line for line in lines) for k in keys}
+
+
 def _trl_checks(config: Config, reward_funcs: list | None, processing_classes: Any) -> None:
     """TRL's GRPOTrainer `__init__` checks on the arguments together (its messages), and its warnings."""
     if reward_funcs is not None:
@@ -301,8 +399,10 @@ def _trl_checks(config: Config, reward_funcs: list | None, processing_classes: A
         if weights is not None and len(weights) != len(reward_funcs):
             raise ValueError(f"Number of reward weights ({len(weights)}) must match number of reward functions "
                              f"({len(reward_funcs)})")
-        if isinstance(processing_classes, (list, tuple)) and len(processing_classes) != len(reward_funcs):
-            raise ValueError(f"The number of reward processing classes ({len(processing_classes)}) must match the "
+        # TRL takes a single class as a list of one
+        classes = processing_classes if isinstance(processing_classes, (list, tuple)) else [processing_classes]
+        if processing_classes is not None and len(classes) != len(reward_funcs):
+            raise ValueError(f"The number of reward processing classes ({len(classes)}) must match the "
                              f"number of reward functions ({len(reward_funcs)}).")
     loss = config.loss
     if loss.loss_type == "luspo" and loss.importance_sampling_level != "sequence":

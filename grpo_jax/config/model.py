@@ -33,7 +33,7 @@ class LoRAConfig:
 
     rank: int = 0  # PEFT's r; 0: full fine-tuning
     alpha: float = 8.0  # PEFT's lora_alpha: the update is scaled by alpha / rank
-    dropout: float = 0.0  # PEFT's lora_dropout; only 0 (log-probs must be deterministic)
+    dropout: float = 0.0  # PEFT's lora_dropout: on the adapters' input in the update's forward (`models.lora`)
     target_modules: tuple[str, ...] | str = "all-linear"
     use_rslora: bool = False  # scale by alpha / sqrt(rank) (rank-stabilised LoRA)
     init_lora_weights: bool | str = True  # true: A Kaiming-uniform; gaussian: A ~ N(0, 1/r); B zero. false: B too
@@ -43,8 +43,7 @@ class LoRAConfig:
         check(isinstance(self.rank, int) and self.rank >= 0,
               f"model.lora.rank={self.rank!r} must be an integer >= 0 (0: no adapters)")
         check(self.alpha > 0, f"model.lora.alpha={self.alpha} must be > 0")
-        check(self.dropout == 0.0, f"model.lora.dropout={self.dropout} is not supported: dropout would make the "
-              "policy's log-probs random between the sampler, the old policy and the update; set it to 0")
+        check(0.0 <= self.dropout < 1.0, f"model.lora.dropout={self.dropout} must be in [0, 1) (PEFT's lora_dropout)")
         names = (self.target_modules,) if isinstance(self.target_modules, str) else self.target_modules
         check(names == ("all-linear",) or (len(names) >= 1 and set(names) <= set(LORA_TARGETS)),
               f"model.lora.target_modules={self.target_modules!r}: use all-linear or a list of "

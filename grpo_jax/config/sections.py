@@ -56,6 +56,7 @@ class DataConfig:
     max_prompt_length: int | None = None  # left-padded (static shapes) to this; None: the data's longest prompt
     truncation: str = "left"  # left: keep the last tokens (warned once); error: refuse long prompts
     allow_changed: bool = False  # resume over data that differ from the checkpoint's fingerprint (warned), not refuse
+    shuffle: bool = True  # TRL's shuffle_dataset: each epoch in its own seeded order; false: the rows' own order
 
     def __post_init__(self):
         check(self.task in ("reverse", "sort", "add", "lookup"),

@@ -112,6 +112,8 @@ CONVERTED = {
     "dtype": ("model.param_dtype", _dtype),
     "model_init_kwargs": ("model.param_dtype", _model_init_kwargs),
     "disable_tqdm": ("disable_tqdm", lambda v: _bool("disable_tqdm", v, True, False)),
+    # TRL's RepeatSampler tests it for truth: None reads the rows in order, as false does
+    "shuffle_dataset": ("data.shuffle", lambda v: False if v is None else _bool("shuffle_dataset", v, True, False)),
 }
 
 # TRL names whose meaning differs here, or that have no counterpart: what to write instead
@@ -144,9 +146,9 @@ OFF = {
     "log_completions_hub_repo": ((None,), "completions go to completions.jsonl in output_dir (log_completions)"),
     "load_best_model_at_end": ((False,), "grpo_jax keeps the newest checkpoints (save_total_limit)"),
     "data_seed": ((None,), "the prompt order follows seed"),
-    "use_cpu": ((False,), "run with the environment variable JAX_PLATFORMS=cpu"),
+    "use_cpu": ((False,), "pass it to GRPOConfig(use_cpu=True) before JAX starts, or run with the environment "
+                "variable JAX_PLATFORMS=cpu"),
     "train_sampling_strategy": (("random",), "grpo_jax shuffles the prompts every epoch (by seed)"),
-    "shuffle_dataset": ((True, None), "grpo_jax always shuffles the prompts (by seed)"),
     "trust_remote_code": ((False,), "grpo_jax runs its own model code (the Llama, Gemma and Qwen3-MoE families)"),
     "generation_kwargs": ((None,), "set sampling.temperature / top_p / top_k / min_p"),
     "chat_template_kwargs": ((None,), "grpo_jax renders prompts with the tokenizer's chat template, no arguments"),
@@ -179,7 +181,7 @@ IGNORED = (
     "dataloader_multiprocessing_context", "dataloader_in_order", "remove_unused_columns", "label_names",
     "length_column_name", "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers",
     "ddp_static_graph", "ddp_backend", "ddp_timeout", "debug", "skip_memory_metrics", "do_train", "do_eval",
-    "do_predict", "local_rank", "disable_dropout", "cast_lm_head_to_fp32", "ds3_gather_for_generation",
+    "do_predict", "local_rank", "cast_lm_head_to_fp32", "ds3_gather_for_generation",
     "pad_to_multiple_of", "cache_implementation", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode",
     "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
     "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size", "entropy_coef_min",
@@ -289,12 +291,25 @@ def _geometry(values: dict) -> None:
 
 
 def resolve(values: dict) -> dict:
-    """Merged values with TRL's batch geometry (`_geometry`) and `use_peft` applied: true turns on LoRA with TRL's
-    rank 16 and alpha 32 unless given (`lora_r`, `model.lora.rank`, ...); false refuses adapters given another way."""
+    """Merged values with TRL's batch geometry (`_geometry`), `use_peft` and `disable_dropout` applied: use_peft true
+    turns on LoRA with TRL's rank 16, alpha 32 and dropout 0.05 unless given (`lora_r`, `model.lora.rank`, ...);
+    false refuses adapters given another way. disable_dropout true zeroes the adapters' dropout, as TRL's
+    `disable_dropout_in_model` zeroes every ``nn.Dropout`` of the PEFT model (grpo_jax's models have no other)."""
     _geometry(values)
+    disable_dropout = values.pop("disable_dropout", False)
+    if not isinstance(disable_dropout, bool):
+        raise ValueError(f"config key disable_dropout={disable_dropout!r} must be true or false")
     use_peft = values.pop("use_peft", None)
-    if use_peft is None:
-        return values
+    if use_peft is not None:
+        _peft(values, use_peft)
+    if disable_dropout:
+        lora, _ = _target(values, "model.lora.dropout", "disable_dropout")
+        lora["dropout"] = 0.0
+    return values
+
+
+def _peft(values: dict, use_peft: Any) -> None:
+    """TRL's `use_peft` on merged values, in place (`resolve`)."""
     if not isinstance(use_peft, bool):
         raise ValueError(f"config key use_peft={use_peft!r} must be true or false")
     lora, _ = _target(values, "model.lora.rank", "use_peft")
@@ -302,10 +317,10 @@ def resolve(values: dict) -> dict:
         if not lora.get("rank") and lora.get("path") is None:
             lora["rank"] = 16
         lora.setdefault("alpha", 32.0)
+        lora.setdefault("dropout", 0.05)  # TRL's ModelConfig.lora_dropout
     elif lora.get("rank") or lora.get("path") is not None:
         raise ValueError(f"use_peft=false with model.lora.rank={lora.get('rank')!r} / model.lora.path="
                          f"{lora.get('path')!r}: drop use_peft=false to train adapters, or the adapter keys")
-    return values
 
 
 def translate(values: dict) -> dict:

@@ -259,7 +259,8 @@ def _preview(prompt, limit: int = 60) -> str:
 
 class DataState(NamedTuple):
     """Where a run is in its data, a pytree of three ints saved in every checkpoint: the next prompt is position
-    ``index`` of epoch ``epoch``'s order, ``np.random.default_rng([seed, epoch]).permutation(n)``."""
+    ``index`` of epoch ``epoch``'s order, ``np.random.default_rng([seed, epoch]).permutation(n)`` (the rows' own
+    order 0 .. n - 1 when the `Dataset` is not shuffled)."""
 
     epoch: int
     index: int
@@ -278,6 +279,7 @@ class Dataset:
     max_prompt_length: int  # L: batches are left-padded (and left-truncated) to it
     pad_token_id: int
     fingerprint: dict | None = None  # what checkpoints record of the rows (`sources.fingerprint`)
+    shuffle: bool = True  # `data.shuffle`: false reads every epoch in the rows' order (TRL's shuffle_dataset=False)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -302,7 +304,8 @@ def next_batch(dataset: Dataset, state: DataState, num_prompts: int) -> tuple[Pr
     indices, epoch, index = [], int(state.epoch), int(state.index)
     while len(indices) < num_prompts:
         take = min(num_prompts - len(indices), n - index)
-        indices.extend(int(i) for i in _order(int(state.seed), epoch, n)[index:index + take])
+        order = _order(int(state.seed), epoch, n) if dataset.shuffle else range(n)
+        indices.extend(int(i) for i in order[index:index + take])
         epoch, index = (epoch + 1, 0) if index + take == n else (epoch, index + take)
     L = dataset.max_prompt_length
     ids_PxL = np.full((num_prompts, L), dataset.pad_token_id, np.int32)

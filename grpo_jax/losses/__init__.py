@@ -73,7 +73,8 @@ class LossAux(NamedTuple):
     kl is 0 when beta == 0 (TRL then logs none); it includes the bias correction when that is on, as in TRL.
     clip_ratio_* are 0 unless loss_type is clipped (grpo, bnpo, dr_grpo, dapo, luspo); cispo_clip_ratio is 0
     unless loss_type is cispo; entropy is 0 when no entropies are passed. Sequence-level ratios are weighted
-    by tokens here (TRL weights them by sequences).
+    by tokens here (TRL weights them by sequences). policy_loss is not a mean: it is this batch's loss before the
+    entropy bonus (its share of the step's, `aggregate`), which the train step sums into TRL's metric.
     """
 
     kl: jax.Array
@@ -82,6 +83,7 @@ class LossAux(NamedTuple):
     clip_ratio_region: jax.Array  # either of the above
     cispo_clip_ratio: jax.Array   # r > ε_high and A > 0 (cispo)
     entropy: jax.Array            # mean per-token entropy
+    policy_loss: jax.Array        # the loss without the entropy bonus (a share of the step's, not a mean)
 
 
 def compute_loss(per_token_logps: jax.Array, old_per_token_logps: jax.Array | None,
@@ -190,6 +192,7 @@ def compute_loss(per_token_logps: jax.Array, old_per_token_logps: jax.Array | No
     loss = aggregate(loss_BxT, mask_BxT, loss_type=config.loss_type,
                      max_completion_length=config.max_completion_length,
                      num_items_in_batch=num_items_in_batch, num_sequences=num_sequences)
+    policy_loss = sg(loss)
     if config.entropy_coef != 0.0:
         loss = loss - entropy_bonus(entropies_BxT, mask_BxT, coef=config.entropy_coef,
                                     entropy_mask_BxT=entropy_mask_BxT, num_items_in_batch=num_items_in_batch)
@@ -203,4 +206,4 @@ def compute_loss(per_token_logps: jax.Array, old_per_token_logps: jax.Array | No
         cispo = cispo_clip_ratio(ratio, adv_BxT, mask_BxT, epsilon_high=eps_high)
     entropy = zero if entropies_BxT is None else sg(masked_mean(entropies_BxT, mask_BxT))
     return loss, LossAux(kl=kl_metric, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_region=region,
-                         cispo_clip_ratio=cispo, entropy=entropy)
+                         cispo_clip_ratio=cispo, entropy=entropy, policy_loss=policy_loss)

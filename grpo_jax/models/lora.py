@@ -6,6 +6,10 @@ they are [L, in, r] and [L, r, out]. The variable type is the split: `split_trai
 (trained) from the base (frozen) in any params pytree, and `base_params` is the base with the adapters off,
 which is the reference policy. Initialisation and scaling follow PEFT's ``LoraConfig``: A Kaiming-uniform
 (bound 1/sqrt(in), PyTorch's ``nn.Linear`` default) or Gaussian (std 1/r), B zero, scale alpha / r.
+
+Dropout (PEFT's ``lora_dropout`` p) acts on the adapter's input only, x W + b + scale * ((dropout(x) A) B), and only
+in a forward that `with_dropout` gave a key: the update's (TRL's train-mode loss forward). Sampling, the old and
+reference log-probs and evaluation run without it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,15 @@ def _initializers(lora: LoRAConfig):
     return _KAIMING_A, nnx.initializers.zeros_init()
 
 
+class LoRADropoutKey(nnx.Variable):
+    """A LoRA layer's dropout key ([2], or [L, 2] for stacked layers): set by `with_dropout` for one forward."""
+
+
+def dropout_mask(key: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array:
+    """Keep-mask of inverted dropout: True with probability 1 - ``rate``, one draw per element of ``shape``."""
+    return jax.random.bernoulli(key, 1.0 - rate, shape)
+
+
 class LoRALinear(nnx.Linear):
     """``nnx.Linear`` plus a rank-r update in the compute dtype: x W + b + scale * ((x A) B).
 
@@ -46,6 +59,7 @@ class LoRALinear(nnx.Linear):
         # fan-in of B is r (PyTorch's layout [out, r]); flax's initializer takes it from the first dim here too
         self.lora_b = nnx.LoRAParam(b_init(rngs.lora(), (lora.rank, out_features), jnp.float32))
         self.lora_scale = lora.scale
+        self.dropout = lora.dropout  # its `LoRADropoutKey` (dropout_key) exists only in a `with_dropout` forward
         self.adapters_on = True  # static: `adapters_off` makes a graphdef of the base model (the reference)
 
     def __call__(self, x, out_sharding=None):
@@ -54,7 +68,11 @@ class LoRALinear(nnx.Linear):
             return y
         dtype = y.dtype
         a, b = self.lora_a[...].astype(dtype), self.lora_b[...].astype(dtype)
-        return y + ((x.astype(dtype) @ a) @ b) * jnp.asarray(self.lora_scale, dtype)
+        x = x.astype(dtype)
+        if hasattr(self, "dropout_key"):  # PEFT's nn.Dropout in train mode: zero with prob p, scale by 1 / (1 - p)
+            keep = dropout_mask(self.dropout_key[...], x.shape, self.dropout)
+            x = jnp.where(keep, x / jnp.asarray(1.0 - self.dropout, dtype), jnp.zeros((), dtype))
+        return y + ((x @ a) @ b) * jnp.asarray(self.lora_scale, dtype)
 
 
 def adapters_off(graphdef: nnx.GraphDef, params: Any) -> nnx.GraphDef:
@@ -66,6 +84,33 @@ def adapters_off(graphdef: nnx.GraphDef, params: Any) -> nnx.GraphDef:
         if isinstance(module, LoRALinear):
             module.adapters_on = False
     return nnx.split(model)[0]
+
+
+def _dropout_layers(model) -> list[LoRALinear]:
+    """The model's LoRA layers with their adapters on and a dropout rate > 0, in graph order."""
+    return [m for _, m in nnx.iter_graph(model) if isinstance(m, LoRALinear) and m.adapters_on and m.dropout > 0]
+
+
+def has_dropout(graphdef: nnx.GraphDef, params: Any) -> bool:
+    """Whether the model has LoRA layers with dropout (``params`` may be abstract)."""
+    return bool(_dropout_layers(nnx.merge(graphdef, params)))
+
+
+def with_dropout(graphdef: nnx.GraphDef, params: nnx.State, key: jax.Array) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, params) of the same model with LoRA dropout on, drawn from ``key``: each dropout layer gets its
+    own key (stacked layers one per layer, so each layer of a scan draws its own mask); unchanged without dropout.
+
+    Use inside the jitted update, once per forward, with a key from the train state (resume replays it)."""
+    model = nnx.merge(graphdef, params)
+    layers = _dropout_layers(model)
+    if not layers:
+        return graphdef, params
+    for i, module in enumerate(layers):
+        layer_key = jax.random.fold_in(key, i)
+        stacked = module.lora_a[...].ndim == 3  # [L, in, r]: the decoder's layers, vmapped at construction
+        module.dropout_key = LoRADropoutKey(jax.random.split(layer_key, module.lora_a[...].shape[0]) if stacked
+                                            else layer_key)
+    return nnx.split(model)
 
 
 def base_config(config: ModelConfig) -> ModelConfig:

@@ -73,6 +73,7 @@ def prompt_group_sizes(config: Config, mesh) -> tuple[int, int]:
         return 1, 1
     shards = sharding.num_row_shards(mesh)
     round_g = G if (tc.generation_batch_size // shards) % G == 0 else 1
-    whole = tc.steps_per_generation == 1 and tc.gradient_accumulation_steps == 1
+    # LoRA dropout draws a mask per row, as TRL's per-row forward does: a shared prompt would share its mask
+    whole = tc.steps_per_generation == 1 and tc.gradient_accumulation_steps == 1 and config.model.lora.dropout == 0
     step_g = G if whole and (tc.train_batch_size // shards) % G == 0 else 1
     return round_g, step_g

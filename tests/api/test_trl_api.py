@@ -36,6 +36,19 @@ def test_the_top_level_names_import_lazily_without_jax():
     assert out.split("\n")[:2] == ["[]", "True"], out
 
 
+def test_use_cpu_makes_the_cpu_jaxs_only_backend():
+    """GRPOConfig(use_cpu=True) before JAX starts (a fresh interpreter, no JAX_PLATFORMS): JAX starts on the CPU
+    alone, TRL's meaning; without it JAX's platforms stay unset (its default pick of an accelerator)."""
+    import os
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    code = ("from grpo_jax import GRPOConfig; GRPOConfig(use_cpu={}); import jax; "
+            "print(jax.config.jax_platforms, jax.default_backend() if {} else '')")
+    run = lambda on: subprocess.run([sys.executable, "-c", code.format(on, on)], capture_output=True,  # noqa: E731
+                                    text=True, check=True, env=env).stdout.split()
+    assert run(True) == ["cpu", "cpu"]
+    assert run(False) == ["None"]
+
+
 def test_a_config_from_keywords_is_the_config_of_the_same_overrides():
     from grpo_jax import GRPOConfig, make_config
 
@@ -106,8 +119,10 @@ def test_the_trainer_takes_a_cached_model_id_and_refuses_objects(tmp_path, monke
         GRPOTrainer({"weights": 1}, answer_reward)
     with pytest.raises(ValueError, match=r"processing_class is a \w+ not loaded from a folder"):
         GRPOTrainer(str(snapshot), answer_reward, processing_class=task.build_tokenizer())
-    with pytest.raises(ValueError, match=r"peft_config: model.lora.dropout=0.05 is not supported"):
-        GRPOTrainer(str(snapshot), answer_reward, peft_config={"lora_dropout": 0.05})
+    with pytest.raises(ValueError, match=r"peft_config: model.lora.dropout=1.5 must be in \[0, 1\)"):
+        GRPOTrainer(str(snapshot), answer_reward, peft_config={"lora_dropout": 1.5})
+    assert GRPOTrainer(str(snapshot), answer_reward, peft_config={"lora_dropout": 0.05}).args.model.lora.dropout \
+        == 0.05
     with pytest.raises(ValueError, match=r"model.init=random with model.path="):
         GRPOTrainer(str(snapshot), answer_reward, args=GRPOConfig(model={"init": "random"}))
     for hook in ({"callbacks": [object()]}, {"optimizers": (object(), None)}, {"quantization_config": {"bits": 4}},

@@ -71,10 +71,12 @@ def trl_is_ratio(old, sampler, mask, cfg):
     return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
 
 
-def run_trl(case, cfg, use_sampler):
+def run_trl(case, cfg, use_sampler, accumulation=1, num_items=None):
+    """TRL's loss, gradient and metrics on ``case``: one micro-batch of ``accumulation`` per optimizer step (and per
+    generation), ``num_items`` the generation batch's tokens (None: the case's)."""
     trainer = GRPOTrainer.__new__(GRPOTrainer)
     args = types.SimpleNamespace(
-        use_bias_correction_kl=cfg.use_bias_correction_kl, delta=cfg.delta, steps_per_generation=1,
+        use_bias_correction_kl=cfg.use_bias_correction_kl, delta=cfg.delta, steps_per_generation=accumulation,
         sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
         vespo_k_pos=cfg.vespo_k_pos, vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg,
         vespo_lambda_neg=cfg.vespo_lambda_neg, entropy_target=0.2)
@@ -85,7 +87,7 @@ def run_trl(case, cfg, use_sampler):
         importance_sampling_level=cfg.importance_sampling_level, top_entropy_quantile=cfg.top_entropy_quantile,
         off_policy_mask_threshold=cfg.off_policy_mask_threshold, max_completion_length=T,
         use_vllm=use_sampler, vllm_importance_sampling_correction=cfg.vllm_importance_sampling_correction,
-        current_gradient_accumulation_steps=1, entropy_coef=cfg.entropy_coef, use_adaptive_entropy=False,
+        current_gradient_accumulation_steps=accumulation, entropy_coef=cfg.entropy_coef, use_adaptive_entropy=False,
         _entropy_bonus_enabled=cfg.entropy_coef != 0.0)
     for name, value in attrs.items():
         object.__setattr__(trainer, name, value)
@@ -94,10 +96,12 @@ def run_trl(case, cfg, use_sampler):
     entropies = torch.tensor(case["entropies"])
     trainer._get_per_token_logps_and_entropies = lambda *a, **k: (logp, entropies, None)
     mask = torch.tensor(case["mask"])
-    inputs = {"prompt_ids": torch.zeros((B, 2), dtype=torch.long), "prompt_mask": torch.ones((B, 2), dtype=torch.long),
-              "completion_ids": torch.zeros((B, T), dtype=torch.long), "completion_mask": mask,
+    rows = len(case["adv"])
+    inputs = {"prompt_ids": torch.zeros((rows, 2), dtype=torch.long),
+              "prompt_mask": torch.ones((rows, 2), dtype=torch.long),
+              "completion_ids": torch.zeros((rows, T), dtype=torch.long), "completion_mask": mask,
               "advantages": torch.tensor(case["adv"]), "ref_per_token_logps": torch.tensor(case["ref"]),
-              "num_items_in_batch": mask.sum()}
+              "num_items_in_batch": mask.sum() if num_items is None else torch.tensor(num_items)}
     old = None if case["old"] is None else torch.tensor(case["old"])
     if old is not None:
         inputs["old_per_token_logps"] = old
@@ -134,7 +138,7 @@ def check(cfg, seed=0, on_policy=False, use_sampler=False, noise=0.35):
     if cfg.importance_sampling_level == "token":  # TRL weights sequence-level ratio metrics by sequences
         names = {"kl": "kl", "entropy": "entropy", "clip_ratio/low_mean": "clip_ratio_low",
                  "clip_ratio/high_mean": "clip_ratio_high", "clip_ratio/region_mean": "clip_ratio_region",
-                 "cispo_clip_ratio": "cispo_clip_ratio"}
+                 "cispo_clip_ratio": "cispo_clip_ratio", "policy_loss": "policy_loss"}
         for trl_name, field in names.items():
             if trl_name in metrics:
                 np.testing.assert_allclose(float(getattr(aux, field)), metrics[trl_name], rtol=1e-5, atol=1e-7)
@@ -207,3 +211,28 @@ def test_sapo_temperatures_and_vespo_shape():
     check(LossConfig(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0), seed=17)
     check(LossConfig(loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=2.0, vespo_k_neg=4.0,
                      vespo_lambda_neg=1.5), seed=18)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "cispo", "luspo"])
+def test_policy_loss_over_micro_batches_is_trls(loss_type):
+    """TRL logs policy_loss (with its entropy bonus) per micro-batch and averages them: with 2 micro-batches per
+    step our step metric, each micro-batch's `LossAux.policy_loss` combined as the train step does
+    (`POLICY_LOSS_SHARES`), is TRL's mean."""
+    from grpo_jax.algo.train_step import POLICY_LOSS_SHARES
+
+    cfg = LossConfig(loss_type=loss_type, entropy_coef=0.05, beta=0.04, max_completion_length=T,
+                     epsilon_high=5.0 if loss_type == "cispo" else 0.28)
+    case = make_case(15)
+    halves = [{k: None if v is None else v[rows] for k, v in case.items()} for rows in (slice(0, 3), slice(3, 6))]
+    num_items = int(case["mask"].sum())
+    trl = [run_trl(half, cfg, False, accumulation=2, num_items=num_items)[2]["policy_loss"] for half in halves]
+    ours = []
+    for half in halves:
+        _, aux = compute_loss(jnp.asarray(half["logp"]), jnp.asarray(half["old"]), jnp.asarray(half["ref"]),
+                              jnp.asarray(half["adv"]), jnp.asarray(half["mask"]), config=cfg,
+                              entropies=jnp.asarray(half["entropies"]), num_items_in_batch=num_items,
+                              num_sequences=B)
+        ours.append(float(aux.policy_loss))
+    share = 0.5 if loss_type in POLICY_LOSS_SHARES else 1.0
+    np.testing.assert_allclose(sum(ours) * share, np.mean(trl), rtol=1e-5)
+    assert abs(trl[0] - trl[1]) > 1e-3  # two different micro-batches

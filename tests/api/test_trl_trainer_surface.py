@@ -24,6 +24,17 @@ def test_trl_names_and_checkpoint_folders(tmp_path):
     assert trl_checkpoint(True) is True and trl_checkpoint(None) is None
 
 
+def test_the_final_line_carries_the_metrics_after_the_last_logging_boundary():
+    """TRL logs (and clears) its metric means every logging_steps and logs the rest with the run's summary."""
+    from grpo_jax.api.trl_api import _residual_means
+
+    history = [{"step": s, "loss": float(s), "reward": 10.0 * s} for s in range(1, 14)] + \
+        [{"step": 13, "eval_reward": 1.0}]
+    assert _residual_means(history, 13, 10) == {"reward": 120.0}  # loss: the Trainer's, at logging steps only
+    assert _residual_means(history[:10], 10, 10) == {}
+    assert _residual_means(history, 13, 1) == {}  # every step logged already
+
+
 def test_train_returns_trls_output_and_keeps_the_history_in_memory(tmp_path, capfd):
     pytest.importorskip("torch")
     import hf_fixtures
@@ -48,7 +59,7 @@ def test_train_returns_trls_output_and_keeps_the_history_in_memory(tmp_path, cap
     assert [line["step"] for line in steps] == [1, 2] and trainer.state.global_step == 2
     assert output.training_loss == pytest.approx(sum(line["loss"] for line in steps) / 2)
     assert trainer.state.log_history[-1]["train_loss"] == output.training_loss
-    with pytest.raises(ValueError, match="evaluate.. needs a trained run with an evaluation"):
+    with pytest.raises(ValueError, match="evaluate.. needs an evaluation"):
         trainer.evaluate()  # eval.num_examples=0: the run evaluated nothing
     trainer.save_model(tmp_path / "saved")
     assert (tmp_path / "saved" / "config.json").is_file() and (tmp_path / "saved" / "model.safetensors").is_file()
@@ -62,6 +73,33 @@ def test_train_returns_trls_output_and_keeps_the_history_in_memory(tmp_path, cap
     assert [trl_line(line) for line in lines] == more.state.log_history[:-1]  # the same lines as the file
     final_eval = [line for line in lines if "eval/greedy/answer_reward" in line][-1]
     assert final_eval["step"] == 3 and more.evaluate() == trl_line(final_eval)  # the trained policy's evaluation
+
+
+def test_evaluate_before_train_is_the_runs_step_0_evaluation(tmp_path):
+    """`evaluate()` before `train()` (TRL evaluates the model as given): the held-out evaluation the run itself logs
+    at step 0, under TRL's names; without held-out rows a one-line error."""
+    pytest.importorskip("torch")
+    import hf_fixtures
+
+    from grpo_jax import GRPOConfig, GRPOTrainer
+    from grpo_jax.data import task
+
+    folder = hf_fixtures.save_model(hf_fixtures.build_model("qwen2", tied=True), tmp_path / "hf")
+    task.build_tokenizer(folder)
+    args = dict(output_dir=str(tmp_path / "run"), max_steps=1, num_generations=4, max_completion_length=4,
+                per_device_train_batch_size=1, report_to="none", disable_tqdm=True)
+    trainer = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS, eval_dataset=ROWS[:4],
+                          args=GRPOConfig(**args, **{"eval.num_examples": 4}))
+    before = trainer.evaluate()
+    assert before["step"] == 0 and "eval_greedy/answer_reward" in before
+    trainer.train()
+    logged = [line for line in trainer.state.log_history if line.get("step") == 0 and "eval_greedy/answer_reward"
+              in line]
+    assert logged == [before]
+    bare = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS,
+                       args=GRPOConfig(**{**args, "output_dir": str(tmp_path / "bare")}, **{"eval.num_examples": 0}))
+    with pytest.raises(ValueError, match="evaluate.. needs held-out rows: give eval_dataset"):
+        bare.evaluate()
 
 
 def test_a_model_object_trains_as_its_folder_and_trainer_model_reads_the_weights(tmp_path, monkeypatch):
@@ -105,6 +143,9 @@ def test_a_model_object_trains_as_its_folder_and_trainer_model_reads_the_weights
     (dict(args=dict(reward_weights=[0.7, 0.3]), reward_funcs=[answer_reward]), "Number of reward weights"),
     (dict(reward_funcs=[answer_reward], reward_processing_classes=[None, None]),
      "The number of reward processing classes"),
+    # one class, not in a list, for two functions: TRL takes it as a list of one
+    (dict(reward_funcs=[answer_reward, answer_reward], reward_processing_classes="tokenizer-folder"),
+     r"The number of reward processing classes \(1\) must match"),
 ])
 def test_trls_init_checks_raise_trls_message(tmp_path, kwargs, message):
     """Arguments that TRL 1.16 refuses in GRPOTrainer.__init__ are refused with its message (grpo_trainer.py)."""
@@ -135,3 +176,27 @@ def test_model_init_kwargs_dtype_is_the_weights_dtype():
     assert GRPOConfig(model_init_kwargs={"dtype": "bfloat16", "device_map": "auto"}).model.param_dtype == "bfloat16"
     with pytest.raises(ValueError, match="model_init_kwargs.trust_remote_code has no counterpart"):
         GRPOConfig(model_init_kwargs={"trust_remote_code": True})
+
+
+def test_trls_mask_methods_are_trls_on_torch_tensors():
+    """`GRPOTrainer.get_high_entropy_mask` / `get_off_policy_mask` (TRL's methods, which TRL's tests call) give
+    TRL 1.16's own outputs on random inputs with padding."""
+    torch = pytest.importorskip("torch")
+    trl_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
+    from unittest.mock import Mock
+
+    from grpo_jax import GRPOTrainer
+
+    g = torch.Generator().manual_seed(0)
+    entropies, logps, sampler = (torch.rand((4, 6), generator=g) * 3 for _ in range(3))
+    mask = (torch.arange(6)[None] < torch.tensor([[6], [3], [1], [5]])).float()
+    advantages = torch.tensor([[1.0], [-1.0], [-2.0], [-0.5]])
+    trl = Mock(spec=trl_trainer.GRPOTrainer)
+    trl.accelerator = Mock(num_processes=1, gather=lambda x: x, pad_across_processes=lambda x, dim, pad_index: x)
+    for threshold in (0.0, 0.5, 0.8):
+        ours = GRPOTrainer.get_high_entropy_mask(None, entropies, mask, threshold)
+        assert torch.equal(ours, trl_trainer.GRPOTrainer.get_high_entropy_mask(trl, entropies, mask, threshold))
+    for threshold in (0.1, 0.5, 1.5):
+        ours = GRPOTrainer.get_off_policy_mask(advantages, -logps, -sampler, mask, threshold)
+        theirs = trl_trainer.GRPOTrainer.get_off_policy_mask(advantages, -logps, -sampler, mask, threshold)
+        assert torch.equal(ours, theirs), threshold

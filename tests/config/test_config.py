@@ -95,7 +95,7 @@ def test_every_shipped_config_loads():
     (["model.lora.rank=8", "train.sync_ref_model=true"], "train.sync_ref_model=true with model.lora: the reference"),
     (["model.lora.rank=8", "train.offload_ref_params=true"], "train.offload_ref_params / train.ref_param_dtype with"),
     (["model.lora.path=adapters/"], "model.lora.path='adapters/' without model.path"),
-    (["model.lora.rank=8", "model.lora.dropout=0.05"], "model.lora.dropout=0.05 is not supported"),
+    (["model.lora.rank=8", "model.lora.dropout=-0.1"], r"model.lora.dropout=-0.1 must be in \[0, 1\)"),
     (["model.lora.rank=8", "model.lora.target_modules=[lm_head]"], r"model.lora.target_modules=\('lm_head',\)"),
     (["model.lora.rank=8", "model.lora.init_lora_weights=pissa"], "model.lora.init_lora_weights='pissa'"),
 ])

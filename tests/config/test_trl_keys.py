@@ -63,9 +63,16 @@ def test_the_command_line_overrides_a_file_under_either_name(tmp_path):
     (["min_p=null", "eval_steps=null", "bf16=null"], dict()),  # TRL's "unset": our defaults
     (["model_name_or_path=/m", "save_steps=7", "logging_steps=3", "max_steps=9", "seed=5", "output_dir=/o"],
      dict(model=dict(path="/m"), save_steps=7, logging_steps=3, max_steps=9, seed=5, output_dir="/o")),
-    (["use_peft=true"], dict(model=dict(lora=dict(rank=16, alpha=32.0)))),  # TRL's ModelConfig defaults
-    (["use_peft=true", "lora_r=8", "lora_alpha=16", "lora_target_modules=[q_proj, v_proj]", "use_rslora=true"],
-     dict(model=dict(lora=dict(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj"), use_rslora=True)))),
+    # TRL's ModelConfig defaults: r 16, alpha 32, dropout 0.05
+    (["use_peft=true"], dict(model=dict(lora=dict(rank=16, alpha=32.0, dropout=0.05)))),
+    (["use_peft=true", "lora_r=8", "lora_alpha=16", "lora_target_modules=[q_proj, v_proj]", "use_rslora=true",
+      "lora_dropout=0.1"],
+     dict(model=dict(lora=dict(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj"), use_rslora=True,
+                               dropout=0.1)))),
+    # TRL's disable_dropout zeroes every nn.Dropout of the PEFT model: the adapters' dropout here
+    (["use_peft=true", "lora_dropout=0.1", "disable_dropout=true"],
+     dict(model=dict(lora=dict(rank=16, alpha=32.0, dropout=0.0)))),
+    (["disable_dropout=false"], dict()),
     (["use_peft=false", "lora_r=16", "lora_alpha=32", "lora_dropout=0.05"], dict()),  # TRL reads them with use_peft
     (["lora_r=4"], dict(model=dict(lora=dict(rank=4)))),
     (["use_vllm=false", "push_to_hub=false", "optim=adamw_torch_fused", "fp16=false"], dict()),
@@ -84,7 +91,8 @@ def test_trl_names_users_write(overrides, expected):
     (["report_to=all"], "report_to=all .* list them"),
     (["dtype=float16"], "dtype='float16' .* set model.param_dtype"),
     (["use_peft=false", "model.lora.rank=8"], "use_peft=false with model.lora.rank=8"),
-    (["use_peft=true", "lora_dropout=0.05"], "model.lora.dropout=0.05 is not supported"),
+    (["use_peft=true", "lora_dropout=1.0"], "model.lora.dropout=1.0 must be in \\[0, 1\\)"),
+    (["disable_dropout=yes please"], "disable_dropout='yes please' must be true or false"),
 ])
 def test_trl_values_we_cannot_honour_are_refused(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -94,7 +102,8 @@ def test_trl_values_we_cannot_honour_are_refused(overrides, match):
 def test_use_peft_in_a_file_keeps_a_rank_given_on_the_command_line(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("use_peft: true\nlora_alpha: 64\n")
-    assert load_config(str(path), ["model.lora.rank=4"]).model.lora == LoRAConfig(rank=4, alpha=64.0)
+    lora = load_config(str(path), ["model.lora.rank=4"]).model.lora
+    assert lora == LoRAConfig(rank=4, alpha=64.0, dropout=0.05)
     assert apply_overrides(Config(), ["use_peft=true"]).model.lora.rank == 16
 
 
@@ -125,3 +134,9 @@ def test_every_trl_grpo_and_model_config_field_is_handled():
                 if "unknown config key" in str(e):
                     unknown.append(f"{override}: {e}")
     assert not unknown, "\n".join(unknown)
+
+
+@pytest.mark.parametrize("value, shuffle", [("true", True), ("false", False), ("null", False)])
+def test_shuffle_dataset_is_data_shuffle(value, shuffle):
+    """TRL's RepeatSampler tests shuffle_dataset for truth: None reads the rows in order, as False does."""
+    assert load_config(None, [f"shuffle_dataset={value}"]).data.shuffle is shuffle

@@ -136,6 +136,25 @@ def test_batches_follow_seeded_epoch_permutations():
         assert sorted(seen[e * n:(e + 1) * n]) == list(range(n))
 
 
+def test_unshuffled_batches_are_trls_repeat_sampler_without_shuffle():
+    """data.shuffle=false (TRL's shuffle_dataset=False): the prompts in the rows' order, epoch after epoch, as TRL
+    1.16's RepeatSampler(shuffle=False) yields them (each round's chunk once, before its G and mu repeats)."""
+    n, k, G, R = 12, 3, 2, 2
+    rows = _rows(n)
+    tokenizer = task.build_tokenizer()
+    tokens, offsets = data.check_prompts("rows", data.prompt_column(rows), None, tokenizer, 4, "left")
+    dataset = data.Dataset(rows, tokens, offsets, 4, tokenizer.pad_token_id, shuffle=False)
+    seen = _take_indices(dataset, k, 5, 2 * n // k)  # two epochs; the seed does not matter
+    assert seen == _take_indices(dataset, k, 6, 2 * n // k)
+    assert seen == list(range(n)) * 2
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    sampler = trl_utils.RepeatSampler(list(range(n)), mini_repeat_count=G, batch_size=k, repeat_count=R,
+                                      shuffle=False)
+    yielded = [i for _ in range(2) for i in sampler]  # TRL's dataloader iterates the sampler once an epoch
+    span = k * G * R  # one round's rows: its k prompts, each G times, the chunk R times
+    assert [i for c in range(0, len(yielded), span) for i in yielded[c:c + k * G:G]] == seen
+
+
 def test_batches_are_deterministic_per_seed_and_differ_across_seeds():
     dataset = _dataset(_rows(7))
     assert _take_indices(dataset, 3, 1, 5) == _take_indices(dataset, 3, 1, 5)

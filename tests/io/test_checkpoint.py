@@ -74,7 +74,9 @@ def _train(output_dir: Path, *overrides: str) -> dict:
      "reward.functions=[tests.api.test_trainer:half_constant_reward]"],
     # LoRA on a bfloat16 base: the checkpoint holds the adapters' optimizer state only, the reference is the base
     ["model.lora.rank=4", "model.lora.alpha=8", "model.param_dtype=bfloat16"],
-], ids=["mu1", "mu2_sync_ref", "dynamic_sampling", "lora_bf16"])
+    # LoRA dropout: the update's masks come from the state's key and step
+    ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.dropout=0.1"],
+], ids=["mu1", "mu2_sync_ref", "dynamic_sampling", "lora_bf16", "lora_dropout"])
 def test_resumed_run_equals_uninterrupted_run_bitwise(tmp_path, capsys, options):
     """Stopped inside a round (max_steps=3 of a 2- or 4-step round), then resumed to 6 steps: same bits."""
     _train(tmp_path / "whole", "max_steps=6", "save_steps=0", *options)

@@ -1,0 +1,184 @@
+"""TRL's own GRPO test file run against grpo_jax: its `from trl import GRPOConfig, GRPOTrainer` changed to
+grpo_jax, nothing else, on local stand-ins for its Hub ids; a deterministic sample of its tests, counted.
+
+    python benchmarks/trl_port/run.py --trl-git /work/.mirror/huggingface+trl/repo --every 8 --out /tmp/trl_port
+
+writes OUT/port/ (the test file, TRL's testing utils with TRL 1.16 fallbacks, a conftest that serves the stand-ins),
+OUT/hf/hub (a Hugging Face cache holding the tiny models: TRL's tiny-model configs, `tests/trl_tools.qwen_tokenizer`'s
+~500-token byte-level BPE with Qwen2.5's chat template standing in for Qwen's tokenizer), OUT/data (the
+`trl-internal-testing/zen` configurations as `datasets` folders with its columns), then runs every Nth test by
+collection order and writes OUT/summary.json (passed / failed / skipped, the failures grouped by their first line).
+Needs torch, trl and datasets; not run in CI (hours for the whole file on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ORG = "trl-internal-testing"
+# TRL's scripts/generate_tiny_models configs (hidden 8, 4 heads, 2 kv heads, 2 layers, intermediate 32); the vocab is
+# the stand-in tokenizer's
+TINY = dict(hidden_size=8, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=32)
+MODELS = {
+    "tiny-Qwen2ForCausalLM-2.5": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "tiny-Qwen2ForSequenceClassification-2.5": ("Qwen2Config", "Qwen2ForSequenceClassification", {"num_labels": 1}),
+    "tiny-Qwen3ForCausalLM": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "tiny-Qwen3ForSequenceClassification": ("Qwen3Config", "Qwen3ForSequenceClassification", {"num_labels": 1}),
+    "tiny-Qwen3MoeForCausalLM": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                                 {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+                                  "head_dim": 128}),
+    "tiny-LlamaForCausalLM-3.2": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "tiny-Gemma2ForCausalLM": ("Gemma2Config", "Gemma2ForCausalLM", {}),
+}
+SWAP = ("from trl import GRPOConfig, GRPOTrainer", "from grpo_jax import GRPOConfig, GRPOTrainer")
+
+CONFTEST = '''"""Stand-ins for the Hub: the tiny models in a local Hugging Face cache, zen as local datasets folders."""
+import os
+
+os.environ["HF_HUB_CACHE"] = {hub!r}
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import datasets  # noqa: E402
+
+_load_dataset = datasets.load_dataset
+DATA = {data!r}
+
+
+def load_dataset(path, name=None, *args, split=None, streaming=False, **kwargs):
+    if not str(path).startswith("trl-internal-testing/"):
+        return _load_dataset(path, name, *args, split=split, streaming=streaming, **kwargs)
+    folder = os.path.join(DATA, str(path).split("/")[1], name or "default")
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"no local stand-in for {{path}} {{name}}")
+    dataset = datasets.load_from_disk(folder)
+    if split is not None:
+        dataset = dataset[split]
+        return dataset.to_iterable_dataset() if streaming else dataset
+    return datasets.IterableDatasetDict({{k: v.to_iterable_dataset() for k, v in dataset.items()}}) if streaming \\
+        else dataset
+
+
+datasets.load_dataset = load_dataset
+'''
+
+
+def testing_utils(source: str) -> str:
+    """TRL's testing utils with each `trl.import_utils` name it imports falling back to False where TRL 1.16 lacks
+    it."""
+    block = re.search(r"from trl\.import_utils import \((.*?)\)\n", source, re.S)
+    names = [n.strip() for n in block.group(1).split(",") if n.strip()]
+    fallback = "import trl.import_utils as _trl_import_utils\n" + "".join(
+        f"{n} = getattr(_trl_import_utils, {n!r}, lambda: False)\n" for n in names)
+    return source.replace(block.group(0), fallback)
+
+
+def zen_lines() -> list[str]:
+    import this
+    return [line for line in codecs.decode(this.s, "rot13").splitlines()[2:] if line.strip()]
+
+
+def build_data(out: Path) -> None:
+    """zen's configurations used by the test file: prompt-only, standard and conversational, train 17 / test 2."""
+    import datasets
+    lines = zen_lines()
+    prompts = [" ".join(line.split()[:max(1, len(line.split()) // 2)]) for line in lines]
+    for name, column in (("standard_prompt_only", lambda p: p),
+                         ("conversational_prompt_only", lambda p: [{"role": "user", "content": p}])):
+        rows = [{"prompt": column(p)} for p in prompts]
+        datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:17]),
+                              "test": datasets.Dataset.from_list(rows[17:19])}).save_to_disk(
+            str(out / "zen" / name))
+
+
+def build_models(hub: Path) -> None:
+    """Each stand-in as a cached snapshot (refs/main -> snapshots/HASH), as `hf download` leaves it."""
+    import torch
+    import transformers
+    sys.path.insert(0, str(ROOT / "tests"))
+    from trl_tools import qwen_tokenizer
+
+    tokenizer = qwen_tokenizer()
+    for i, (name, (config_cls, model_cls, extra)) in enumerate(MODELS.items()):
+        repo = hub / f"models--{ORG}--{name}"
+        commit = f"{i + 1:040x}"
+        folder = repo / "snapshots" / commit
+        folder.mkdir(parents=True, exist_ok=True)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(commit)
+        torch.manual_seed(i)
+        config = getattr(transformers, config_cls)(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                                   eos_token_id=tokenizer.eos_token_id, **TINY, **extra)
+        getattr(transformers, model_cls)(config).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+
+def build(out: Path, trl_git: str) -> Path:
+    def show(path):
+        return subprocess.run(["git", f"--git-dir={trl_git}", "show", f"HEAD:{path}"], check=True,
+                              capture_output=True, text=True).stdout
+
+    port = out / "port"
+    port.mkdir(parents=True, exist_ok=True)
+    test = show("tests/test_grpo_trainer.py")
+    if SWAP[0] not in test:
+        raise SystemExit(f"{SWAP[0]!r} not in the test file: the snapshot changed its imports")
+    (port / "test_grpo_trainer.py").write_text(test.replace(SWAP[0], SWAP[1]))
+    (port / "testing_utils.py").write_text(testing_utils(show("tests/testing_utils.py")))
+    (port / "__init__.py").write_text("")
+    hub, data = out / "hf" / "hub", out / "data"
+    (port / "conftest.py").write_text(CONFTEST.format(hub=str(hub), data=str(data)))
+    if not hub.is_dir():
+        build_models(hub)
+    if not data.is_dir():
+        build_data(data)
+    return port
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trl-git", default="/work/.mirror/huggingface+trl/repo")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/trl_port"))
+    parser.add_argument("--every", type=int, default=8, help="run tests 0, N, 2N, ... of the collection order")
+    parser.add_argument("--offset", type=int, default=0)
+    args = parser.parse_args()
+    port = build(args.out, args.trl_git)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(args.out)])}
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly",
+                                "-p", "no:cacheprovider", str(port / "test_grpo_trainer.py")],
+                               capture_output=True, text=True, env=env, cwd=args.out).stdout
+    ids = [line for line in collected.splitlines() if "::" in line]
+    sample = ids[args.offset::args.every]
+    print(f"{len(ids)} tests collected; running {len(sample)} (every {args.every}th from {args.offset})", flush=True)
+    report = args.out / "junit.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+                    f"--junitxml={report}", *sample], env=env, cwd=args.out)
+    outcomes, reasons = collections.Counter(), collections.Counter()
+    for case in ET.parse(report).getroot().iter("testcase"):
+        failed = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if failed is not None:
+            outcomes["failed"] += 1
+            reasons[(failed.get("message") or "").split("\n")[0][:160]] += 1
+        elif case.find("skipped") is not None:
+            outcomes["skipped"] += 1
+        else:
+            outcomes["passed"] += 1
+    summary = {"collected": len(ids), "sample": f"every {args.every}th from {args.offset}", "run": len(sample),
+               **outcomes, "failure_reasons": reasons.most_common()}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
