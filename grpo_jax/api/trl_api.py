@@ -10,7 +10,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import shutil
 import time
 from collections.abc import Mapping
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_jax.api.arguments import check_arguments
+from grpo_jax.api.trl_state import PolicyView, TrainerState, residual_means, trl_checkpoint, trl_line
 from grpo_jax.config import Config, LoRAConfig, make_config, trl_keys
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "PolicyView", "TrainerState", "lora_options", "model_folder", "trl_checkpoint",
@@ -76,7 +76,6 @@ LORA_KEYS = {"r": ("rank", 8), "lora_alpha": ("alpha", 8), "lora_dropout": ("dro
 # fields that describe the adapter file or PEFT's runtime, not what is trained: any value does
 LORA_IGNORED = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
                 "inference_mode", "runtime_config"}
-CHECKPOINTS_DIR = "checkpoints"  # `grpo_jax.io.checkpoint.CHECKPOINTS`, named here without importing jax
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's target_modules=None for every supported model_type
 
 
@@ -312,7 +311,7 @@ class GRPOTrainer:
         history = [trl_line(line) for line in meta.get("history", [])]
         losses = [line["loss"] for line in history if line.get("loss") is not None]
         train_loss = sum(losses) / len(losses) if losses else float("nan")
-        history.append({**_residual_means(history, summary["steps"], config.logging_steps),
+        history.append({**residual_means(history, summary["steps"], config.logging_steps),
                         "train_runtime": round(time.perf_counter() - started, 4), "train_loss": train_loss,
                         "step": summary["steps"]})
         self.state = TrainerState(global_step=summary["steps"], max_steps=summary["steps"], log_history=history)
@@ -377,21 +376,6 @@ class GRPOTrainer:
 logger = logging.getLogger("trl.trainer.grpo_trainer")  # TRL's logger, so a script's log filters apply
 
 
-_TRAINER_LOGS = ("step", "loss", "grad_norm", "learning_rate", "epoch")  # transformers' Trainer logs these itself
-
-
-def _residual_means(history: list[dict], last_step: int, logging_steps: int) -> dict:
-    """The metrics TRL's final log line carries: each metric's mean over the steps after the last multiple of
-    `logging_steps` (TRL logs and clears its metrics every `logging_steps`, and logs what remains with the run's
-    summary); {} when the run ended on a multiple. The Trainer's own (loss, grad_norm, learning_rate, epoch) are
-    logged at logging steps only."""
-    boundary = last_step - last_step % max(logging_steps, 1)
-    lines = [line for line in history if "loss" in line and boundary < line.get("step", 0) <= last_step]
-    keys = dict.fromkeys(k for line in lines for k, v in line.items()
-                         if k not in _TRAINER_LOGS and isinstance(v, (int, float)) and not isinstance(v, bool))
-    return {k: sum(line[k] for line in lines if k in line) / sum(k in line for line in lines) for k in keys}
-
-
 def _trl_checks(config: Config, reward_funcs: list | None, processing_classes: Any) -> None:
     """TRL's GRPOTrainer `__init__` checks on the arguments together (its messages), and its warnings."""
     if reward_funcs is not None:
@@ -416,75 +400,3 @@ def _trl_checks(config: Config, reward_funcs: list | None, processing_classes: A
                        "per-token contributions, which effectively weights each sequence by its completion length "
                        "instead of optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set "
                        "`loss_type='grpo'`.")
-
-
-class PolicyView:
-    """TRL's `trainer.model` as far as scripts read it: the policy's weights under their Hugging Face names, read
-    from the model folder before training and from the run's `final/` after (torch tensors when torch is installed,
-    else numpy arrays), and `save_pretrained`. A view: grpo_jax trains JAX arrays, not this object."""
-
-    def __init__(self, trainer: GRPOTrainer):
-        self._trainer = trainer
-
-    @property
-    def folder(self) -> Path:
-        """The folder the weights are read from: the run's `final/` once trained, else the model folder."""
-        out = self._trainer._output_dir
-        return Path(out) / "final" if out is not None else Path(self._trainer.args.model.path)
-
-    def named_parameters(self):
-        """(name, tensor) of every weight the folder's safetensors files hold, file by file."""
-        try:
-            from safetensors.torch import load_file
-        except ImportError:
-            from safetensors.numpy import load_file
-        for file in sorted(self.folder.glob("*.safetensors")):
-            yield from load_file(file).items()
-
-    def parameters(self):
-        return (tensor for _, tensor in self.named_parameters())
-
-    def get_parameter(self, name: str):
-        for key, tensor in self.named_parameters():
-            if key == name:
-                return tensor
-        raise AttributeError(f"the policy has no parameter {name!r} (its Hugging Face names are those of "
-                             f"{self.folder}'s safetensors files)")
-
-    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
-        """The folder (weights, config and tokenizer) copied to `save_directory`."""
-        shutil.copytree(self.folder, save_directory, dirs_exist_ok=True)
-
-
-@dataclasses.dataclass
-class TrainerState:
-    """TRL's `trainer.state` as far as scripts read it: the steps taken and every logged line."""
-
-    global_step: int = 0
-    max_steps: int = 0
-    log_history: list = dataclasses.field(default_factory=list)
-
-
-# our metric names that TRL logs under another
-TRL_METRIC_NAMES = {"router_aux_loss": "aux_loss"}
-
-
-def trl_line(line: dict) -> dict:
-    """One metrics line as TRL's `log_history` holds it: evaluation under `eval_` (TRL's prefix), TRL's names."""
-    out = {}
-    for key, value in line.items():
-        key = "eval_" + key[len("eval/"):] if key.startswith("eval/") else TRL_METRIC_NAMES.get(key, key)
-        out[key] = value
-    return out
-
-
-def trl_checkpoint(value: bool | str | None) -> bool | str | None:
-    """TRL's `RUN/checkpoint-N` folder (which grpo_jax never writes) as our `RUN/checkpoints/N`; anything else as
-    it is."""
-    if not isinstance(value, (str, os.PathLike)):
-        return value
-    path = Path(value)
-    match = re.fullmatch(r"checkpoint-(\d+)", path.name)
-    if match and not path.exists() and (path.parent / CHECKPOINTS_DIR).is_dir():
-        return str(path.parent / CHECKPOINTS_DIR / match.group(1))
-    return os.fspath(value)

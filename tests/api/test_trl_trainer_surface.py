@@ -26,13 +26,13 @@ def test_trl_names_and_checkpoint_folders(tmp_path):
 
 def test_the_final_line_carries_the_metrics_after_the_last_logging_boundary():
     """TRL logs (and clears) its metric means every logging_steps and logs the rest with the run's summary."""
-    from grpo_jax.api.trl_api import _residual_means
+    from grpo_jax.api.trl_state import residual_means
 
     history = [{"step": s, "loss": float(s), "reward": 10.0 * s} for s in range(1, 14)] + \
         [{"step": 13, "eval_reward": 1.0}]
-    assert _residual_means(history, 13, 10) == {"reward": 120.0}  # loss: the Trainer's, at logging steps only
-    assert _residual_means(history[:10], 10, 10) == {}
-    assert _residual_means(history, 13, 1) == {}  # every step logged already
+    assert residual_means(history, 13, 10) == {"reward": 120.0}  # loss: the Trainer's, at logging steps only
+    assert residual_means(history[:10], 10, 10) == {}
+    assert residual_means(history, 13, 1) == {}  # every step logged already
 
 
 def test_train_returns_trls_output_and_keeps_the_history_in_memory(tmp_path, capfd):
