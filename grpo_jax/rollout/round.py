@@ -257,7 +257,9 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
     seconds["logps"] = time.perf_counter() - timer
 
     names = [name for name, _ in run.reward_fns]
-    scoring.warn_unscored(set() if warned is None else warned, draw.rewards, names, round_index, int(state.step))
+    warned = set() if warned is None else warned
+    scoring.warn_unscored(warned, draw.rewards, names, round_index, int(state.step))
+    scoring.log_unscored_row(warned, draw, run.tokenizer)
     metrics = {**scoring.reward_metrics(draw.rewards, r_N, std_N, names, tc.num_generations),
                **scoring.completion_metrics(draw.trained_mask, draw.is_truncated),
                **(multiturn.metrics(draw.tool_counts) if draw.tool_counts is not None else {}),

@@ -7,6 +7,7 @@ run.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 
@@ -19,6 +20,9 @@ from grpo_jax.device import sharding
 from grpo_jax.rewards import functions as rewards
 from grpo_jax.rollout import multiturn, stream
 from grpo_jax.rollout.piece import Piece
+
+# TRL's logger: its "all reward functions returned None" line reaches a script's log filters and handlers as TRL's does
+trl_logger = logging.getLogger("trl.trainer.grpo_trainer")
 
 
 def decode_and_score(decoder, params, batch: data.PromptBatch, key, score: Callable[[Piece], tuple], *,
@@ -102,6 +106,22 @@ def warn_unscored(warned: set, rewards_NxF: np.ndarray, names: list[str], round_
     if key not in warned:
         warned.add(key)
         warnings.warn(text + " (warned once a run)", RuntimeWarning, stacklevel=3)
+
+
+def log_unscored_row(warned: set, draw: rounds.Draw, tokenizer) -> None:
+    """TRL's warning when every reward function returned None for a row, with that (first) row's reward keywords,
+    on TRL's logger; once a run (TRL logs it every batch), beside `warn_unscored`'s count."""
+    none_N = np.isnan(draw.rewards).all(axis=1)
+    if not none_N.any() or "trl_none_row" in warned:
+        return
+    warned.add("trl_none_row")
+    i = int(np.flatnonzero(none_N)[0])
+    row = {key: values[i] for key, values in draw.columns.items()}
+    row["completion_ids"] = draw.completion_ids[i][draw.completion_mask[i] == 1].tolist()
+    row["prompt"] = draw.prompts[i]
+    row["completion"] = decode(tokenizer, draw.completion_ids[i:i + 1], draw.completion_mask[i:i + 1])[0]
+    trl_logger.warning(f"All reward functions returned None for the following kwargs:\n{row}\n"
+                       "Please ensure that at least one reward function returns a valid reward.")
 
 
 def reward_weights(weights: list[float] | None, num_functions: int) -> np.ndarray:

@@ -279,3 +279,6 @@ def test_a_reward_function_that_returns_none_for_everything_is_warned_about_once
     assert ("every reward function ('tests.rewards.test_rewards:no_opinion') returned None for every completion of round 0 "
             "(step 1): the round trains on nothing") in warned[0]
     assert "Mean of empty slice" not in result.stderr and "Degrees of freedom" not in result.stderr, result.stderr
+    # TRL's own line on its logger, with the first unscored row's keywords, once a run too (TRL: every batch)
+    assert result.stderr.count("All reward functions returned None for the following kwargs:\n{") == 1, result.stderr
+    assert "'prompt': '" in result.stderr and "'completion': '" in result.stderr and "'answer': '" in result.stderr
