@@ -20,13 +20,11 @@ from grpo_jax.api.arguments import check_arguments
 from grpo_jax.api.trl_state import PolicyView, TrainerState, residual_means, trl_checkpoint, trl_line
 from grpo_jax.config import Config, LoRAConfig, make_config, trl_keys
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "PolicyView", "TrainerState", "lora_options", "model_folder", "trl_checkpoint",
-           "trl_line"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "lora_options", "model_folder"]  # what a script reads back: `trl_state`
 
 
-# TRL 1.16 GRPOConfig's defaults where ours differ (the CLI and recipes keep ours): a script that relies on them trains
-# what it trains under TRL; report_to stays jsonl (metrics.jsonl is this trainer's own record, not a tracker) and
-# gradient_checkpointing off (it changes memory, not numbers)
+# TRL 1.16 GRPOConfig's defaults where ours differ (the CLI and recipes keep ours), so a script trains what it trains
+# under TRL; report_to stays jsonl (this trainer's own record) and gradient_checkpointing off (memory, not numbers)
 TRL_DEFAULTS = {"beta": 0.0, "loss_type": "dapo", "use_bias_correction_kl": True, "learning_rate": 1e-6,
                 "lr_scheduler_type": "linear", "adam_beta2": 0.999, "per_device_train_batch_size": 8,
                 "max_completion_length": 512, "num_train_epochs": 3.0, "max_steps": -1, "seed": 42,

@@ -26,7 +26,7 @@ def test_trl_style_flags_are_overrides(trained, tmp_path):
     assert cli.main(argv) == 0
     ((config, show_progress),) = trained
     assert config == load_config(str(path), [
-        "loss.beta=0", "train.learning_rate=1e-6", "model.lora.rank=16", "model.lora.alpha=32", "sampling.top_k=5",
+        "loss.beta=0", "train.learning_rate=1e-6", "model.lora.rank=16", "model.lora.alpha=32", "model.lora.dropout=0.05", "sampling.top_k=5",
         "model.lora.target_modules=[q_proj, v_proj]", "report_to=[tensorboard]", "train.num_generations=4",
         f"output_dir={tmp_path / 'run'}"])
     assert show_progress is False and config.loss.epsilon == 0.3  # --config and --no-progress keep their meaning

@@ -90,9 +90,10 @@ def test_tpu_plan_matches_hand_counts_and_exits_1_with_a_hint(tmp_path, capsys):
     logps = result["phases"]["logps"]
     # splash attention on the TPU: XLA's count of the rest plus the kernel's causal pairs by hand
     assert logps["flops"] == pytest.approx(forward_flops_per_chip(4, causal=True), rel=0.02)
-    # the train step over the round's rows: a forward, a backward of two forwards' cost and, with remat full, the
-    # layers' forward again (not the unembedding's): 3 to 4 forwards
-    assert 3.4 < train["flops"] / logps["flops"] < 4.0
+    # the train step over the round's rows: a forward, a backward of two forwards' cost and, with remat full, what
+    # XLA recomputes of the layers' forward (not the unembedding's): 3 to 4 forwards. Measured: 3.71 while the train
+    # step held every row on every chip, 3.38 with its rows pinned to their shards, 3.01 without remat
+    assert 3.2 < train["flops"] / logps["flops"] < 4.0
     chip = chips.CHIPS["v5e"]
     assert result["tokens_per_round"] == ROWS * (P + T)
     assert result["tokens_per_second_per_chip"] == pytest.approx(ROWS * (P + T) / result["round_seconds"] / 4)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from grpo_jax.api.trl_api import trl_checkpoint, trl_line
+from grpo_jax.api.trl_state import trl_checkpoint, trl_line
 
 ROWS = [{"prompt": f"{i % 10}{(3 * i) % 10}>", "answer": str(i % 10)} for i in range(16)]
 
