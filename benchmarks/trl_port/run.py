@@ -1,7 +1,8 @@
 """TRL's own GRPO test file run against grpo_jax: its `from trl import GRPOConfig, GRPOTrainer` changed to
 grpo_jax, nothing else, on local stand-ins for its Hub ids; a deterministic sample of its tests, counted.
 
-    python benchmarks/trl_port/run.py --trl-git /work/.mirror/huggingface+trl/repo --every 8 --out /tmp/trl_port
+    git clone --bare https://github.com/huggingface/trl /tmp/trl.git
+    python benchmarks/trl_port/run.py --trl-git /tmp/trl.git --every 8 --out /tmp/trl_port
 
 writes OUT/port/ (the test file, TRL's testing utils with TRL 1.16 fallbacks, a conftest that serves the stand-ins),
 OUT/hf/hub (a Hugging Face cache holding the tiny models: TRL's tiny-model configs, `tests/trl_tools.qwen_tokenizer`'s
@@ -148,7 +149,8 @@ def build(out: Path, trl_git: str) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--trl-git", default="/work/.mirror/huggingface+trl/repo")
+    parser.add_argument("--trl-git", required=True,
+                        help="a git directory of huggingface/trl (`git clone --bare https://github.com/huggingface/trl`)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/trl_port"))
     parser.add_argument("--every", type=int, default=8, help="run tests 0, N, 2N, ... of the collection order")
     parser.add_argument("--offset", type=int, default=0)
