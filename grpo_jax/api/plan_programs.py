@@ -76,6 +76,7 @@ def programs(config: Config, mesh, model, *, tpu: bool, reuse: dict | None = Non
     from grpo_jax.api import run
     from grpo_jax.device import sharding
     from grpo_jax.models.moe import routing_dtype
+    from grpo_jax.rollout.context import prompt_group_sizes
     from grpo_jax.algo.state import abstract_state, model_graphdef, optimizer_from_config
     from grpo_jax.algo.train_step import StepOptions
     from grpo_jax.algo.trajectory import Trajectory
@@ -103,7 +104,7 @@ def programs(config: Config, mesh, model, *, tpu: bool, reuse: dict | None = Non
         out[name] = compile_program(lowered, tpu, reuse.get(name))
 
     B, out = tc.generation_batch_size, {}
-    round_group, step_group = run.prompt_group_sizes(config, mesh)
+    round_group, step_group = prompt_group_sizes(config, mesh)
     decoder = jitted.jit_decoder(graphdef, mesh, model, config=config.sampling, eos_token_ids=(0,), pad_token_id=0,
                                  params_sharding=shardings.params, prompt_group_size=tc.num_generations)
     options = decoder.options(B, B, False)
@@ -263,10 +264,14 @@ def costs(config: Config, mesh, compiled: dict[str, Program], *, tpu: bool) -> d
             totals.append(mine + (L - counted) * layer)
         scale = tc.gradient_accumulation_steps if name == "train_step" else 1
         out[name] = (max(totals[0], 0.0) * scale, max(totals[1], 0.0) * scale)
-    if tc.logps_chunk_size > 0:  # the unembedding's trips XLA did not count
-        from grpo_jax.device import sharding
+    from grpo_jax.device import sharding
+    from grpo_jax.rollout.context import prompt_group_sizes
 
-        m, chips, shards = tc.gradient_accumulation_steps, mesh.devices.size, sharding.num_row_shards(mesh)
+    m, shards = tc.gradient_accumulation_steps, sharding.num_row_shards(mesh)
+    round_group, step_group = prompt_group_sizes(config, mesh)
+    layer_remat = 1 if model.remat != "none" else 0  # a checkpointed layer's forward again in the backward
+    if tc.logps_chunk_size > 0:  # the unembedding's trips XLA did not count
+        chips = mesh.devices.size
         remat = 2  # its pieces are checkpointed: forward, again in the backward, and the backward's two products
         for name, rows, passes, scale in (("logps", tc.generation_batch_size, 1, 1),
                                           ("train_step", tc.train_batch_size // m, 2 + remat, m)):
@@ -275,13 +280,7 @@ def costs(config: Config, mesh, compiled: dict[str, Program], *, tpu: bool) -> d
                 out[name] = (out[name][0] + flops * (1 - 1 / trips) * scale, out[name][1])
     platform = mesh.devices.flat[0].platform
     if model.num_experts and platform == "tpu":  # megablox's grouped products (`models.grouped.resolve`)
-        from grpo_jax.api import run
-        from grpo_jax.device import sharding
-
-        round_group, step_group = run.prompt_group_sizes(config, mesh)
-        shards, m = sharding.num_row_shards(mesh), tc.gradient_accumulation_steps
         P, T = config.data.max_prompt_length, config.sampling.max_completion_length
-        remat = 1 if model.remat != "none" else 0
 
         def forwards(rows, group):  # tokens a chip runs in each forward: the shared layout's prompts, then branches
             return (rows / group * P, rows * T) if group > 1 else (rows * (P + T),)
@@ -290,20 +289,15 @@ def costs(config: Config, mesh, compiled: dict[str, Program], *, tpu: bool) -> d
                 ("prefill", (tc.generation_batch_size / shards / tc.num_generations * P,), 1, 1),
                 ("logps", forwards(tc.generation_batch_size / shards, round_group), 1, 1),
                 # the chunks' checkpoint runs their forward again in the backward, and so does a layer's remat
-                ("train_step", forwards(tc.train_batch_size / m / shards, step_group), 4 + remat, m)):
+                ("train_step", forwards(tc.train_batch_size / m / shards, step_group), 4 + layer_remat, m)):
             if name in out:
                 flops = kernel_expert_flops(config, mesh, runs, passes=passes) * scale
                 out[name] = (out[name][0] + flops, out[name][1])
     backend = model.attention if model.attention != "auto" else {"tpu": "splash"}.get(platform)
     if backend in KERNEL_BACKENDS:  # the kernels' FLOPs, which XLA does not see (their bytes it does: operands)
-        from grpo_jax.api import run
-        from grpo_jax.device import sharding
-
-        round_group, step_group = run.prompt_group_sizes(config, mesh)
-        shards, tensor = sharding.num_row_shards(mesh), mesh.shape.get("tensor", 1)
-        remat = 1 if model.remat != "none" else 0  # the checkpointed layer's forward again in the backward
+        tensor = mesh.shape.get("tensor", 1)
         for name, rows, group, passes in (("logps", tc.generation_batch_size, round_group, 1),
-                                          ("train_step", tc.train_batch_size, step_group, 3 + remat)):
+                                          ("train_step", tc.train_batch_size, step_group, 3 + layer_remat)):
             if name in out:
                 flops = kernel_attention_flops(config, rows=rows / shards, group=group, tensor=tensor, passes=passes)
                 out[name] = (out[name][0] + flops, out[name][1])
