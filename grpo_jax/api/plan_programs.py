@@ -127,7 +127,7 @@ def programs(config: Config, mesh, model, *, tpu: bool, reuse: dict | None = Non
                           temperature=config.sampling.temperature,
                           gradient_accumulation_steps=tc.gradient_accumulation_steps,
                           logps_chunk_size=tc.logps_chunk_size, prompt_group_size=step_group, ref_sync=tc.ref_sync,
-                          router_aux_loss_coef=run._router_aux_loss_coef(config),
+                          router_aux_loss_coef=run.router_aux_loss_coef(config),
                           use_sampler_logps=tc.use_sampler_logps or config.loss.off_policy_correction == "decoupled")
     b, f32 = tc.train_batch_size, jnp.float32
     batch = Trajectory(array(b, P), array(b, P), array(b, T), array(b, T), array(b, T), array(b, T, dtype=f32),

@@ -30,6 +30,8 @@ from grpo_jax.rollout import evaluation, shapes
 from grpo_jax.rollout.context import Run, prompt_group_sizes
 from grpo_jax.tools import tool_task, calls as tools
 
+HELD_OUT_POOL = 16  # the embedded task draws this many prompts per held-out one asked, to find unseen ones
+
 
 def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_dataset=None, tool_specs=(),
                environment_factory=None):
@@ -45,10 +47,13 @@ def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_datase
         tokenizer_dir = output_dir / "tokenizer" if build else tokenizer_dir
         make = tool_task.make_examples if lookup else functools.partial(task.make_examples, d.task)
         train_rows = make(d.task_num_train, config.seed, d.task_min_len, d.task_max_len)
-        eval_rows = make(config.eval.num_examples, config.seed + 1_000_003, d.task_min_len, d.task_max_len)
-        if not lookup:  # held out where possible (a lookup row's value is drawn per row: nothing to hold out)
+        n = config.eval.num_examples
+        if lookup:  # a lookup row's value is drawn per row: nothing to hold out
+            eval_rows = make(n, config.seed + 1_000_003, d.task_min_len, d.task_max_len)
+        else:  # n prompts unseen in training where the task has them (drawn from a larger pool), else seen ones
             seen = {r["prompt"] for r in train_rows}
-            eval_rows = [r for r in eval_rows if r["prompt"] not in seen] or eval_rows
+            pool = make(HELD_OUT_POOL * n, config.seed + 1_000_003, d.task_min_len, d.task_max_len)
+            eval_rows = [r for r in pool if r["prompt"] not in seen][:n] or pool[:n]
 
         def write() -> None:
             if build:
@@ -198,7 +203,7 @@ def check_inputs(config: Config, *, reward_funcs=None, train_dataset=None, eval_
     reward_specs.check_importable("eval.answer_extractor", (config.eval.answer_extractor,))
 
 
-def _router_aux_loss_coef(config: Config) -> float:
+def router_aux_loss_coef(config: Config) -> float:
     """`loss.router_aux_loss_coef` resolved as TRL resolves it: None takes the model's own (config.json's) for a
     mixture of experts and 0 for a dense model; a coefficient for a dense model, or routing replay without experts
     (both known once model.path is read), is an error."""
@@ -266,7 +271,7 @@ def _build(config: Config, output_dir: Path, resuming: bool, loss_fn: Callable |
     model_config = resolve_config(config.model)
     model_config = dataclasses.replace(model_config, lora=peft_io.resolve_lora(model_config.lora))
     config = dataclasses.replace(config, model=model_config)
-    router_aux_loss_coef = _router_aux_loss_coef(config)
+    aux_loss_coef = router_aux_loss_coef(config)
     tokenizer, tokenizer_dir, dataset, eval_rows, tooling = _load_data(config, output_dir, train_dataset,
                                                                        eval_dataset, tool_specs, factories)
     config = dataclasses.replace(config, data=dataclasses.replace(config.data,
@@ -329,7 +334,7 @@ def _build(config: Config, output_dir: Path, resuming: bool, loss_fn: Callable |
     options = StepOptions(loss=loss_config, temperature=config.sampling.temperature,
                           gradient_accumulation_steps=tc.gradient_accumulation_steps,
                           logps_chunk_size=tc.logps_chunk_size, prompt_group_size=step_group,
-                          ref_sync=tc.ref_sync, loss_fn=loss_fn, router_aux_loss_coef=router_aux_loss_coef,
+                          ref_sync=tc.ref_sync, loss_fn=loss_fn, router_aux_loss_coef=aux_loss_coef,
                           # decoupled PPO's behaviour weight is the IS correction against the sampler's log-probs
                           use_sampler_logps=tc.use_sampler_logps or config.loss.off_policy_correction == "decoupled")
     state_sharding = sharding.tree_shardings(state)

@@ -216,15 +216,15 @@ def test_a_moe_run_with_routing_replay_and_the_router_aux_loss(tmp_path):
 def test_router_aux_loss_coef_resolves_as_trl():
     """TRL's flat name is ours; null takes the model's own coefficient (0 for a dense model); a coefficient or
     routing replay for a dense model is refused."""
-    from grpo_jax.api.run import _router_aux_loss_coef
+    from grpo_jax.api.run import router_aux_loss_coef
     from grpo_jax.config import load_config
 
     moe = [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in MOE.items()]
     assert load_config(None, ["router_aux_loss_coef=0.01"]).loss.router_aux_loss_coef == 0.01
-    assert _router_aux_loss_coef(load_config(None, [*moe, "model.router_aux_loss_coef=0.002"])) == 0.002
-    assert _router_aux_loss_coef(load_config(None, [*moe, "loss.router_aux_loss_coef=0"])) == 0.0
-    assert _router_aux_loss_coef(load_config(None, [])) == 0.0
+    assert router_aux_loss_coef(load_config(None, [*moe, "model.router_aux_loss_coef=0.002"])) == 0.002
+    assert router_aux_loss_coef(load_config(None, [*moe, "loss.router_aux_loss_coef=0"])) == 0.0
+    assert router_aux_loss_coef(load_config(None, [])) == 0.0
     with pytest.raises(ValueError, match="has no experts"):
-        _router_aux_loss_coef(load_config(None, ["loss.router_aux_loss_coef=0.01"]))
+        router_aux_loss_coef(load_config(None, ["loss.router_aux_loss_coef=0.01"]))
     with pytest.raises(ValueError, match="routing_replay=true needs a mixture-of-experts model"):
         load_config(None, ["model.routing_replay=true"])
