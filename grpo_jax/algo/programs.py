@@ -318,7 +318,7 @@ def build(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, optio
     ref_logps = None
     if state_sharding.ref_params is not None:
         ref_logps = logps(graphdef, params_sharding=state_sharding.ref_params)
-    elif options.loss.beta != 0.0 and lora.has_adapters(state_sharding.params):  # the base is the reference
+    elif options.loss.resolved_beta != 0.0 and lora.has_adapters(state_sharding.params):  # the base is the reference
         ref_logps = logps(lora.adapters_off(graphdef, state_sharding.params), params_sharding=state_sharding.params)
     return Programs(
         decoder=decoder,

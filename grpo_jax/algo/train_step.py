@@ -189,7 +189,7 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
                                ref_params=ref_params)
 
     aux_mean = jax.tree.map(lambda x: x / jnp.maximum(num_items, 1.0), aux_sum)
-    if options.loss.beta == 0.0:
+    if options.loss.resolved_beta == 0.0:
         aux_mean.pop("kl", None)  # no reference, no kl metric
     if options.loss_fn is None:  # log only the ratios this loss_type has, as TRL does
         if options.loss.loss_type not in CLIPPED_LOSS_TYPES:

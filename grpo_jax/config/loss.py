@@ -14,18 +14,20 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 IS_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 OFF_POLICY_CORRECTIONS = ("none", "decoupled")
+DEFAULT_BETA = 0.04  # DeepSeekMath's KL coefficient
 
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
     """Policy-loss options (TRL GRPOConfig names); frozen and hashable, so it can be a static jit argument.
 
-    Defaults are the paper's GRPO (DeepSeekMath), not TRL's: loss_type "grpo" (TRL: "dapo"), beta 0.04 (TRL: 0.0),
-    use_bias_correction_kl False (TRL: True). Every other default is TRL 1.16's.
+    Defaults are the paper's GRPO (DeepSeekMath), not TRL's: loss_type "grpo" (TRL: "dapo"), beta 0.04 (TRL: 0.0;
+    None: 0.04 here, and a run's random model takes 0.1, `config.resolve_defaults`), use_bias_correction_kl False
+    (TRL: True). Every other default is TRL 1.16's.
     """
 
     loss_type: str = "grpo"             # grpo | bnpo | dr_grpo | dapo | cispo | sapo | luspo | vespo
-    beta: float = 0.04                  # KL coefficient; 0 disables the KL and the reference model
+    beta: float | None = None           # KL coefficient (None: DEFAULT_BETA); 0 disables the KL and the reference
     epsilon: float = 0.2                # ε_low
     epsilon_high: float | None = None   # None -> epsilon (DAPO clip-higher: 0.28; cispo: the ratio cap, e.g. 5.0)
     delta: float | None = None          # two-sided clipping (INTELLECT-2): cap on the unclipped ratio, > 1 + ε
@@ -56,6 +58,11 @@ class LossConfig:
     # by the proximal/behaviour ratio, shaped by the vllm_importance_sampling_* options (TRL's truncated/masked IS)
     off_policy_correction: str = "none"
 
+    @property
+    def resolved_beta(self) -> float:
+        """The KL coefficient in use: ``beta``, DEFAULT_BETA where it is None."""
+        return DEFAULT_BETA if self.beta is None else self.beta
+
     def __post_init__(self):
         def choose(field, allowed):
             value = getattr(self, field)
@@ -70,7 +77,7 @@ class LossConfig:
         if self.off_policy_correction == "decoupled" and not self.vllm_importance_sampling_correction:
             raise ValueError("loss.off_policy_correction='decoupled' weights by the proximal/behaviour ratio that "
                              "loss.vllm_importance_sampling_* shape: set vllm_importance_sampling_correction=true")
-        if self.beta < 0:
+        if self.beta is not None and self.beta < 0:
             raise ValueError(f"loss.beta={self.beta} is negative: use beta >= 0 (0 disables the KL term)")
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)

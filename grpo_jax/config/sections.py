@@ -31,7 +31,7 @@ def check_interval(where: str, value: float, interval: str, why: str = "") -> No
     check(above and below, f"{where}={value} must be {wanted}" + (f" ({why})" if why else ""))
 
 
-TASK_REWARDS = ("grpo_jax.data.task:char_accuracy",)
+TASK_REWARDS = ("grpo_jax.data.task:char_accuracy", "grpo_jax.data.task:exact_match")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "process")
 SCALE_REWARDS = ("group", "batch", "none")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -50,9 +50,9 @@ class DataConfig:
     config_name: str | None = None  # a cached dataset's configuration (datasets' `name`)
     tokenizer_path: str | None = None  # Hugging Face tokenizer folder; None: model.path's, else the built-in one
     task: str = "reverse"  # embedded task when path is None: reverse, sort, add; lookup (multi-turn, a tool)
-    task_min_len: int = 3
+    task_min_len: int = 4
     task_max_len: int = 4
-    task_num_train: int = 2000
+    task_num_train: int = 20000
     max_prompt_length: int | None = None  # left-padded (static shapes) to this; None: the data's longest prompt
     truncation: str = "left"  # left: keep the last tokens (warned once); error: refuse long prompts
     allow_changed: bool = False  # resume over data that differ from the checkpoint's fingerprint (warned), not refuse

@@ -2,7 +2,8 @@
 
 Used when the user gives no model or data. A random-init tiny transformer has to learn these with GRPO on a
 CPU in minutes, so the main reward (`char_accuracy`) gives partial credit from the first step: a completion of
-the right length with a few right digits already scores above zero, which gives groups non-zero std.
+the right length with a few right digits already scores above zero, which gives groups non-zero std. The default
+run adds `exact_match`, so that a whole answer beats one with a digit wrong by more than that digit's share.
 
 Tasks (the separator char tells them apart, so tasks can be mixed in one dataset):
   reverse: "4821>" -> "1284"

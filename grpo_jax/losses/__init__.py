@@ -180,13 +180,14 @@ def compute_loss(per_token_logps: jax.Array, old_per_token_logps: jax.Array | No
         loss_BxT = loss_BxT * is_weights
 
     kl_metric = jnp.zeros((), jnp.float32)
-    if config.beta != 0.0:
+    beta = config.resolved_beta
+    if beta != 0.0:
         if ref_per_token_logps is None:
-            raise ValueError(f"loss.beta={config.beta} needs ref_per_token_logps: pass them or set loss.beta=0")
+            raise ValueError(f"loss.beta={beta} needs ref_per_token_logps: pass them or set loss.beta=0")
         kl_BxT = kl_divergence(logp_BxT, sg(clean(ref_per_token_logps)), estimator=config.kl_estimator)
         if config.use_bias_correction_kl:
             kl_BxT = bias_corrected_kl(kl_BxT, ratio)
-        loss_BxT = loss_BxT + config.beta * kl_BxT
+        loss_BxT = loss_BxT + beta * kl_BxT
         kl_metric = sg(masked_mean(kl_BxT, mask_BxT))
 
     loss = aggregate(loss_BxT, mask_BxT, loss_type=config.loss_type,

@@ -83,8 +83,9 @@ def one_device_mesh():
 
 def run_step(tiny_model_config, mesh, loss_config, grad_accum=1, batch_seed=0, group_size=1, prompt_group_size=1,
              packing=False, buffers=0, chunk_size=0):
-    graphdef, optimizer, state = setup(tiny_model_config, mesh, beta=loss_config.beta, adam=False)
-    batch = make_batch(graphdef, state.params, seed=batch_seed, beta=loss_config.beta, group_size=group_size)
+    beta = loss_config.resolved_beta
+    graphdef, optimizer, state = setup(tiny_model_config, mesh, beta=beta, adam=False)
+    batch = make_batch(graphdef, state.params, seed=batch_seed, beta=beta, group_size=group_size)
     options = _options(loss_config, temperature=1.0, gradient_accumulation_steps=grad_accum,
                        prompt_group_size=prompt_group_size, logps_chunk_size=chunk_size)
     step = jit_train_step(graphdef, optimizer, options, mesh, sharding.tree_shardings(state))

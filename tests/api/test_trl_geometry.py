@@ -8,7 +8,7 @@ import math
 import pytest
 
 from grpo_jax import GRPOConfig
-from grpo_jax.config import Config, for_run, load_config, to_dict
+from grpo_jax.config import Config, for_run, load_config, resolve_defaults, to_dict
 
 trl = pytest.importorskip("trl")
 
@@ -111,4 +111,5 @@ def test_grpo_config_takes_trls_defaults_and_the_cli_keeps_its_own():
             node = node[section]
         assert node[leaf] == value, name
     assert load_config(None) == Config()  # the CLI's embedded demo: our defaults, untouched
-    assert Config().loss.beta == 0.04 and Config().max_steps == 5000
+    assert Config().loss.beta is None and Config().max_steps == 5000  # null: 0.1 for the demo's random model
+    assert resolve_defaults(Config()).loss.beta == 0.1

@@ -104,3 +104,22 @@ def test_exact_match():
 def test_reward_length_mismatch():
     with pytest.raises(ValueError, match="2 completions but 1 answers"):
         task.char_accuracy(["a", "b"], ["1", "2"], answer=["1"])
+
+
+@pytest.mark.parametrize("lengths, unseen", [((4, 4), True), ((1, 1), False)])
+def test_run_holds_out_eval_num_examples_prompts_unseen_in_training(tmp_path, lengths, unseen):
+    """The default run's held-out rows: eval.num_examples of them, none among the training prompts where the task
+    has prompts left (4 digits: 10,000 strings, ~87 % drawn by 20,000 rows), else the seen ones (1 digit: 10)."""
+    from grpo_jax.api import run
+    from grpo_jax.config import load_config
+
+    config = load_config(None, [f"data.task_min_len={lengths[0]}", f"data.task_max_len={lengths[1]}"])
+    _, _, dataset, eval_rows, _ = run._load_data(config, tmp_path)
+    train = {json.loads(line)["prompt"] for line in (tmp_path / "data" / "train.jsonl").read_text().splitlines()}
+    written = [json.loads(line) for line in (tmp_path / "data" / "eval.jsonl").read_text().splitlines()]
+    assert written == eval_rows and len(eval_rows) == config.eval.num_examples == 200
+    assert len(train) < config.data.task_num_train  # the training rows repeat prompts
+    held_out = [r["prompt"] not in train for r in eval_rows]
+    assert all(held_out) if unseen else not any(held_out)
+    for r in eval_rows:  # each a row of the task: its answer the reversed digits
+        assert r["answer"] == r["prompt"][:-1][::-1]

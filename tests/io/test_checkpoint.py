@@ -20,7 +20,7 @@ import yaml
 from grpo_jax.algo.state import TrainState
 from grpo_jax.api import trainer
 from grpo_jax.api.cli import main as cli_main
-from grpo_jax.config import load_config, to_dict
+from grpo_jax.config import load_config, resolve_defaults, to_dict
 from grpo_jax.data import task
 from grpo_jax.io import checkpoint
 from grpo_jax.io.preemption import RunFailed
@@ -228,10 +228,11 @@ def test_a_save_killed_midway_is_never_loaded(tmp_path):
 
 def test_resume_refuses_a_changed_config_and_names_the_keys(tmp_path):
     config = load_config(None, [f"output_dir={tmp_path}", *TINY])
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-    changed = load_config(None, [f"output_dir={tmp_path}", *TINY, "loss.beta=0.1", "train.num_generations=2",
+    # a run writes its config with the null defaults resolved (a random model: beta 0.1)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(resolve_defaults(config)), sort_keys=False))
+    changed = load_config(None, [f"output_dir={tmp_path}", *TINY, "loss.beta=0.2", "train.num_generations=2",
                                  "max_steps=7", "eval.num_examples=3"])
-    with pytest.raises(ValueError, match=r"(?s)loss.beta: saved 0.04, now 0.1\n.*"
+    with pytest.raises(ValueError, match=r"(?s)loss.beta: saved 0.1, now 0.2\n.*"
                                          r"train.num_generations: saved 4, now 2\nUse the saved values") as e:
         trainer.build(changed)
     assert "max_steps" not in str(e.value).split("Use the saved")[0]
@@ -443,7 +444,7 @@ def test_a_run_saved_before_a_key_existed_resumes_with_that_keys_default(tmp_pat
     their defaults, so a resume with the defaults is allowed and one that sets them is refused, naming them."""
     from grpo_jax.io.runs import saved_config as _saved_config
 
-    old = to_dict(load_config(None, [f"output_dir={tmp_path}", *TINY]))
+    old = to_dict(resolve_defaults(load_config(None, [f"output_dir={tmp_path}", *TINY])))  # as a run writes it
     del old["tools"], old["environment_factory"], old["sampling"]["tool_timeout"]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
     checkpoint.check_compatible(*_saved_config(tmp_path, load_config(None, [f"output_dir={tmp_path}", *TINY])))

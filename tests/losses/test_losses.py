@@ -59,13 +59,14 @@ def naive_loss(logp, old, ref, adv, mask, cfg, num_items=None, num_seqs=None):
                 rc = min(max(r, 1 - eps_lo), 1 + eps_hi)
                 ru = r if cfg.delta is None else min(r, cfg.delta)
                 loss = -min(ru * a, rc * a)
-            if cfg.beta:
+            beta = 0.04 if cfg.beta is None else cfg.beta  # None: DeepSeekMath's 0.04
+            if beta:
                 d = float(ref[i, t]) - lp
                 kl = {"k1": -d, "k2": d * d / 2, "k3": math.exp(d) - d - 1,
                       "low_var_kl": min(max(math.exp(d) - d - 1, -10), 10)}[cfg.kl_estimator]
                 if cfg.use_bias_correction_kl:
                     kl *= r
-                loss += cfg.beta * kl
+                loss += beta * kl
             per_tok[i, t] = loss
     n_items = mask.sum() if num_items is None else num_items
     n_seqs = B if num_seqs is None else num_seqs
