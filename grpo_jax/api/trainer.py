@@ -199,7 +199,8 @@ def _compile_ahead(run: Run, state: TrainState) -> float:
     seconds it took."""
     if run.shapes is None:
         return 0.0
-    count, seconds, peaks = shapes.compile_ahead(run, state, run.shapes)
+    count, seconds, peaks, _ = shapes.compile_ahead(run, state, run.shapes,
+                                                    workers=shapes.compile_workers(run.config.compile_threads))
     print(f"grpo_jax: compiled {count} programs in {seconds:.1f}s before the first step; "
           + "; ".join(run.shapes.describe())
           + f"; peak per device: {shapes.describe_peaks(peaks, jax.local_devices()[0])}")

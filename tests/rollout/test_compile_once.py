@@ -53,10 +53,15 @@ def test_after_the_warm_up_no_round_or_step_compiles(tmp_path):
     assert listed.step_packings and (0, 0) not in listed.step_packings  # packing=true: packed layouts only
     assert len(listed.decode_slots) > 1 and listed.decode_slots[0] == 0
 
-    (count, seconds, peaks), warm = listen.during(shapes.compile_ahead, run, state, listed)
+    (count, seconds, peaks, programs), warm = listen.during(shapes.compile_ahead, run, state, listed, workers=2)
     # fewer executables than programs where an earlier test of this process compiled the same small program
     # (`sample_key`, `advantages`): jit's in-memory cache holds it, and no executable is made
     assert count >= sum(warm.values()) and seconds > 0
+    # each program named with its seconds, in the order lowered: a step per packing, after the passes it reads
+    names = [name for name, _, _ in programs]
+    assert [n for n in names if n.startswith("train_step")] == [
+        f"train_step {K}x{L}" for L, K in listed.step_packings] and names[0] == "sample_key"
+    assert all(lower_s >= 0 and compile_s > 0 for _, lower_s, compile_s in programs)
     # the phases' peaks per device (a run's plan for the devices at hand): the step holds at least its state's shards
     state_bytes = sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards[:1])
     assert peaks["train_step"] >= state_bytes and peaks["decode"] > 0 and peaks["logps"] > 0
