@@ -62,10 +62,10 @@ def _compile_log(marks: dict) -> tuple[list, collections.Counter]:
 
     def timed(*args, **kwargs):  # the warm-up's CPU seconds (all threads) beside its wall time
         cpu = time.process_time()
-        try:
-            return warm_up(*args, **kwargs)
-        finally:
-            marks["compile_cpu"] = time.process_time() - cpu
+        warmup = warm_up(*args, **kwargs)
+        marks["compile_cpu"] = time.process_time() - cpu
+        marks["warmup_programs"] = warmup.programs
+        return warmup
 
     shapes.compile_ahead = timed
     return log, counts
@@ -121,6 +121,7 @@ def script(library: str, model: str, prompts: str, output_dir: str, cache: str |
             "cpu_s": {k: round(v, 2) for k, v in cpu.items()},
             "programs": {k: {kind: round(v, 3) for kind, v in d.items()} for k, d in sorted(
                 programs.items(), key=lambda kv: -sum(v for k, v in kv[1].items() if k != "count"))},
+            "warmup": [{"program": n, "lower_s": a, "compile_s": b} for n, a, b in marks.get("warmup_programs", ())],
             "cache": dict(counts), "steps_compiled": sum(1 for p, _, kind, _ in log if p == "steps" and kind == "xla")}
 
 

@@ -138,3 +138,44 @@ def test_plan_slots_chooses_among_the_listed_slot_counts():
             plan = stream.plan_slots(plan, lengths, slots=plan.slots, steps=stream.call_steps(lengths, plan.slots,
                                      chunks), seconds=float(rng.uniform(0.5, 2.0)), chunks=chunks)
             assert plan.slots in choices
+
+
+
+def test_a_short_run_compiles_a_bounded_set_once_before_its_first_step(tmp_path, monkeypatch):
+    """A whole 4-step `train` (2 rounds of 2 steps, the reference on): the warm-up compiles exactly the programs its
+    shapes list, named and counted by hand from them, on 2 threads, and nothing compiles inside a round or a step
+    after it (the final save's and export's small programs come after the last step)."""
+    config = load_config(None, [f"output_dir={tmp_path}", "max_steps=4", "train.train_batch_size=8",
+                                "train.num_generations=4", "train.steps_per_generation=2", "loss.beta=0.04",
+                                "sampling.max_completion_length=8", "eval.num_examples=0", "compile_threads=2"])
+    listen, warmups, inside = Compiles(), [], collections.Counter()
+    listen.listening = True
+    compile_ahead = shapes.compile_ahead
+
+    def warm_up(run, state, listed, **kwargs):
+        warmups.append((run, listed, compile_ahead(run, state, listed, **kwargs)))
+        return warmups[-1][2]
+
+    monkeypatch.setattr(shapes, "compile_ahead", warm_up)
+    for name in ("_next_round", "_steps"):  # a round's sampling and scoring, then its optimizer steps
+        def counted(*args, _fn=getattr(trainer, name), **kwargs):
+            before = len(listen.names)
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                inside.update(listen.names[before:])
+        monkeypatch.setattr(trainer, name, counted)
+    summary = trainer.train(config, show_progress=False)
+    listen.listening = False
+    assert summary["steps"] == 4 and not inside, f"compiled inside the rounds or steps: {dict(inside)}"
+    (run, listed, warmup), = warmups
+    # by hand from the shapes: the sampling key, the static batch's decoding (+ the host-thread chunks' concat), a
+    # reference pass per round layout (float32: the sampler's log-probs are the old ones), the round's rows, a
+    # step's gather, a step per step layout; + the host's advantages
+    layout = lambda L, K: f"{K}x{L}" if L else "static"  # noqa: E731
+    chunks = run.programs.decoder.chunks(8, 4)
+    expected = (["sample_key", "generate all"] + ["concat"] * (chunks > 1)
+                + [f"ref_logps {layout(L, K)}" for L, K in listed.round_packings] + ["rows", "take"]
+                + [f"train_step {layout(L, K)}" for L, K in listed.step_packings])
+    assert [name for name, _, _ in warmup.programs] == expected and warmup.count == len(expected) + 1
+    assert listed.decode_slots == (0,) and len(listed.step_packings) <= 3  # packed_lengths 2, and the static layout
