@@ -6,12 +6,14 @@ GRPOTrainer, each in a fresh process, grpo_jax cold (an empty compilation cache)
 
 The script (`script`) builds `GRPOConfig(...)` with the same keywords for both libraries (8 rows a step, 4
 completions a prompt, 16 completion tokens, beta 0.04, 4 steps, seed 0), a `datasets.Dataset` of the prompts and
-`grpo_jax.data.task:char_accuracy` as the reward. Each run's wall time is split into: process start to the script's
-first line (``python``), the imports, the trainer's construction, and inside `train()`: build (model load, state,
-programs; TRL: up to its first step), compile (grpo_jax's warm-up before the first step, `shapes.COMPILE_EVENT`),
-steps (first step to `train()`'s end: grpo_jax's final checkpoint and export included). Every executable jax makes
-is listed by function with its trace, lowering and XLA seconds and its phase; compiles during the steps are the ones
-the warm-up missed. grpo_jax's cache is a fresh temp folder per cold run, never the user's ~/.cache.
+`grpo_jax.data.task:char_accuracy` as the reward. Each run's wall and CPU seconds (all its threads) are split into:
+the imports, the trainer's construction, and inside `train()`: build (model load, state, programs; TRL: up to its
+first step), compile (grpo_jax's warm-up, `shapes.compile_ahead`: its programs named with their lowering and
+compile seconds), steps (the first step to `train()`'s end: grpo_jax's final checkpoint, plot and export included).
+Every executable jax makes is listed by function with its trace, lowering and XLA seconds, before/in or after the
+warm-up (after it: only the final save's and export's small programs). The parent's ``wall`` adds the process start.
+grpo_jax's cache is a fresh temp folder per cold run, never the user's ~/.cache. On a shared machine the CPU
+seconds are the steadier number: wall time there depends on what else runs.
 
 Prints JSON (and writes it with ``--out``): each run's phases and compile list, `lscpu`'s model.
 """
@@ -38,18 +40,23 @@ EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
           "/jax/core/compile/backend_compile_duration": "xla"}
 
 
+def _now() -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds over all its threads)."""
+    return time.perf_counter(), time.process_time()
+
+
 def _compile_log(marks: dict) -> tuple[list, collections.Counter]:
-    """Listens to jax's compile events: a list of (phase, function, kind, seconds), and the cache hit/miss counts."""
+    """Listens to jax's compile events: a list of (phase, function, kind, seconds), and the persistent cache's
+    hit/miss counts; marks the warm-up's start and end (`shapes.compile_ahead`) and keeps its program list."""
     import jax
 
+    from grpo_jax.rollout import shapes
     log, counts = [], collections.Counter()
 
     def heard(event, seconds, fun_name="?", **kwargs):
         if event in EVENTS:
-            log.append((_phase(marks), fun_name, EVENTS[event], seconds))
-        elif event == "/grpo_jax/compile_ahead":
-            marks["compiled"] = time.perf_counter()
-            marks["compile_s"] = seconds
+            log.append(("after warm-up" if "compiled" in marks else "before/in warm-up", fun_name, EVENTS[event],
+                        seconds))
 
     def counted(event, **kwargs):
         if event.startswith("/jax/compilation_cache/cache_"):
@@ -57,43 +64,35 @@ def _compile_log(marks: dict) -> tuple[list, collections.Counter]:
 
     jax.monitoring.register_event_duration_secs_listener(heard)
     jax.monitoring.register_event_listener(counted)
-    from grpo_jax.rollout import shapes
     warm_up = shapes.compile_ahead
 
-    def timed(*args, **kwargs):  # the warm-up's CPU seconds (all threads) beside its wall time
-        cpu = time.process_time()
+    def marked(*args, **kwargs):
+        marks["compiling"] = _now()
         warmup = warm_up(*args, **kwargs)
-        marks["compile_cpu"] = time.process_time() - cpu
-        marks["warmup_programs"] = warmup.programs
+        marks["compiled"], marks["warmup_programs"] = _now(), warmup.programs
         return warmup
 
-    shapes.compile_ahead = timed
+    shapes.compile_ahead = marked  # the trainer calls it through the module
     return log, counts
 
 
-def _phase(marks: dict) -> str:
-    if "train" not in marks:
-        return "construct"
-    return "steps" if "compiled" in marks or "first_step" in marks else "build/compile"
-
-
 def script(library: str, model: str, prompts: str, output_dir: str, cache: str | None, overrides: dict) -> dict:
-    """The TRL script, with `library`'s imports; returns its phases' seconds and compile list."""
-    marks = {"script": time.perf_counter(), "script_cpu": time.process_time()}
+    """The TRL script, with `library`'s imports; returns its phases' wall and CPU seconds, and grpo_jax's compiles."""
+    marks = {"script": _now()}
     if library == "trl":
         import torch
-        from trl import GRPOConfig, GRPOTrainer
         from transformers import TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
         torch.set_num_threads(os.cpu_count() or 1)
         extra = dict(use_cpu=True, save_strategy="no", dataloader_num_workers=0)
     else:
-        from grpo_jax import GRPOConfig, GRPOTrainer
         import grpo_jax.api.trainer  # noqa: F401 - jax, flax and transformers: `train()` imports them otherwise
+        from grpo_jax import GRPOConfig, GRPOTrainer
         extra = {"compilation_cache_dir": cache, **overrides}
     import datasets
 
     from grpo_jax.data.task import char_accuracy
-    marks["imported"] = time.perf_counter()
+    marks["imported"] = _now()
     log, counts = _compile_log(marks) if library == "grpo_jax" else ([], collections.Counter())
     rows = [json.loads(line) for line in Path(prompts).read_text().splitlines() if line.strip()]
     args = GRPOConfig(output_dir=output_dir, **SETTING, **extra)
@@ -102,27 +101,27 @@ def script(library: str, model: str, prompts: str, output_dir: str, cache: str |
     if library == "trl":
         class FirstStep(TrainerCallback):
             def on_step_begin(self, args, state, control, **kwargs):
-                marks.setdefault("first_step", time.perf_counter())
+                marks.setdefault("compiling", _now())
+                marks.setdefault("compiled", marks["compiling"])  # eager PyTorch: nothing compiled
         trainer.add_callback(FirstStep())
-    marks["train"] = time.perf_counter()
+    marks["train"] = _now()
     trainer.train()
-    end = time.perf_counter()
-    first = marks.get("compiled", marks.get("first_step", end))
-    compile_s = marks.get("compile_s", 0.0)
-    phases = {"python": marks["script"] - START, "import": marks["imported"] - marks["script"],
-              "construct": marks["train"] - marks["imported"], "build": first - compile_s - marks["train"],
-              "compile": compile_s, "steps": end - first}
+    marks["end"] = _now()
+    order = ("script", "imported", "train", "compiling", "compiled", "end")
+    names = ("import", "construct", "build", "compile", "steps")
+    phases = {kind: {name: round(marks[b][i] - marks[a][i], 2) for name, a, b in zip(names, order, order[1:])}
+              for i, kind in enumerate(("wall", "cpu"))}
     programs = collections.defaultdict(lambda: collections.defaultdict(float))
     for phase, name, kind, seconds in log:
         programs[f"{phase}: {name}"][kind] += seconds
         programs[f"{phase}: {name}"]["count"] += kind == "xla"
-    cpu = {"compile": marks.get("compile_cpu", 0.0), "total": time.process_time()}
-    return {"phases": {k: round(v, 2) for k, v in phases.items()}, "total": round(end - START, 2),
-            "cpu_s": {k: round(v, 2) for k, v in cpu.items()},
-            "programs": {k: {kind: round(v, 3) for kind, v in d.items()} for k, d in sorted(
-                programs.items(), key=lambda kv: -sum(v for k, v in kv[1].items() if k != "count"))},
+    return {"phases": phases, "total": {"wall": round(marks["end"][0] - START, 2), "cpu": round(marks["end"][1], 2)},
             "warmup": [{"program": n, "lower_s": a, "compile_s": b} for n, a, b in marks.get("warmup_programs", ())],
-            "cache": dict(counts), "steps_compiled": sum(1 for p, _, kind, _ in log if p == "steps" and kind == "xla")}
+            "after_warmup": {k.split(": ", 1)[1]: v["count"] for k, v in programs.items()
+                             if k.startswith("after") and v["count"]},
+            "compiles": {k: {kind: round(v, 3) for kind, v in d.items()} for k, d in sorted(
+                programs.items(), key=lambda kv: -sum(v for k, v in kv[1].items() if k != "count"))},
+            "cache": dict(counts)}
 
 
 def child(library: str, model: str, prompts: str, cache: str | None, overrides: list[str] = ()) -> dict:

@@ -221,8 +221,10 @@ def compile_ahead(run, state, shapes: RunShapes, *, workers: int = 1) -> Warmup:
             compiler.compile(f"train_step {K}x{L}" if L else "train_step static",
                              lambda: programs.step.lower(abstract_state, batch, L, K))
         float(run.schedule(0))  # the step metrics' learning rate (`run_steps`): eager ops, compiled once
-    finally:
-        compiled, peaks = compiler.finish()
+    except BaseException:  # the error in flight (a lowering's, or a compile waited on), not a queued compile's
+        compiler.pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    compiled, peaks = compiler.finish()
     seconds = time.perf_counter() - timer
     jax.monitoring.record_event_duration_secs(COMPILE_EVENT, seconds)
     return Warmup(len(compiled) + extra, seconds, peaks, compiled)

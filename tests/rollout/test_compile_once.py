@@ -84,6 +84,29 @@ def test_after_the_warm_up_no_round_or_step_compiles(tmp_path):
     assert len(used_steps) > 1  # the rows did change length: several packed programs ran, none compiled then
 
 
+def test_programs_compiled_on_threads_are_the_ones_jit_calls():
+    """`shapes._Compiler`: 4 programs on 2 threads; a later output's stand-in from the lowering (its sharding fixed by
+    the program) or from the compiled program (XLA's choice); the calls after it compile nothing, and give what a
+    plain call gives; a lowering's error raised as it is."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    double = jax.jit(lambda x: 2.0 * x, out_shardings=rows)
+    total = jax.jit(lambda x, n: x.sum(axis=0) * n, static_argnums=1)
+    x = jax.device_put(np.arange(32.0).reshape(16, 2), rows)
+    listen, compiler = Compiles(), shapes._Compiler(2)
+    fixed = compiler.compile("double", lambda: double.lower(jax.ShapeDtypeStruct((16, 2), np.float32, sharding=rows)))
+    assert fixed.sharding == rows  # from the lowering: no wait
+    chosen = [compiler.compile(f"total {n}", lambda: total.lower(fixed, n)) for n in (1, 2, 3)]
+    assert all(c.shape == (2,) and c.sharding is not None for c in chosen)  # XLA's output sharding, waited for
+    names, peaks = compiler.finish()
+    assert [n for n, _, _ in names] == ["double", "total 1", "total 2", "total 3"]
+    (y, z), compiled = listen.during(lambda: (double(x), [total(double(x), n) for n in (1, 2, 3)]))
+    assert not compiled, dict(compiled)
+    np.testing.assert_array_equal(np.asarray(z[2]), np.asarray(x).sum(0) * 6.0)
+    with pytest.raises(TypeError, match="bad"):
+        shapes._Compiler(2).compile("bad", lambda: (_ for _ in ()).throw(TypeError("bad")))
+
+
 def test_choose_packing_within_listed_shapes_takes_the_cheapest_that_fits():
     """Against a hand count: groups needing 20 and 37 slots (prompt 5 less 1, then 4 rows of 1 + completion)."""
     prompt = np.array([5] * 8)
