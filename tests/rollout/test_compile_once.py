@@ -164,7 +164,7 @@ def test_plan_slots_chooses_among_the_listed_slot_counts():
 
 
 
-def test_a_short_run_compiles_a_bounded_set_once_before_its_first_step(tmp_path, monkeypatch):
+def test_a_short_run_compiles_a_bounded_set_once_before_its_first_step(tmp_path, monkeypatch, capsys):
     """A whole 4-step `train` (2 rounds of 2 steps, the reference on): the warm-up compiles exactly the programs its
     shapes list, named and counted by hand from them, on 2 threads, and nothing compiles inside a round or a step
     after it (the final save's and export's small programs come after the last step)."""
@@ -202,3 +202,7 @@ def test_a_short_run_compiles_a_bounded_set_once_before_its_first_step(tmp_path,
                 + [f"train_step {layout(L, K)}" for L, K in listed.step_packings])
     assert [name for name, _, _ in warmup.programs] == expected and warmup.count == len(expected) + 1
     assert listed.decode_slots == (0,) and len(listed.step_packings) <= 3  # packed_lengths 2, and the static layout
+    # the startup line names the slowest three programs, slowest first
+    slowest = max(warmup.programs, key=lambda p: p[1] + p[2])
+    line = next(x for x in capsys.readouterr().out.splitlines() if "before the first step" in x)
+    assert f"on 2 thread(s) (slowest: {slowest[0]} {slowest[1] + slowest[2]:.1f}s, " in line
