@@ -61,7 +61,9 @@ def test_after_the_warm_up_no_round_or_step_compiles(tmp_path):
     names = [name for name, _, _ in programs]
     assert [n for n in names if n.startswith("train_step")] == [
         f"train_step {K}x{L}" for L, K in listed.step_packings] and names[0] == "sample_key"
-    assert all(lower_s >= 0 and compile_s > 0 for _, lower_s, compile_s in programs)
+    # seconds each (0.000 where jit's in-memory cache held it: the same program twice, or from an earlier test)
+    assert all(lower_s >= 0 and compile_s >= 0 for _, lower_s, compile_s in programs)
+    assert sum(compile_s for _, _, compile_s in programs) > 0
     # the phases' peaks per device (a run's plan for the devices at hand): the step holds at least its state's shards
     state_bytes = sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards[:1])
     assert peaks["train_step"] >= state_bytes and peaks["decode"] > 0 and peaks["logps"] > 0
