@@ -196,11 +196,14 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool, too
 
 def _compile_ahead(run: Run, state: TrainState) -> float:
     """Every program of the rounds compiled before the first step, not inside one (`shapes.compile_ahead`): the
-    seconds it took."""
+    seconds it took. The startup line names the slowest three (lowering + compile; a cache load is fast)."""
     if run.shapes is None:
         return 0.0
-    count, seconds, peaks = shapes.compile_ahead(run, state, run.shapes)
-    print(f"grpo_jax: compiled {count} programs in {seconds:.1f}s before the first step; "
+    workers = shapes.compile_workers(run.config.compile_threads)
+    count, seconds, peaks, programs = shapes.compile_ahead(run, state, run.shapes, workers=workers)
+    slowest = sorted(programs, key=lambda p: p[1] + p[2], reverse=True)[:3]
+    print(f"grpo_jax: compiled {count} programs in {seconds:.1f}s before the first step on {workers} thread(s) "
+          f"(slowest: {', '.join(f'{name} {lower_s + compile_s:.1f}s' for name, lower_s, compile_s in slowest)}); "
           + "; ".join(run.shapes.describe())
           + f"; peak per device: {shapes.describe_peaks(peaks, jax.local_devices()[0])}")
     return seconds

@@ -54,6 +54,7 @@ class Config:
     cpu_speedups: bool | None = None  # XLA:CPU speed-ups (grpo_jax.device.cpu), same numbers; None: on when backend is cpu
     host_allocator: str = "retain"  # with cpu_speedups: retain keeps freed blocks in glibc; system: leave malloc
     compilation_cache_dir: str | None = "~/.cache/grpo_jax/jax"  # JAX's persistent compilation cache; None: off
+    compile_threads: int | None = None  # programs compiled at once before the first step; None: CPUs / 2, 1 to 4
     tools: tuple[str, ...] = ()  # TRL's tools: 'module:function' the policy may call between turns
     environment_factory: str | dict | None = None  # TRL's: 'module:Class', one per rollout, or {name: 'module:Class'}
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -74,6 +75,8 @@ class Config:
         check(self.num_train_epochs is None or self.num_train_epochs > 0,
               f"num_train_epochs={self.num_train_epochs} must be > 0, or null (max_steps counts the steps)")
         check(self.logging_steps >= 1, f"logging_steps={self.logging_steps} must be >= 1")
+        check(self.compile_threads is None or self.compile_threads >= 1,
+              f"compile_threads={self.compile_threads} must be >= 1, or null (half the CPUs, 1 to 4)")
         check(all(r in REPORT_TO for r in self.report_to) and len(set(self.report_to)) == len(self.report_to),
                f"report_to={list(self.report_to)}: list each of {', '.join(REPORT_TO)} at most once ([] for none)")
         check(self.num_completions_to_print is None or self.num_completions_to_print >= 0,

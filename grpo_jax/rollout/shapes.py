@@ -4,7 +4,8 @@
 of the round's log-prob passes and of the optimizer step (`trajectory.packing_shapes`, within which
 `trajectory.choose_packing` picks), the decoding calls' slot counts (`stream.slot_choices`, within which
 `stream.plan_slots` picks) and the rows of a round and of a step. `compile_ahead` lowers each program of the rounds at
-each of those shapes with the run's real shardings and compiles it before the first step: `jit`'s own caches then
+each of those shapes with the run's real shardings and compiles it before the first step, several at once on threads
+(`compile_threads`) while the next are lowered: `jit`'s own caches then
 hold every executable, so no round or step compiles (`tests/rollout/test_compile_once.py` counts), and the compile time is a
 phase of its own, not hidden in the first steps. A persistent compilation cache (`compilation_cache_dir`) turns a
 second start's compilations into loads.
@@ -12,9 +13,12 @@ second start's compilations into loads.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 import time
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -75,9 +79,57 @@ def _host(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _decode_programs(run, params, key, slots: int):
-    """Compiles one round's decoding call at ``slots``; returns (the call's trajectory stand-in, programs, the
-    largest peak bytes of one)."""
+PHASES = {"generate": "decode", "start": "decode", "advance": "decode", "ref_logps": "logps", "logps": "logps",
+          "train_step": "train_step"}  # the programs whose peaks `Warmup.peaks` reports, by phase
+
+
+class _Compiler:
+    """Compiles lowered programs on a pool of threads while the caller lowers the next ones: XLA compiles outside
+    the GIL, so independent programs (a step per packing, a log-prob pass per packing, decoding) compile side by
+    side. Each program is the one a serial compile makes (the same HLO and options), and `jit`'s caches keep it
+    alike: the run's calls find it."""
+
+    def __init__(self, workers: int):
+        self.pool = concurrent.futures.ThreadPoolExecutor(max(workers, 1), thread_name_prefix="grpo_jax-compile")
+        self.jobs: list[tuple[str, float, concurrent.futures.Future]] = []
+
+    def compile(self, name: str, lower: Callable, pick: Callable = lambda outputs: outputs) -> Any:
+        """Lowers (``lower()``) and starts compiling program ``name``; returns ``pick`` of its outputs' stand-ins,
+        for the programs after it: the lowering's own where each has its sharding (the program fixes them), else
+        the compiled program's (XLA chooses them), waited for."""
+        timer = time.perf_counter()
+        lowered = lower()
+        job = self.pool.submit(_timed_compile, lowered)
+        self.jobs.append((name, time.perf_counter() - timer, job))
+        info = pick(lowered.out_info)
+        if any(getattr(x, "sharding", None) is None for x in jax.tree.leaves(info)):
+            info = pick(job.result()[0].out_info)
+        return info
+
+    def finish(self) -> tuple[tuple, dict]:
+        """Waits for every job (the first failure raised); returns ((name, lowering seconds, compile seconds) of
+        each program, each phase's largest peak)."""
+        peaks, done = {"decode": 0, "logps": 0, "train_step": 0}, []
+        try:
+            for name, lower_s, job in self.jobs:
+                compiled, compile_s = job.result()
+                done.append((name, round(lower_s, 3), round(compile_s, 3)))
+                phase = PHASES.get(name.split()[0])
+                if phase is not None:
+                    peaks[phase] = max(peaks[phase], _peak(compiled))
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        return tuple(done), peaks
+
+
+def _timed_compile(lowered):
+    timer = time.perf_counter()
+    return lowered.compile(), time.perf_counter() - timer
+
+
+def _decode_programs(run, compiler: _Compiler, params, key, slots: int):
+    """Lowers one round's decoding call at ``slots`` and starts compiling it; returns the call's trajectory
+    stand-in."""
     decoder, tc = run.programs.decoder, run.config.train
     N, P = tc.generation_batch_size, run.config.data.max_prompt_length
     k = decoder.chunks(N, tc.num_generations)
@@ -87,17 +139,17 @@ def _decode_programs(run, params, key, slots: int):
     ids = _host((N // k, P), np.int32)
     offset = _host((), np.int32)
     if run.tooling is None and (not options.num_slots or options.num_slots >= N // k):
-        compiled = decoder.generate.lower(params, ids, ids, key, offset, options).compile()
-        rows, count, peak = compiled.out_info[0], 1, _peak(compiled)
+        rows = compiler.compile(f"generate {slots or 'all'}",
+                                lambda: decoder.generate.lower(params, ids, ids, key, offset, options),
+                                lambda outputs: outputs[0])
     else:
-        start = decoder.start.lower(params, ids, ids, key, offset, options).compile()
-        advance = decoder.advance.lower(params, start.out_info, options, True).compile()
-        rows = decoder.trajectory.lower(advance.out_info[0]).compile().out_info
-        count, peak = 3, max(_peak(start), _peak(advance))
+        start = compiler.compile(f"start {slots}", lambda: decoder.start.lower(params, ids, ids, key, offset, options))
+        decoding = compiler.compile(f"advance {slots}", lambda: decoder.advance.lower(params, start, options, True),
+                                    lambda outputs: outputs[0])
+        rows = compiler.compile(f"trajectory {slots}", lambda: decoder.trajectory.lower(decoding))
     if k > 1:
-        rows = decoder.concat.lower([rows] * k).compile().out_info
-        count += 1
-    return rows, count, peak
+        rows = compiler.compile("concat", lambda: decoder.concat.lower([rows] * k))
+    return rows
 
 
 class Warmup(NamedTuple):
@@ -106,6 +158,7 @@ class Warmup(NamedTuple):
     count: int
     seconds: float
     peaks: dict  # "decode", "logps", "train_step" -> bytes (XLA's buffer assignment of the real devices' programs)
+    programs: tuple = ()  # (name, lowering seconds, compile seconds) of each program, in the order lowered
 
 
 def _peak(compiled) -> int:
@@ -117,11 +170,19 @@ def _peak(compiled) -> int:
     return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
 
 
-def compile_ahead(run, state, shapes: RunShapes) -> Warmup:
+def compile_workers(setting: int | None) -> int:
+    """Threads compiling at once (`compile_threads`). None: half the host's CPUs, at most 4 (one XLA:CPU compile keeps
+    about 1.4 threads busy: on 2 CPUs two at once took ~10 % more CPU time for no measured gain; each compile holds
+    its own XLA buffers in host memory)."""
+    return setting if setting else min(max((os.cpu_count() or 1) // 2, 1), 4)
+
+
+def compile_ahead(run, state, shapes: RunShapes, *, workers: int = 1) -> Warmup:
     """Compiles the programs of ``run``'s rounds and steps at every one of ``shapes`` before the first round, for
     ``state`` (its shardings): decoding (each slot count), reference / old log-probs and the step (each packing),
-    and the small programs between them. Returns a `Warmup` (the phases' peaks are `grpo-jax plan`'s numbers for
-    the devices at hand); records `COMPILE_EVENT`.
+    and the small programs between them, on ``workers`` threads (`compile_workers`) while the next are lowered.
+    Returns a `Warmup` (the phases' peaks are `grpo-jax plan`'s numbers for the devices at hand); records
+    `COMPILE_EVENT`.
 
     Not covered (they still compile on first use): multi-turn rows' appends, DAPO dynamic sampling's merges,
     asynchronous rounds' sampler, process supervision's step arrays, evaluation (before the first step anyway)."""
@@ -129,42 +190,45 @@ def compile_ahead(run, state, shapes: RunShapes) -> Warmup:
     programs, tc = run.programs, run.config.train
     N, T = tc.generation_batch_size, run.config.sampling.max_completion_length
     params, key = _abstract(state.params), _abstract(state.key)
-    count, peaks = 0, {"decode": 0, "logps": 0, "train_step": 0}
-    sample_key = programs.sample_key.lower(key, 0, 0).compile()
-    count += 1
-    rows = None
-    for slots in shapes.decode_slots:
-        rows, n, peak = _decode_programs(run, params, sample_key.out_info, slots)
-        count, peaks["decode"] = count + n, max(peaks["decode"], peak)
-    args = (rows.prompt_ids, rows.prompt_mask, rows.completion_ids, rows.completion_mask, rows.routed_experts)
-    old = rows.sampler_per_token_logps if tc.needs_old_logps else None
-    ref = None
-    for L, K in shapes.round_packings:
-        if programs.ref_logps is not None:
-            compiled = programs.ref_logps.lower(_abstract(state.reference_params), *args, L, K).compile()
-            ref, count, peaks["logps"] = compiled.out_info, count + 1, max(peaks["logps"], _peak(compiled))
-        if tc.needs_old_logps and run.config.model.dtype != "float32":  # float32: the sampler's (`dispatch_logps`)
-            compiled = programs.logps.lower(params, *args, L, K).compile()
-            old, count, peaks["logps"] = compiled.out_info, count + 1, max(peaks["logps"], _peak(compiled))
-    advantages = _host((N, T) if tc.advantage_estimator == "process" else (N,), np.float32)
-    batch = programs.rows.lower(rows, advantages, old, ref).compile().out_info
-    count += 1
-    if tc.advantage_estimator != "process":  # process supervision's step arrays vary in width: compiled per width
-        F = len(run.reward_fns)
-        programs.advantages(np.zeros((N, F), np.float32), np.ones(F, np.float32), np.ones((N, T), np.int32), None,
-                            None)
-        count += 1
-    if run.step_prompt_group_size == 1 or tc.steps_per_generation > 1:  # steps gather their rows (`run_steps`)
-        batch = programs.take.lower(batch, _host((tc.train_batch_size,), np.int64)).compile().out_info
-        count += 1
-    abstract_state = _abstract(state)
-    for L, K in shapes.step_packings:
-        peaks["train_step"] = max(peaks["train_step"], _peak(programs.step.lower(abstract_state, batch, L, K).compile()))
-        count += 1
-    float(run.schedule(0))  # the step metrics' learning rate (`run_steps`): eager ops, compiled once
+    compiler = _Compiler(workers)
+    try:
+        sample_key = compiler.compile("sample_key", lambda: programs.sample_key.lower(key, 0, 0))
+        rows = None
+        for slots in shapes.decode_slots:
+            rows = _decode_programs(run, compiler, params, sample_key, slots)
+        args = (rows.prompt_ids, rows.prompt_mask, rows.completion_ids, rows.completion_mask, rows.routed_experts)
+        old = rows.sampler_per_token_logps if tc.needs_old_logps else None
+        ref = None
+        for L, K in shapes.round_packings:
+            layout = f"{K}x{L}" if L else "static"
+            if programs.ref_logps is not None:
+                ref = compiler.compile(f"ref_logps {layout}", lambda: programs.ref_logps.lower(
+                    _abstract(state.reference_params), *args, L, K))
+            if tc.needs_old_logps and run.config.model.dtype != "float32":  # float32: the sampler's (`dispatch_logps`)
+                old = compiler.compile(f"logps {layout}", lambda: programs.logps.lower(params, *args, L, K))
+        advantages = _host((N, T) if tc.advantage_estimator == "process" else (N,), np.float32)
+        batch = compiler.compile("rows", lambda: programs.rows.lower(rows, advantages, old, ref))
+        extra = 0
+        if tc.advantage_estimator != "process":  # process supervision's step arrays vary in width: compiled per width
+            F = len(run.reward_fns)
+            programs.advantages(np.zeros((N, F), np.float32), np.ones(F, np.float32), np.ones((N, T), np.int32), None,
+                                None)
+            extra += 1
+        if run.step_prompt_group_size == 1 or tc.steps_per_generation > 1:  # steps gather their rows (`run_steps`)
+            rows_B = _host((tc.train_batch_size,), np.int64)
+            batch = compiler.compile("take", lambda: programs.take.lower(batch, rows_B))
+        abstract_state = _abstract(state)
+        for L, K in shapes.step_packings:
+            compiler.compile(f"train_step {K}x{L}" if L else "train_step static",
+                             lambda: programs.step.lower(abstract_state, batch, L, K))
+        float(run.schedule(0))  # the step metrics' learning rate (`run_steps`): eager ops, compiled once
+    except BaseException:  # the error in flight (a lowering's, or a compile waited on), not a queued compile's
+        compiler.pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    compiled, peaks = compiler.finish()
     seconds = time.perf_counter() - timer
     jax.monitoring.record_event_duration_secs(COMPILE_EVENT, seconds)
-    return Warmup(count, seconds, peaks)
+    return Warmup(len(compiled) + extra, seconds, peaks, compiled)
 
 
 def _size(n: int) -> str:

@@ -64,6 +64,7 @@ def test_every_shipped_config_loads():
     (["data.truncation=right"], "data.truncation='right'"),
     (["mesh.data=-1", "mesh.fsdp=-1"], "at most one of mesh.data"),
     (["max_steps=0"], "max_steps=0 must be >= 1"),
+    (["compile_threads=0"], "compile_threads=0 must be >= 1, or null"),
     (["train.learning_rate=fast"], "train.learning_rate='fast' must be a number"),
     (["train.learning_rate=.inf"], "train.learning_rate=inf must be a finite number"),
     (["train.learning_rate=.nan"], "train.learning_rate=nan must be a finite number"),

@@ -53,10 +53,17 @@ def test_after_the_warm_up_no_round_or_step_compiles(tmp_path):
     assert listed.step_packings and (0, 0) not in listed.step_packings  # packing=true: packed layouts only
     assert len(listed.decode_slots) > 1 and listed.decode_slots[0] == 0
 
-    (count, seconds, peaks), warm = listen.during(shapes.compile_ahead, run, state, listed)
+    (count, seconds, peaks, programs), warm = listen.during(shapes.compile_ahead, run, state, listed, workers=2)
     # fewer executables than programs where an earlier test of this process compiled the same small program
     # (`sample_key`, `advantages`): jit's in-memory cache holds it, and no executable is made
     assert count >= sum(warm.values()) and seconds > 0
+    # each program named with its seconds, in the order lowered: a step per packing, after the passes it reads
+    names = [name for name, _, _ in programs]
+    assert [n for n in names if n.startswith("train_step")] == [
+        f"train_step {K}x{L}" for L, K in listed.step_packings] and names[0] == "sample_key"
+    # seconds each (0.000 where jit's in-memory cache held it: the same program twice, or from an earlier test)
+    assert all(lower_s >= 0 and compile_s >= 0 for _, lower_s, compile_s in programs)
+    assert sum(compile_s for _, _, compile_s in programs) > 0
     # the phases' peaks per device (a run's plan for the devices at hand): the step holds at least its state's shards
     state_bytes = sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards[:1])
     assert peaks["train_step"] >= state_bytes and peaks["decode"] > 0 and peaks["logps"] > 0
@@ -77,6 +84,29 @@ def test_after_the_warm_up_no_round_or_step_compiles(tmp_path):
         assert not compiled, f"the steps of round {round_index} compiled {dict(compiled)}"
         used_steps.update(line["packed_length"] for line in lines)
     assert len(used_steps) > 1  # the rows did change length: several packed programs ran, none compiled then
+
+
+def test_programs_compiled_on_threads_are_the_ones_jit_calls():
+    """`shapes._Compiler`: 4 programs on 2 threads; a later output's stand-in from the lowering (its sharding fixed by
+    the program) or from the compiled program (XLA's choice); the calls after it compile nothing, and give what a
+    plain call gives; a lowering's error raised as it is."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    double = jax.jit(lambda x: 2.0 * x, out_shardings=rows)
+    total = jax.jit(lambda x, n: x.sum(axis=0) * n, static_argnums=1)
+    x = jax.device_put(np.arange(32.0).reshape(16, 2), rows)
+    listen, compiler = Compiles(), shapes._Compiler(2)
+    fixed = compiler.compile("double", lambda: double.lower(jax.ShapeDtypeStruct((16, 2), np.float32, sharding=rows)))
+    assert fixed.sharding == rows  # from the lowering: no wait
+    chosen = [compiler.compile(f"total {n}", lambda: total.lower(fixed, n)) for n in (1, 2, 3)]
+    assert all(c.shape == (2,) and c.sharding is not None for c in chosen)  # XLA's output sharding, waited for
+    names, peaks = compiler.finish()
+    assert [n for n, _, _ in names] == ["double", "total 1", "total 2", "total 3"]
+    (y, z), compiled = listen.during(lambda: (double(x), [total(double(x), n) for n in (1, 2, 3)]))
+    assert not compiled, dict(compiled)
+    np.testing.assert_array_equal(np.asarray(z[2]), np.asarray(x).sum(0) * 6.0)
+    with pytest.raises(TypeError, match="bad"):
+        shapes._Compiler(2).compile("bad", lambda: (_ for _ in ()).throw(TypeError("bad")))
 
 
 def test_choose_packing_within_listed_shapes_takes_the_cheapest_that_fits():
@@ -133,3 +163,48 @@ def test_plan_slots_chooses_among_the_listed_slot_counts():
             plan = stream.plan_slots(plan, lengths, slots=plan.slots, steps=stream.call_steps(lengths, plan.slots,
                                      chunks), seconds=float(rng.uniform(0.5, 2.0)), chunks=chunks)
             assert plan.slots in choices
+
+
+
+def test_a_short_run_compiles_a_bounded_set_once_before_its_first_step(tmp_path, monkeypatch, capsys):
+    """A whole 4-step `train` (2 rounds of 2 steps, the reference on): the warm-up compiles exactly the programs its
+    shapes list, named and counted by hand from them, on 2 threads, and nothing compiles inside a round or a step
+    after it (the final save's and export's small programs come after the last step)."""
+    config = load_config(None, [f"output_dir={tmp_path}", "max_steps=4", "train.train_batch_size=8",
+                                "train.num_generations=4", "train.steps_per_generation=2", "loss.beta=0.04",
+                                "sampling.max_completion_length=8", "eval.num_examples=0", "compile_threads=2"])
+    listen, warmups, inside = Compiles(), [], collections.Counter()
+    listen.listening = True
+    compile_ahead = shapes.compile_ahead
+
+    def warm_up(run, state, listed, **kwargs):
+        warmups.append((run, listed, compile_ahead(run, state, listed, **kwargs)))
+        return warmups[-1][2]
+
+    monkeypatch.setattr(shapes, "compile_ahead", warm_up)
+    for name in ("_next_round", "_steps"):  # a round's sampling and scoring, then its optimizer steps
+        def counted(*args, _fn=getattr(trainer, name), **kwargs):
+            before = len(listen.names)
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                inside.update(listen.names[before:])
+        monkeypatch.setattr(trainer, name, counted)
+    summary = trainer.train(config, show_progress=False)
+    listen.listening = False
+    assert summary["steps"] == 4 and not inside, f"compiled inside the rounds or steps: {dict(inside)}"
+    (run, listed, warmup), = warmups
+    # by hand from the shapes: the sampling key, the static batch's decoding (+ the host-thread chunks' concat), a
+    # reference pass per round layout (float32: the sampler's log-probs are the old ones), the round's rows, a
+    # step's gather, a step per step layout; + the host's advantages
+    layout = lambda L, K: f"{K}x{L}" if L else "static"  # noqa: E731
+    chunks = run.programs.decoder.chunks(8, 4)
+    expected = (["sample_key", "generate all"] + ["concat"] * (chunks > 1)
+                + [f"ref_logps {layout(L, K)}" for L, K in listed.round_packings] + ["rows", "take"]
+                + [f"train_step {layout(L, K)}" for L, K in listed.step_packings])
+    assert [name for name, _, _ in warmup.programs] == expected and warmup.count == len(expected) + 1
+    assert listed.decode_slots == (0,) and len(listed.step_packings) <= 3  # packed_lengths 2, and the static layout
+    # the startup line names the slowest three programs, slowest first
+    slowest = max(warmup.programs, key=lambda p: p[1] + p[2])
+    line = next(x for x in capsys.readouterr().out.splitlines() if "before the first step" in x)
+    assert f"on 2 thread(s) (slowest: {slowest[0]} {slowest[1] + slowest[2]:.1f}s, " in line
