@@ -6,6 +6,7 @@ jax: the weights are read from Hugging Face folders.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -42,6 +43,15 @@ class PolicyView:
         out = self._trainer._output_dir
         return Path(out) / "final" if out is not None else Path(self._trainer.args.model.path)
 
+    @property
+    def device(self):
+        """Where the view's tensors are: the CPU (read from files), as a `torch.device` when torch is installed."""
+        try:
+            import torch
+        except ImportError:
+            return "cpu"
+        return torch.device("cpu")
+
     def named_parameters(self):
         """(name, tensor) of every weight the folder's safetensors files hold, file by file."""
         try:
@@ -54,16 +64,63 @@ class PolicyView:
     def parameters(self):
         return (tensor for _, tensor in self.named_parameters())
 
+    def _names(self) -> list[str]:
+        from safetensors import safe_open  # the keys only: no tensor is read
+        names = []
+        for file in sorted(self.folder.glob("*.safetensors")):
+            with safe_open(file, "numpy") as f:
+                names += list(f.keys())
+        return names
+
+    def _tied(self, name: str) -> str:
+        """``name`` as stored: a tied `lm_head.weight` (config.json's `tie_word_embeddings`) is the embedding's."""
+        config = self.folder / "config.json"
+        if name.endswith("lm_head.weight") and config.is_file() and name not in self._names():
+            hf = json.loads(config.read_text())
+            if hf.get("tie_word_embeddings", hf.get("text_config", {}).get("tie_word_embeddings", False)):
+                return name[:-len("lm_head.weight")] + "model.embed_tokens.weight"
+        return name
+
     def get_parameter(self, name: str):
+        stored = self._tied(name)
         for key, tensor in self.named_parameters():
-            if key == name:
+            if key == stored:
                 return tensor
         raise AttributeError(f"the policy has no parameter {name!r} (its Hugging Face names are those of "
                              f"{self.folder}'s safetensors files)")
 
+    def __getattr__(self, name: str):
+        """A submodule by its Hugging Face path (`trainer.model.lm_head.weight`), as PyTorch's modules nest."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _ModuleView(self, name).check()
+
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
         """The folder (weights, config and tokenizer) copied to `save_directory`."""
         shutil.copytree(self.folder, save_directory, dirs_exist_ok=True)
+
+
+class _ModuleView:
+    """One submodule of a `PolicyView` (its path `prefix`): an attribute is a deeper submodule or, at a leaf, the
+    parameter itself."""
+
+    def __init__(self, policy: PolicyView, prefix: str):
+        self._policy, self._prefix = policy, prefix
+
+    def check(self) -> "_ModuleView":
+        prefix = self._policy._tied(self._prefix + ".weight").rsplit(".", 1)[0]
+        if not any(n.startswith(prefix + ".") for n in self._policy._names()):
+            raise AttributeError(f"the policy has no module {self._prefix!r} (its Hugging Face names are those of "
+                                 f"{self._policy.folder}'s safetensors files)")
+        return self
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        path = f"{self._prefix}.{name}"
+        if self._policy._tied(path) in self._policy._names():
+            return self._policy.get_parameter(path)
+        return _ModuleView(self._policy, path).check()
 
 
 @dataclasses.dataclass

@@ -200,3 +200,25 @@ def test_trls_mask_methods_are_trls_on_torch_tensors():
         ours = GRPOTrainer.get_off_policy_mask(advantages, -logps, -sampler, mask, threshold)
         theirs = trl_trainer.GRPOTrainer.get_off_policy_mask(advantages, -logps, -sampler, mask, threshold)
         assert torch.equal(ours, theirs), threshold
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_trainer_model_reads_submodules_as_transformers_nests_them(tmp_path, tied):
+    """`trainer.model.lm_head.weight` (TRL's tests read it) and any module path are the transformers model's own
+    tensors, a tied head the embedding (as transformers ties them); `device` is torch's CPU."""
+    torch = pytest.importorskip("torch")
+    import hf_fixtures
+
+    from grpo_jax import GRPOTrainer
+
+    model = hf_fixtures.build_model("qwen2", tied=tied)
+    folder = hf_fixtures.save_model(model, tmp_path / "hf")
+    view = GRPOTrainer(model=folder, reward_funcs=answer_reward).model
+    assert torch.equal(view.lm_head.weight, model.lm_head.weight.detach())
+    assert torch.equal(view.get_parameter("lm_head.weight"), model.get_parameter("lm_head.weight").detach())
+    assert torch.equal(view.model.norm.weight, model.model.norm.weight.detach())
+    assert torch.equal(view.model.embed_tokens.weight, model.model.embed_tokens.weight.detach())
+    assert view.device == torch.device("cpu") == model.device
+    for missing in ("nope", "model.nope"):
+        with pytest.raises(AttributeError, match="the policy has no module"):
+            eval(f"view.{missing}")
