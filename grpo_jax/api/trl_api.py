@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_jax.api.arguments import check_arguments
+from grpo_jax.api.trl_inputs import cached_reward_model, lora_options, model_folder, reward_func_names, tokenizer_folder
 from grpo_jax.api.trl_state import PolicyView, TrainerState, residual_means, trl_checkpoint, trl_line
 from grpo_jax.config import Config, LoRAConfig, make_config, trl_keys
 
@@ -67,126 +68,6 @@ def _use_cpu() -> None:
                          "anything uses JAX, or run with the environment variable JAX_PLATFORMS=cpu")
 
 
-# PEFT's LoraConfig fields with a model.lora counterpart, and their PEFT defaults (a dict leaves some out)
-LORA_KEYS = {"r": ("rank", 8), "lora_alpha": ("alpha", 8), "lora_dropout": ("dropout", 0.0),
-             "target_modules": ("target_modules", None), "use_rslora": ("use_rslora", False),
-             "init_lora_weights": ("init_lora_weights", True)}
-# fields that describe the adapter file or PEFT's runtime, not what is trained: any value does
-LORA_IGNORED = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
-                "inference_mode", "runtime_config"}
-PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's target_modules=None for every supported model_type
-
-
-def lora_options(peft_config: Any) -> dict:
-    """A `peft.LoraConfig` (or a dict of its fields) as `model.lora` keys, PEFT's defaults where a dict leaves a field
-    out. A field grpo_jax cannot honour (DoRA, bias or extra modules trained, per-layer patterns, another task) set
-    away from PEFT's default is a ValueError naming it."""
-    if isinstance(peft_config, Mapping):
-        values, others = dict(peft_config), {k: v for k, v in peft_config.items() if k not in LORA_KEYS}
-    elif dataclasses.is_dataclass(peft_config) and type(peft_config).__name__ == "LoraConfig":
-        values = {name: getattr(peft_config, name) for name in LORA_KEYS}
-        others = {f.name: getattr(peft_config, f.name) for f in dataclasses.fields(peft_config)
-                  if f.name not in LORA_KEYS and getattr(peft_config, f.name) != _default(f)}
-    else:
-        raise ValueError(f"peft_config is a {type(peft_config).__name__}: grpo_jax trains LoRA adapters only; pass a "
-                         "peft.LoraConfig or a dict of its fields (r, lora_alpha, target_modules, ...)")
-    task = str(others.pop("task_type", None) or "CAUSAL_LM")
-    if not task.endswith("CAUSAL_LM"):
-        raise ValueError(f"peft_config.task_type={task!r}: grpo_jax trains causal language models; use CAUSAL_LM")
-    for name, value in others.items():
-        if name not in LORA_IGNORED:
-            raise ValueError(f"peft_config.{name}={value!r} has no counterpart in grpo_jax's LoRA (it honours "
-                             f"{', '.join(LORA_KEYS)}): leave it at PEFT's default")
-    out = {ours: values.get(theirs, default) for theirs, (ours, default) in LORA_KEYS.items()}
-    targets = out["target_modules"]
-    if targets is None:
-        out["target_modules"] = PEFT_DEFAULT_TARGETS
-    elif not isinstance(targets, str):  # PEFT keeps a list as a set: our order, not the set's
-        out["target_modules"] = tuple(sorted(targets))
-    return out
-
-
-def _default(field: dataclasses.Field) -> Any:
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    return field.default
-
-
-MODEL_CACHE = Path("~/.cache/grpo_jax/models")  # model objects saved as folders, by the hash of their weights
-
-
-def saved_model_object(model: Any, cache: str | os.PathLike | None = None) -> str:
-    """A transformers model object (TRL's `model=AutoModelForCausalLM...`) as a Hugging Face folder, as reward model
-    objects are converted: saved with its tokenizer (from its `name_or_path`, when one is there) to
-    `cache/<xxh3 of its config and weights>`, so the same weights give the same folder and a rerun resumes."""
-    import torch
-    import xxhash
-
-    h = xxhash.xxh3_128(model.config.to_json_string(use_diff=False).encode())
-    for name, tensor in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    folder = Path(MODEL_CACHE if cache is None else cache).expanduser() / h.hexdigest()
-    if not (folder / "config.json").is_file():
-        partial = folder.with_name(folder.name + ".partial")
-        model.save_pretrained(partial)
-        name = str(getattr(model.config, "_name_or_path", "") or "")
-        try:
-            from transformers import AutoTokenizer
-            AutoTokenizer.from_pretrained(name, local_files_only=True).save_pretrained(partial)
-        except Exception:  # noqa: BLE001 - no tokenizer beside it: processing_class gives it, or the run says so
-            pass
-        if folder.exists():  # another process saved the same weights meanwhile
-            shutil.rmtree(partial)
-        else:
-            partial.replace(folder)
-    return str(folder)
-
-
-def model_folder(model: Any) -> str:
-    """TRL's `model` as a folder: a local Hugging Face model folder, a model id already in the local Hugging Face
-    cache (never downloaded), or a transformers model object (`saved_model_object`)."""
-    if hasattr(model, "config") and hasattr(model, "state_dict") and hasattr(model, "save_pretrained"):
-        return saved_model_object(model)
-    if not isinstance(model, (str, os.PathLike)):
-        raise ValueError(f"model is a {type(model).__name__}: grpo_jax reads Hugging Face folders into JAX itself; "
-                         "pass a folder, a cached model id or a transformers model object")
-    path = os.fspath(model)
-    if os.path.isdir(path):
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-        return snapshot_download(repo_id=path, local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - not cached, or not a repo id: the same advice
-        raise ValueError(f"model={path!r} is neither a folder nor a model id in the local Hugging Face cache: "
-                         f"download it first (`hf download {path} --local-dir models/NAME`) and pass the folder") from e
-
-
-def cached_reward_model(spec: Any) -> Any:
-    """A reward function as TRL takes it, with a Hub id (`org/name`, no ':') of a reward model in the local Hugging
-    Face cache as its snapshot folder (never downloaded); anything else as it is."""
-    if not isinstance(spec, str) or ":" in spec or os.path.exists(spec) or spec.count("/") != 1:
-        return spec
-    try:
-        from huggingface_hub import snapshot_download
-        return snapshot_download(repo_id=spec, local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - not cached, or not a repo id: the same advice
-        raise ValueError(f"reward_funcs entry {spec!r} is neither a 'module:function', a reward model folder nor a "
-                         f"model id in the local Hugging Face cache: download it first (`hf download {spec} "
-                         "--local-dir models/NAME`) and pass the folder") from e
-
-
-def _tokenizer_folder(processing_class: Any) -> str:
-    """TRL's `processing_class` as a folder: a path, or a tokenizer loaded from a folder, which is read again."""
-    if isinstance(processing_class, (str, os.PathLike)):
-        return os.fspath(processing_class)
-    folder = getattr(processing_class, "name_or_path", None)
-    if not folder or not os.path.isdir(folder):
-        raise ValueError(f"processing_class is a {type(processing_class).__name__} not loaded from a folder: save it "
-                         "with tokenizer.save_pretrained(folder) and pass the folder, or leave it None for the model's")
-    return folder
-
-
 class GRPOTrainer:
     """TRL's `GRPOTrainer`: the same arguments, `.train()` runs `grpo_jax.api.trainer.train`.
 
@@ -230,15 +111,17 @@ class GRPOTrainer:
                 raise ValueError(f"peft_config: {e}") from e
         data_config = config.data
         if processing_class is not None:
-            folder = _tokenizer_folder(processing_class)
+            folder = tokenizer_folder(processing_class)
             if data_config.tokenizer_path not in (None, folder):
                 raise ValueError(f"processing_class={folder!r} and args' data.tokenizer_path="
                                  f"{data_config.tokenizer_path!r} differ: give the tokenizer once")
             data_config = dataclasses.replace(data_config, tokenizer_path=None if folder == path else folder)
         self.args = dataclasses.replace(config, model=model_config, data=data_config)  # checked as a whole again
         # None: args' reward.functions (TRL: reward_funcs may be left out when the environment scores)
-        self.reward_funcs = None if reward_funcs is None else [cached_reward_model(f) for f in (
-            reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])]
+        given = None if reward_funcs is None else list(
+            reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
+        self.reward_funcs = None if given is None else [cached_reward_model(f) for f in given]
+        self.reward_func_names = reward_func_names(given, environment_factory)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.reward_processing_classes, self.tools = reward_processing_classes, tools
         self.environment_factory = environment_factory
@@ -247,6 +130,18 @@ class GRPOTrainer:
         self.model = PolicyView(self)
         self.use_vllm = False  # TRL's flags scripts and tests read: grpo_jax samples with its own sampler
         self.entropy_coef = self.args.loss.entropy_coef
+
+    @property
+    def reward_weights(self):
+        """TRL's: one weight per name in `reward_func_names` (`reward.weights`, else 1 each; 1 for an environment's
+        `get_reward`), a torch tensor when torch is installed."""
+        weights = list(self.args.reward.weights or [1.0] * len(self.reward_funcs or []))
+        weights += [1.0] * (len(self.reward_func_names) - len(weights))
+        try:
+            import torch
+        except ImportError:
+            return weights
+        return torch.tensor(weights, dtype=torch.float32)
 
     def get_high_entropy_mask(self, entropies, mask, threshold: float):
         """TRL's method on torch tensors: True where a valid token's entropy is >= the ``threshold`` quantile of the

@@ -110,10 +110,10 @@ def test_a_model_object_trains_as_its_folder_and_trainer_model_reads_the_weights
     import hf_fixtures
 
     from grpo_jax import GRPOConfig, GRPOTrainer
-    from grpo_jax.api import trl_api
+    from grpo_jax.api import trl_inputs
     from grpo_jax.data import task
 
-    monkeypatch.setattr(trl_api, "MODEL_CACHE", tmp_path / "cache")
+    monkeypatch.setattr(trl_inputs, "MODEL_CACHE", tmp_path / "cache")
     model = hf_fixtures.build_model("qwen2", tied=True)
     folder = hf_fixtures.save_model(model, tmp_path / "hf")
     task.build_tokenizer(folder)
@@ -222,3 +222,54 @@ def test_trainer_model_reads_submodules_as_transformers_nests_them(tmp_path, tie
     for missing in ("nope", "model.nope"):
         with pytest.raises(AttributeError, match="the policy has no module"):
             eval(f"view.{missing}")
+
+
+class _Scorer:
+    def __call__(self, completions, **kwargs):
+        return [0.0] * len(completions)
+
+
+class _Counter:
+    def reset(self, **kwargs):
+        return None
+
+    def get_reward(self) -> float:
+        return 1.0
+
+
+def test_reward_func_names_and_weights_are_trls(tmp_path):
+    """`reward_func_names` and `reward_weights` as TRL 1.16's GRPOTrainer sets them, for a function, a partial, a
+    callable object and a reward model folder; an environment class with `get_reward` adds its name, weight 1."""
+    import functools
+
+    torch = pytest.importorskip("torch")
+    trl = pytest.importorskip("trl")
+    import datasets
+    import hf_fixtures
+    import transformers
+    from trl_tools import qwen_tokenizer
+
+    from grpo_jax import GRPOConfig, GRPOTrainer
+
+    tokenizer = qwen_tokenizer()
+    policy = hf_fixtures.save_model(hf_fixtures.build_model("qwen2", tied=True, vocab_size=len(tokenizer)),
+                                    tmp_path / "policy")
+    tokenizer.save_pretrained(policy)
+    config = transformers.Qwen2Config(vocab_size=len(tokenizer), hidden_size=8, num_attention_heads=2,
+                                      num_key_value_heads=1, num_hidden_layers=1, intermediate_size=16,
+                                      num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    scorer = str(tmp_path / "my-scorer")
+    transformers.Qwen2ForSequenceClassification(config).save_pretrained(scorer)
+    tokenizer.save_pretrained(scorer)
+    funcs = [answer_reward, functools.partial(answer_reward, answer=["1"]), _Scorer(), scorer]
+    theirs = trl.GRPOTrainer(model=policy, reward_funcs=list(funcs), train_dataset=datasets.Dataset.from_list(ROWS),
+                             args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none",
+                                                 per_device_train_batch_size=2, num_generations=2,
+                                                 reward_weights=[1.0, 0.5, 2.0, 0.25]))
+    ours = GRPOTrainer(model=policy, reward_funcs=funcs, args=GRPOConfig(reward_weights=[1.0, 0.5, 2.0, 0.25]))
+    assert ours.reward_func_names == theirs.reward_func_names == ["answer_reward", "answer_reward", "_Scorer",
+                                                                   "my-scorer"]
+    assert torch.equal(ours.reward_weights, theirs.reward_weights)
+    with_env = GRPOTrainer(model=policy, reward_funcs=[answer_reward], environment_factory=_Counter)
+    assert with_env.reward_func_names == ["answer_reward", "_Counter"]
+    assert with_env.reward_weights.tolist() == [1.0, 1.0]
