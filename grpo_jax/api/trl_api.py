@@ -20,6 +20,7 @@ from grpo_jax.api.arguments import check_arguments
 from grpo_jax.api.trl_inputs import cached_reward_model, lora_options, model_folder, reward_func_names, tokenizer_folder
 from grpo_jax.api.trl_state import PolicyView, TrainerState, residual_means, trl_checkpoint, trl_line
 from grpo_jax.config import Config, LoRAConfig, make_config, trl_keys
+from grpo_jax.config.sections import TASK_REWARDS
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "lora_options", "model_folder"]  # what a script reads back: `trl_state`
 
@@ -122,6 +123,11 @@ class GRPOTrainer:
             reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
         self.reward_funcs = None if given is None else [cached_reward_model(f) for f in given]
         self.reward_func_names = reward_func_names(given, environment_factory)
+        if train_dataset is not None and reward_funcs is None and environment_factory is None \
+                and self.args.reward.functions == TASK_REWARDS:
+            # the embedded task's rewards score its own rows only: TRL's check, for a script's own data
+            raise ValueError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
+                             "environment defines a `get_reward` method.")
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.reward_processing_classes, self.tools = reward_processing_classes, tools
         self.environment_factory = environment_factory

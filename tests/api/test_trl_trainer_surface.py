@@ -273,3 +273,16 @@ def test_reward_func_names_and_weights_are_trls(tmp_path):
     with_env = GRPOTrainer(model=policy, reward_funcs=[answer_reward], environment_factory=_Counter)
     assert with_env.reward_func_names == ["answer_reward", "_Counter"]
     assert with_env.reward_weights.tolist() == [1.0, 1.0]
+
+
+def test_a_dataset_without_a_reward_source_is_trls_error(tmp_path):
+    """TRL 1.16: no `reward_funcs` and no environment's `get_reward` is refused at construction; the embedded task
+    (no dataset) keeps its own rewards, and args' reward.functions count as a source."""
+    from grpo_jax import GRPOConfig, GRPOTrainer
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    with pytest.raises(ValueError, match="No reward source provided. Pass `reward_funcs`"):
+        GRPOTrainer(model=str(folder), train_dataset=ROWS)
+    assert GRPOTrainer(model=str(folder)).reward_funcs is None  # the embedded task
+    GRPOTrainer(model=str(folder), train_dataset=ROWS, args=GRPOConfig(reward_funcs=["my.module:score"]))
