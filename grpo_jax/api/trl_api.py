@@ -31,6 +31,8 @@ TRL_DEFAULTS = {"beta": 0.0, "loss_type": "dapo", "use_bias_correction_kl": True
                 "lr_scheduler_type": "linear", "adam_beta2": 0.999, "per_device_train_batch_size": 8,
                 "max_completion_length": 512, "num_train_epochs": 3.0, "max_steps": -1, "seed": 42,
                 "logging_steps": 10, "save_total_limit": None}
+# how TRL's trainer behaves where a key of ours chooses: it goes on through steps of gradient norm 0 (the CLI stops)
+TRL_BEHAVIOUR = {"train.stop_on_zero_gradient": False}
 # a default that another key given by the script replaces (its rows per step, its own step count)
 _REPLACED_BY = {"per_device_train_batch_size": ("train_batch_size", "train.train_batch_size")}
 
@@ -55,6 +57,7 @@ def GRPOConfig(**kwargs: Any) -> Config:  # noqa: N802 - TRL's name for what bui
         dotted = trl_keys.ALIASES.get(name, name)
         if not given & {name, dotted, *_REPLACED_BY.get(name, ())}:
             defaults[name] = value
+    defaults.update({name: value for name, value in TRL_BEHAVIOUR.items() if name not in given})
     return make_config(**defaults, **kwargs)
 
 
