@@ -18,7 +18,7 @@ from typing import Any
 
 from grpo_jax.api.arguments import check_arguments
 from grpo_jax.api.trl_inputs import cached_reward_model, lora_options, model_folder, reward_func_names, tokenizer_folder
-from grpo_jax.api.trl_state import PolicyView, TrainerState, residual_means, trl_checkpoint, trl_line
+from grpo_jax.api.trl_state import PolicyView, TrainerState, TRLArgs, residual_means, trl_checkpoint, trl_line
 from grpo_jax.config import Config, LoRAConfig, make_config, trl_keys
 from grpo_jax.config.sections import TASK_REWARDS
 
@@ -58,7 +58,7 @@ def GRPOConfig(**kwargs: Any) -> Config:  # noqa: N802 - TRL's name for what bui
         if not given & {name, dotted, *_REPLACED_BY.get(name, ())}:
             defaults[name] = value
     defaults.update({name: value for name, value in TRL_BEHAVIOUR.items() if name not in given})
-    return make_config(**defaults, **kwargs)
+    return TRLArgs.of(make_config(**defaults, **kwargs))
 
 
 def _use_cpu() -> None:
@@ -120,7 +120,8 @@ class GRPOTrainer:
                 raise ValueError(f"processing_class={folder!r} and args' data.tokenizer_path="
                                  f"{data_config.tokenizer_path!r} differ: give the tokenizer once")
             data_config = dataclasses.replace(data_config, tokenizer_path=None if folder == path else folder)
-        self.args = dataclasses.replace(config, model=model_config, data=data_config)  # checked as a whole again
+        # checked as a whole again; TRL's names read too (`args.beta`)
+        self.args = TRLArgs.of(dataclasses.replace(config, model=model_config, data=data_config))
         # None: args' reward.functions (TRL: reward_funcs may be left out when the environment scores)
         given = None if reward_funcs is None else list(
             reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])

@@ -1,6 +1,6 @@
-"""What a TRL script reads back from a `GRPOTrainer` (`grpo_jax.api.trl_api`): `trainer.model` as a view of the
-policy's weights, `trainer.state` and its `log_history` under TRL's metric names, TRL's `checkpoint-N` folders. No
-jax: the weights are read from Hugging Face folders.
+"""What a TRL script reads back from a `GRPOTrainer` (`grpo_jax.api.trl_api`): `trainer.args` under TRL's names too,
+`trainer.model` as a view of the policy's weights, `trainer.state` and its `log_history` under TRL's metric names,
+TRL's `checkpoint-N` folders. No jax: the weights are read from Hugging Face folders.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import os
 import re
 import shutil
 from pathlib import Path
+
+from grpo_jax.config import Config, trl_keys
 
 CHECKPOINTS_DIR = "checkpoints"  # `grpo_jax.io.checkpoint.CHECKPOINTS`, named here without importing jax
 
@@ -27,6 +29,34 @@ def residual_means(history: list[dict], last_step: int, logging_steps: int) -> d
     keys = dict.fromkeys(k for line in lines for k, v in line.items()
                          if k not in _TRAINER_LOGS and isinstance(v, (int, float)) and not isinstance(v, bool))
     return {k: sum(line[k] for line in lines if k in line) / sum(k in line for line in lines) for k in keys}
+
+
+# TRL names of what grpo_jax does one way only, and the value that says so
+TRL_FIXED = {"dataloader_num_workers": 0}  # rows are read in the training process: no loader workers
+
+
+class TRLArgs(Config):
+    """The run's `Config` (`GRPOConfig(...)`, `trainer.args`) that also reads TRL's names: `args.beta` is
+    `args.loss.beta` (`trl_keys.ALIASES`), and `dataloader_num_workers` is 0 (`TRL_FIXED`). A dataclass like
+    `Config`, equal field for field; `dataclasses.replace` keeps the class."""
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, config: Config) -> "TRLArgs":
+        return config if isinstance(config, cls) else cls(**{f.name: getattr(config, f.name)
+                                                              for f in dataclasses.fields(config)})
+
+    def __getattr__(self, name: str):  # only names that are not our fields: TRL's
+        if name in trl_keys.ALIASES:
+            value = self
+            for part in trl_keys.ALIASES[name].split("."):
+                value = getattr(value, part)
+            return value
+        if name in TRL_FIXED:
+            return TRL_FIXED[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r} (neither a key of grpo_jax's Config "
+                             "nor a TRL name with a counterpart here: see docs/configuration.md)")
 
 
 class PolicyView:

@@ -286,3 +286,25 @@ def test_a_dataset_without_a_reward_source_is_trls_error(tmp_path):
         GRPOTrainer(model=str(folder), train_dataset=ROWS)
     assert GRPOTrainer(model=str(folder)).reward_funcs is None  # the embedded task
     GRPOTrainer(model=str(folder), train_dataset=ROWS, args=GRPOConfig(reward_funcs=["my.module:score"]))
+
+
+def test_args_read_trls_names_as_trls_config_holds_them(tmp_path):
+    """`trainer.args.beta` (TRL scripts read their config back) is what TRL 1.16's GRPOConfig holds for the same
+    keywords; `args` stays a `Config`, `dataclasses.replace` keeps the view; a name with no counterpart says so."""
+    import dataclasses
+
+    trl = pytest.importorskip("trl")
+    from grpo_jax import Config, GRPOConfig, GRPOTrainer
+
+    given = dict(beta=0.1, num_generations=4, learning_rate=0.1, max_completion_length=8, temperature=0.7,
+                 per_device_train_batch_size=4, gradient_accumulation_steps=2, loss_type="grpo", epsilon=0.3)
+    theirs = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none", **given)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    args = GRPOTrainer(model=str(folder), reward_funcs=answer_reward, args=GRPOConfig(**given)).args
+    for name in (*given, "adam_beta2", "top_k", "top_p", "num_iterations"):
+        assert getattr(args, name) == getattr(theirs, name), name
+    assert args.dataloader_num_workers == 0  # grpo_jax reads rows in the training process
+    assert isinstance(args, Config) and dataclasses.replace(args, seed=1).beta == 0.1
+    with pytest.raises(AttributeError, match="no attribute 'use_vllm_magic'"):
+        args.use_vllm_magic
