@@ -139,21 +139,23 @@ def build_models(hub: Path) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     from trl_tools import qwen_tokenizer
 
-    tokenizer = qwen_tokenizer()
     for i, (name, (config_cls, model_cls, extra)) in enumerate(MODELS.items()):
         repo = hub / f"models--{ORG}--{name}"
         if (repo / "refs" / "main").is_file():  # built by an earlier run
             continue
+        tokenizer = qwen_tokenizer()
+        if "Llama" in name:  # Llama 3.2's padding token, which TRL's tests set by name
+            tokenizer.add_special_tokens({"additional_special_tokens": ["<|finetune_right_pad_id|>"]})
         commit = f"{i + 1:040x}"
         folder = repo / "snapshots" / commit
         folder.mkdir(parents=True, exist_ok=True)
-        (repo / "refs").mkdir(exist_ok=True)
-        (repo / "refs" / "main").write_text(commit)
         torch.manual_seed(i)
         config = getattr(transformers, config_cls)(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                                                    eos_token_id=tokenizer.eos_token_id, **TINY, **extra)
         getattr(transformers, model_cls)(config).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(commit)  # last: a stopped build is rebuilt
 
 
 def build(out: Path, trl_git: str) -> Path:
