@@ -230,24 +230,34 @@ class GRPOTrainer:
         return Output(summary["steps"], train_loss, {**summary, "train_runtime": history[-1]["train_runtime"],
                                                      "train_loss": train_loss})
 
-    def evaluate(self) -> dict:
-        """TRL's `evaluate()`: the held-out evaluation (`eval.*`: eval_dataset or the held-out rows) under TRL's
-        `eval_` names. After `train()` the one the run made at its last step; before, the model as given (as TRL's
-        evaluates `self.model`, not a checkpoint `train()` may resume from)."""
-        if self._output_dir is None:
-            return self._evaluate_start()
-        evaluations = [line for line in self.state.log_history if any(k.startswith("eval_") for k in line)]
-        if not evaluations:
-            raise ValueError("evaluate() needs an evaluation: give eval_dataset (or eval.num_examples > 0) so the "
-                             "run evaluates its policy")
-        return dict(evaluations[-1])
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        """TRL's `evaluate()`: the held-out evaluation (`eval.*`) under TRL's names (`eval_` prefix, or
+        `metric_key_prefix`). `eval_dataset` (TRL's: one dataset, or a dict of them, each under
+        `<prefix>_<name>_`) evaluates the params as they are now (the model as given before `train()`, the trained
+        ones after); None: the trainer's own, after `train()` the evaluation the run made at its last step.
+        `ignore_keys` (model outputs TRL leaves out of its predictions) has nothing to leave out here."""
+        if isinstance(eval_dataset, Mapping):
+            out = {}
+            for name, dataset in eval_dataset.items():
+                out.update(self.evaluate(dataset, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return out
+        if eval_dataset is None and self._output_dir is not None:
+            evaluations = [line for line in self.state.log_history if any(k.startswith("eval_") for k in line)]
+            if not evaluations:
+                raise ValueError("evaluate() needs an evaluation: give eval_dataset (or eval.num_examples > 0) so the "
+                                 "run evaluates its policy")
+            metrics = dict(evaluations[-1])
+        else:
+            metrics = self._evaluate_now(self.eval_dataset if eval_dataset is None else eval_dataset)
+        prefix = metric_key_prefix + "_"
+        return {prefix + k[len("eval_"):] if k.startswith("eval_") else k: v for k, v in metrics.items()}
 
-    def _evaluate_start(self) -> dict:
-        """`evaluate()` before `train()`: builds the run (its lock held meanwhile) and evaluates its starting
-        params."""
+    def _evaluate_now(self, eval_dataset) -> dict:
+        """Builds the run (its lock held meanwhile; after `train()` it resumes the trained state) and evaluates its
+        params on `eval_dataset`'s rows."""
         from grpo_jax.api import trainer
 
-        run, state, held = trainer.build(self.args, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
+        run, state, held = trainer.build(self.args, train_dataset=self.train_dataset, eval_dataset=eval_dataset,
                                          reward_funcs=self.reward_funcs, tools=self.tools,
                                          environment_factory=self.environment_factory,
                                          reward_processing_classes=self.reward_processing_classes)
@@ -255,6 +265,12 @@ class GRPOTrainer:
         try:
             if not run.eval_rows:
                 raise ValueError("evaluate() needs held-out rows: give eval_dataset (or eval.num_examples > 0)")
+            if self._output_dir is not None:  # trained: its newest checkpoint, the state train() ended with
+                from grpo_jax.io import checkpoint
+
+                mngr = checkpoint.manager(run.output_dir, save_total_limit=run.config.save_total_limit)
+                restored = checkpoint.restore_latest(mngr, state, keep_ref=run.keep_ref)
+                state = state if restored is None else restored[1]
             toolbox = trainer.open_toolbox(run.tooling)
             step = int(state.step)
             metrics = trainer.evaluate(run, state.params, step, toolbox=toolbox)

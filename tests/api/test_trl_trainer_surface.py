@@ -96,6 +96,14 @@ def test_evaluate_before_train_is_the_runs_step_0_evaluation(tmp_path):
     logged = [line for line in trainer.state.log_history if line.get("step") == 0 and "eval_greedy/answer_reward"
               in line]
     assert logged == [before]
+    # TRL's evaluate(eval_dataset): the params as they are now (trained), a dict of datasets each under its name
+    again = trainer.evaluate(eval_dataset={"a": ROWS[:4], "b": ROWS[4:8]})
+    assert again["step"] == 1 and {"eval_a_greedy/answer_reward", "eval_b_greedy/answer_reward"} <= again.keys()
+    final = [line for line in trainer.state.log_history if line.get("step") == 1 and "eval_greedy/answer_reward"
+             in line]
+    assert again["eval_a_greedy/answer_reward"] == final[-1]["eval_greedy/answer_reward"]  # the run's held-out rows
+    assert trainer.evaluate(ROWS[:4], metric_key_prefix="test")["test_greedy/answer_reward"] == \
+        final[-1]["eval_greedy/answer_reward"]
     bare = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS,
                        args=GRPOConfig(**{**args, "output_dir": str(tmp_path / "bare")}, **{"eval.num_examples": 0}))
     with pytest.raises(ValueError, match="evaluate.. needs held-out rows: give eval_dataset"):
