@@ -249,6 +249,18 @@ def main() -> None:
     summary = summarize(done, label, len(ids), len(sample))
     (args.out / ("summary_trl.json" if args.trl else "summary.json")).write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "tests"}, indent=1))
+    ours, theirs = args.out / "summary.json", args.out / "summary_trl.json"
+    if ours.is_file() and theirs.is_file():
+        print(json.dumps(compare(json.loads(ours.read_text()), json.loads(theirs.read_text())), indent=1))
+
+
+def compare(ours: dict, theirs: dict) -> dict:
+    """Of the tests TRL passes itself (the denominator), how many pass with grpo_jax, and each one that does not."""
+    passed = [t for t, outcome in theirs["tests"].items() if outcome == "passed" and t in ours["tests"]]
+    return {"trl_passes": len(passed), "grpo_jax_passes_of_those": sum(ours["tests"][t] == "passed" for t in passed),
+            "not_passing": {t: ours["tests"][t] for t in passed if ours["tests"][t] != "passed"},
+            "passing_where_trl_does_not": [t for t, o in ours["tests"].items()
+                                           if o == "passed" and theirs["tests"].get(t, "passed") != "passed"]}
 
 
 if __name__ == "__main__":
