@@ -100,8 +100,10 @@ class GRPOTrainer:
         if not isinstance(config, Config):
             raise ValueError(f"args is a {type(config).__name__}: build it with grpo_jax's GRPOConfig(...), which "
                              "takes TRL's GRPOConfig keywords")
-        check_arguments(config, reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                        tools=tools, environment_factory=environment_factory)
+        check_arguments(config, reward_funcs=reward_funcs, train_dataset=train_dataset, tools=tools,
+                        environment_factory=environment_factory)
+        for name, dataset in (eval_dataset.items() if isinstance(eval_dataset, Mapping) else [(None, eval_dataset)]):
+            check_arguments(config, eval_dataset=held_out(dataset, name))  # TRL: a dict of them, each by name
         path = model_folder(model)
         if config.model.path not in (None, path):
             raise ValueError(f"model={path!r} and args' model.path={config.model.path!r} differ: give the model once")
@@ -205,7 +207,10 @@ class GRPOTrainer:
             config = dataclasses.replace(config, resume_from_checkpoint=resume_from_checkpoint)
         config = dataclasses.replace(config, resume_from_checkpoint=trl_checkpoint(config.resume_from_checkpoint))
         started = time.perf_counter()
-        summary = trainer.train(config, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
+        if isinstance(self.eval_dataset, Mapping):
+            raise ValueError(f"eval_dataset is a dict of {len(self.eval_dataset)} datasets: a run evaluates one "
+                             "held-out set; give one (trainer.evaluate(eval_dataset=...) evaluates each of a dict)")
+        summary = trainer.train(config, train_dataset=self.train_dataset, eval_dataset=held_out(self.eval_dataset),
                                 reward_funcs=self.reward_funcs,
                                 reward_processing_classes=self.reward_processing_classes, tools=self.tools,
                                 environment_factory=self.environment_factory)
@@ -248,7 +253,9 @@ class GRPOTrainer:
                                  "run evaluates its policy")
             metrics = dict(evaluations[-1])
         else:
-            metrics = self._evaluate_now(self.eval_dataset if eval_dataset is None else eval_dataset)
+            if eval_dataset is None and isinstance(self.eval_dataset, Mapping):
+                return self.evaluate(self.eval_dataset, ignore_keys, metric_key_prefix)
+            metrics = self._evaluate_now(held_out(self.eval_dataset if eval_dataset is None else eval_dataset))
         prefix = metric_key_prefix + "_"
         return {prefix + k[len("eval_"):] if k.startswith("eval_") else k: v for k, v in metrics.items()}
 
@@ -290,6 +297,16 @@ class GRPOTrainer:
         if output_dir is None or Path(output_dir).resolve() in (final.resolve(), Path(self._output_dir).resolve()):
             return  # the run's own folder: the policy is in final/ already, beside the checkpoints
         shutil.copytree(final, output_dir, dirs_exist_ok=True)
+
+
+def held_out(dataset: Any, name: str | None = None) -> Any:
+    """A held-out set as the run reads it: a streamed `datasets.IterableDataset` (TRL's `streaming=True`) as its
+    rows (a held-out set is finite); anything else as it is. ``name``: its key in a dict of them, for messages."""
+    if type(dataset).__name__ == "IterableDataset" and hasattr(dataset, "__iter__"):
+        return list(dataset)
+    if name is not None and isinstance(dataset, Mapping):
+        raise ValueError(f"eval_dataset[{name!r}] is a {type(dataset).__name__}: give a dataset per name")
+    return dataset
 
 
 logger = logging.getLogger("trl.trainer.grpo_trainer")  # TRL's logger, so a script's log filters apply

@@ -316,3 +316,25 @@ def test_args_read_trls_names_as_trls_config_holds_them(tmp_path):
     assert isinstance(args, Config) and dataclasses.replace(args, seed=1).beta == 0.1
     with pytest.raises(AttributeError, match="no attribute 'use_vllm_magic'"):
         args.use_vllm_magic
+
+
+def test_eval_dataset_as_trl_takes_it(tmp_path):
+    """TRL's eval_dataset forms: a dict of datasets (kept as given, each checked; `train()` evaluates one held-out
+    set and says so before anything is built) and a streamed dataset (kept as given, read as its rows)."""
+    datasets = pytest.importorskip("datasets")
+    from grpo_jax import GRPOTrainer
+    from grpo_jax.api.trl_api import held_out
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    rows = datasets.Dataset.from_list(ROWS)
+    stream = rows.to_iterable_dataset()
+    assert GRPOTrainer(model=str(folder), reward_funcs=answer_reward, eval_dataset=stream).eval_dataset is stream
+    assert held_out(stream) == ROWS
+    both = {"data1": rows, "data2": stream}
+    trainer = GRPOTrainer(model=str(folder), reward_funcs=answer_reward, train_dataset=ROWS, eval_dataset=both)
+    assert trainer.eval_dataset is both
+    with pytest.raises(ValueError, match="eval_dataset is a dict of 2 datasets: a run evaluates one held-out set"):
+        trainer.train()
+    with pytest.raises(TypeError, match=r"eval_dataset is a int \(3\)"):
+        GRPOTrainer(model=str(folder), reward_funcs=answer_reward, eval_dataset={"a": 3})
