@@ -129,6 +129,10 @@ class GRPOTrainer:
             reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
         self.reward_funcs = None if given is None else [cached_reward_model(f) for f in given]
         self.reward_func_names = reward_func_names(given, environment_factory)
+        if train_dataset is None and isinstance(environment_factory, Mapping):  # TRL's check: nothing routes rows
+            raise ValueError("A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with an "
+                             "`environment` column to route each example to its environment. Provide a dataset, or "
+                             "pass a single environment factory.")
         if train_dataset is not None and reward_funcs is None and environment_factory is None \
                 and self.args.reward.functions == TASK_REWARDS:
             # the embedded task's rewards score its own rows only: TRL's check, for a script's own data

@@ -294,6 +294,8 @@ def test_a_dataset_without_a_reward_source_is_trls_error(tmp_path):
         GRPOTrainer(model=str(folder), train_dataset=ROWS)
     assert GRPOTrainer(model=str(folder)).reward_funcs is None  # the embedded task
     GRPOTrainer(model=str(folder), train_dataset=ROWS, args=GRPOConfig(reward_funcs=["my.module:score"]))
+    with pytest.raises(ValueError, match="multiple environments. requires a `train_dataset` with an `environment`"):
+        GRPOTrainer(model=str(folder), reward_funcs=answer_reward, environment_factory={"a": _Counter, "b": _Counter})
 
 
 def test_args_read_trls_names_as_trls_config_holds_them(tmp_path):
