@@ -8,8 +8,11 @@ writes OUT/port/ (the test file, TRL's testing utils with TRL 1.16 fallbacks, a 
 OUT/hf/hub (a Hugging Face cache holding the tiny models: TRL's tiny-model configs, `tests/trl_tools.qwen_tokenizer`'s
 ~500-token byte-level BPE with Qwen2.5's chat template standing in for Qwen's tokenizer), OUT/data (the
 `trl-internal-testing/zen` configurations as `datasets` folders with its columns), then runs every Nth test by
-collection order and writes OUT/summary.json (passed / failed / skipped, the failures grouped by their first line).
-Needs torch, trl and datasets; not run in CI (hours for the whole file on a CPU).
+collection order (`--match`: those whose id holds a string) in chunks of `--chunk` tests, one pytest process each,
+whose junit files are kept (a stopped run keeps its finished chunks; the same command continues), and writes
+OUT/summary.json (passed / failed / skipped, the failures grouped by their first line, each test's outcome).
+`--trl` runs the same sample against TRL itself (OUT/summary_trl.json): the denominator, the tests TRL passes here.
+Needs torch, trl and datasets; not run in CI (hours for the whole file on a CPU). Measured samples: results.md.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ from __future__ import annotations
 import argparse
 import codecs
 import collections
+import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -40,6 +45,14 @@ MODELS = {
                                   "head_dim": 128}),
     "tiny-LlamaForCausalLM-3.2": ("LlamaConfig", "LlamaForCausalLM", {}),
     "tiny-Gemma2ForCausalLM": ("Gemma2Config", "Gemma2ForCausalLM", {}),
+    "tiny-LlamaForSequenceClassification-3.2": ("LlamaConfig", "LlamaForSequenceClassification", {"num_labels": 1}),
+    "tiny-MistralForCausalLM-0.2": ("MistralConfig", "MistralForCausalLM", {}),
+    # families grpo_jax does not implement: TRL trains them, so they count in the denominator
+    "tiny-Cohere2ForCausalLM": ("Cohere2Config", "Cohere2ForCausalLM", {}),
+    "tiny-Glm4MoeForCausalLM": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {"n_routed_experts": 4, "num_experts_per_tok": 2,
+                                                                         "first_k_dense_replace": 1}),
+    "tiny-GptOssForCausalLM": ("GptOssConfig", "GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                                     "head_dim": 2}),
 }
 SWAP = ("from trl import GRPOConfig, GRPOTrainer", "from grpo_jax import GRPOConfig, GRPOTrainer")
 
@@ -72,6 +85,22 @@ def load_dataset(path, name=None, *args, split=None, streaming=False, **kwargs):
 
 
 datasets.load_dataset = load_dataset
+'''
+
+# TRL's GRPOConfig defaults to bf16, which transformers refuses on a CPU unless use_cpu is set (TRL's CI has a GPU)
+TRL_ON_CPU = '''
+
+import trl  # noqa: E402
+
+_post_init = trl.GRPOConfig.__post_init__
+
+
+def _on_cpu(self):
+    self.use_cpu = True
+    _post_init(self)
+
+
+trl.GRPOConfig.__post_init__ = _on_cpu
 '''
 
 
@@ -110,19 +139,23 @@ def build_models(hub: Path) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     from trl_tools import qwen_tokenizer
 
-    tokenizer = qwen_tokenizer()
     for i, (name, (config_cls, model_cls, extra)) in enumerate(MODELS.items()):
         repo = hub / f"models--{ORG}--{name}"
+        if (repo / "refs" / "main").is_file():  # built by an earlier run
+            continue
+        tokenizer = qwen_tokenizer()
+        if "Llama" in name:  # Llama 3.2's padding token, which TRL's tests set by name
+            tokenizer.add_special_tokens({"additional_special_tokens": ["<|finetune_right_pad_id|>"]})
         commit = f"{i + 1:040x}"
         folder = repo / "snapshots" / commit
         folder.mkdir(parents=True, exist_ok=True)
-        (repo / "refs").mkdir(exist_ok=True)
-        (repo / "refs" / "main").write_text(commit)
         torch.manual_seed(i)
         config = getattr(transformers, config_cls)(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                                                    eos_token_id=tokenizer.eos_token_id, **TINY, **extra)
         getattr(transformers, model_cls)(config).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(commit)  # last: a stopped build is rebuilt
 
 
 def build(out: Path, trl_git: str) -> Path:
@@ -140,11 +173,33 @@ def build(out: Path, trl_git: str) -> Path:
     (port / "__init__.py").write_text("")
     hub, data = out / "hf" / "hub", out / "data"
     (port / "conftest.py").write_text(CONFTEST.format(hub=str(hub), data=str(data)))
-    if not hub.is_dir():
-        build_models(hub)
+    build_models(hub)
     if not data.is_dir():
         build_data(data)
     return port
+
+
+def summarize(reports: list[Path], sample: str, collected: int, run: int) -> dict:
+    """passed / failed / skipped over the chunks' junit files, the failures grouped by their first line, and each
+    test's outcome (its failure's first line, or passed / skipped)."""
+    outcomes, reasons, tests = collections.Counter(), collections.Counter(), {}
+    for report in reports:
+        for case in ET.parse(report).getroot().iter("testcase"):
+            name = case.get("name")
+            failed = case.find("failure") if case.find("failure") is not None else case.find("error")
+            if failed is not None:
+                outcomes["failed"] += 1
+                reason = (failed.get("message") or "").split("\n")[0][:160]
+                reasons[reason] += 1
+                tests[name] = "failed: " + reason
+            elif case.find("skipped") is not None:
+                outcomes["skipped"] += 1
+                tests[name] = "skipped: " + (case.find("skipped").get("message") or "")[:100]
+            else:
+                outcomes["passed"] += 1
+                tests[name] = "passed"
+    return {"collected": collected, "sample": sample, "run": run, **outcomes,
+            "failure_reasons": reasons.most_common(), "tests": tests}
 
 
 def main() -> None:
@@ -154,32 +209,58 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/trl_port"))
     parser.add_argument("--every", type=int, default=8, help="run tests 0, N, 2N, ... of the collection order")
     parser.add_argument("--offset", type=int, default=0)
+    parser.add_argument("--match", default=None, help="only the sampled tests whose id contains this string")
+    parser.add_argument("--chunk", type=int, default=4,
+                        help="tests per pytest process: each chunk's junit file is kept, so a run stopped midway "
+                             "keeps its finished chunks and a rerun with the same sample continues after them")
+    parser.add_argument("--trl", action="store_true",
+                        help="the same sample against TRL itself (the file as TRL ships it): the denominator")
     args = parser.parse_args()
     port = build(args.out, args.trl_git)
+    if args.trl:
+        source = port / "test_grpo_trainer.py"
+        port = args.out / "port_trl"
+        shutil.copytree(args.out / "port", port, dirs_exist_ok=True)
+        (port / "test_grpo_trainer.py").write_text(source.read_text().replace(SWAP[1], SWAP[0]))
+        with open(port / "conftest.py", "a") as f:
+            f.write(TRL_ON_CPU)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(args.out)])}
     collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly",
                                 "-p", "no:cacheprovider", str(port / "test_grpo_trainer.py")],
                                capture_output=True, text=True, env=env, cwd=args.out).stdout
     ids = [line for line in collected.splitlines() if "::" in line]
-    sample = ids[args.offset::args.every]
-    print(f"{len(ids)} tests collected; running {len(sample)} (every {args.every}th from {args.offset})", flush=True)
-    report = args.out / "junit.xml"
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
-                    f"--junitxml={report}", *sample], env=env, cwd=args.out)
-    outcomes, reasons = collections.Counter(), collections.Counter()
-    for case in ET.parse(report).getroot().iter("testcase"):
-        failed = case.find("failure") if case.find("failure") is not None else case.find("error")
-        if failed is not None:
-            outcomes["failed"] += 1
-            reasons[(failed.get("message") or "").split("\n")[0][:160]] += 1
-        elif case.find("skipped") is not None:
-            outcomes["skipped"] += 1
-        else:
-            outcomes["passed"] += 1
-    summary = {"collected": len(ids), "sample": f"every {args.every}th from {args.offset}", "run": len(sample),
-               **outcomes, "failure_reasons": reasons.most_common()}
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(json.dumps(summary, indent=1))
+    sample = [i for i in ids[args.offset::args.every] if args.match is None or args.match in i]
+    label = f"every {args.every}th from {args.offset}" + (f" matching {args.match!r}" if args.match else "") + \
+        (" (TRL itself)" if args.trl else "")
+    print(f"{len(ids)} tests collected; running {len(sample)} ({label})", flush=True)
+    reports = args.out / ("junit_trl" if args.trl else "junit")
+    reports.mkdir(exist_ok=True)
+    done = []
+    for start in range(0, len(sample), args.chunk):
+        chunk = sample[start:start + args.chunk]
+        report = reports / f"{hashlib.sha1(chr(10).join(chunk).encode()).hexdigest()[:16]}.xml"
+        if not report.is_file():  # a chunk finished by an earlier run of the same sample is kept
+            subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+                            f"--junitxml={report}.partial", *chunk], env=env, cwd=args.out)
+            if Path(f"{report}.partial").is_file():
+                Path(f"{report}.partial").replace(report)
+        if report.is_file():
+            done.append(report)
+    summary = summarize(done, label, len(ids), len(sample))
+    (args.out / ("summary_trl.json" if args.trl else "summary.json")).write_text(json.dumps(summary, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k != "tests"}, indent=1))
+    ours, theirs = args.out / "summary.json", args.out / "summary_trl.json"
+    if ours.is_file() and theirs.is_file():
+        print(json.dumps(compare(json.loads(ours.read_text()), json.loads(theirs.read_text())), indent=1))
+
+
+def compare(ours: dict, theirs: dict) -> dict:
+    """Of the tests TRL passes itself (the denominator), how many pass with grpo_jax, and each one that does not."""
+    passed = [t for t, outcome in theirs["tests"].items() if outcome == "passed" and t in ours["tests"]]
+    return {"trl_passes": len(passed), "grpo_jax_passes_of_those": sum(ours["tests"][t] == "passed" for t in passed),
+            "not_passing": {t: ours["tests"][t] for t in passed if ours["tests"][t] != "passed"},
+            "passing_where_trl_does_not": [t for t, o in ours["tests"].items()
+                                           if o == "passed" and theirs["tests"].get(t, "passed") != "passed"]}
 
 
 if __name__ == "__main__":

@@ -171,7 +171,8 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool, too
                 place, lines, completions = _steps(run, place, sampler, stop=lambda: guard.requested,
                                                    max_skipped=config.train.max_nonfinite_steps - skipped)
                 writer.write_steps(lines, completions=completions)
-                skipped = _skipped(writer.history, config.train.max_nonfinite_steps)
+                skipped = _skipped(writer.history, config.train.max_nonfinite_steps,
+                                   config.train.stop_on_zero_gradient)
                 if _due(config.eval.steps, place.step, config.max_steps) and not guard.requested:
                     _evaluate(run, writer, place, toolbox)
                 if _due(config.save_steps, place.step, config.max_steps) and not guard.requested:
@@ -262,9 +263,9 @@ def _due(every: int | None, step: int, max_steps: int) -> bool:
     return bool(every) and step % every == 0 and step < max_steps
 
 
-def _skipped(history: list[dict], max_nonfinite_steps: int) -> int:
+def _skipped(history: list[dict], max_nonfinite_steps: int, zero_gradient: bool = True) -> int:
     """The run's skipped (non-finite) steps so far; a RuntimeError when they stalled it (`preemption.stalled`)."""
-    stalled = preemption.stalled([h for h in history if not is_eval(h)], max_nonfinite_steps)
+    stalled = preemption.stalled([h for h in history if not is_eval(h)], max_nonfinite_steps, zero_gradient)
     if stalled:
         raise RuntimeError(stalled)
     return sum(int(h.get("skipped") or 0) for h in history)

@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from grpo_jax.api.arguments import check_arguments
-from grpo_jax.api.trl_state import PolicyView, TrainerState, residual_means, trl_checkpoint, trl_line
+from grpo_jax.api.trl_inputs import cached_reward_model, lora_options, model_folder, reward_func_names, tokenizer_folder
+from grpo_jax.api.trl_state import PolicyView, TrainerState, TRLArgs, residual_means, trl_checkpoint, trl_line
 from grpo_jax.config import Config, LoRAConfig, make_config, trl_keys
+from grpo_jax.config.sections import TASK_REWARDS
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "lora_options", "model_folder"]  # what a script reads back: `trl_state`
 
@@ -29,6 +31,8 @@ TRL_DEFAULTS = {"beta": 0.0, "loss_type": "dapo", "use_bias_correction_kl": True
                 "lr_scheduler_type": "linear", "adam_beta2": 0.999, "per_device_train_batch_size": 8,
                 "max_completion_length": 512, "num_train_epochs": 3.0, "max_steps": -1, "seed": 42,
                 "logging_steps": 10, "save_total_limit": None}
+# how TRL's trainer behaves where a key of ours chooses: it goes on through steps of gradient norm 0 (the CLI stops)
+TRL_BEHAVIOUR = {"train.stop_on_zero_gradient": False}
 # a default that another key given by the script replaces (its rows per step, its own step count)
 _REPLACED_BY = {"per_device_train_batch_size": ("train_batch_size", "train.train_batch_size")}
 
@@ -53,7 +57,8 @@ def GRPOConfig(**kwargs: Any) -> Config:  # noqa: N802 - TRL's name for what bui
         dotted = trl_keys.ALIASES.get(name, name)
         if not given & {name, dotted, *_REPLACED_BY.get(name, ())}:
             defaults[name] = value
-    return make_config(**defaults, **kwargs)
+    defaults.update({name: value for name, value in TRL_BEHAVIOUR.items() if name not in given})
+    return TRLArgs.of(make_config(**defaults, **kwargs))
 
 
 def _use_cpu() -> None:
@@ -65,126 +70,6 @@ def _use_cpu() -> None:
     if jax.default_backend() != "cpu":
         raise ValueError(f"use_cpu=True but JAX already started on {jax.default_backend()}: build GRPOConfig before "
                          "anything uses JAX, or run with the environment variable JAX_PLATFORMS=cpu")
-
-
-# PEFT's LoraConfig fields with a model.lora counterpart, and their PEFT defaults (a dict leaves some out)
-LORA_KEYS = {"r": ("rank", 8), "lora_alpha": ("alpha", 8), "lora_dropout": ("dropout", 0.0),
-             "target_modules": ("target_modules", None), "use_rslora": ("use_rslora", False),
-             "init_lora_weights": ("init_lora_weights", True)}
-# fields that describe the adapter file or PEFT's runtime, not what is trained: any value does
-LORA_IGNORED = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
-                "inference_mode", "runtime_config"}
-PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's target_modules=None for every supported model_type
-
-
-def lora_options(peft_config: Any) -> dict:
-    """A `peft.LoraConfig` (or a dict of its fields) as `model.lora` keys, PEFT's defaults where a dict leaves a field
-    out. A field grpo_jax cannot honour (DoRA, bias or extra modules trained, per-layer patterns, another task) set
-    away from PEFT's default is a ValueError naming it."""
-    if isinstance(peft_config, Mapping):
-        values, others = dict(peft_config), {k: v for k, v in peft_config.items() if k not in LORA_KEYS}
-    elif dataclasses.is_dataclass(peft_config) and type(peft_config).__name__ == "LoraConfig":
-        values = {name: getattr(peft_config, name) for name in LORA_KEYS}
-        others = {f.name: getattr(peft_config, f.name) for f in dataclasses.fields(peft_config)
-                  if f.name not in LORA_KEYS and getattr(peft_config, f.name) != _default(f)}
-    else:
-        raise ValueError(f"peft_config is a {type(peft_config).__name__}: grpo_jax trains LoRA adapters only; pass a "
-                         "peft.LoraConfig or a dict of its fields (r, lora_alpha, target_modules, ...)")
-    task = str(others.pop("task_type", None) or "CAUSAL_LM")
-    if not task.endswith("CAUSAL_LM"):
-        raise ValueError(f"peft_config.task_type={task!r}: grpo_jax trains causal language models; use CAUSAL_LM")
-    for name, value in others.items():
-        if name not in LORA_IGNORED:
-            raise ValueError(f"peft_config.{name}={value!r} has no counterpart in grpo_jax's LoRA (it honours "
-                             f"{', '.join(LORA_KEYS)}): leave it at PEFT's default")
-    out = {ours: values.get(theirs, default) for theirs, (ours, default) in LORA_KEYS.items()}
-    targets = out["target_modules"]
-    if targets is None:
-        out["target_modules"] = PEFT_DEFAULT_TARGETS
-    elif not isinstance(targets, str):  # PEFT keeps a list as a set: our order, not the set's
-        out["target_modules"] = tuple(sorted(targets))
-    return out
-
-
-def _default(field: dataclasses.Field) -> Any:
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    return field.default
-
-
-MODEL_CACHE = Path("~/.cache/grpo_jax/models")  # model objects saved as folders, by the hash of their weights
-
-
-def saved_model_object(model: Any, cache: str | os.PathLike | None = None) -> str:
-    """A transformers model object (TRL's `model=AutoModelForCausalLM...`) as a Hugging Face folder, as reward model
-    objects are converted: saved with its tokenizer (from its `name_or_path`, when one is there) to
-    `cache/<xxh3 of its config and weights>`, so the same weights give the same folder and a rerun resumes."""
-    import torch
-    import xxhash
-
-    h = xxhash.xxh3_128(model.config.to_json_string(use_diff=False).encode())
-    for name, tensor in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    folder = Path(MODEL_CACHE if cache is None else cache).expanduser() / h.hexdigest()
-    if not (folder / "config.json").is_file():
-        partial = folder.with_name(folder.name + ".partial")
-        model.save_pretrained(partial)
-        name = str(getattr(model.config, "_name_or_path", "") or "")
-        try:
-            from transformers import AutoTokenizer
-            AutoTokenizer.from_pretrained(name, local_files_only=True).save_pretrained(partial)
-        except Exception:  # noqa: BLE001 - no tokenizer beside it: processing_class gives it, or the run says so
-            pass
-        if folder.exists():  # another process saved the same weights meanwhile
-            shutil.rmtree(partial)
-        else:
-            partial.replace(folder)
-    return str(folder)
-
-
-def model_folder(model: Any) -> str:
-    """TRL's `model` as a folder: a local Hugging Face model folder, a model id already in the local Hugging Face
-    cache (never downloaded), or a transformers model object (`saved_model_object`)."""
-    if hasattr(model, "config") and hasattr(model, "state_dict") and hasattr(model, "save_pretrained"):
-        return saved_model_object(model)
-    if not isinstance(model, (str, os.PathLike)):
-        raise ValueError(f"model is a {type(model).__name__}: grpo_jax reads Hugging Face folders into JAX itself; "
-                         "pass a folder, a cached model id or a transformers model object")
-    path = os.fspath(model)
-    if os.path.isdir(path):
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-        return snapshot_download(repo_id=path, local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - not cached, or not a repo id: the same advice
-        raise ValueError(f"model={path!r} is neither a folder nor a model id in the local Hugging Face cache: "
-                         f"download it first (`hf download {path} --local-dir models/NAME`) and pass the folder") from e
-
-
-def cached_reward_model(spec: Any) -> Any:
-    """A reward function as TRL takes it, with a Hub id (`org/name`, no ':') of a reward model in the local Hugging
-    Face cache as its snapshot folder (never downloaded); anything else as it is."""
-    if not isinstance(spec, str) or ":" in spec or os.path.exists(spec) or spec.count("/") != 1:
-        return spec
-    try:
-        from huggingface_hub import snapshot_download
-        return snapshot_download(repo_id=spec, local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - not cached, or not a repo id: the same advice
-        raise ValueError(f"reward_funcs entry {spec!r} is neither a 'module:function', a reward model folder nor a "
-                         f"model id in the local Hugging Face cache: download it first (`hf download {spec} "
-                         "--local-dir models/NAME`) and pass the folder") from e
-
-
-def _tokenizer_folder(processing_class: Any) -> str:
-    """TRL's `processing_class` as a folder: a path, or a tokenizer loaded from a folder, which is read again."""
-    if isinstance(processing_class, (str, os.PathLike)):
-        return os.fspath(processing_class)
-    folder = getattr(processing_class, "name_or_path", None)
-    if not folder or not os.path.isdir(folder):
-        raise ValueError(f"processing_class is a {type(processing_class).__name__} not loaded from a folder: save it "
-                         "with tokenizer.save_pretrained(folder) and pass the folder, or leave it None for the model's")
-    return folder
 
 
 class GRPOTrainer:
@@ -215,8 +100,10 @@ class GRPOTrainer:
         if not isinstance(config, Config):
             raise ValueError(f"args is a {type(config).__name__}: build it with grpo_jax's GRPOConfig(...), which "
                              "takes TRL's GRPOConfig keywords")
-        check_arguments(config, reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                        tools=tools, environment_factory=environment_factory)
+        check_arguments(config, reward_funcs=reward_funcs, train_dataset=train_dataset, tools=tools,
+                        environment_factory=environment_factory)
+        for name, dataset in (eval_dataset.items() if isinstance(eval_dataset, Mapping) else [(None, eval_dataset)]):
+            check_arguments(config, eval_dataset=held_out(dataset, name))  # TRL: a dict of them, each by name
         path = model_folder(model)
         if config.model.path not in (None, path):
             raise ValueError(f"model={path!r} and args' model.path={config.model.path!r} differ: give the model once")
@@ -230,15 +117,27 @@ class GRPOTrainer:
                 raise ValueError(f"peft_config: {e}") from e
         data_config = config.data
         if processing_class is not None:
-            folder = _tokenizer_folder(processing_class)
+            folder = tokenizer_folder(processing_class)
             if data_config.tokenizer_path not in (None, folder):
                 raise ValueError(f"processing_class={folder!r} and args' data.tokenizer_path="
                                  f"{data_config.tokenizer_path!r} differ: give the tokenizer once")
             data_config = dataclasses.replace(data_config, tokenizer_path=None if folder == path else folder)
-        self.args = dataclasses.replace(config, model=model_config, data=data_config)  # checked as a whole again
+        # checked as a whole again; TRL's names read too (`args.beta`)
+        self.args = TRLArgs.of(dataclasses.replace(config, model=model_config, data=data_config))
         # None: args' reward.functions (TRL: reward_funcs may be left out when the environment scores)
-        self.reward_funcs = None if reward_funcs is None else [cached_reward_model(f) for f in (
-            reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])]
+        given = None if reward_funcs is None else list(
+            reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
+        self.reward_funcs = None if given is None else [cached_reward_model(f) for f in given]
+        self.reward_func_names = reward_func_names(given, environment_factory)
+        if train_dataset is None and isinstance(environment_factory, Mapping):  # TRL's check: nothing routes rows
+            raise ValueError("A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with an "
+                             "`environment` column to route each example to its environment. Provide a dataset, or "
+                             "pass a single environment factory.")
+        if train_dataset is not None and reward_funcs is None and environment_factory is None \
+                and self.args.reward.functions == TASK_REWARDS:
+            # the embedded task's rewards score its own rows only: TRL's check, for a script's own data
+            raise ValueError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
+                             "environment defines a `get_reward` method.")
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.reward_processing_classes, self.tools = reward_processing_classes, tools
         self.environment_factory = environment_factory
@@ -247,6 +146,18 @@ class GRPOTrainer:
         self.model = PolicyView(self)
         self.use_vllm = False  # TRL's flags scripts and tests read: grpo_jax samples with its own sampler
         self.entropy_coef = self.args.loss.entropy_coef
+
+    @property
+    def reward_weights(self):
+        """TRL's: one weight per name in `reward_func_names` (`reward.weights`, else 1 each; 1 for an environment's
+        `get_reward`), a torch tensor when torch is installed."""
+        weights = list(self.args.reward.weights or [1.0] * len(self.reward_funcs or []))
+        weights += [1.0] * (len(self.reward_func_names) - len(weights))
+        try:
+            import torch
+        except ImportError:
+            return weights
+        return torch.tensor(weights, dtype=torch.float32)
 
     def get_high_entropy_mask(self, entropies, mask, threshold: float):
         """TRL's method on torch tensors: True where a valid token's entropy is >= the ``threshold`` quantile of the
@@ -300,7 +211,10 @@ class GRPOTrainer:
             config = dataclasses.replace(config, resume_from_checkpoint=resume_from_checkpoint)
         config = dataclasses.replace(config, resume_from_checkpoint=trl_checkpoint(config.resume_from_checkpoint))
         started = time.perf_counter()
-        summary = trainer.train(config, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
+        if isinstance(self.eval_dataset, Mapping):
+            raise ValueError(f"eval_dataset is a dict of {len(self.eval_dataset)} datasets: a run evaluates one "
+                             "held-out set; give one (trainer.evaluate(eval_dataset=...) evaluates each of a dict)")
+        summary = trainer.train(config, train_dataset=self.train_dataset, eval_dataset=held_out(self.eval_dataset),
                                 reward_funcs=self.reward_funcs,
                                 reward_processing_classes=self.reward_processing_classes, tools=self.tools,
                                 environment_factory=self.environment_factory)
@@ -325,24 +239,36 @@ class GRPOTrainer:
         return Output(summary["steps"], train_loss, {**summary, "train_runtime": history[-1]["train_runtime"],
                                                      "train_loss": train_loss})
 
-    def evaluate(self) -> dict:
-        """TRL's `evaluate()`: the held-out evaluation (`eval.*`: eval_dataset or the held-out rows) under TRL's
-        `eval_` names. After `train()` the one the run made at its last step; before, the model as given (as TRL's
-        evaluates `self.model`, not a checkpoint `train()` may resume from)."""
-        if self._output_dir is None:
-            return self._evaluate_start()
-        evaluations = [line for line in self.state.log_history if any(k.startswith("eval_") for k in line)]
-        if not evaluations:
-            raise ValueError("evaluate() needs an evaluation: give eval_dataset (or eval.num_examples > 0) so the "
-                             "run evaluates its policy")
-        return dict(evaluations[-1])
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        """TRL's `evaluate()`: the held-out evaluation (`eval.*`) under TRL's names (`eval_` prefix, or
+        `metric_key_prefix`). `eval_dataset` (TRL's: one dataset, or a dict of them, each under
+        `<prefix>_<name>_`) evaluates the params as they are now (the model as given before `train()`, the trained
+        ones after); None: the trainer's own, after `train()` the evaluation the run made at its last step.
+        `ignore_keys` (model outputs TRL leaves out of its predictions) has nothing to leave out here."""
+        if isinstance(eval_dataset, Mapping):
+            out = {}
+            for name, dataset in eval_dataset.items():
+                out.update(self.evaluate(dataset, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return out
+        if eval_dataset is None and self._output_dir is not None:
+            evaluations = [line for line in self.state.log_history if any(k.startswith("eval_") for k in line)]
+            if not evaluations:
+                raise ValueError("evaluate() needs an evaluation: give eval_dataset (or eval.num_examples > 0) so the "
+                                 "run evaluates its policy")
+            metrics = dict(evaluations[-1])
+        else:
+            if eval_dataset is None and isinstance(self.eval_dataset, Mapping):
+                return self.evaluate(self.eval_dataset, ignore_keys, metric_key_prefix)
+            metrics = self._evaluate_now(held_out(self.eval_dataset if eval_dataset is None else eval_dataset))
+        prefix = metric_key_prefix + "_"
+        return {prefix + k[len("eval_"):] if k.startswith("eval_") else k: v for k, v in metrics.items()}
 
-    def _evaluate_start(self) -> dict:
-        """`evaluate()` before `train()`: builds the run (its lock held meanwhile) and evaluates its starting
-        params."""
+    def _evaluate_now(self, eval_dataset) -> dict:
+        """Builds the run (its lock held meanwhile; after `train()` it resumes the trained state) and evaluates its
+        params on `eval_dataset`'s rows."""
         from grpo_jax.api import trainer
 
-        run, state, held = trainer.build(self.args, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
+        run, state, held = trainer.build(self.args, train_dataset=self.train_dataset, eval_dataset=eval_dataset,
                                          reward_funcs=self.reward_funcs, tools=self.tools,
                                          environment_factory=self.environment_factory,
                                          reward_processing_classes=self.reward_processing_classes)
@@ -350,6 +276,12 @@ class GRPOTrainer:
         try:
             if not run.eval_rows:
                 raise ValueError("evaluate() needs held-out rows: give eval_dataset (or eval.num_examples > 0)")
+            if self._output_dir is not None:  # trained: its newest checkpoint, the state train() ended with
+                from grpo_jax.io import checkpoint
+
+                mngr = checkpoint.manager(run.output_dir, save_total_limit=run.config.save_total_limit)
+                restored = checkpoint.restore_latest(mngr, state, keep_ref=run.keep_ref)
+                state = state if restored is None else restored[1]
             toolbox = trainer.open_toolbox(run.tooling)
             step = int(state.step)
             metrics = trainer.evaluate(run, state.params, step, toolbox=toolbox)
@@ -369,6 +301,16 @@ class GRPOTrainer:
         if output_dir is None or Path(output_dir).resolve() in (final.resolve(), Path(self._output_dir).resolve()):
             return  # the run's own folder: the policy is in final/ already, beside the checkpoints
         shutil.copytree(final, output_dir, dirs_exist_ok=True)
+
+
+def held_out(dataset: Any, name: str | None = None) -> Any:
+    """A held-out set as the run reads it: a streamed `datasets.IterableDataset` (TRL's `streaming=True`) as its
+    rows (a held-out set is finite); anything else as it is. ``name``: its key in a dict of them, for messages."""
+    if type(dataset).__name__ == "IterableDataset" and hasattr(dataset, "__iter__"):
+        return list(dataset)
+    if name is not None and isinstance(dataset, Mapping):
+        raise ValueError(f"eval_dataset[{name!r}] is a {type(dataset).__name__}: give a dataset per name")
+    return dataset
 
 
 logger = logging.getLogger("trl.trainer.grpo_trainer")  # TRL's logger, so a script's log filters apply

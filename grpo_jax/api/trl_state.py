@@ -1,15 +1,18 @@
-"""What a TRL script reads back from a `GRPOTrainer` (`grpo_jax.api.trl_api`): `trainer.model` as a view of the
-policy's weights, `trainer.state` and its `log_history` under TRL's metric names, TRL's `checkpoint-N` folders. No
-jax: the weights are read from Hugging Face folders.
+"""What a TRL script reads back from a `GRPOTrainer` (`grpo_jax.api.trl_api`): `trainer.args` under TRL's names too,
+`trainer.model` as a view of the policy's weights, `trainer.state` and its `log_history` under TRL's metric names,
+TRL's `checkpoint-N` folders. No jax: the weights are read from Hugging Face folders.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shutil
 from pathlib import Path
+
+from grpo_jax.config import Config, trl_keys
 
 CHECKPOINTS_DIR = "checkpoints"  # `grpo_jax.io.checkpoint.CHECKPOINTS`, named here without importing jax
 
@@ -28,6 +31,34 @@ def residual_means(history: list[dict], last_step: int, logging_steps: int) -> d
     return {k: sum(line[k] for line in lines if k in line) / sum(k in line for line in lines) for k in keys}
 
 
+# TRL names of what grpo_jax does one way only, and the value that says so
+TRL_FIXED = {"dataloader_num_workers": 0}  # rows are read in the training process: no loader workers
+
+
+class TRLArgs(Config):
+    """The run's `Config` (`GRPOConfig(...)`, `trainer.args`) that also reads TRL's names: `args.beta` is
+    `args.loss.beta` (`trl_keys.ALIASES`), and `dataloader_num_workers` is 0 (`TRL_FIXED`). A dataclass like
+    `Config`, equal field for field; `dataclasses.replace` keeps the class."""
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, config: Config) -> "TRLArgs":
+        return config if isinstance(config, cls) else cls(**{f.name: getattr(config, f.name)
+                                                              for f in dataclasses.fields(config)})
+
+    def __getattr__(self, name: str):  # only names that are not our fields: TRL's
+        if name in trl_keys.ALIASES:
+            value = self
+            for part in trl_keys.ALIASES[name].split("."):
+                value = getattr(value, part)
+            return value
+        if name in TRL_FIXED:
+            return TRL_FIXED[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r} (neither a key of grpo_jax's Config "
+                             "nor a TRL name with a counterpart here: see docs/configuration.md)")
+
+
 class PolicyView:
     """TRL's `trainer.model` as far as scripts read it: the policy's weights under their Hugging Face names, read
     from the model folder before training and from the run's `final/` after (torch tensors when torch is installed,
@@ -42,6 +73,15 @@ class PolicyView:
         out = self._trainer._output_dir
         return Path(out) / "final" if out is not None else Path(self._trainer.args.model.path)
 
+    @property
+    def device(self):
+        """Where the view's tensors are: the CPU (read from files), as a `torch.device` when torch is installed."""
+        try:
+            import torch
+        except ImportError:
+            return "cpu"
+        return torch.device("cpu")
+
     def named_parameters(self):
         """(name, tensor) of every weight the folder's safetensors files hold, file by file."""
         try:
@@ -54,16 +94,63 @@ class PolicyView:
     def parameters(self):
         return (tensor for _, tensor in self.named_parameters())
 
+    def _names(self) -> list[str]:
+        from safetensors import safe_open  # the keys only: no tensor is read
+        names = []
+        for file in sorted(self.folder.glob("*.safetensors")):
+            with safe_open(file, "numpy") as f:
+                names += list(f.keys())
+        return names
+
+    def _tied(self, name: str) -> str:
+        """``name`` as stored: a tied `lm_head.weight` (config.json's `tie_word_embeddings`) is the embedding's."""
+        config = self.folder / "config.json"
+        if name.endswith("lm_head.weight") and config.is_file() and name not in self._names():
+            hf = json.loads(config.read_text())
+            if hf.get("tie_word_embeddings", hf.get("text_config", {}).get("tie_word_embeddings", False)):
+                return name[:-len("lm_head.weight")] + "model.embed_tokens.weight"
+        return name
+
     def get_parameter(self, name: str):
+        stored = self._tied(name)
         for key, tensor in self.named_parameters():
-            if key == name:
+            if key == stored:
                 return tensor
         raise AttributeError(f"the policy has no parameter {name!r} (its Hugging Face names are those of "
                              f"{self.folder}'s safetensors files)")
 
+    def __getattr__(self, name: str):
+        """A submodule by its Hugging Face path (`trainer.model.lm_head.weight`), as PyTorch's modules nest."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _ModuleView(self, name).check()
+
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
         """The folder (weights, config and tokenizer) copied to `save_directory`."""
         shutil.copytree(self.folder, save_directory, dirs_exist_ok=True)
+
+
+class _ModuleView:
+    """One submodule of a `PolicyView` (its path `prefix`): an attribute is a deeper submodule or, at a leaf, the
+    parameter itself."""
+
+    def __init__(self, policy: PolicyView, prefix: str):
+        self._policy, self._prefix = policy, prefix
+
+    def check(self) -> "_ModuleView":
+        prefix = self._policy._tied(self._prefix + ".weight").rsplit(".", 1)[0]
+        if not any(n.startswith(prefix + ".") for n in self._policy._names()):
+            raise AttributeError(f"the policy has no module {self._prefix!r} (its Hugging Face names are those of "
+                                 f"{self._policy.folder}'s safetensors files)")
+        return self
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        path = f"{self._prefix}.{name}"
+        if self._policy._tied(path) in self._policy._names():
+            return self._policy.get_parameter(path)
+        return _ModuleView(self._policy, path).check()
 
 
 @dataclasses.dataclass

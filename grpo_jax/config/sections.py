@@ -207,6 +207,7 @@ class TrainConfig:
     ref_param_dtype: str | None = None  # reference params' storage dtype (float32, bfloat16); None: the params'
     offload_ref_params: bool = False  # keep the reference in pinned host memory (copied in for its log-probs)
     max_nonfinite_steps: int = 10  # steps skipped for a non-finite loss/gradient before the run stops
+    stop_on_zero_gradient: bool = True  # stop after max_nonfinite_steps steps in a row of gradient norm 0 (TRL: off)
     max_staleness: int = 0  # k: round r samples with the params after step max(0, r*K - k) (`grpo_jax.rollout.async_rounds`)
     interruptible_rollouts: bool = False  # decode segment j of round r samples with the params after step
     # min(v(r) + j, max(v(r), r*K - 1)): rows still decoding continue with newer params

@@ -44,6 +44,7 @@ UNHASHED = (CHECKSUMS, "_CHECKPOINT_METADATA")  # orbax rewrites its step metada
 RESUMABLE_KEYS = ("output_dir", "max_steps", "logging_steps", "save_steps", "save_total_limit", "resume",
                   "resume_from_checkpoint",
                   "cpu_speedups", "host_allocator", "compilation_cache_dir", "eval", "train.max_nonfinite_steps",
+                  "train.stop_on_zero_gradient",
                   "data.allow_changed", "reward.allow_changed", "num_train_epochs", "disable_tqdm",
                   "sampling.host_threads", "sampling.max_batch_rows", "sampling.tool_timeout", "report_to",
                   "log_completions", "num_completions_to_print")

@@ -175,19 +175,21 @@ def storage_message(error: BaseException, output_dir: Path, checkpoint_bytes: in
             f"{checkpoint_bytes:,} bytes: free at least that much or move output_dir to a larger disk")
 
 
-def stalled(history: list[dict], limit: int) -> str | None:
+def stalled(history: list[dict], limit: int, zero_gradient: bool = True) -> str | None:
     """Why the run must stop, or None: more than `limit` (train.max_nonfinite_steps) steps skipped for non-finite
-    values, or a gradient norm of exactly 0 on the last `limit` steps (a model that no longer trains)."""
+    values, or (`zero_gradient`: train.stop_on_zero_gradient) a gradient norm of exactly 0 on the last `limit` steps
+    (a model that no longer trains)."""
     skipped = sum(int(h.get("skipped") or 0) for h in history)
     if skipped > limit:
         return (f"{skipped} optimizer steps had a non-finite loss or gradient, or an update that would make a "
                 f"parameter non-finite (train.max_nonfinite_steps={limit}); their updates were skipped. Lower "
                 "train.learning_rate, check the reward functions, or raise train.max_nonfinite_steps")
-    if len(history) >= limit and all(h.get("grad_norm") == 0.0 for h in history[-limit:]):
+    if zero_gradient and len(history) >= limit and all(h.get("grad_norm") == 0.0 for h in history[-limit:]):
         return (f"the gradient norm was exactly 0 on the last {limit} optimizer steps (train.max_nonfinite_steps): "
                 "the model is not training. Either every group's rewards were equal with loss.beta=0 "
                 "(frac_reward_zero_std 1: give the rewards more resolution) or the weights saturated (lower "
-                "train.learning_rate); raise train.max_nonfinite_steps to go on regardless")
+                "train.learning_rate); raise train.max_nonfinite_steps, or set train.stop_on_zero_gradient=false, to go on "
+                "regardless")
     return None
 
 

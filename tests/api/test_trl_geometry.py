@@ -111,5 +111,8 @@ def test_grpo_config_takes_trls_defaults_and_the_cli_keeps_its_own():
             node = node[section]
         assert node[leaf] == value, name
     assert load_config(None) == Config()  # the CLI's embedded demo: our defaults, untouched
+    # TRL's trainer goes on through steps of gradient norm 0; the CLI stops a run that no longer trains
+    assert GRPOConfig().train.stop_on_zero_gradient is False and Config().train.stop_on_zero_gradient is True
+    assert GRPOConfig(**{"train.stop_on_zero_gradient": True}).train.stop_on_zero_gradient is True
     assert Config().loss.beta is None and Config().max_steps == 5000  # null: 0.1 for the demo's random model
     assert resolve_defaults(Config()).loss.beta == 0.1

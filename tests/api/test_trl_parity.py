@@ -236,3 +236,19 @@ def test_policy_loss_over_micro_batches_is_trls(loss_type):
     share = 0.5 if loss_type in POLICY_LOSS_SHARES else 1.0
     np.testing.assert_allclose(sum(ours) * share, np.mean(trl), rtol=1e-5)
     assert abs(trl[0] - trl[1]) > 1e-3  # two different micro-batches
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_every_token_masked_is_trls_zero(loss_type, beta):
+    """A micro-batch whose every completion token is masked (all truncated with mask_truncated_completions): TRL's
+    normalisers are clamped to 1 (grpo_trainer.py `_compute_loss`), its loss and gradient are 0, and so are ours
+    (`losses.aggregation.aggregate`'s max(·, 1)); entropy bonus off, as TRL's default."""
+    case = make_case(7)
+    case["mask"] = np.zeros_like(case["mask"])
+    cfg = LossConfig(loss_type=loss_type, beta=beta, max_completion_length=T,
+                     epsilon_high=5.0 if loss_type == "cispo" else 0.28)
+    trl_loss, trl_grad, _ = run_trl(case, cfg, use_sampler=False)
+    loss, grad, _ = run_ours(case, cfg, use_sampler=False)
+    assert trl_loss == 0.0 and not trl_grad.any()
+    assert loss == 0.0 and not grad.any()

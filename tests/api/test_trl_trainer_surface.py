@@ -96,6 +96,14 @@ def test_evaluate_before_train_is_the_runs_step_0_evaluation(tmp_path):
     logged = [line for line in trainer.state.log_history if line.get("step") == 0 and "eval_greedy/answer_reward"
               in line]
     assert logged == [before]
+    # TRL's evaluate(eval_dataset): the params as they are now (trained), a dict of datasets each under its name
+    again = trainer.evaluate(eval_dataset={"a": ROWS[:4], "b": ROWS[4:8]})
+    assert again["step"] == 1 and {"eval_a_greedy/answer_reward", "eval_b_greedy/answer_reward"} <= again.keys()
+    final = [line for line in trainer.state.log_history if line.get("step") == 1 and "eval_greedy/answer_reward"
+             in line]
+    assert again["eval_a_greedy/answer_reward"] == final[-1]["eval_greedy/answer_reward"]  # the run's held-out rows
+    assert trainer.evaluate(ROWS[:4], metric_key_prefix="test")["test_greedy/answer_reward"] == \
+        final[-1]["eval_greedy/answer_reward"]
     bare = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS,
                        args=GRPOConfig(**{**args, "output_dir": str(tmp_path / "bare")}, **{"eval.num_examples": 0}))
     with pytest.raises(ValueError, match="evaluate.. needs held-out rows: give eval_dataset"):
@@ -110,10 +118,10 @@ def test_a_model_object_trains_as_its_folder_and_trainer_model_reads_the_weights
     import hf_fixtures
 
     from grpo_jax import GRPOConfig, GRPOTrainer
-    from grpo_jax.api import trl_api
+    from grpo_jax.api import trl_inputs
     from grpo_jax.data import task
 
-    monkeypatch.setattr(trl_api, "MODEL_CACHE", tmp_path / "cache")
+    monkeypatch.setattr(trl_inputs, "MODEL_CACHE", tmp_path / "cache")
     model = hf_fixtures.build_model("qwen2", tied=True)
     folder = hf_fixtures.save_model(model, tmp_path / "hf")
     task.build_tokenizer(folder)
@@ -200,3 +208,135 @@ def test_trls_mask_methods_are_trls_on_torch_tensors():
         ours = GRPOTrainer.get_off_policy_mask(advantages, -logps, -sampler, mask, threshold)
         theirs = trl_trainer.GRPOTrainer.get_off_policy_mask(advantages, -logps, -sampler, mask, threshold)
         assert torch.equal(ours, theirs), threshold
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_trainer_model_reads_submodules_as_transformers_nests_them(tmp_path, tied):
+    """`trainer.model.lm_head.weight` (TRL's tests read it) and any module path are the transformers model's own
+    tensors, a tied head the embedding (as transformers ties them); `device` is torch's CPU."""
+    torch = pytest.importorskip("torch")
+    import hf_fixtures
+
+    from grpo_jax import GRPOTrainer
+
+    model = hf_fixtures.build_model("qwen2", tied=tied)
+    folder = hf_fixtures.save_model(model, tmp_path / "hf")
+    view = GRPOTrainer(model=folder, reward_funcs=answer_reward).model
+    assert torch.equal(view.lm_head.weight, model.lm_head.weight.detach())
+    assert torch.equal(view.get_parameter("lm_head.weight"), model.get_parameter("lm_head.weight").detach())
+    assert torch.equal(view.model.norm.weight, model.model.norm.weight.detach())
+    assert torch.equal(view.model.embed_tokens.weight, model.model.embed_tokens.weight.detach())
+    assert view.device == torch.device("cpu") == model.device
+    for missing in ("nope", "model.nope"):
+        with pytest.raises(AttributeError, match="the policy has no module"):
+            eval(f"view.{missing}")
+
+
+class _Scorer:
+    def __call__(self, completions, **kwargs):
+        return [0.0] * len(completions)
+
+
+class _Counter:
+    def reset(self, **kwargs):
+        return None
+
+    def get_reward(self) -> float:
+        return 1.0
+
+
+def test_reward_func_names_and_weights_are_trls(tmp_path):
+    """`reward_func_names` and `reward_weights` as TRL 1.16's GRPOTrainer sets them, for a function, a partial, a
+    callable object and a reward model folder; an environment class with `get_reward` adds its name, weight 1."""
+    import functools
+
+    torch = pytest.importorskip("torch")
+    trl = pytest.importorskip("trl")
+    import datasets
+    import hf_fixtures
+    import transformers
+    from trl_tools import qwen_tokenizer
+
+    from grpo_jax import GRPOConfig, GRPOTrainer
+
+    tokenizer = qwen_tokenizer()
+    policy = hf_fixtures.save_model(hf_fixtures.build_model("qwen2", tied=True, vocab_size=len(tokenizer)),
+                                    tmp_path / "policy")
+    tokenizer.save_pretrained(policy)
+    config = transformers.Qwen2Config(vocab_size=len(tokenizer), hidden_size=8, num_attention_heads=2,
+                                      num_key_value_heads=1, num_hidden_layers=1, intermediate_size=16,
+                                      num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    scorer = str(tmp_path / "my-scorer")
+    transformers.Qwen2ForSequenceClassification(config).save_pretrained(scorer)
+    tokenizer.save_pretrained(scorer)
+    funcs = [answer_reward, functools.partial(answer_reward, answer=["1"]), _Scorer(), scorer]
+    theirs = trl.GRPOTrainer(model=policy, reward_funcs=list(funcs), train_dataset=datasets.Dataset.from_list(ROWS),
+                             args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none",
+                                                 per_device_train_batch_size=2, num_generations=2,
+                                                 reward_weights=[1.0, 0.5, 2.0, 0.25]))
+    ours = GRPOTrainer(model=policy, reward_funcs=funcs, args=GRPOConfig(reward_weights=[1.0, 0.5, 2.0, 0.25]))
+    assert ours.reward_func_names == theirs.reward_func_names == ["answer_reward", "answer_reward", "_Scorer",
+                                                                   "my-scorer"]
+    assert torch.equal(ours.reward_weights, theirs.reward_weights)
+    with_env = GRPOTrainer(model=policy, reward_funcs=[answer_reward], environment_factory=_Counter)
+    assert with_env.reward_func_names == ["answer_reward", "_Counter"]
+    assert with_env.reward_weights.tolist() == [1.0, 1.0]
+
+
+def test_a_dataset_without_a_reward_source_is_trls_error(tmp_path):
+    """TRL 1.16: no `reward_funcs` and no environment's `get_reward` is refused at construction; the embedded task
+    (no dataset) keeps its own rewards, and args' reward.functions count as a source."""
+    from grpo_jax import GRPOConfig, GRPOTrainer
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    with pytest.raises(ValueError, match="No reward source provided. Pass `reward_funcs`"):
+        GRPOTrainer(model=str(folder), train_dataset=ROWS)
+    assert GRPOTrainer(model=str(folder)).reward_funcs is None  # the embedded task
+    GRPOTrainer(model=str(folder), train_dataset=ROWS, args=GRPOConfig(reward_funcs=["my.module:score"]))
+    with pytest.raises(ValueError, match="multiple environments. requires a `train_dataset` with an `environment`"):
+        GRPOTrainer(model=str(folder), reward_funcs=answer_reward, environment_factory={"a": _Counter, "b": _Counter})
+
+
+def test_args_read_trls_names_as_trls_config_holds_them(tmp_path):
+    """`trainer.args.beta` (TRL scripts read their config back) is what TRL 1.16's GRPOConfig holds for the same
+    keywords; `args` stays a `Config`, `dataclasses.replace` keeps the view; a name with no counterpart says so."""
+    import dataclasses
+
+    trl = pytest.importorskip("trl")
+    from grpo_jax import Config, GRPOConfig, GRPOTrainer
+
+    given = dict(beta=0.1, num_generations=4, learning_rate=0.1, max_completion_length=8, temperature=0.7,
+                 per_device_train_batch_size=4, gradient_accumulation_steps=2, loss_type="grpo", epsilon=0.3)
+    theirs = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none", **given)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    args = GRPOTrainer(model=str(folder), reward_funcs=answer_reward, args=GRPOConfig(**given)).args
+    for name in (*given, "adam_beta2", "top_k", "top_p", "num_iterations"):
+        assert getattr(args, name) == getattr(theirs, name), name
+    assert args.dataloader_num_workers == 0  # grpo_jax reads rows in the training process
+    assert isinstance(args, Config) and dataclasses.replace(args, seed=1).beta == 0.1
+    with pytest.raises(AttributeError, match="no attribute 'use_vllm_magic'"):
+        args.use_vllm_magic
+
+
+def test_eval_dataset_as_trl_takes_it(tmp_path):
+    """TRL's eval_dataset forms: a dict of datasets (kept as given, each checked; `train()` evaluates one held-out
+    set and says so before anything is built) and a streamed dataset (kept as given, read as its rows)."""
+    datasets = pytest.importorskip("datasets")
+    from grpo_jax import GRPOTrainer
+    from grpo_jax.api.trl_api import held_out
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    rows = datasets.Dataset.from_list(ROWS)
+    stream = rows.to_iterable_dataset()
+    assert GRPOTrainer(model=str(folder), reward_funcs=answer_reward, eval_dataset=stream).eval_dataset is stream
+    assert held_out(stream) == ROWS
+    both = {"data1": rows, "data2": stream}
+    trainer = GRPOTrainer(model=str(folder), reward_funcs=answer_reward, train_dataset=ROWS, eval_dataset=both)
+    assert trainer.eval_dataset is both
+    with pytest.raises(ValueError, match="eval_dataset is a dict of 2 datasets: a run evaluates one held-out set"):
+        trainer.train()
+    with pytest.raises(TypeError, match=r"eval_dataset is a int \(3\)"):
+        GRPOTrainer(model=str(folder), reward_funcs=answer_reward, eval_dataset={"a": 3})

@@ -62,3 +62,6 @@ def test_a_run_stops_right_past_the_non_finite_limit_or_when_its_gradient_stays_
     assert preemption.stalled([skipped, ok, skipped, skipped], 2).startswith("3 optimizer steps had a non-finite loss")
     assert preemption.stalled([dead, ok, dead], 2) is None
     assert "gradient norm was exactly 0 on the last 2 optimizer steps" in preemption.stalled([ok, dead, dead], 2)
+    # train.stop_on_zero_gradient=false (GRPOConfig's, as TRL goes on): only the non-finite limit stops it
+    assert preemption.stalled([ok, dead, dead, dead], 2, zero_gradient=False) is None
+    assert preemption.stalled([skipped, dead, skipped, skipped], 2, zero_gradient=False).startswith("3 optimizer")

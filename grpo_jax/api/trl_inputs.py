@@ -1,0 +1,161 @@
+"""TRL's Python objects as grpo_jax takes them (`grpo_jax.api.trl_api`): a transformers model object or a Hub id in
+the local cache as a Hugging Face folder, PEFT's `LoraConfig` as `model.lora`, a tokenizer object as its folder, and
+the names TRL gives the reward functions. No jax; torch and transformers only for the objects that need them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["cached_reward_model", "lora_options", "model_folder", "reward_func_names", "tokenizer_folder"]
+
+
+# PEFT's LoraConfig fields with a model.lora counterpart, and their PEFT defaults (a dict leaves some out)
+LORA_KEYS = {"r": ("rank", 8), "lora_alpha": ("alpha", 8), "lora_dropout": ("dropout", 0.0),
+             "target_modules": ("target_modules", None), "use_rslora": ("use_rslora", False),
+             "init_lora_weights": ("init_lora_weights", True)}
+# fields that describe the adapter file or PEFT's runtime, not what is trained: any value does
+LORA_IGNORED = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+                "inference_mode", "runtime_config"}
+PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's target_modules=None for every supported model_type
+
+
+def lora_options(peft_config: Any) -> dict:
+    """A `peft.LoraConfig` (or a dict of its fields) as `model.lora` keys, PEFT's defaults where a dict leaves a field
+    out. A field grpo_jax cannot honour (DoRA, bias or extra modules trained, per-layer patterns, another task) set
+    away from PEFT's default is a ValueError naming it."""
+    if isinstance(peft_config, Mapping):
+        values, others = dict(peft_config), {k: v for k, v in peft_config.items() if k not in LORA_KEYS}
+    elif dataclasses.is_dataclass(peft_config) and type(peft_config).__name__ == "LoraConfig":
+        values = {name: getattr(peft_config, name) for name in LORA_KEYS}
+        others = {f.name: getattr(peft_config, f.name) for f in dataclasses.fields(peft_config)
+                  if f.name not in LORA_KEYS and getattr(peft_config, f.name) != _default(f)}
+    else:
+        raise ValueError(f"peft_config is a {type(peft_config).__name__}: grpo_jax trains LoRA adapters only; pass a "
+                         "peft.LoraConfig or a dict of its fields (r, lora_alpha, target_modules, ...)")
+    task = str(others.pop("task_type", None) or "CAUSAL_LM")
+    if not task.endswith("CAUSAL_LM"):
+        raise ValueError(f"peft_config.task_type={task!r}: grpo_jax trains causal language models; use CAUSAL_LM")
+    for name, value in others.items():
+        if name not in LORA_IGNORED:
+            raise ValueError(f"peft_config.{name}={value!r} has no counterpart in grpo_jax's LoRA (it honours "
+                             f"{', '.join(LORA_KEYS)}): leave it at PEFT's default")
+    out = {ours: values.get(theirs, default) for theirs, (ours, default) in LORA_KEYS.items()}
+    targets = out["target_modules"]
+    if targets is None:
+        out["target_modules"] = PEFT_DEFAULT_TARGETS
+    elif not isinstance(targets, str):  # PEFT keeps a list as a set: our order, not the set's
+        out["target_modules"] = tuple(sorted(targets))
+    return out
+
+
+def _default(field: dataclasses.Field) -> Any:
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
+MODEL_CACHE = Path("~/.cache/grpo_jax/models")  # model objects saved as folders, by the hash of their weights
+
+
+def saved_model_object(model: Any, cache: str | os.PathLike | None = None) -> str:
+    """A transformers model object (TRL's `model=AutoModelForCausalLM...`) as a Hugging Face folder, as reward model
+    objects are converted: saved with its tokenizer (from its `name_or_path`, when one is there) to
+    `cache/<xxh3 of its config and weights>`, so the same weights give the same folder and a rerun resumes."""
+    import torch
+    import xxhash
+
+    h = xxhash.xxh3_128(model.config.to_json_string(use_diff=False).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    folder = Path(MODEL_CACHE if cache is None else cache).expanduser() / h.hexdigest()
+    if not (folder / "config.json").is_file():
+        partial = folder.with_name(folder.name + ".partial")
+        model.save_pretrained(partial)
+        name = str(getattr(model.config, "_name_or_path", "") or "")
+        try:
+            from transformers import AutoTokenizer
+            AutoTokenizer.from_pretrained(name, local_files_only=True).save_pretrained(partial)
+        except Exception:  # noqa: BLE001 - no tokenizer beside it: processing_class gives it, or the run says so
+            pass
+        if folder.exists():  # another process saved the same weights meanwhile
+            shutil.rmtree(partial)
+        else:
+            partial.replace(folder)
+    return str(folder)
+
+
+def model_folder(model: Any) -> str:
+    """TRL's `model` as a folder: a local Hugging Face model folder, a model id already in the local Hugging Face
+    cache (never downloaded), or a transformers model object (`saved_model_object`)."""
+    if hasattr(model, "config") and hasattr(model, "state_dict") and hasattr(model, "save_pretrained"):
+        return saved_model_object(model)
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model is a {type(model).__name__}: grpo_jax reads Hugging Face folders into JAX itself; "
+                         "pass a folder, a cached model id or a transformers model object")
+    path = os.fspath(model)
+    if os.path.isdir(path):
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(repo_id=path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - not cached, or not a repo id: the same advice
+        raise ValueError(f"model={path!r} is neither a folder nor a model id in the local Hugging Face cache: "
+                         f"download it first (`hf download {path} --local-dir models/NAME`) and pass the folder") from e
+
+
+def cached_reward_model(spec: Any) -> Any:
+    """A reward function as TRL takes it, with a Hub id (`org/name`, no ':') of a reward model in the local Hugging
+    Face cache as its snapshot folder (never downloaded); anything else as it is."""
+    if not isinstance(spec, str) or ":" in spec or os.path.exists(spec) or spec.count("/") != 1:
+        return spec
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(repo_id=spec, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - not cached, or not a repo id: the same advice
+        raise ValueError(f"reward_funcs entry {spec!r} is neither a 'module:function', a reward model folder nor a "
+                         f"model id in the local Hugging Face cache: download it first (`hf download {spec} "
+                         "--local-dir models/NAME`) and pass the folder") from e
+
+
+def tokenizer_folder(processing_class: Any) -> str:
+    """TRL's `processing_class` as a folder: a path, or a tokenizer loaded from a folder, which is read again."""
+    if isinstance(processing_class, (str, os.PathLike)):
+        return os.fspath(processing_class)
+    folder = getattr(processing_class, "name_or_path", None)
+    if not folder or not os.path.isdir(folder):
+        raise ValueError(f"processing_class is a {type(processing_class).__name__} not loaded from a folder: save it "
+                         "with tokenizer.save_pretrained(folder) and pass the folder, or leave it None for the model's")
+    return folder
+
+
+def reward_func_names(reward_funcs: list | None, environment_factory: Any = None) -> list[str]:
+    """TRL 1.16's `GRPOTrainer.reward_func_names`: a reward model's id (its folder's or Hub id's last part), a
+    function's `__name__` (a `functools.partial` unwrapped, a callable object its class's name), then each
+    environment class with a `get_reward`, by its class name (TRL logs `rewards/<name>/...` under these)."""
+    names = []
+    for spec in reward_funcs or []:
+        if isinstance(spec, (str, os.PathLike)):
+            path = os.fspath(spec)
+            names.append(path.rsplit(":", 1)[1] if ":" in path and not os.path.exists(path)
+                         else path.rstrip("/").split("/")[-1])
+        elif hasattr(spec, "config") and hasattr(spec, "state_dict"):  # TRL: get_config_model_id(config)
+            names.append(str(getattr(spec.config, "_name_or_path", "")).split("/")[-1])
+        else:
+            while isinstance(spec, functools.partial):
+                spec = spec.func
+            names.append(getattr(spec, "__name__", type(spec).__name__))
+    factories = environment_factory.values() if isinstance(environment_factory, Mapping) else [environment_factory]
+    seen = []
+    for factory in factories:
+        if isinstance(factory, type) and callable(getattr(factory, "get_reward", None)) and factory not in seen:
+            seen.append(factory)
+            names.append(factory.__name__)
+    return names
