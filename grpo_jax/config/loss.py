@@ -21,9 +21,9 @@ DEFAULT_BETA = 0.04  # DeepSeekMath's KL coefficient
 class LossConfig:
     """Policy-loss options (TRL GRPOConfig names); frozen and hashable, so it can be a static jit argument.
 
-    Defaults are the paper's GRPO (DeepSeekMath), not TRL's: loss_type "grpo" (TRL: "dapo"), beta 0.04 (TRL: 0.0;
-    None: 0.04 here, and a run's random model takes 0.1, `config.resolve_defaults`), use_bias_correction_kl False
-    (TRL: True). Every other default is TRL 1.16's.
+    Defaults are the paper's GRPO (DeepSeekMath), not TRL's: loss_type "grpo" (TRL: "dapo"), beta None meaning 0.04
+    (TRL: 0.0; a run resolves None to 0.04 with model.path and 0.1 for a random model, `config.resolve_defaults`),
+    use_bias_correction_kl False (TRL: True). Every other default is TRL 1.16's.
     """
 
     loss_type: str = "grpo"             # grpo | bnpo | dr_grpo | dapo | cispo | sapo | luspo | vespo

@@ -80,7 +80,7 @@ class ModelConfig:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int | None = None
-    rope_theta: float = 100.0
+    rope_theta: float = 100.0  # a random model's (the default run's short rows); model.path's config.json sets its own
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     attention_bias: bool = False  # q/k/v bias (Qwen2)

@@ -83,7 +83,7 @@ def run_trl(case, cfg, use_sampler, accumulation=1, num_items=None):
     attrs = dict(
         args=args, accelerator=_Accelerator(), model=types.SimpleNamespace(training=True),
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, aux_loss_enabled=False,
-        loss_type=cfg.loss_type, beta=cfg.beta, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high_resolved,
+        loss_type=cfg.loss_type, beta=cfg.resolved_beta, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high_resolved,
         importance_sampling_level=cfg.importance_sampling_level, top_entropy_quantile=cfg.top_entropy_quantile,
         off_policy_mask_threshold=cfg.off_policy_mask_threshold, max_completion_length=T,
         use_vllm=use_sampler, vllm_importance_sampling_correction=cfg.vllm_importance_sampling_correction,

@@ -80,7 +80,8 @@ def test_a_file_size_limit_is_a_storage_error_in_one_line(tmp_path):
     limited = ("import resource, runpy; resource.setrlimit(resource.RLIMIT_FSIZE, "
                f"({LIMIT}, resource.RLIM_INFINITY)); runpy.run_module('grpo_jax', run_name='__main__')")
     cmd = [sys.executable, "-c", limited, "--no-progress", f"output_dir={tmp_path / 'run'}", *TINY,
-           "model.hidden_size=256", "model.intermediate_size=1024", "max_steps=2", "save_steps=1"]
+           "model.hidden_size=256", "model.intermediate_size=1024", "max_steps=2", "save_steps=1",
+           "data.task_num_train=200"]  # the task's rows (data/train.jsonl) well under the limit: the checkpoint hits it
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     err = _error_lines(result.stderr)
     assert result.returncode == 1 and len(err) == 1, result.stderr

@@ -46,7 +46,10 @@ def test_after_the_warm_up_no_round_or_step_compiles(tmp_path):
     config = load_config(None, [f"output_dir={tmp_path}", "train.num_generations=4", "train.train_batch_size=8",
                                 "train.steps_per_generation=2", "train.packing=true", "data.task_min_len=2",
                                 "data.task_max_len=9", "sampling.max_completion_length=12", "eval.num_examples=0",
-                                "max_steps=8", "cpu_speedups=false"])
+                                "max_steps=8", "cpu_speedups=false",
+                                # the setting whose random policy's rows change length (the demo before 2026-11-29)
+                                "data.task_num_train=2000", "model.rope_theta=10000", "loss.beta=0.04",
+                                "reward.functions=[grpo_jax.data.task:char_accuracy]"])
     listen = Compiles()
     run, state, held = trainer.build(config)
     listed = run.shapes
