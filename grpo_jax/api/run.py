@@ -98,7 +98,8 @@ def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_datase
                          f"{len(tokenizer)} tokens ({tokenizer_dir}): raise model.vocab_size or leave it unset")
     tooling = tools.build(tool_specs, environment_factory, tokenizer, timeout=config.sampling.tool_timeout,
                           max_iterations=config.sampling.max_tool_calling_iterations,
-                          max_model_len=config.model.max_position_embeddings)
+                          max_model_len=config.model.max_position_embeddings,
+                          template_kwargs=config.data.template_kwargs)
     train_tools = eval_tools = template = None
     if tooling is not None:
         train_tools = tooling.row_schemas(train_rows, train_where)
@@ -107,11 +108,13 @@ def _load_data(config: Config, output_dir: Path, train_dataset=None, eval_datase
     # every row is checked before the first step: a bad one fails now, naming its line, not halfway through
     limit, truncation = config.data.max_prompt_length, config.data.truncation
     tokens, offsets = data.check_prompts(train_where, data.prompt_column(train_rows), train_lines, tokenizer, limit,
-                                         truncation, tools=train_tools, chat_template=template)
+                                         truncation, tools=train_tools, chat_template=template,
+                                         template_kwargs=config.data.template_kwargs)
     lengths = np.diff(offsets)
     if len(eval_rows):
         _, eval_offsets = data.check_prompts(eval_where, data.prompt_column(eval_rows), eval_lines, tokenizer, limit,
-                                             "left", tools=eval_tools, chat_template=template)
+                                             "left", tools=eval_tools, chat_template=template,
+                                             template_kwargs=config.data.template_kwargs)
         lengths = np.concatenate([lengths, np.diff(eval_offsets)])
     length = _prompt_length(limit, lengths)
     _check_positions(config, np.minimum(lengths, length))
@@ -287,7 +290,7 @@ def _build(config: Config, output_dir: Path, resuming: bool, loss_fn: Callable |
     config = for_run(config, row_devices=sharding.num_row_shards(mesh), num_prompts=len(dataset))
     tc = config.train
     lengths = dict(max_completion_length=config.sampling.max_completion_length,
-                   soft_punish_cache=config.reward.soft_punish_cache)
+                   soft_punish_cache=config.reward.soft_punish_cache, template_kwargs=config.data.template_kwargs)
     reward_fns = reward_specs.resolve_all(config.reward.functions if reward_funcs is None else reward_funcs, mesh,
                                      processing_classes=processing_classes, **lengths)
     if config.reward.weights is not None and len(config.reward.weights) != len(reward_fns):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 import types
 import typing
@@ -21,8 +22,8 @@ import yaml
 from grpo_jax.config import trl_keys
 from grpo_jax.config.loss import DEFAULT_BETA, LossConfig
 from grpo_jax.config.model import LoRAConfig, ModelConfig
-from grpo_jax.config.sections import (HOST_ALLOCATORS, REPORT_TO, DataConfig, DistributedConfig, EvalConfig, MeshConfig,
-                                      RefSyncConfig, RewardConfig, SamplingConfig, TrainConfig, check)
+from grpo_jax.config.sections import (HOST_ALLOCATORS, REPORT_TO, DataConfig, DistributedConfig, EvalConfig,
+                                      JSONObject, MeshConfig, RefSyncConfig, RewardConfig, SamplingConfig, TrainConfig, check)
 
 __all__ = ["Config", "DataConfig", "DistributedConfig", "EvalConfig", "LoRAConfig", "LossConfig", "MeshConfig",
            "ModelConfig", "RefSyncConfig", "RewardConfig", "SamplingConfig", "TrainConfig", "apply_overrides",
@@ -217,6 +218,9 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     if dataclasses.is_dataclass(annotation):
         check(isinstance(value, dict), f"{where} must be a mapping of keys, got {value!r}")
         return from_dict(annotation, value, where + ".")
+    if annotation is JSONObject:
+        check(isinstance(value, (dict, str)), f"{where}={value!r} must be a mapping (or its JSON text)")
+        return json.dumps(value) if isinstance(value, dict) else value
     if annotation is bool:
         check(isinstance(value, bool), f"{where}={value!r} must be true or false")
     elif annotation is int:

@@ -9,7 +9,13 @@ TRL's `GRPOConfig` where the concept exists. The model and loss sections are `gr
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import typing
+
+# a field holding a JSON object as text: a YAML mapping or a dict given for it is written as JSON (`_coerce`), so a
+# saved config.yaml and a checkpoint's flat keys keep it as one value
+JSONObject = typing.NewType("JSONObject", str)
 
 
 def check(ok: bool, message: str) -> None:
@@ -57,6 +63,9 @@ class DataConfig:
     truncation: str = "left"  # left: keep the last tokens (warned once); error: refuse long prompts
     allow_changed: bool = False  # resume over data that differ from the checkpoint's fingerprint (warned), not refuse
     shuffle: bool = True  # TRL's shuffle_dataset: each epoch in its own seeded order; false: the rows' own order
+    # TRL's chat_template_kwargs: a JSON object of arguments for the chat template (prompts, tool turns, reward
+    # models), e.g. '{"enable_thinking": false}' for Qwen3
+    chat_template_kwargs: JSONObject | None = None
 
     def __post_init__(self):
         check(self.task in ("reverse", "sort", "add", "lookup"),
@@ -70,6 +79,21 @@ class DataConfig:
               f"data.max_prompt_length={self.max_prompt_length} must be >= 1, or null (fit the data)")
         check(self.truncation in ("left", "error"),
                f"data.truncation={self.truncation!r}: use 'left' (truncate and count) or 'error'")
+        self.template_kwargs  # noqa: B018 - checked now, not at the first prompt
+
+    @property
+    def template_kwargs(self) -> dict:
+        """`chat_template_kwargs` as keyword arguments ({} when unset)."""
+        if self.chat_template_kwargs is None:
+            return {}
+        try:
+            value = json.loads(self.chat_template_kwargs)
+        except ValueError as e:
+            raise ValueError(f"data.chat_template_kwargs={self.chat_template_kwargs!r} is not JSON ({e}): write a "
+                             "JSON object, e.g. '{\"enable_thinking\": false}'") from None
+        check(isinstance(value, dict), f"data.chat_template_kwargs={self.chat_template_kwargs!r} must be a JSON "
+              "object of the chat template's arguments, e.g. '{\"enable_thinking\": false}'")
+        return value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
 import math
 import warnings
 from typing import Any
@@ -114,6 +115,9 @@ CONVERTED = {
     "disable_tqdm": ("disable_tqdm", lambda v: _bool("disable_tqdm", v, True, False)),
     # TRL's RepeatSampler tests it for truth: None reads the rows in order, as false does
     "shuffle_dataset": ("data.shuffle", lambda v: False if v is None else _bool("shuffle_dataset", v, True, False)),
+    # a dict, or TRL's JSON string of one (its command line)
+    "chat_template_kwargs": ("data.chat_template_kwargs", lambda v: v if v is None or isinstance(v, str)
+                             else json.dumps(v)),
 }
 
 # TRL names whose meaning differs here, or that have no counterpart: what to write instead
@@ -151,7 +155,6 @@ OFF = {
     "train_sampling_strategy": (("random",), "grpo_jax shuffles the prompts every epoch (by seed)"),
     "trust_remote_code": ((False,), "grpo_jax runs its own model code (the Llama, Gemma and Qwen3-MoE families)"),
     "generation_kwargs": ((None,), "set sampling.temperature / top_p / top_k / min_p"),
-    "chat_template_kwargs": ((None,), "grpo_jax renders prompts with the tokenizer's chat template, no arguments"),
     "repetition_penalty": ((1, 1.0), "grpo_jax's sampler has no repetition penalty: remove the key"),
     "vllm_structured_outputs_regex": ((None,), "grpo_jax's sampler has no constrained decoding"),
     "use_adaptive_entropy": ((False,), "grpo_jax's entropy bonus is fixed: set loss.entropy_coef"),

@@ -114,7 +114,8 @@ def load_tokenizer(folder: str | os.PathLike, key: str = "model.path"):
 
 def check_prompts(where, prompts: Sequence, lines: list[int] | None, tokenizer, max_prompt_length: int | None,
                   truncation: str, chunk: int = 1024, tools: Sequence | None = None,
-                  chat_template: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  chat_template: str | None = None, template_kwargs: dict | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
     """Before the first step: every prompt renders and tokenizes to at least one token (and, with
     truncation="error", to at most `max_prompt_length`); a ValueError names the file (`where`) and line (`lines`,
     else the row's index) of the first that does not, so no row can stop a run halfway through its data.
@@ -125,8 +126,9 @@ def check_prompts(where, prompts: Sequence, lines: list[int] | None, tokenizer, 
     for start in range(0, len(prompts), chunk):
         part = list(prompts[start:start + chunk])
         try:
-            token_lists = tokenizer([render_prompt(tokenizer, p, tools and tools[start + i], chat_template)
-                                     for i, p in enumerate(part)], add_special_tokens=False)
+            token_lists = tokenizer([render_prompt(tokenizer, p, tools and tools[start + i], chat_template,
+                                                   template_kwargs) for i, p in enumerate(part)],
+                                    add_special_tokens=False)
             token_lists = token_lists["input_ids"]
         except Exception:  # noqa: BLE001 - one row of the chunk failed: find it below
             token_lists = [None] * len(part)
@@ -134,7 +136,8 @@ def check_prompts(where, prompts: Sequence, lines: list[int] | None, tokenizer, 
             row = f"line {lines[start + i]}" if lines is not None else f"row {start + i}"
             if tokens is None:
                 try:
-                    text = render_prompt(tokenizer, prompt, tools and tools[start + i], chat_template)
+                    text = render_prompt(tokenizer, prompt, tools and tools[start + i], chat_template,
+                                         template_kwargs)
                     tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
                 except Exception as e:  # whatever the tokenizer rejects, name the row
                     raise ValueError(f"{where}: {row}: the prompt {_preview(prompt)} cannot be tokenized "
@@ -172,17 +175,18 @@ def is_conversational(prompt) -> bool:
     return isinstance(prompt, list)
 
 
-def render_prompt(tokenizer, prompt, tools: list | None = None, chat_template: str | None = None) -> str:
+def render_prompt(tokenizer, prompt, tools: list | None = None, chat_template: str | None = None,
+                  template_kwargs: dict | None = None) -> str:
     """A string prompt as it is; messages through the chat template with the generation prompt and the JSON schemas
     of ``tools`` (TRL 1.16; ``chat_template``: TRL's training template where the tokenizer's is not
-    prefix-preserving)."""
+    prefix-preserving; ``template_kwargs``: `data.chat_template_kwargs`)."""
     if not is_conversational(prompt):
         return prompt
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("a prompt is a list of chat messages but the tokenizer has no chat template: use a chat "
                          "model's tokenizer (model.path / data.tokenizer_path) or plain string prompts")
     return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, tools=tools or None,
-                                         chat_template=chat_template)
+                                         chat_template=chat_template, **(template_kwargs or {}))
 
 
 def completion_text(completion) -> str:
@@ -205,15 +209,15 @@ def reward_inputs(prompts: list, completions: list[str]) -> tuple[list, list]:
 
 
 def tokenize_prompts(tokenizer, prompts: list, max_prompt_length: int, truncation: str = "left",
-                     tools: Sequence | None = None, chat_template: str | None = None
-                     ) -> tuple[np.ndarray, np.ndarray, int]:
+                     tools: Sequence | None = None, chat_template: str | None = None,
+                     template_kwargs: dict | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """Tokenize without special tokens and left-pad to exactly L; returns (ids_PxL, mask_PxL, num_truncated).
 
     Message-list prompts are rendered with the chat template first (``render_prompt``). Longer prompts keep
     their last L tokens (truncation="left") or raise (truncation="error"). ``tools``: each prompt's tools.
     """
     ids_PxL, mask_PxL, truncated_P = _tokenize(tokenizer, prompts, max_prompt_length, truncation, tools,
-                                               chat_template)
+                                               chat_template, template_kwargs)
     return ids_PxL, mask_PxL, int(truncated_P.sum())
 
 
@@ -222,7 +226,8 @@ def _check_truncation(truncation: str) -> None:
         raise ValueError(f"data.truncation={truncation!r} is unknown: use 'left' or 'error'")
 
 
-def _tokenize(tokenizer, prompts: list, max_prompt_length: int, truncation: str, tools=None, chat_template=None):
+def _tokenize(tokenizer, prompts: list, max_prompt_length: int, truncation: str, tools=None, chat_template=None,
+              template_kwargs=None):
     """`tokenize_prompts` with a per-prompt truncation flag [P] bool in place of the count."""
     _check_truncation(truncation)
     if max_prompt_length < 1:
@@ -230,7 +235,8 @@ def _tokenize(tokenizer, prompts: list, max_prompt_length: int, truncation: str,
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:
         raise ValueError("the tokenizer has neither a pad token nor an eos token: set tokenizer.pad_token")
-    texts = [render_prompt(tokenizer, p, tools and tools[i], chat_template) for i, p in enumerate(prompts)]
+    texts = [render_prompt(tokenizer, p, tools and tools[i], chat_template, template_kwargs)
+             for i, p in enumerate(prompts)]
     token_lists = tokenizer(texts, add_special_tokens=False)["input_ids"] if prompts else []
     ids_PxL = np.full((len(prompts), max_prompt_length), pad_id, dtype=np.int32)
     mask_PxL = np.zeros((len(prompts), max_prompt_length), dtype=np.int32)

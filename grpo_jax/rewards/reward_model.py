@@ -85,6 +85,7 @@ class RewardModel:
         if self.tokenizer.pad_token is None:  # TRL: pad with EOS, and the model pools by that id
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.pad_token_id = int(self.tokenizer.pad_token_id)
+        self.template_kwargs: dict = {}  # `data.chat_template_kwargs` (`reward_specs.resolve_all`)
         self._scores = programs.jit_reward_scores(self.model.graphdef)
 
     @classmethod
@@ -122,7 +123,8 @@ class RewardModel:
     def texts(self, prompts: list, completions: list) -> list[str]:
         """What TRL feeds the reward model: prompt + completion, conversations through the chat template."""
         if prompts and isinstance(prompts[0], list):
-            return [self.tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+            return [self.tokenizer.apply_chat_template(p + c, tokenize=False, **self.template_kwargs)
+                    for p, c in zip(prompts, completions)]
         return [p + c for p, c in zip(prompts, completions)]
 
     def __call__(self, prompts, completions, **kwargs) -> list[float]:

@@ -14,11 +14,12 @@ from grpo_jax.rewards.paths import resolve_reward_fn
 
 
 def resolve_all(paths, mesh=None, *, max_completion_length: int, soft_punish_cache: int,
-                processing_classes=None) -> list[tuple[str, Callable]]:
+                processing_classes=None, template_kwargs: dict | None = None) -> list[tuple[str, Callable]]:
     """(name, callable) per reward function: 'module:function' paths, reward model folders or transformers objects
     (`grpo_jax.rewards.reward_model`, placed over `mesh`), callables named as TRL names them; the built-in soft overlong
     punishment gets its lengths bound. `processing_classes`: TRL's `reward_processing_classes`, a tokenizer for
-    every model object or one per function (None where it is not one)."""
+    every model object or one per function (None where it is not one). `template_kwargs`: the chat template's
+    arguments a reward model renders conversations with (`data.chat_template_kwargs`)."""
     classes = processing_classes if isinstance(processing_classes, (list, tuple)) else [processing_classes] * len(paths)
     if len(classes) != len(paths):
         raise ValueError(f"reward_processing_classes has {len(classes)} entries for {len(paths)} reward_funcs: give "
@@ -38,6 +39,8 @@ def resolve_all(paths, mesh=None, *, max_completion_length: int, soft_punish_cac
                                        soft_punish_cache=soft_punish_cache)
             out.append((path, fn))
             continue
+        if isinstance(fn, reward_model.RewardModel):
+            fn.template_kwargs = dict(template_kwargs or {})
         out.append((getattr(fn, "__name__", type(fn).__name__), fn))
     return out
 

@@ -105,8 +105,8 @@ def eval_key(seed: int):
     return jax.random.fold_in(jax.random.PRNGKey(seed), EVAL_STREAM)
 
 
-def _eval_batch(rows: list[dict], n: int, shards: int, tokenizer, tooling, max_prompt_length: int
-                ) -> data.PromptBatch:
+def _eval_batch(rows: list[dict], n: int, shards: int, tokenizer, tooling, max_prompt_length: int,
+                template_kwargs: dict | None = None) -> data.PromptBatch:
     """The held-out ``rows`` tokenized, n rows a prompt, whole prompts repeated after them until the rows split over
     ``shards`` row shards."""
     num_prompts = padded = len(rows)
@@ -115,7 +115,8 @@ def _eval_batch(rows: list[dict], n: int, shards: int, tokenizer, tooling, max_p
     chosen = [rows[i % num_prompts] for i in range(padded)]
     ids, mask, _ = data.tokenize_prompts(tokenizer, [r["prompt"] for r in chosen], max_prompt_length,
                                          truncation="left", tools=tooling and [tooling.schemas(r) for r in chosen],
-                                         chat_template=tooling and tooling.chat_template)
+                                         chat_template=tooling and tooling.chat_template,
+                                         template_kwargs=template_kwargs)
     columns = {k: [r.get(k) for r in chosen] for k in dict.fromkeys(k for r in chosen for k in r) if k != "prompt"}
     return data.repeat_groups(data.PromptBatch(ids, mask, [r["prompt"] for r in chosen], columns, 0), n)
 
@@ -173,7 +174,7 @@ def evaluate(run, params, step: int, *, toolbox=None) -> dict[str, float]:
 
     def generate(decoder, n: int, key, greedy: bool):
         batch = _eval_batch(run.eval_rows, n, sharding.num_row_shards(run.mesh), run.tokenizer, run.tooling,
-                            run.config.data.max_prompt_length)
+                            run.config.data.max_prompt_length, run.config.data.template_kwargs)
         return _generate(decoder, params, batch, key, n=n, num_rows=len(run.eval_rows) * n, greedy=greedy,
                          tokenizer=run.tokenizer, reward_fns=run.eval_reward_fns, tooling=run.tooling, toolbox=toolbox)
 

@@ -264,7 +264,8 @@ def setup(tooling: tools.Tooling | None, tokenizer, batch, journal: Path | None,
                        for p, o in zip(prompts, observations)]
             _check_groups(prompts, group_size)
             ids, mask, _ = data.tokenize_prompts(tokenizer, prompts, batch.prompt_ids.shape[1], "left",
-                                                 [tooling.schemas(r) for r in rows], tooling.chat_template)
+                                                 [tooling.schemas(r) for r in rows], tooling.chat_template,
+                                                 tooling.template_kwargs)
             batch = batch._replace(prompt_ids=ids, prompt_mask=mask, prompts=prompts)
     # the others parse with the probe instances' tools (the same schemas) and never call them
     row_tools = [tooling.schemas(row) for row in rows] if environments is None else \
@@ -273,7 +274,8 @@ def setup(tooling: tools.Tooling | None, tokenizer, batch, journal: Path | None,
     turns = make_turns(tokenizer, row_tools, prompt_ids, toolbox, Journal(journal if calls_tools else None),
                        replayable=[fn.__name__ for fn in tooling.tools],
                        max_iterations=tooling.max_iterations, max_model_len=tooling.max_model_len,
-                       chat_template=tooling.chat_template, calls_tools=calls_tools)
+                       chat_template=tooling.chat_template, template_kwargs=tooling.template_kwargs,
+                       calls_tools=calls_tools)
     return batch, turns, environments
 
 

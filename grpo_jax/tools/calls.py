@@ -244,6 +244,7 @@ class Tooling:
     chat_template: str | None
     max_iterations: int | None
     max_model_len: int | None
+    template_kwargs: dict = dataclasses.field(default_factory=dict)  # `data.chat_template_kwargs`
 
     def environment_name(self, row: dict):
         if self.factories is None or None in self.factories:
@@ -296,7 +297,7 @@ class Environments:
 
 
 def build(tool_specs, factory_spec, tokenizer, *, timeout: float, max_iterations: int | None,
-          max_model_len: int | None) -> Tooling | None:
+          max_model_len: int | None, template_kwargs: dict | None = None) -> Tooling | None:
     """A run's `Tooling` from TRL's ``tools`` and ``environment_factory`` (paths or objects); None without either.
     Probes one instance of each environment (a missing `reset` is an error naming it)."""
     factories = environment_factories(factory_spec)
@@ -314,7 +315,7 @@ def build(tool_specs, factory_spec, tokenizer, *, timeout: float, max_iterations
         check_environment(name, instance)
         env_tools[name], probes[name] = methods(instance), instance
     return Tooling(tuple(standalone), factories, env_tools, probes, timeout, _parser_and_template(tokenizer),
-                   max_iterations, max_model_len)
+                   max_iterations, max_model_len, dict(template_kwargs or {}))
 
 
 def open_toolbox(tooling: Tooling | None) -> toolbox.Toolbox | None:

@@ -140,3 +140,22 @@ def test_every_trl_grpo_and_model_config_field_is_handled():
 def test_shuffle_dataset_is_data_shuffle(value, shuffle):
     """TRL's RepeatSampler tests shuffle_dataset for truth: None reads the rows in order, as False does."""
     assert load_config(None, [f"shuffle_dataset={value}"]).data.shuffle is shuffle
+
+
+@pytest.mark.parametrize("override", ['chat_template_kwargs={"enable_thinking": false}',
+                                      """chat_template_kwargs='{"enable_thinking": false}'""",
+                                      "data.chat_template_kwargs={enable_thinking: false}"])
+def test_chat_template_kwargs_is_one_json_object(override):
+    """TRL's chat_template_kwargs (a dict, or its JSON text on TRL's command line) is data.chat_template_kwargs, kept
+    as JSON text so a checkpoint's flat keys hold it as one value."""
+    data = load_config(None, [override]).data
+    assert data.chat_template_kwargs == '{"enable_thinking": false}'
+    assert data.template_kwargs == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize("override, match", [("data.chat_template_kwargs='{x'", "is not JSON"),
+                                             ("data.chat_template_kwargs='[1]'", "must be a JSON object"),
+                                             ("data.chat_template_kwargs=3", "must be a mapping")])
+def test_bad_chat_template_kwargs_name_the_key(override, match):
+    with pytest.raises(ValueError, match=rf"^data\.chat_template_kwargs=.*{match}"):
+        load_config(None, [override])

@@ -1,5 +1,6 @@
 """Tests for grpo_jax.data.prompts: JSONL errors, static left-padding/truncation, seeded epochs, resume, group repeat."""
 
+import copy
 import json
 
 import numpy as np
@@ -257,6 +258,26 @@ def test_chat_prompts_render_like_trl(chat_tok):
     expected = chat_tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=True)
     np.testing.assert_array_equal(ids[0][mask[0] == 1], expected["input_ids"])
     np.testing.assert_array_equal(ids[1][mask[1] == 1], chat_tok("12>", add_special_tokens=False)["input_ids"])
+
+
+# a template with an argument of its own, as Qwen3's `enable_thinking`: "!" after the generation prompt when set
+FLAG_TEMPLATE = CHAT_TEMPLATE.replace("{% endif %}", "{% if loud %}!{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template_as_trl_passes_them(chat_tok, tmp_path):
+    """data.chat_template_kwargs: the prompt tokens are the tokenizer's own apply_chat_template(**kwargs) and TRL's
+    rendering with the same kwargs; a run built with the key tokenizes its rows so."""
+    chat_tok = copy.deepcopy(chat_tok)
+    chat_tok.chat_template = FLAG_TEMPLATE
+    assert data.render_prompt(chat_tok, CHAT) == "^12 =21 ^3 >"
+    assert data.render_prompt(chat_tok, CHAT, template_kwargs={"loud": True}) == "^12 =21 ^3 >!"
+    ids, mask, _ = data.tokenize_prompts(chat_tok, [CHAT], 16, template_kwargs={"loud": True})
+    expected = chat_tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                            loud=True)["input_ids"]
+    np.testing.assert_array_equal(ids[0][mask[0] == 1], expected)
+    trl_data_utils = pytest.importorskip("trl.data_utils")
+    assert data.render_prompt(chat_tok, CHAT, template_kwargs={"loud": True}) == \
+        trl_data_utils.maybe_apply_chat_template({"prompt": CHAT}, chat_tok, loud=True)["prompt"]
 
 
 def test_chat_prompt_without_template_is_an_error(tok):

@@ -73,6 +73,24 @@ def test_reward_model_scores_equal_transformers(tmp_path, family):
     np.testing.assert_allclose(model(chats, answers), _trl_scores(folder, chats, answers), rtol=1e-4, atol=1e-4)
 
 
+def test_a_reward_model_renders_conversations_with_the_chat_template_kwargs(tmp_path):
+    """data.chat_template_kwargs reach a reward model's chat template as TRL passes its chat_template_kwargs."""
+    from trl.data_utils import apply_chat_template
+
+    from grpo_jax.rewards.reward_specs import resolve_all
+
+    folder = _reward_folder(tmp_path, "qwen2")
+    flagged = CHAT_TEMPLATE.replace("{% endfor %}", "{% endfor %}{% if loud %}!{% endif %}")
+    (model, ) = [fn for _, fn in resolve_all([folder], max_completion_length=4, soft_punish_cache=0,
+                                             template_kwargs={"loud": True})]
+    model.tokenizer.chat_template = flagged
+    chats = [[{"role": "user", "content": "12"}], [{"role": "user", "content": "3"}]]
+    answers = [[{"role": "assistant", "content": "21"}], [{"role": "assistant", "content": "3"}]]
+    expected = [apply_chat_template({"messages": p + c}, model.tokenizer, loud=True)["text"]
+                for p, c in zip(chats, answers)]
+    assert model.texts(chats, answers) == expected == ["^12 =21 !", "^3 =3 !"]
+
+
 def test_a_reward_model_folder_is_a_reward_function_of_a_run(tmp_path):
     folder = _reward_folder(tmp_path, "qwen2")
     config = load_config(None, [f"output_dir={tmp_path / 'run'}", "max_steps=2", "train.train_batch_size=16",
