@@ -251,8 +251,9 @@ class Tooling:
             return None
         name = row.get("environment")
         if name not in self.factories:
-            raise ValueError(f"a row has environment={name!r}, which is not among environment_factory's "
-                             f"{sorted(self.factories)}: fix the row's 'environment' column or add that environment")
+            raise ValueError(f"Example has `environment={name!r}`, which is not among the environments passed to "
+                             f"`environment_factory`. Expected one of: {list(self.factories)}. Fix the row's "
+                             "'environment' column or add that environment")  # TRL's message, and the fix
         return name
 
     def schemas(self, row: dict) -> list:

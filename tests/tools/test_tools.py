@@ -124,7 +124,8 @@ def test_environments_and_tool_paths_fail_with_errors_naming_them():
     with pytest.raises(ValueError, match="tools: tool or environment 'no_such_module:f': module 'no_such_module'"):
         tools.build(("no_such_module:f",), None, tok, **build)
     tooling = tools.build((), {"a": tool_task.LookupEnv}, tok, **build)
-    with pytest.raises(ValueError, match=r"environment='b', which is not among environment_factory's \['a'\]"):
+    with pytest.raises(ValueError, match=r"environment='b'`, which is not among the environments passed to "
+                                         r"`environment_factory`\. Expected one of: \['a'\]"):
         tools.Environments(tooling).draw([{"environment": "b"}])
     assert [m.__name__ for m in tooling.schemas({"environment": "a"})] == ["lookup"]
     assert tools.env_rewards(tooling) == []
