@@ -7,6 +7,7 @@ refused in one line naming what to pass instead. Imports no jax until `.train()`
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ from typing import Any
 from grpo_jax.api.arguments import check_arguments
 from grpo_jax.api.trl_inputs import cached_reward_model, lora_options, model_folder, reward_func_names, tokenizer_folder
 from grpo_jax.api.trl_state import PolicyView, TrainerState, TRLArgs, residual_means, trl_checkpoint, trl_line
-from grpo_jax.config import Config, LoRAConfig, make_config, trl_keys
+from grpo_jax.config import Config, LoRAConfig, for_run, make_config, trl_keys
 from grpo_jax.config.sections import TASK_REWARDS
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "lora_options", "model_folder"]  # what a script reads back: `trl_state`
@@ -139,6 +140,7 @@ class GRPOTrainer:
             raise ValueError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
                              "environment defines a `get_reward` method.")
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self._streamed = None  # a streamed train_dataset's rows, once read (`_train_rows`)
         self.reward_processing_classes, self.tools = reward_processing_classes, tools
         self.environment_factory = environment_factory
         _trl_checks(self.args, self.reward_funcs, reward_processing_classes)
@@ -197,6 +199,23 @@ class GRPOTrainer:
         coef = hf.get("router_aux_loss_coef", 0.0) if coef is None else coef
         return "output_router_logits" in hf and coef != 0.0
 
+    def _train_rows(self):
+        """`train_dataset` as the run reads it: a streamed `datasets.IterableDataset` (TRL's `streaming=True`) as the
+        rows its `max_steps` can reach (whole rounds of prompts on every device there could be), read once, in the
+        stream's order; anything else as it is."""
+        if not is_stream(self.train_dataset):
+            return self.train_dataset
+        if self._streamed is None:
+            import jax
+
+            if self.args.max_steps <= 0:
+                raise ValueError("train_dataset is a streamed IterableDataset (it has no length): set max_steps, as "
+                                 "TRL requires")
+            config = for_run(self.args, row_devices=jax.device_count(), num_prompts=None)
+            rounds = -(-config.max_steps // config.train.steps_per_round)
+            self._streamed = list(itertools.islice(self.train_dataset, rounds * config.train.prompts_per_round))
+        return self._streamed
+
     def train(self, resume_from_checkpoint: bool | str | None = None):
         """Trains (`grpo_jax.api.trainer.train`) and returns transformers' `TrainOutput` (global_step, training_loss,
         metrics: the run's summary, which `output["steps"]` also reads) when transformers is importable, else the
@@ -214,7 +233,7 @@ class GRPOTrainer:
         if isinstance(self.eval_dataset, Mapping):
             raise ValueError(f"eval_dataset is a dict of {len(self.eval_dataset)} datasets: a run evaluates one "
                              "held-out set; give one (trainer.evaluate(eval_dataset=...) evaluates each of a dict)")
-        summary = trainer.train(config, train_dataset=self.train_dataset, eval_dataset=held_out(self.eval_dataset),
+        summary = trainer.train(config, train_dataset=self._train_rows(), eval_dataset=held_out(self.eval_dataset),
                                 reward_funcs=self.reward_funcs,
                                 reward_processing_classes=self.reward_processing_classes, tools=self.tools,
                                 environment_factory=self.environment_factory)
@@ -268,7 +287,7 @@ class GRPOTrainer:
         params on `eval_dataset`'s rows."""
         from grpo_jax.api import trainer
 
-        run, state, held = trainer.build(self.args, train_dataset=self.train_dataset, eval_dataset=eval_dataset,
+        run, state, held = trainer.build(self.args, train_dataset=self._train_rows(), eval_dataset=eval_dataset,
                                          reward_funcs=self.reward_funcs, tools=self.tools,
                                          environment_factory=self.environment_factory,
                                          reward_processing_classes=self.reward_processing_classes)
@@ -303,10 +322,15 @@ class GRPOTrainer:
         shutil.copytree(final, output_dir, dirs_exist_ok=True)
 
 
+def is_stream(dataset: Any) -> bool:
+    """A `datasets.IterableDataset` (TRL's `streaming=True`), without importing datasets."""
+    return type(dataset).__name__ == "IterableDataset" and hasattr(dataset, "__iter__")
+
+
 def held_out(dataset: Any, name: str | None = None) -> Any:
     """A held-out set as the run reads it: a streamed `datasets.IterableDataset` (TRL's `streaming=True`) as its
     rows (a held-out set is finite); anything else as it is. ``name``: its key in a dict of them, for messages."""
-    if type(dataset).__name__ == "IterableDataset" and hasattr(dataset, "__iter__"):
+    if is_stream(dataset):
         return list(dataset)
     if name is not None and isinstance(dataset, Mapping):
         raise ValueError(f"eval_dataset[{name!r}] is a {type(dataset).__name__}: give a dataset per name")

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 from grpo_jax.config import Config, trl_keys
 
@@ -31,8 +32,10 @@ def residual_means(history: list[dict], last_step: int, logging_steps: int) -> d
     return {k: sum(line[k] for line in lines if k in line) / sum(k in line for line in lines) for k in keys}
 
 
-# TRL names of what grpo_jax does one way only, and the value that says so
-TRL_FIXED = {"dataloader_num_workers": 0}  # rows are read in the training process: no loader workers
+# TRL names of what grpo_jax does one way only, and the value that says so: rows are read in the training process
+# (no loader workers), and every process reads the rows itself and keeps its own (accelerate's dispatch_batches=False,
+# which TRL sets for a streamed dataset)
+TRL_FIXED = {"dataloader_num_workers": 0, "accelerator_config": SimpleNamespace(dispatch_batches=False)}
 
 
 class TRLArgs(Config):

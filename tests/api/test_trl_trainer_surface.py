@@ -340,3 +340,36 @@ def test_eval_dataset_as_trl_takes_it(tmp_path):
         trainer.train()
     with pytest.raises(TypeError, match=r"eval_dataset is a int \(3\)"):
         GRPOTrainer(model=str(folder), reward_funcs=answer_reward, eval_dataset={"a": 3})
+
+
+def test_a_streamed_train_dataset_is_read_as_the_rows_max_steps_reaches(tmp_path):
+    """TRL's `streaming=True` train set: the rows whole rounds up to max_steps can take, in the stream's order, read
+    once (a stream without max_steps is refused as TRL refuses it); `args.accelerator_config.dispatch_batches` is
+    False, as TRL sets it for a stream (every process here reads its own rows)."""
+    datasets = pytest.importorskip("datasets")
+    from grpo_jax import GRPOConfig, GRPOTrainer
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    reads = []
+
+    def rows():
+        for row in ROWS * 4:  # 64 rows
+            reads.append(row)
+            yield row
+
+    stream = datasets.IterableDataset.from_generator(rows)
+    # 2 optimizer steps a round (steps_per_generation 4 micro-batches / gradient accumulation 2) of 4 prompts x 2
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=3, per_device_train_batch_size=2,
+                      gradient_accumulation_steps=2, num_generations=2, steps_per_generation=4)
+    trainer = GRPOTrainer(model=str(folder), reward_funcs=answer_reward, train_dataset=stream, args=args)
+    assert trainer.args.accelerator_config.dispatch_batches is False
+    import jax
+    prompts_per_round = 2 * jax.device_count() * 4 // 2
+    taken = trainer._train_rows()
+    assert taken == (ROWS * 4)[:2 * prompts_per_round]  # ceil(3 steps / 2 a round) = 2 rounds, in order
+    assert trainer._train_rows() is taken and len(reads) <= len(taken) + 1  # read once, no further than needed
+    unbounded = GRPOTrainer(model=str(folder), reward_funcs=answer_reward, train_dataset=stream,
+                            args=GRPOConfig(output_dir=str(tmp_path / "run2")))
+    with pytest.raises(ValueError, match="streamed IterableDataset .* set max_steps"):
+        unbounded._train_rows()
