@@ -78,10 +78,12 @@ class GRPOTrainer:
 
     `model`: a Hugging Face folder or a cached model id (`model.path`). `reward_funcs`: a function, a
     'module:function' path, a reward model folder, or a list of them. `args`: a `Config` (`GRPOConfig(...)`; None:
-    the defaults). `train_dataset` / `eval_dataset`: a `datasets.Dataset` or a list of dicts. `peft_config`: a
-    `peft.LoraConfig` or a dict of its fields (`model.lora`). `processing_class`: a tokenizer folder, or a tokenizer
-    loaded from one (`data.tokenizer_path`); None: the model folder's. `reward_processing_classes`, `tools` and
-    `environment_factory` go to `train` as TRL's. `.args` is the config the run gets.
+    the defaults). `train_dataset` / `eval_dataset`: a `datasets.Dataset` (or a streamed one) or a list of dicts;
+    `train_dataset` is required, as in TRL, unless an environment owns the data or args name `data.path`.
+    `peft_config`: a `peft.LoraConfig` or a dict of its fields (`model.lora`). `processing_class`: a tokenizer
+    folder, or a tokenizer loaded from one (`data.tokenizer_path`); None: the model folder's.
+    `reward_processing_classes`, `tools` and `environment_factory` go to `train` as TRL's. `.args` is the config the
+    run gets.
     """
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: Config | None = None, train_dataset=None,
@@ -130,6 +132,9 @@ class GRPOTrainer:
             reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
         self.reward_funcs = None if given is None else [cached_reward_model(f) for f in given]
         self.reward_func_names = reward_func_names(given, environment_factory)
+        if train_dataset is None and environment_factory is None and self.args.data.path is None:  # TRL's
+            raise ValueError("`train_dataset` is required unless an `environment_factory` is provided. (grpo_jax "
+                             "also reads data.path in args; the embedded task trains through grpo_jax.train)")
         if train_dataset is None and isinstance(environment_factory, Mapping):  # TRL's check: nothing routes rows
             raise ValueError("A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with an "
                              "`environment` column to route each example to its environment. Provide a dataset, or "

@@ -104,32 +104,35 @@ def test_the_trainer_takes_a_cached_model_id_and_refuses_objects(tmp_path, monke
     (snapshot.parent.parent / "refs").mkdir()
     (snapshot.parent.parent / "refs" / "main").write_text("0123abcd")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    trainer = GRPOTrainer("me/tiny", answer_reward, args=GRPOConfig(beta=0.0), peft_config={"r": 4})
+    trainer = GRPOTrainer("me/tiny", answer_reward, args=GRPOConfig(beta=0.0), peft_config={"r": 4}, train_dataset=ROWS)
     # TRL's reward_funcs take Hub ids of reward models too: the cached snapshot, as for model
-    assert GRPOTrainer("me/tiny", ["me/tiny", answer_reward, "grpo_jax.data.task:exact_match"]).reward_funcs == \
+    assert GRPOTrainer("me/tiny", ["me/tiny", answer_reward, "grpo_jax.data.task:exact_match"],
+                       train_dataset=ROWS).reward_funcs == \
         [str(snapshot), answer_reward, "grpo_jax.data.task:exact_match"]
     with pytest.raises(ValueError, match=r"reward_funcs entry 'me/other' is neither .* in the local Hugging Face"):
-        GRPOTrainer("me/tiny", "me/other")
+        GRPOTrainer("me/tiny", "me/other", train_dataset=ROWS)
     assert trainer.args.model.path == str(snapshot) and trainer.args.loss.beta == 0.0
     assert trainer.args.model.lora == LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
     assert trainer.reward_funcs == [answer_reward]
     with pytest.raises(ValueError, match=r"model='me/other' is neither a folder nor a model id in the local"):
-        GRPOTrainer("me/other", answer_reward)
+        GRPOTrainer("me/other", answer_reward, train_dataset=ROWS)
     with pytest.raises(ValueError, match=r"model is a dict: .* or a transformers model object"):
-        GRPOTrainer({"weights": 1}, answer_reward)
+        GRPOTrainer({"weights": 1}, answer_reward, train_dataset=ROWS)
     with pytest.raises(ValueError, match=r"processing_class is a \w+ not loaded from a folder"):
-        GRPOTrainer(str(snapshot), answer_reward, processing_class=task.build_tokenizer())
+        GRPOTrainer(str(snapshot), answer_reward, processing_class=task.build_tokenizer(), train_dataset=ROWS)
     with pytest.raises(ValueError, match=r"peft_config: model.lora.dropout=1.5 must be in \[0, 1\)"):
-        GRPOTrainer(str(snapshot), answer_reward, peft_config={"lora_dropout": 1.5})
-    assert GRPOTrainer(str(snapshot), answer_reward, peft_config={"lora_dropout": 0.05}).args.model.lora.dropout \
+        GRPOTrainer(str(snapshot), answer_reward, peft_config={"lora_dropout": 1.5}, train_dataset=ROWS)
+    assert GRPOTrainer(str(snapshot), answer_reward, peft_config={"lora_dropout": 0.05},
+                       train_dataset=ROWS).args.model.lora.dropout \
         == 0.05
     with pytest.raises(ValueError, match=r"model.init=random with model.path="):
-        GRPOTrainer(str(snapshot), answer_reward, args=GRPOConfig(model={"init": "random"}))
+        GRPOTrainer(str(snapshot), answer_reward, args=GRPOConfig(model={"init": "random"}), train_dataset=ROWS)
     for hook in ({"callbacks": [object()]}, {"optimizers": (object(), None)}, {"quantization_config": {"bits": 4}},
                  {"rollout_func": len}):
         with pytest.raises(ValueError, match=f"{next(iter(hook))} is TRL's PyTorch hook"):
-            GRPOTrainer(str(snapshot), answer_reward, **hook)
-    assert GRPOTrainer(str(snapshot), answer_reward, callbacks=[], optimizers=(None, None)).args.model.path
+            GRPOTrainer(str(snapshot), answer_reward, **hook, train_dataset=ROWS)
+    assert GRPOTrainer(str(snapshot), answer_reward, callbacks=[], optimizers=(None, None),
+                       train_dataset=ROWS).args.model.path
 
 
 def test_the_trl_shaped_trainer_is_train_on_the_same_config_bit_for_bit(tmp_path):

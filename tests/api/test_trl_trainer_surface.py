@@ -129,7 +129,8 @@ def test_a_model_object_trains_as_its_folder_and_trainer_model_reads_the_weights
                 **{"eval.num_examples": 0})
     from_object = GRPOTrainer(model=model, reward_funcs=answer_reward, train_dataset=ROWS, processing_class=folder,
                               args=GRPOConfig(output_dir=str(tmp_path / "object"), **args))
-    assert from_object.args.model.path == GRPOTrainer(model=model, reward_funcs=answer_reward).args.model.path
+    assert from_object.args.model.path == GRPOTrainer(model=model, reward_funcs=answer_reward,
+                                                      train_dataset=ROWS).args.model.path
     assert from_object.args.model.path.startswith(str(tmp_path / "cache"))
     before = dict(from_object.model.named_parameters())
     assert before.keys() == dict(model.named_parameters()).keys()  # tied: no lm_head, as transformers names them
@@ -163,7 +164,7 @@ def test_trls_init_checks_raise_trls_message(tmp_path, kwargs, message):
     folder.mkdir()
     ours = dict(kwargs, args=GRPOConfig(**kwargs.get("args", {})))
     with pytest.raises(ValueError, match=message):
-        GRPOTrainer(model=str(folder), **ours)
+        GRPOTrainer(model=str(folder), **ours, train_dataset=ROWS)
     assert GRPOConfig(reward_weights=[0.7, 0.3]).reward.weights == (0.7, 0.3)  # reward_funcs arrive later
 
 
@@ -174,7 +175,7 @@ def test_trls_warnings(tmp_path, caplog):
     folder.mkdir()
     with caplog.at_level("WARNING", logger="trl.trainer.grpo_trainer"):
         GRPOTrainer(model=str(folder), reward_funcs=[answer_reward],
-                    args=GRPOConfig(importance_sampling_level="sequence"))
+                    args=GRPOConfig(importance_sampling_level="sequence"), train_dataset=ROWS)
     assert "the `'dapo'` loss sums per-token contributions" in caplog.text  # TRL's default loss_type
 
 
@@ -221,7 +222,7 @@ def test_trainer_model_reads_submodules_as_transformers_nests_them(tmp_path, tie
 
     model = hf_fixtures.build_model("qwen2", tied=tied)
     folder = hf_fixtures.save_model(model, tmp_path / "hf")
-    view = GRPOTrainer(model=folder, reward_funcs=answer_reward).model
+    view = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS).model
     assert torch.equal(view.lm_head.weight, model.lm_head.weight.detach())
     assert torch.equal(view.get_parameter("lm_head.weight"), model.get_parameter("lm_head.weight").detach())
     assert torch.equal(view.model.norm.weight, model.model.norm.weight.detach())
@@ -274,7 +275,8 @@ def test_reward_func_names_and_weights_are_trls(tmp_path):
                              args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none",
                                                  per_device_train_batch_size=2, num_generations=2,
                                                  reward_weights=[1.0, 0.5, 2.0, 0.25]))
-    ours = GRPOTrainer(model=policy, reward_funcs=funcs, args=GRPOConfig(reward_weights=[1.0, 0.5, 2.0, 0.25]))
+    ours = GRPOTrainer(model=policy, reward_funcs=funcs, args=GRPOConfig(reward_weights=[1.0, 0.5, 2.0, 0.25]),
+                       train_dataset=ROWS)
     assert ours.reward_func_names == theirs.reward_func_names == ["answer_reward", "answer_reward", "_Scorer",
                                                                    "my-scorer"]
     assert torch.equal(ours.reward_weights, theirs.reward_weights)
@@ -284,15 +286,19 @@ def test_reward_func_names_and_weights_are_trls(tmp_path):
 
 
 def test_a_dataset_without_a_reward_source_is_trls_error(tmp_path):
-    """TRL 1.16: no `reward_funcs` and no environment's `get_reward` is refused at construction; the embedded task
-    (no dataset) keeps its own rewards, and args' reward.functions count as a source."""
+    """TRL 1.16: no `reward_funcs` and no environment's `get_reward` is refused at construction, and so is no
+    `train_dataset` without an environment (unless args name data.path); args' reward.functions count as a
+    source."""
     from grpo_jax import GRPOConfig, GRPOTrainer
 
     folder = tmp_path / "model"
     folder.mkdir()
     with pytest.raises(ValueError, match="No reward source provided. Pass `reward_funcs`"):
         GRPOTrainer(model=str(folder), train_dataset=ROWS)
-    assert GRPOTrainer(model=str(folder)).reward_funcs is None  # the embedded task
+    with pytest.raises(ValueError, match="`train_dataset` is required unless an `environment_factory` is provided"):
+        GRPOTrainer(model=str(folder), reward_funcs=answer_reward)
+    data = {"path": "rows.jsonl", "tokenizer_path": str(folder)}  # the run's own data, checked when it is built
+    assert GRPOTrainer(model=str(folder), args=GRPOConfig(data=data)).reward_funcs is None
     GRPOTrainer(model=str(folder), train_dataset=ROWS, args=GRPOConfig(reward_funcs=["my.module:score"]))
     with pytest.raises(ValueError, match="multiple environments. requires a `train_dataset` with an `environment`"):
         GRPOTrainer(model=str(folder), reward_funcs=answer_reward, environment_factory={"a": _Counter, "b": _Counter})
@@ -311,7 +317,7 @@ def test_args_read_trls_names_as_trls_config_holds_them(tmp_path):
     theirs = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none", **given)
     folder = tmp_path / "model"
     folder.mkdir()
-    args = GRPOTrainer(model=str(folder), reward_funcs=answer_reward, args=GRPOConfig(**given)).args
+    args = GRPOTrainer(model=str(folder), reward_funcs=answer_reward, args=GRPOConfig(**given), train_dataset=ROWS).args
     for name in (*given, "adam_beta2", "top_k", "top_p", "num_iterations"):
         assert getattr(args, name) == getattr(theirs, name), name
     assert args.dataloader_num_workers == 0  # grpo_jax reads rows in the training process
@@ -331,7 +337,8 @@ def test_eval_dataset_as_trl_takes_it(tmp_path):
     folder.mkdir()
     rows = datasets.Dataset.from_list(ROWS)
     stream = rows.to_iterable_dataset()
-    assert GRPOTrainer(model=str(folder), reward_funcs=answer_reward, eval_dataset=stream).eval_dataset is stream
+    assert GRPOTrainer(model=str(folder), reward_funcs=answer_reward, eval_dataset=stream,
+                       train_dataset=ROWS).eval_dataset is stream
     assert held_out(stream) == ROWS
     both = {"data1": rows, "data2": stream}
     trainer = GRPOTrainer(model=str(folder), reward_funcs=answer_reward, train_dataset=ROWS, eval_dataset=both)
@@ -339,7 +346,7 @@ def test_eval_dataset_as_trl_takes_it(tmp_path):
     with pytest.raises(ValueError, match="eval_dataset is a dict of 2 datasets: a run evaluates one held-out set"):
         trainer.train()
     with pytest.raises(TypeError, match=r"eval_dataset is a int \(3\)"):
-        GRPOTrainer(model=str(folder), reward_funcs=answer_reward, eval_dataset={"a": 3})
+        GRPOTrainer(model=str(folder), reward_funcs=answer_reward, eval_dataset={"a": 3}, train_dataset=ROWS)
 
 
 def test_a_streamed_train_dataset_is_read_as_the_rows_max_steps_reaches(tmp_path):
