@@ -139,6 +139,11 @@ class GRPOTrainer:
             raise ValueError("A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with an "
                              "`environment` column to route each example to its environment. Provide a dataset, or "
                              "pass a single environment factory.")
+        if train_dataset is None and environment_factory is not None and self.args.data.path is None \
+                and self.args.max_steps <= 0:  # TRL's check: the environment's data has no length
+            raise ValueError("When training without a `train_dataset` (the environment owns the data and returns the "
+                             "prompt from `reset()`), `max_steps` must be set to a positive value to define the "
+                             "training length. Set it via `GRPOConfig(max_steps=...)`.")
         if train_dataset is not None and reward_funcs is None and environment_factory is None \
                 and self.args.reward.functions == TASK_REWARDS:
             # the embedded task's rewards score its own rows only: TRL's check, for a script's own data

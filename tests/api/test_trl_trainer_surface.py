@@ -280,7 +280,8 @@ def test_reward_func_names_and_weights_are_trls(tmp_path):
     assert ours.reward_func_names == theirs.reward_func_names == ["answer_reward", "answer_reward", "_Scorer",
                                                                    "my-scorer"]
     assert torch.equal(ours.reward_weights, theirs.reward_weights)
-    with_env = GRPOTrainer(model=policy, reward_funcs=[answer_reward], environment_factory=_Counter)
+    with_env = GRPOTrainer(model=policy, reward_funcs=[answer_reward], environment_factory=_Counter,
+                           args=GRPOConfig(max_steps=2))
     assert with_env.reward_func_names == ["answer_reward", "_Counter"]
     assert with_env.reward_weights.tolist() == [1.0, 1.0]
 
@@ -300,6 +301,9 @@ def test_a_dataset_without_a_reward_source_is_trls_error(tmp_path):
     data = {"path": "rows.jsonl", "tokenizer_path": str(folder)}  # the run's own data, checked when it is built
     assert GRPOTrainer(model=str(folder), args=GRPOConfig(data=data)).reward_funcs is None
     GRPOTrainer(model=str(folder), train_dataset=ROWS, args=GRPOConfig(reward_funcs=["my.module:score"]))
+    with pytest.raises(ValueError, match=r"without a `train_dataset` \(the environment owns the data .*`max_steps` "
+                                         "must be set to a positive value"):
+        GRPOTrainer(model=str(folder), reward_funcs=answer_reward, environment_factory=_Counter)
     with pytest.raises(ValueError, match="multiple environments. requires a `train_dataset` with an `environment`"):
         GRPOTrainer(model=str(folder), reward_funcs=answer_reward, environment_factory={"a": _Counter, "b": _Counter})
 
