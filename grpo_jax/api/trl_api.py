@@ -151,9 +151,13 @@ class GRPOTrainer:
                              "environment defines a `get_reward` method.")
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self._streamed = None  # a streamed train_dataset's rows, once read (`_train_rows`)
+        _trl_checks(self.args, self.reward_funcs, reward_processing_classes)
+        if self.reward_funcs is not None and not isinstance(reward_processing_classes, (list, tuple)):
+            # TRL keeps one per reward function: None for each, or the one given in a list
+            reward_processing_classes = [reward_processing_classes] * (
+                len(self.reward_funcs) if reward_processing_classes is None else 1)
         self.reward_processing_classes, self.tools = reward_processing_classes, tools
         self.environment_factory = environment_factory
-        _trl_checks(self.args, self.reward_funcs, reward_processing_classes)
         self.state, self._output_dir = TrainerState(), None
         self.model = PolicyView(self)
         self.use_vllm = False  # TRL's flags scripts and tests read: grpo_jax samples with its own sampler

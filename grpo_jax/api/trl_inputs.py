@@ -37,8 +37,9 @@ def lora_options(peft_config: Any) -> dict:
         others = {f.name: getattr(peft_config, f.name) for f in dataclasses.fields(peft_config)
                   if f.name not in LORA_KEYS and getattr(peft_config, f.name) != _default(f)}
     else:
-        raise ValueError(f"peft_config is a {type(peft_config).__name__}: grpo_jax trains LoRA adapters only; pass a "
-                         "peft.LoraConfig or a dict of its fields (r, lora_alpha, target_modules, ...)")
+        kind = " (prompt-learning)" if getattr(peft_config, "is_prompt_learning", False) else ""
+        raise ValueError(f"peft_config is a {type(peft_config).__name__}{kind}: grpo_jax trains LoRA adapters only; "
+                         "pass a peft.LoraConfig or a dict of its fields (r, lora_alpha, target_modules, ...)")
     task = str(others.pop("task_type", None) or "CAUSAL_LM")
     if not task.endswith("CAUSAL_LM"):
         raise ValueError(f"peft_config.task_type={task!r}: grpo_jax trains causal language models; use CAUSAL_LM")

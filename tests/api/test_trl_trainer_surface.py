@@ -384,3 +384,21 @@ def test_a_streamed_train_dataset_is_read_as_the_rows_max_steps_reaches(tmp_path
                             args=GRPOConfig(output_dir=str(tmp_path / "run2")))
     with pytest.raises(ValueError, match="streamed IterableDataset .* set max_steps"):
         unbounded._train_rows()
+
+
+def test_reward_processing_classes_are_one_per_function_and_prompt_learning_is_named(tmp_path):
+    """TRL keeps `reward_processing_classes` as a list, one per reward function (None each, or the one given);
+    a PEFT prompt-learning config is refused saying so, as TRL refuses it."""
+    from grpo_jax import GRPOTrainer
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    assert GRPOTrainer(model=str(folder), reward_funcs=[answer_reward, answer_reward],
+                       train_dataset=ROWS).reward_processing_classes == [None, None]
+    one = object()
+    assert GRPOTrainer(model=str(folder), reward_funcs=answer_reward, train_dataset=ROWS,
+                       reward_processing_classes=one).reward_processing_classes == [one]
+    peft = pytest.importorskip("peft")
+    prompt_tuning = peft.PromptTuningConfig(task_type=peft.TaskType.CAUSAL_LM, num_virtual_tokens=8)
+    with pytest.raises(ValueError, match=r"PromptTuningConfig \(prompt-learning\): grpo_jax trains LoRA adapters"):
+        GRPOTrainer(model=str(folder), reward_funcs=answer_reward, train_dataset=ROWS, peft_config=prompt_tuning)
