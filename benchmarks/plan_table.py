@@ -3,7 +3,7 @@
 Writes config.json-only folders (no weights, no tokenizer) for Qwen2.5-7B, Qwen3-30B-A3B (mixture of experts, the
 experts split over `mesh.expert`) and Gemma-3-27B (text), then plans a GRPO run of each (16 completions per
 prompt, 16 prompts a step: 256 rows, one row per chip per micro-batch, 4 decode rows per chip; remat full, scanned
-layers, bf16 compute over float32 params, beta 0.04 with a bf16 reference) on v5p:4x4x4 and v6e:8x8 at 1k prompt +
+layers one per iteration (`--scan-unroll`), bf16 compute over float32 params, beta 0.04 with a bf16 reference) on v5p:4x4x4 and v6e:8x8 at 1k prompt +
 7k and 15k completion tokens. Nothing is allocated; every program compiles here with libtpu (`pip install -e
 '.[tpu]'`). One row per plan: the peak of each phase per chip, the HBM, the roofline round and tokens/s/chip.
 
@@ -63,13 +63,14 @@ def write_folder(root: Path, name: str) -> Path:
     return folder
 
 
-def overrides(folder: Path, name: str, completion: int, lora: bool, expert: int = 8) -> list[str]:
+def overrides(folder: Path, name: str, completion: int, lora: bool, expert: int = 8, unroll: int = 1) -> list[str]:
     """The run's config: GRPO at the users' lengths, the state split over every chip (experts over `expert`)."""
     mesh = ["mesh.data=1", "mesh.fsdp=-1"] + ([f"mesh.expert={expert}"] if "a3b" in name else [])
     # LoRA's reference is the frozen base itself: no bf16 copy to cast
     lora_keys = ["model.lora.rank=16", "model.lora.alpha=32"] if lora else ["train.ref_param_dtype=bfloat16"]
+    # one layer per scan iteration: the backward pass then holds one layer's MLP intermediates, not two
     return [f"model.path={folder}", "model.dtype=bfloat16", "model.param_dtype=float32", "model.remat=full",
-            "model.scan_layers=true", f"data.max_prompt_length={PROMPT}",
+            "model.scan_layers=true", f"model.scan_unroll={unroll}", f"data.max_prompt_length={PROMPT}",
             f"sampling.max_completion_length={completion}",
             f"train.num_generations={GROUP}", f"train.train_batch_size={ROWS}", "train.gradient_accumulation_steps=4",
             "train.logps_chunk_size=1", "loss.beta=0.04", *mesh, *lora_keys]
@@ -85,6 +86,9 @@ def main() -> int:
                         help="LoRA rows (rank 16): none, only, or both (LoRA for the first model only)")
     parser.add_argument("--expert", type=int, default=8,
                         help="the mixture of experts' mesh.expert (the rest of the chips: fsdp); 1: experts over fsdp")
+    parser.add_argument("--scan-unroll", type=int, default=1,
+                        help="model.scan_unroll: decoder layers per scan iteration (2 in the RESULTS.md rows planned "
+                        "before 2026-11-29 03:00)")
     parser.add_argument("--memory-only", action="store_true",
                         help="no FLOPs or bytes (no roofline): about half the compiles")
     parser.add_argument("--json", help="also write every plan's `grpo-jax plan --json` object here")
@@ -104,7 +108,8 @@ def main() -> int:
                 for lora in variants[args.lora]:
                     timer = time.perf_counter()
                     try:
-                        config = load_config(None, overrides(folder, name, completion, lora, args.expert))
+                        config = load_config(None, overrides(folder, name, completion, lora, args.expert,
+                                                             args.scan_unroll))
                         p = plan.plan(config, devices, costs=not args.memory_only)
                     except Exception as e:  # noqa: BLE001 - a row that cannot be planned says why and the rest go on
                         print(f"| {name} | {'LoRA 16' if lora else 'full'} | {topology} | {PROMPT} + {completion} | "
