@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from grpo_jax.api.arguments import check_arguments
-from grpo_jax.api.trl_inputs import cached_reward_model, lora_options, model_folder, reward_func_names, tokenizer_folder
+from grpo_jax.api.trl_inputs import (cached_reward_model, env_reward_classes, env_reward_func, lora_options,
+                                     model_folder, reward_func_names, tokenizer_folder)
 from grpo_jax.api.trl_state import PolicyView, TrainerState, TRLArgs, residual_means, trl_checkpoint, trl_line
 from grpo_jax.config import Config, LoRAConfig, for_run, make_config, trl_keys
 from grpo_jax.config.sections import TASK_REWARDS
@@ -130,7 +131,10 @@ class GRPOTrainer:
         # None: args' reward.functions (TRL: reward_funcs may be left out when the environment scores)
         given = None if reward_funcs is None else list(
             reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
-        self.reward_funcs = None if given is None else [cached_reward_model(f) for f in given]
+        self._reward_funcs = None if given is None else [cached_reward_model(f) for f in given]
+        # TRL's list: the given ones, then each environment's own reward (the run scores those itself)
+        owned = [env_reward_func(cls) for cls in env_reward_classes(environment_factory)]
+        self.reward_funcs = self._reward_funcs if not owned else (self._reward_funcs or []) + owned
         self.reward_func_names = reward_func_names(given, environment_factory)
         if train_dataset is None and environment_factory is None and self.args.data.path is None:  # TRL's
             raise ValueError("`train_dataset` is required unless an `environment_factory` is provided. (grpo_jax "
@@ -151,11 +155,11 @@ class GRPOTrainer:
                              "environment defines a `get_reward` method.")
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self._streamed = None  # a streamed train_dataset's rows, once read (`_train_rows`)
-        _trl_checks(self.args, self.reward_funcs, reward_processing_classes)
-        if self.reward_funcs is not None and not isinstance(reward_processing_classes, (list, tuple)):
+        _trl_checks(self.args, self._reward_funcs, reward_processing_classes)
+        if self._reward_funcs is not None and not isinstance(reward_processing_classes, (list, tuple)):
             # TRL keeps one per reward function: None for each, or the one given in a list
             reward_processing_classes = [reward_processing_classes] * (
-                len(self.reward_funcs) if reward_processing_classes is None else 1)
+                len(self._reward_funcs) if reward_processing_classes is None else 1)
         self.reward_processing_classes, self.tools = reward_processing_classes, tools
         self.environment_factory = environment_factory
         self.state, self._output_dir = TrainerState(), None
@@ -167,7 +171,7 @@ class GRPOTrainer:
     def reward_weights(self):
         """TRL's: one weight per name in `reward_func_names` (`reward.weights`, else 1 each; 1 for an environment's
         `get_reward`), a torch tensor when torch is installed."""
-        weights = list(self.args.reward.weights or [1.0] * len(self.reward_funcs or []))
+        weights = list(self.args.reward.weights or [1.0] * len(self._reward_funcs or []))
         weights += [1.0] * (len(self.reward_func_names) - len(weights))
         try:
             import torch
@@ -248,7 +252,7 @@ class GRPOTrainer:
             raise ValueError(f"eval_dataset is a dict of {len(self.eval_dataset)} datasets: a run evaluates one "
                              "held-out set; give one (trainer.evaluate(eval_dataset=...) evaluates each of a dict)")
         summary = trainer.train(config, train_dataset=self._train_rows(), eval_dataset=held_out(self.eval_dataset),
-                                reward_funcs=self.reward_funcs,
+                                reward_funcs=self._reward_funcs,
                                 reward_processing_classes=self.reward_processing_classes, tools=self.tools,
                                 environment_factory=self.environment_factory)
         self._output_dir = summary["output_dir"]
@@ -302,7 +306,7 @@ class GRPOTrainer:
         from grpo_jax.api import trainer
 
         run, state, held = trainer.build(self.args, train_dataset=self._train_rows(), eval_dataset=eval_dataset,
-                                         reward_funcs=self.reward_funcs, tools=self.tools,
+                                         reward_funcs=self._reward_funcs, tools=self.tools,
                                          environment_factory=self.environment_factory,
                                          reward_processing_classes=self.reward_processing_classes)
         toolbox = None

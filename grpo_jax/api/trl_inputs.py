@@ -9,7 +9,7 @@ import dataclasses
 import functools
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -153,10 +153,23 @@ def reward_func_names(reward_funcs: list | None, environment_factory: Any = None
             while isinstance(spec, functools.partial):
                 spec = spec.func
             names.append(getattr(spec, "__name__", type(spec).__name__))
+    return names + [cls.__name__ for cls in env_reward_classes(environment_factory)]
+
+
+def env_reward_classes(environment_factory: Any) -> list[type]:
+    """The environment classes that own a reward (a `get_reward` method), each once, in order."""
     factories = environment_factory.values() if isinstance(environment_factory, Mapping) else [environment_factory]
     seen = []
     for factory in factories:
         if isinstance(factory, type) and callable(getattr(factory, "get_reward", None)) and factory not in seen:
             seen.append(factory)
-            names.append(factory.__name__)
-    return names
+    return seen
+
+
+def env_reward_func(env_type: type) -> Callable:
+    """TRL's reward function for an environment that owns its reward: each rollout's `get_reward()` where its
+    environment is exactly ``env_type``, else None (what `trainer.reward_funcs` lists after the given ones; the run
+    scores environments itself, `grpo_jax.tools`)."""
+    def get_reward(environments, **kwargs):
+        return [e.get_reward() if type(e) is env_type else None for e in environments]
+    return get_reward

@@ -247,8 +247,9 @@ class _Counter:
 
 
 def test_reward_func_names_and_weights_are_trls(tmp_path):
-    """`reward_func_names` and `reward_weights` as TRL 1.16's GRPOTrainer sets them, for a function, a partial, a
-    callable object and a reward model folder; an environment class with `get_reward` adds its name, weight 1."""
+    """`reward_func_names`, `reward_weights` and `reward_funcs` as TRL 1.16's GRPOTrainer sets them, for a function,
+    a partial, a callable object and a reward model folder; an environment class with `get_reward` adds its name,
+    weight 1 and its reward function."""
     import functools
 
     torch = pytest.importorskip("torch")
@@ -284,6 +285,9 @@ def test_reward_func_names_and_weights_are_trls(tmp_path):
                            args=GRPOConfig(max_steps=2))
     assert with_env.reward_func_names == ["answer_reward", "_Counter"]
     assert with_env.reward_weights.tolist() == [1.0, 1.0]
+    # TRL lists the environment's reward after the given ones: each rollout's get_reward() where it is that class
+    assert len(with_env.reward_funcs) == 2 and with_env.reward_funcs[0] is answer_reward
+    assert with_env.reward_funcs[1](environments=[_Counter(), object()]) == [1.0, None]
 
 
 def test_a_dataset_without_a_reward_source_is_trls_error(tmp_path):
