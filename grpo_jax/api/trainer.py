@@ -273,7 +273,8 @@ def _skipped(history: list[dict], max_nonfinite_steps: int, zero_gradient: bool 
 
 def _evaluate(run: Run, writer: MetricsWriter, place: Place, toolbox) -> dict:
     """The held-out metrics of the place's params (`evaluate`), logged."""
-    metrics = evaluate(run, place.state.params, place.step, toolbox=toolbox)
+    metrics = evaluate(run, place.state.params, place.step, toolbox=toolbox,
+                       reference_params=place.state.reference_params)
     writer.write_eval(place.step, metrics)
     return metrics
 

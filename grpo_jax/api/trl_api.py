@@ -60,7 +60,14 @@ def GRPOConfig(**kwargs: Any) -> Config:  # noqa: N802 - TRL's name for what bui
         if not given & {name, dotted, *_REPLACED_BY.get(name, ())}:
             defaults[name] = value
     defaults.update({name: value for name, value in TRL_BEHAVIOUR.items() if name not in given})
-    return TRLArgs.of(make_config(**defaults, **kwargs))
+    config = make_config(**defaults, **kwargs)
+    # TRL evaluates by sampling as it trains: num_generations_eval (None: num_generations) at the temperature
+    follow = {}
+    if "eval.num_generations" not in given and kwargs.get("num_generations_eval") is None:
+        follow["num_generations"] = config.train.num_generations
+    if "eval.temperature" not in given:
+        follow["temperature"] = config.sampling.temperature
+    return TRLArgs.of(dataclasses.replace(config, eval=dataclasses.replace(config.eval, **follow)))
 
 
 def _use_cpu() -> None:
@@ -321,7 +328,8 @@ class GRPOTrainer:
                 state = state if restored is None else restored[1]
             toolbox = trainer.open_toolbox(run.tooling)
             step = int(state.step)
-            metrics = trainer.evaluate(run, state.params, step, toolbox=toolbox)
+            metrics = trainer.evaluate(run, state.params, step, toolbox=toolbox,
+                                       reference_params=state.reference_params)
         finally:
             if toolbox is not None:
                 toolbox.close()

@@ -7,7 +7,8 @@ named for how its completions were drawn:
 - with `eval.num_generations` = n > 0, n completions per prompt at `eval.temperature`, TRL's names under
   `eval/sampled/` (`reward`, the unweighted sum of the functions; `rewards/<fn>/mean|std`, `completions/...`),
   `eval/pass@k` for k in `eval.pass_at_k` (the unbiased estimator of Chen et al. 2021, arXiv 2107.03374) and
-  `eval/maj@n` (the most common answer `eval.answer_extractor` pulls out of the n completions is correct).
+  `eval/maj@n` (the most common answer `eval.answer_extractor` pulls out of the n completions is correct), and
+  `eval/loss`, TRL's `eval_loss` of those rows (`eval_loss.sampled_loss`).
 
 The evaluation reward functions (`reward_functions`) are `train(eval_reward_funcs=...)`, else
 `eval.reward_functions`, else the training ones; the embedded tasks keep their own. A completion is correct when
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -29,7 +31,7 @@ from grpo_jax.data import prompts as data
 from grpo_jax.device import sharding
 from grpo_jax.rewards import functions as rewards
 from grpo_jax.rewards.paths import resolve_reward_fn
-from grpo_jax.rollout import multiturn, scoring
+from grpo_jax.rollout import eval_loss, multiturn, scoring
 from grpo_jax.rollout.piece import Piece
 
 EVAL_STREAM = 0x6576616C  # "eval", folded into the seed's key: a stream the training key never meets
@@ -122,11 +124,11 @@ def _eval_batch(rows: list[dict], n: int, shards: int, tokenizer, tooling, max_p
 
 
 def _generate(decoder, params, batch: data.PromptBatch, key, *, n: int, num_rows: int, greedy: bool, tokenizer,
-              reward_fns: list, tooling, toolbox) -> tuple[list, np.ndarray, np.ndarray]:
+              reward_fns: list, tooling, toolbox) -> tuple[list, np.ndarray, np.ndarray, Rows]:
     """The first ``num_rows`` rows of ``batch`` (`_eval_batch`), decoded and scored as a training pass is
-    (`scoring.decode_and_score`) with evaluation's ``reward_fns`` (no log, no trainer state): (texts, rewards_NxF,
-    completion_mask), N = ``num_rows``. With ``tooling`` the rows run their turns as in training (no journal:
-    evaluation may call a tool again) and a text is the last assistant message."""
+    (`scoring.decode_and_score`) with ``reward_fns`` (no log, no trainer state): (texts, rewards_NxF,
+    completion_mask, the `Rows` a loss reads), N = ``num_rows``. With ``tooling`` the rows run their turns as in
+    training (no journal: evaluation may call a tool again) and a text is the last assistant message."""
     N, F = num_rows, len(reward_fns)
     batch, turns, environments = multiturn.setup(tooling, tokenizer, batch, None, n, toolbox=toolbox)
     score = functools.partial(scoring.score, batch, context={}, log=None, tokenizer=tokenizer, reward_fns=reward_fns,
@@ -139,16 +141,33 @@ def _generate(decoder, params, batch: data.PromptBatch, key, *, n: int, num_rows
     _, pieces, scores = scoring.decode_and_score(decoder, params, batch, key, score_held_out, group_size=n,
                                                  greedy=greedy, turns=turns, later=multiturn.scores_on_first(tooling))
     completion_mask = np.zeros((N, pieces[0].completion_ids.shape[1]), np.int32)
+    completion_ids, loss_mask, is_truncated = np.zeros_like(completion_mask), np.zeros_like(completion_mask), \
+        np.zeros(N, bool)
     rewards_NxF = np.full((N, F), np.nan, np.float32)
     texts = [None] * N
     for piece, (r_NxF, _) in zip(pieces, scores):
         piece = _held_out(piece, N)  # the rows past N repeat prompts so that the rows split over the devices
         completion_mask[piece.rows], rewards_NxF[piece.rows] = piece.completion_mask, r_NxF
+        completion_ids[piece.rows], is_truncated[piece.rows] = piece.completion_ids, piece.is_truncated
+        loss_mask[piece.rows] = piece.completion_mask if piece.loss_mask is None else piece.loss_mask
         done = [data.completion_text(c) for c in piece.completions] if turns is not None else scoring.decode(
             tokenizer, piece.completion_ids, piece.completion_mask)
         for row, text in zip(piece.rows, done):
             texts[row] = text
-    return texts, rewards_NxF, completion_mask
+    rows = Rows(batch.prompt_ids[:N], batch.prompt_mask[:N], completion_ids, completion_mask, loss_mask,
+                is_truncated)
+    return texts, rewards_NxF, completion_mask, rows
+
+
+class Rows(NamedTuple):
+    """A pass's held-out rows as a loss reads them (`eval_loss.sampled_loss`): [N, P], [N, T] and [N]."""
+
+    prompt_ids: np.ndarray
+    prompt_mask: np.ndarray
+    completion_ids: np.ndarray
+    completion_mask: np.ndarray  # what attention sees
+    loss_mask: np.ndarray  # what trains: the completion less tool results
+    is_truncated: np.ndarray
 
 
 def _held_out(piece: Piece, num_rows: int) -> Piece:
@@ -163,29 +182,39 @@ def _held_out(piece: Piece, num_rows: int) -> Piece:
                           tool_counts=None if piece.tool_counts is None else piece.tool_counts[keep])
 
 
-def evaluate(run, params, step: int, *, toolbox=None) -> dict[str, float]:
+def evaluate(run, params, step: int, *, toolbox=None, reference_params=None) -> dict[str, float]:
     """The held-out metrics of `params` after `step` optimizer steps (see the module docstring); {} without
     held-out rows. Decodes with `run.programs.decoder` (greedy) and `run.programs.eval_decoder` (sampled);
-    ``toolbox``: the loop's, for a run with tools (`tools.calls.open_toolbox`)."""
+    ``toolbox``: the loop's, for a run with tools (`tools.calls.open_toolbox`); ``reference_params``: the state's,
+    for the sampled rows' loss (`eval_loss.sampled_loss`)."""
     if not run.eval_rows:
         return {}
     cfg = run.config.eval
     names = [name.split(":")[-1] for name, _ in run.eval_reward_fns]
 
-    def generate(decoder, n: int, key, greedy: bool):
+    def generate(decoder, n: int, key, greedy: bool, reward_fns):
         batch = _eval_batch(run.eval_rows, n, sharding.num_row_shards(run.mesh), run.tokenizer, run.tooling,
                             run.config.data.max_prompt_length, run.config.data.template_kwargs)
         return _generate(decoder, params, batch, key, n=n, num_rows=len(run.eval_rows) * n, greedy=greedy,
-                         tokenizer=run.tokenizer, reward_fns=run.eval_reward_fns, tooling=run.tooling, toolbox=toolbox)
+                         tokenizer=run.tokenizer, reward_fns=reward_fns, tooling=run.tooling, toolbox=toolbox)
 
-    _, scores, _ = generate(run.programs.decoder, 1, jax.random.PRNGKey(0), True)
+    _, scores, _, _ = generate(run.programs.decoder, 1, jax.random.PRNGKey(0), True, run.eval_reward_fns)
     metrics = {f"eval/greedy/{name}": float(rewards.scored(np.nanmean, scores[:, i])) for i, name in enumerate(names)}
     if cfg.num_generations:
         key = run.programs.sample_key(eval_key(run.config.seed), step, 0)
-        texts, scores, mask = generate(run.programs.eval_decoder, cfg.num_generations, key, False)
+        # the training functions too (those evaluation does not score), for the rows' loss
+        extra = [fn for fn in run.reward_fns if fn not in run.eval_reward_fns]
+        texts, scores, mask, rows = generate(run.programs.eval_decoder, cfg.num_generations, key, False,
+                                             list(run.eval_reward_fns) + extra)
+        columns = list(run.eval_reward_fns) + extra
+        training = scores[:, [columns.index(fn) for fn in run.reward_fns]]
+        scores = scores[:, :len(run.eval_reward_fns)]
         extract = resolve_reward_fn(cfg.answer_extractor)
         metrics.update(sampled_metrics(scores, names, [extract(t) for t in texts], mask.sum(axis=1),
                                        num_generations=cfg.num_generations, ks=cfg.ks))
+        loss = eval_loss.sampled_loss(run, params, reference_params, rows, training, cfg.num_generations)
+        if loss is not None:
+            metrics["eval/loss"] = loss
     return metrics
 
 

@@ -4,6 +4,7 @@ TRL's `RUN/checkpoint-N` folder for `resume_from_checkpoint`."""
 
 import json
 
+import numpy as np
 import pytest
 
 from grpo_jax.api.trl_state import trl_checkpoint, trl_line
@@ -92,13 +93,16 @@ def test_evaluate_before_train_is_the_runs_step_0_evaluation(tmp_path):
                           args=GRPOConfig(**args, **{"eval.num_examples": 4}))
     before = trainer.evaluate()
     assert before["step"] == 0 and "eval_greedy/answer_reward" in before
+    # TRL samples its evaluation as it trains (num_generations per prompt) and logs the loss of those rows
+    assert trainer.args.eval.num_generations == 4 and np.isfinite(before["eval_loss"])
     trainer.train()
     logged = [line for line in trainer.state.log_history if line.get("step") == 0 and "eval_greedy/answer_reward"
               in line]
     assert logged == [before]
     # TRL's evaluate(eval_dataset): the params as they are now (trained), a dict of datasets each under its name
     again = trainer.evaluate(eval_dataset={"a": ROWS[:4], "b": ROWS[4:8]})
-    assert again["step"] == 1 and {"eval_a_greedy/answer_reward", "eval_b_greedy/answer_reward"} <= again.keys()
+    assert again["step"] == 1 and {"eval_a_greedy/answer_reward", "eval_b_greedy/answer_reward", "eval_a_loss",
+                                   "eval_b_loss"} <= again.keys()
     final = [line for line in trainer.state.log_history if line.get("step") == 1 and "eval_greedy/answer_reward"
              in line]
     assert again["eval_a_greedy/answer_reward"] == final[-1]["eval_greedy/answer_reward"]  # the run's held-out rows

@@ -187,11 +187,14 @@ def test_evaluation_decodes_and_scores_through_the_training_path_each_held_out_r
                        max_batch_rows=4)  # groups end at different segments: several pieces, some padding
     N = 3 * G
     batch = data.PromptBatch(IDS, MASK, [f"p{i // G}" for i in range(len(IDS))], {}, 0)
-    texts, rewards_NxF, mask = evaluation._generate(dec, tiny_model[2], batch, jax.random.key(3), n=G, num_rows=N,
+    texts, rewards_NxF, mask, rows = evaluation._generate(dec, tiny_model[2], batch, jax.random.key(3), n=G, num_rows=N,
                                                     greedy=False, tokenizer=_IdsTokenizer(),
                                                     reward_fns=[("length", length)], tooling=None, toolbox=None)
     assert sorted(seen) == [f"p{i // G}" for i in range(N)]  # each held-out row once, no padding row
     np.testing.assert_array_equal(mask, want.completion_mask[:N])
+    np.testing.assert_array_equal(rows.completion_ids * mask, want.completion_ids[:N] * mask)  # the loss's rows
+    np.testing.assert_array_equal(rows.loss_mask, mask)
+    np.testing.assert_array_equal(rows.prompt_ids, IDS[:N])
     np.testing.assert_array_equal(rewards_NxF[:, 0], want.completion_mask[:N].sum(axis=1))
     assert texts == _IdsTokenizer().batch_decode(
         [ids[:n].tolist() for ids, n in zip(want.completion_ids[:N], want.completion_mask[:N].sum(axis=1))])
