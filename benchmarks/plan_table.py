@@ -3,9 +3,9 @@
 Writes config.json-only folders (no weights, no tokenizer) for Qwen2.5-7B, Qwen3-30B-A3B (mixture of experts, the
 experts split over `mesh.expert`) and Gemma-3-27B (text), then plans a GRPO run of each (16 completions per
 prompt, 16 prompts a step: 256 rows, one row per chip per micro-batch, 4 decode rows per chip; remat full, scanned
-layers one per iteration (`--scan-unroll`), bf16 compute over float32 params, beta 0.04 with a bf16 reference) on v5p:4x4x4 and v6e:8x8 at 1k prompt +
-7k and 15k completion tokens. Nothing is allocated; every program compiles here with libtpu (`pip install -e
-'.[tpu]'`). One row per plan: the peak of each phase per chip, the HBM, the roofline round and tokens/s/chip.
+layers one per iteration (`--scan-unroll`), bf16 compute over float32 params, beta 0.04 with a bf16 reference) on
+v5p:4x4x4 and v6e:8x8 at 1k prompt + 7k and 15k completion tokens. Nothing is allocated; every program compiles here
+with libtpu (`pip install -e '.[tpu]'`). One row per plan: the peak of each phase per chip, the HBM, the roofline round and tokens/s/chip.
 
     python benchmarks/plan_table.py                 # every row (compiles for minutes each)
     python benchmarks/plan_table.py --quick         # Qwen2.5-7B on v5p:4x4x4 at 1k + 7k only

@@ -23,7 +23,8 @@ from grpo_jax.config import trl_keys
 from grpo_jax.config.loss import DEFAULT_BETA, LossConfig
 from grpo_jax.config.model import LoRAConfig, ModelConfig
 from grpo_jax.config.sections import (HOST_ALLOCATORS, REPORT_TO, DataConfig, DistributedConfig, EvalConfig,
-                                      JSONObject, MeshConfig, RefSyncConfig, RewardConfig, SamplingConfig, TrainConfig, check)
+                                      JSONObject, MeshConfig, RefSyncConfig, RewardConfig, SamplingConfig, TrainConfig,
+                                      check)
 
 __all__ = ["Config", "DataConfig", "DistributedConfig", "EvalConfig", "LoRAConfig", "LossConfig", "MeshConfig",
            "ModelConfig", "RefSyncConfig", "RewardConfig", "SamplingConfig", "TrainConfig", "apply_overrides",
