@@ -167,7 +167,8 @@ class GRPOTrainer:
             # TRL keeps one per reward function: None for each, or the one given in a list
             reward_processing_classes = [reward_processing_classes] * (
                 len(self._reward_funcs) if reward_processing_classes is None else 1)
-        self.reward_processing_classes, self.tools = reward_processing_classes, tools
+        self.reward_processing_classes, self._tools = reward_processing_classes, tools
+        self.tools = trl_tools(tools, environment_factory)
         self.environment_factory = environment_factory
         self.state, self._output_dir = TrainerState(), None
         self.model = PolicyView(self)
@@ -260,7 +261,7 @@ class GRPOTrainer:
                              "held-out set; give one (trainer.evaluate(eval_dataset=...) evaluates each of a dict)")
         summary = trainer.train(config, train_dataset=self._train_rows(), eval_dataset=held_out(self.eval_dataset),
                                 reward_funcs=self._reward_funcs,
-                                reward_processing_classes=self.reward_processing_classes, tools=self.tools,
+                                reward_processing_classes=self.reward_processing_classes, tools=self._tools,
                                 environment_factory=self.environment_factory)
         self._output_dir = summary["output_dir"]
         meta = checkpoint.saved_meta(self._output_dir) or {}  # its history: every line, whatever report_to
@@ -313,7 +314,7 @@ class GRPOTrainer:
         from grpo_jax.api import trainer
 
         run, state, held = trainer.build(self.args, train_dataset=self._train_rows(), eval_dataset=eval_dataset,
-                                         reward_funcs=self._reward_funcs, tools=self.tools,
+                                         reward_funcs=self._reward_funcs, tools=self._tools,
                                          environment_factory=self.environment_factory,
                                          reward_processing_classes=self.reward_processing_classes)
         toolbox = None
@@ -346,6 +347,18 @@ class GRPOTrainer:
         if output_dir is None or Path(output_dir).resolve() in (final.resolve(), Path(self._output_dir).resolve()):
             return  # the run's own folder: the policy is in final/ already, beside the checkpoints
         shutil.copytree(final, output_dir, dirs_exist_ok=True)
+
+
+def trl_tools(tools: list | None, environment_factory: Any) -> list:
+    """TRL's `trainer.tools`: the given tools, then each environment's own (the public methods of a probe instance
+    but `reset` and `get_reward`, as TRL lists them), each once. The run builds its own (`grpo_jax.tools`)."""
+    from grpo_jax.tools import calls
+
+    out = list(tools or [])
+    for name, factory in (calls.environment_factories(environment_factory) or {}).items():
+        if callable(factory):  # a 'module:Class' path is read when the run is built
+            out += [m for m in calls.methods(calls.make_environment(name, factory)) if m not in out]
+    return out
 
 
 def is_stream(dataset: Any) -> bool:

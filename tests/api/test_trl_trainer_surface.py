@@ -410,3 +410,38 @@ def test_reward_processing_classes_are_one_per_function_and_prompt_learning_is_n
     prompt_tuning = peft.PromptTuningConfig(task_type=peft.TaskType.CAUSAL_LM, num_virtual_tokens=8)
     with pytest.raises(ValueError, match=r"PromptTuningConfig \(prompt-learning\): grpo_jax trains LoRA adapters"):
         GRPOTrainer(model=str(folder), reward_funcs=answer_reward, train_dataset=ROWS, peft_config=prompt_tuning)
+
+
+def test_trainer_tools_list_the_given_tools_then_each_environments_methods(tmp_path):
+    """TRL's `trainer.tools`: the tools given, then a probe environment's public methods but reset and get_reward."""
+    from grpo_jax import GRPOConfig, GRPOTrainer
+
+    class Guessing:
+        def reset(self, **kwargs):
+            return None
+
+        def guess(self, word: str) -> str:
+            """Guess the word.
+
+            Args:
+                word: the guess.
+            """
+            return word
+
+        def get_reward(self) -> float:
+            return 1.0
+
+    def shout(text: str) -> str:
+        """Shout.
+
+        Args:
+            text: what to shout.
+        """
+        return text.upper()
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    trainer = GRPOTrainer(model=str(folder), reward_funcs=answer_reward, tools=[shout], environment_factory=Guessing,
+                          args=GRPOConfig(max_steps=1))
+    assert [tool.__name__ for tool in trainer.tools] == ["shout", "guess"]
+    assert trainer.tools[1]("a") == "a" and trainer._tools == [shout]  # the run gets the given ones
