@@ -600,7 +600,7 @@ def test_reporting_and_evaluation_during_training(tmp_path, monkeypatch, capsys)
     names = [item.split("=")[0] for item in shown.split(": ", 1)[1].split("  ")]  # each says greedy or sampled
     assert names == ["greedy/digit_start", "greedy/exact_match", "sampled/reward", "sampled/rewards/digit_start/mean",
                      "sampled/rewards/exact_match/mean", "sampled/completions/mean_length", "pass@1", "pass@2",
-                     "pass@4", "maj@4"], shown
+                     "pass@4", "maj@4", "loss"], shown  # loss: TRL's eval_loss of the sampled rows
 
     if has_wandb:  # an offline W&B run with the same metrics
         history = _wandb_history(out)
