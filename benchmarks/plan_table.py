@@ -5,11 +5,14 @@ experts split over `mesh.expert`) and Gemma-3-27B (text), then plans a GRPO run 
 prompt, 16 prompts a step: 256 rows, one row per chip per micro-batch, 4 decode rows per chip; remat full, scanned
 layers one per iteration (`--scan-unroll`), bf16 compute over float32 params, beta 0.04 with a bf16 reference) on
 v5p:4x4x4 and v6e:8x8 at 1k prompt + 7k and 15k completion tokens. Nothing is allocated; every program compiles here
-with libtpu (`pip install -e '.[tpu]'`). One row per plan: the peak of each phase per chip, the HBM, the roofline round and tokens/s/chip.
+with libtpu (`pip install -e '.[tpu]'`). One row per plan: the peak of each phase per chip, the HBM, the roofline
+round and tokens/s/chip; a comment line after it: each phase's temporaries.
 
     python benchmarks/plan_table.py                 # every row (compiles for minutes each)
     python benchmarks/plan_table.py --quick         # Qwen2.5-7B on v5p:4x4x4 at 1k + 7k only
     python benchmarks/plan_table.py --models qwen2.5-7b --topologies v6e:8x8 --completions 15360 --json out.json
+    python benchmarks/plan_table.py --models gemma-3-27b --topologies v6e:8x8 --completions 7168 --lora none \
+        --memory-only --layers 6 --scan-unroll 2    # what grows with depth: compare --layers 12
 """
 
 from __future__ import annotations
@@ -55,11 +58,17 @@ PROMPT, COMPLETIONS = 1024, (7168, 15360)
 ROWS, GROUP = 256, 16  # a step's rows (16 prompts x 16 completions): 4 a chip, one a chip per micro-batch
 
 
-def write_folder(root: Path, name: str) -> Path:
-    """A model folder holding only config.json (what `grpo-jax plan` reads)."""
+def write_folder(root: Path, name: str, layers: int | None = None) -> Path:
+    """A model folder holding only config.json (what `grpo-jax plan` reads); ``layers``: its first that many decoder
+    layers only (a memory diagnosis: what grows with the layers, what does not)."""
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({**MODELS[name], "torch_dtype": "bfloat16"}, indent=1))
+    config = dict(MODELS[name])
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+        if "layer_types" in config:
+            config["layer_types"] = config["layer_types"][:layers]
+    (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}, indent=1))
     return folder
 
 
@@ -89,6 +98,8 @@ def main() -> int:
     parser.add_argument("--scan-unroll", type=int, default=1,
                         help="model.scan_unroll: decoder layers per scan iteration (2 in the RESULTS.md rows planned "
                         "before 2026-11-29 03:00)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="plan the model's first N decoder layers only (how the peaks grow with depth)")
     parser.add_argument("--memory-only", action="store_true",
                         help="no FLOPs or bytes (no roofline): about half the compiles")
     parser.add_argument("--json", help="also write every plan's `grpo-jax plan --json` object here")
@@ -100,7 +111,7 @@ def main() -> int:
           "| HBM GiB | fits | round s (roofline) | tokens/s/chip | compile s |\n|" + "---|" * 10)
     results = []
     for name in args.models:
-        folder = write_folder(root, name)
+        folder = write_folder(root, name, args.layers)
         variants = {"none": [False], "only": [True], "both": [False, True] if name == args.models[0] else [False]}
         for topology in args.topologies:
             devices = plan.topology_devices(topology)
@@ -122,6 +133,8 @@ def main() -> int:
                     print(f"| {name} | {'LoRA 16' if lora else 'full'} | {topology} | {PROMPT} + {completion} | "
                           f"{peaks} | {p.hbm_bytes / GIB:.0f} | {'yes' if p.fits else 'no'} | {seconds_round} "
                           f"| {rate} | {seconds:.0f} |", flush=True)
+                    print(f"<!-- {name} {topology} {completion}: temporaries GiB " + ", ".join(
+                        f"{ph.name} {ph.temporaries / GIB:.2f}" for ph in p.phases) + " -->", flush=True)
                     if p.round_seconds is not None:
                         print(f"<!-- {name} {topology} {completion}: roofline s a run x runs: " + ", ".join(
                             f"{ph.name} {p.seconds(ph):.3g} x {ph.runs:g}" for ph in p.phases) + " -->", flush=True)
