@@ -266,7 +266,7 @@ FLAG_TEMPLATE = CHAT_TEMPLATE.replace("{% endif %}", "{% if loud %}!{% endif %}{
 
 def test_chat_template_kwargs_reach_the_template_as_trl_passes_them(chat_tok, tmp_path):
     """data.chat_template_kwargs: the prompt tokens are the tokenizer's own apply_chat_template(**kwargs) and TRL's
-    rendering with the same kwargs; a run built with the key tokenizes its rows so."""
+    rendering with the same kwargs."""
     chat_tok = copy.deepcopy(chat_tok)
     chat_tok.chat_template = FLAG_TEMPLATE
     assert data.render_prompt(chat_tok, CHAT) == "^12 =21 ^3 >"
@@ -278,6 +278,32 @@ def test_chat_template_kwargs_reach_the_template_as_trl_passes_them(chat_tok, tm
     trl_data_utils = pytest.importorskip("trl.data_utils")
     assert data.render_prompt(chat_tok, CHAT, template_kwargs={"loud": True}) == \
         trl_data_utils.maybe_apply_chat_template({"prompt": CHAT}, chat_tok, loud=True)["prompt"]
+
+
+def test_a_run_tokenizes_its_rows_with_the_chat_template_kwargs(chat_tok, tmp_path):
+    """The config key reaches the run: its rows' prompt tokens are rendered with data.chat_template_kwargs."""
+    from grpo_jax.api import trainer
+    from grpo_jax.config import load_config
+
+    chat_tok = copy.deepcopy(chat_tok)
+    chat_tok.chat_template = FLAG_TEMPLATE
+    chat_tok.save_pretrained(tmp_path / "tok")
+    path = _write(tmp_path, "".join(json.dumps({"prompt": CHAT, "answer": "3"}) + "\n" for _ in range(8)))
+    tokens = {}
+    for i, flag in enumerate((None, "{loud: true}")):
+        config = load_config(None, [f"output_dir={tmp_path / f'run{i}'}", f"data.path={path}",
+                                    f"data.tokenizer_path={tmp_path / 'tok'}", "max_steps=1",
+                                    "train.train_batch_size=8", "train.num_generations=4", "eval.num_examples=0",
+                                    "model.init=random", "reward.functions=[grpo_jax.data.task:char_accuracy]"]
+                             + ([] if flag is None else [f"data.chat_template_kwargs={flag}"]))
+        run, _, held = trainer.build(config)
+        held.release()
+        tokens[flag] = run.dataset.token_ids[run.dataset.offsets[0]:run.dataset.offsets[1]].tolist()
+    def rendered(**kwargs):
+        return chat_tok.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=True, **kwargs)["input_ids"]
+
+    assert tokens[None] == rendered() and tokens["{loud: true}"] == rendered(loud=True)
+    assert tokens["{loud: true}"][:-1] == tokens[None]  # the flag's "!" after the generation prompt
 
 
 def test_chat_prompt_without_template_is_an_error(tok):

@@ -75,9 +75,9 @@ def test_reward_model_scores_equal_transformers(tmp_path, family):
 
 def test_a_reward_model_renders_conversations_with_the_chat_template_kwargs(tmp_path):
     """data.chat_template_kwargs reach a reward model's chat template as TRL passes its chat_template_kwargs."""
-    from trl.data_utils import apply_chat_template
-
     from grpo_jax.rewards.reward_specs import resolve_all
+
+    apply_chat_template = pytest.importorskip("trl.data_utils").apply_chat_template
 
     folder = _reward_folder(tmp_path, "qwen2")
     flagged = CHAT_TEMPLATE.replace("{% endfor %}", "{% endfor %}{% if loud %}!{% endif %}")
