@@ -139,16 +139,18 @@ def round_advantages(rewards_NxF, weights_F, mask_NxT, step_rewards_NxS=None, st
                      estimator: str, scale_rewards: str, multi_objective_aggregation: str, num_generations: int):
     """The round's advantages by `train.advantage_estimator`: ([N] or [N, T] for process, r_N, std_N).
 
-    r_N = nansum(R·w) and std_N (its group's std) feed the round's reward metrics. `mask_NxT` is the training
+    r_N = nansum(R·w) (whatever `multi_objective_aggregation` normalises: TRL 1.16 logs the raw weighted sum) and
+    std_N (the std that scales the advantages) feed the round's reward metrics. `mask_NxT` is the training
     mask (after `mask_truncated`): REINFORCE++ whitens over its tokens and process supervision's per-token
     advantages are zero outside it. Process step arrays come padded by `pad_steps`.
     """
     r_N = advantages.weighted_reward_sum(rewards_NxF, weights_F)
     std_N = advantages.group_std(r_N, num_generations)
     if estimator == "grpo":
-        return advantages.group_advantages(rewards_NxF, weights_F, num_generations=num_generations,
-                                           scale_rewards=scale_rewards,
-                                           multi_objective_aggregation=multi_objective_aggregation)
+        advantages_N, _, std_N = advantages.group_advantages(
+            rewards_NxF, weights_F, num_generations=num_generations, scale_rewards=scale_rewards,
+            multi_objective_aggregation=multi_objective_aggregation)
+        return advantages_N, r_N, std_N
     if estimator == "rloo":
         return advantages.rloo_advantages(r_N, num_generations=num_generations), r_N, std_N
     if estimator == "reinforce_pp_baseline":

@@ -89,7 +89,7 @@ def sampled_metrics(rewards_NxF: np.ndarray, names, answers_N: list, lengths_N: 
     n = num_generations
     short = [name.split(":")[-1] for name in names]
     correct_PxN = (np.nan_to_num(rewards_NxF[:, 0], nan=0.0) >= 1.0).reshape(-1, n)
-    total_N = scoring.weighted_rewards(rewards_NxF, np.ones(rewards_NxF.shape[1]))
+    total_N = np.where(np.isnan(rewards_NxF).all(axis=1), np.nan, np.nansum(rewards_NxF, axis=1))  # as TRL's
     out = {"eval/sampled/reward": rewards.scored(np.nanmean, total_N)}
     for i, name in enumerate(short):
         out[f"eval/sampled/rewards/{name}/mean"] = rewards.scored(np.nanmean, rewards_NxF[:, i])

@@ -260,7 +260,7 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
     warned = set() if warned is None else warned
     scoring.warn_unscored(warned, draw.rewards, names, round_index, int(state.step))
     scoring.log_unscored_row(warned, draw, run.tokenizer)
-    metrics = {**scoring.reward_metrics(draw.rewards, _weights(run.config, run.reward_fns), std_N, names),
+    metrics = {**scoring.reward_metrics(draw.rewards, r_N, std_N, names),
                **scoring.completion_metrics(draw.trained_mask, draw.is_truncated),
                **(multiturn.metrics(draw.tool_counts) if draw.tool_counts is not None else {}),
                "prompts/num_truncated": draw.num_prompts_truncated, **sampling_metrics, **log.metric_means()}

@@ -83,17 +83,11 @@ def nanstd(values) -> float:
     return math.nan if np.sum(~np.isnan(values)) < 2 else float(np.nanstd(values, ddof=1))
 
 
-def weighted_rewards(rewards_NxF, weights_F) -> np.ndarray:
-    """Each row's weighted sum of its scored rewards (NaN where no function scored it), as TRL 1.16 logs it."""
-    return np.where(np.isnan(rewards_NxF).all(axis=1), np.nan, np.nansum(rewards_NxF * weights_F, axis=1))
-
-
-def reward_metrics(rewards_NxF, weights_F, std_N, names) -> dict:
+def reward_metrics(rewards_NxF, r_N, std_N, names) -> dict:
     """TRL 1.16's reward metrics: `reward` and `reward_std` the mean and std of the rows' weighted reward sums
-    (whatever `multi_objective_aggregation` normalises), `frac_reward_zero_std` the rows whose advantage scale
-    ``std_N`` is 0, each function's mean and std over the rows it scored."""
-    weighted_N = weighted_rewards(rewards_NxF, weights_F)
-    out = {"reward": rewards.scored(np.nanmean, weighted_N), "reward_std": nanstd(weighted_N),
+    ``r_N`` (`rounds.round_advantages`), `frac_reward_zero_std` the rows whose advantage scale ``std_N`` is 0, each
+    function's mean and std over the rows it scored."""
+    out = {"reward": rewards.scored(np.nanmean, r_N), "reward_std": nanstd(r_N),
            "frac_reward_zero_std": np.mean(np.isclose(std_N, 0.0))}
     for i, name in enumerate(names):
         out[f"rewards/{name.split(':')[-1]}/mean"] = rewards.scored(np.nanmean, rewards_NxF[:, i])
