@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from grpo_jax.api.arguments import check_arguments
-from grpo_jax.api.trl_inputs import (cached_reward_model, env_reward_classes, env_reward_func, lora_options,
-                                     model_folder, reward_func_names, tokenizer_folder)
+from grpo_jax.api.trl_inputs import (cached_reward_model, env_reward_classes, env_reward_func, held_out, is_stream,
+                                     lora_options, model_folder, reward_func_names, tokenizer_folder, trl_tools)
 from grpo_jax.api.trl_state import PolicyView, TrainerState, TRLArgs, residual_means, trl_checkpoint, trl_line
 from grpo_jax.config import Config, LoRAConfig, for_run, make_config, trl_keys
 from grpo_jax.config.sections import TASK_REWARDS
@@ -347,33 +347,6 @@ class GRPOTrainer:
         if output_dir is None or Path(output_dir).resolve() in (final.resolve(), Path(self._output_dir).resolve()):
             return  # the run's own folder: the policy is in final/ already, beside the checkpoints
         shutil.copytree(final, output_dir, dirs_exist_ok=True)
-
-
-def trl_tools(tools: list | None, environment_factory: Any) -> list:
-    """TRL's `trainer.tools`: the given tools, then each environment's own (the public methods of a probe instance
-    but `reset` and `get_reward`, as TRL lists them), each once. The run builds its own (`grpo_jax.tools`)."""
-    from grpo_jax.tools import calls
-
-    out = list(tools or [])
-    for name, factory in (calls.environment_factories(environment_factory) or {}).items():
-        if callable(factory):  # a 'module:Class' path is read when the run is built
-            out += [m for m in calls.methods(calls.make_environment(name, factory)) if m not in out]
-    return out
-
-
-def is_stream(dataset: Any) -> bool:
-    """A `datasets.IterableDataset` (TRL's `streaming=True`), without importing datasets."""
-    return type(dataset).__name__ == "IterableDataset" and hasattr(dataset, "__iter__")
-
-
-def held_out(dataset: Any, name: str | None = None) -> Any:
-    """A held-out set as the run reads it: a streamed `datasets.IterableDataset` (TRL's `streaming=True`) as its
-    rows (a held-out set is finite); anything else as it is. ``name``: its key in a dict of them, for messages."""
-    if is_stream(dataset):
-        return list(dataset)
-    if name is not None and isinstance(dataset, Mapping):
-        raise ValueError(f"eval_dataset[{name!r}] is a {type(dataset).__name__}: give a dataset per name")
-    return dataset
 
 
 logger = logging.getLogger("trl.trainer.grpo_trainer")  # TRL's logger, so a script's log filters apply

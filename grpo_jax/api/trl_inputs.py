@@ -1,6 +1,7 @@
 """TRL's Python objects as grpo_jax takes them (`grpo_jax.api.trl_api`): a transformers model object or a Hub id in
-the local cache as a Hugging Face folder, PEFT's `LoraConfig` as `model.lora`, a tokenizer object as its folder, and
-the names TRL gives the reward functions. No jax; torch and transformers only for the objects that need them.
+the local cache as a Hugging Face folder, PEFT's `LoraConfig` as `model.lora`, a tokenizer object as its folder, a
+streamed held-out set as its rows, and the reward functions and tools as TRL names and lists them. No jax; torch and
+transformers only for the objects that need them.
 """
 
 from __future__ import annotations
@@ -173,3 +174,30 @@ def env_reward_func(env_type: type) -> Callable:
     def get_reward(environments, **kwargs):
         return [e.get_reward() if type(e) is env_type else None for e in environments]
     return get_reward
+
+
+def trl_tools(tools: list | None, environment_factory: Any) -> list:
+    """TRL's `trainer.tools`: the given tools, then each environment's own (the public methods of a probe instance
+    but `reset` and `get_reward`, as TRL lists them), each once. The run builds its own (`grpo_jax.tools`)."""
+    from grpo_jax.tools import calls
+
+    out = list(tools or [])
+    for name, factory in (calls.environment_factories(environment_factory) or {}).items():
+        if callable(factory):  # a 'module:Class' path is read when the run is built
+            out += [m for m in calls.methods(calls.make_environment(name, factory)) if m not in out]
+    return out
+
+
+def is_stream(dataset: Any) -> bool:
+    """A `datasets.IterableDataset` (TRL's `streaming=True`), without importing datasets."""
+    return type(dataset).__name__ == "IterableDataset" and hasattr(dataset, "__iter__")
+
+
+def held_out(dataset: Any, name: str | None = None) -> Any:
+    """A held-out set as the run reads it: a streamed `datasets.IterableDataset` (TRL's `streaming=True`) as its
+    rows (a held-out set is finite); anything else as it is. ``name``: its key in a dict of them, for messages."""
+    if is_stream(dataset):
+        return list(dataset)
+    if name is not None and isinstance(dataset, Mapping):
+        raise ValueError(f"eval_dataset[{name!r}] is a {type(dataset).__name__}: give a dataset per name")
+    return dataset

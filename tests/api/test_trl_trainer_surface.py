@@ -343,7 +343,7 @@ def test_eval_dataset_as_trl_takes_it(tmp_path):
     set and says so before anything is built) and a streamed dataset (kept as given, read as its rows)."""
     datasets = pytest.importorskip("datasets")
     from grpo_jax import GRPOTrainer
-    from grpo_jax.api.trl_api import held_out
+    from grpo_jax.api.trl_inputs import held_out
 
     folder = tmp_path / "model"
     folder.mkdir()
