@@ -221,7 +221,16 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         return from_dict(annotation, value, where + ".")
     if annotation is JSONObject:
         check(isinstance(value, (dict, str)), f"{where}={value!r} must be a mapping (or its JSON text)")
-        return json.dumps(value) if isinstance(value, dict) else value
+        if isinstance(value, dict):
+            return json.dumps(value)
+        try:
+            parsed = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{where}={value!r} is not JSON ({e}): write a JSON object, e.g. "
+                             "'{\"enable_thinking\": false}'") from None
+        check(isinstance(parsed, dict), f"{where}={value!r} must be a JSON object, e.g. '{{\"enable_thinking\": "
+              "false}'")
+        return value
     if annotation is bool:
         check(isinstance(value, bool), f"{where}={value!r} must be true or false")
     elif annotation is int:

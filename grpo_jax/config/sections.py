@@ -13,8 +13,8 @@ import json
 import math
 import typing
 
-# a field holding a JSON object as text: a YAML mapping or a dict given for it is written as JSON (`_coerce`), so a
-# saved config.yaml and a checkpoint's flat keys keep it as one value
+# a field holding a JSON object as text: a YAML mapping or a dict given for it is written as JSON, a text is checked
+# to be one (`_coerce`), so a saved config.yaml and a checkpoint's flat keys keep it as one value
 JSONObject = typing.NewType("JSONObject", str)
 
 
@@ -79,21 +79,11 @@ class DataConfig:
               f"data.max_prompt_length={self.max_prompt_length} must be >= 1, or null (fit the data)")
         check(self.truncation in ("left", "error"),
                f"data.truncation={self.truncation!r}: use 'left' (truncate and count) or 'error'")
-        self.template_kwargs  # noqa: B018 - checked now, not at the first prompt
 
     @property
     def template_kwargs(self) -> dict:
-        """`chat_template_kwargs` as keyword arguments ({} when unset)."""
-        if self.chat_template_kwargs is None:
-            return {}
-        try:
-            value = json.loads(self.chat_template_kwargs)
-        except ValueError as e:
-            raise ValueError(f"data.chat_template_kwargs={self.chat_template_kwargs!r} is not JSON ({e}): write a "
-                             "JSON object, e.g. '{\"enable_thinking\": false}'") from None
-        check(isinstance(value, dict), f"data.chat_template_kwargs={self.chat_template_kwargs!r} must be a JSON "
-              "object of the chat template's arguments, e.g. '{\"enable_thinking\": false}'")
-        return value
+        """`chat_template_kwargs` as keyword arguments ({} when unset; checked when the config is read)."""
+        return {} if self.chat_template_kwargs is None else json.loads(self.chat_template_kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
