@@ -143,6 +143,7 @@ def jit_logps(graphdef: nnx.GraphDef, mesh: Mesh, *, temperature: float, chunk_s
                    out_shardings=rows, static_argnums=(6, 7))
 
 
+@functools.lru_cache(maxsize=8)  # a run's rounds, and its evaluations' groups, each one program
 def host_advantages(**options):
     """`rounds.round_advantages` with its static `options`, jitted for this process's CPU (the rewards are computed
     there, and the metrics and `log_completions` read the results there): numpy arrays in, numpy arrays out. Every
