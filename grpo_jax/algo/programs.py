@@ -27,7 +27,6 @@ from grpo_jax.algo.train_step import StepOptions, train_step
 from grpo_jax.config.model import ModelConfig
 from grpo_jax.config.sections import SamplingConfig
 from grpo_jax.device import cpu, sharding
-from grpo_jax.losses import compute_loss
 from grpo_jax.models import lora
 from grpo_jax.models.transformer import forward, init_model
 
@@ -143,7 +142,6 @@ def jit_logps(graphdef: nnx.GraphDef, mesh: Mesh, *, temperature: float, chunk_s
                    out_shardings=rows, static_argnums=(6, 7))
 
 
-@functools.lru_cache(maxsize=8)  # a run's rounds, and its evaluations' groups, each one program
 def host_advantages(**options):
     """`rounds.round_advantages` with its static `options`, jitted for this process's CPU (the rewards are computed
     there, and the metrics and `log_completions` read the results there): numpy arrays in, numpy arrays out. Every
@@ -156,25 +154,6 @@ def host_advantages(**options):
             return jax.device_get(jitted(*args))
 
     return advantages
-
-
-@functools.lru_cache(maxsize=4)  # one a run's model and loss: compiled once per evaluation shape
-def jit_eval_loss(graphdef: nnx.GraphDef, ref_graphdef: nnx.GraphDef | None, loss_config, temperature: float):
-    """`(params, ref_params, prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask, advantages) ->
-    loss`: `compute_loss` of the rows on-policy (the old log-probs are the current ones), with the KL to
-    ``ref_graphdef``'s log-probs under ``ref_params`` (None: no reference) over all the rows as one batch
-    (`rollout.eval_loss`)."""
-    def loss(params, ref_params, prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask, advantages):
-        rows = (prompt_ids, prompt_mask, completion_ids, completion_mask)
-        logps, entropies = completion_logps(graphdef, params, *rows, temperature=temperature, with_entropy=True)
-        ref = None if ref_graphdef is None else completion_logps(ref_graphdef, ref_params, *rows,
-                                                                 temperature=temperature)[0]
-        value, _ = compute_loss(logps, None, ref, advantages, loss_mask, config=loss_config,
-                                num_items_in_batch=jnp.sum(loss_mask).astype(jnp.float32),
-                                num_sequences=loss_mask.shape[0], entropies=entropies)
-        return value
-
-    return jax.jit(loss)
 
 
 def jit_rows(mesh: Mesh, mask_truncated: bool):
