@@ -72,9 +72,12 @@ def write_folder(root: Path, name: str, layers: int | None = None) -> Path:
     return folder
 
 
-def overrides(folder: Path, name: str, completion: int, lora: bool, expert: int = 8, unroll: int = 1) -> list[str]:
-    """The run's config: GRPO at the users' lengths, the state split over every chip (experts over `expert`)."""
-    mesh = ["mesh.data=1", "mesh.fsdp=-1"] + ([f"mesh.expert={expert}"] if "a3b" in name else [])
+def overrides(folder: Path, name: str, completion: int, lora: bool, expert: int = 8, unroll: int = 1,
+              rollout_tensor: int = 0) -> list[str]:
+    """The run's config: GRPO at the users' lengths, the state split over every chip (experts over `expert`),
+    decoding in the layout `rollout_tensor` names (`mesh.rollout_tensor`)."""
+    mesh = ["mesh.data=1", "mesh.fsdp=-1", f"mesh.rollout_tensor={rollout_tensor}"] + (
+        [f"mesh.expert={expert}"] if "a3b" in name else [])
     # LoRA's reference is the frozen base itself: no bf16 copy to cast
     lora_keys = ["model.lora.rank=16", "model.lora.alpha=32"] if lora else ["train.ref_param_dtype=bfloat16"]
     # one layer per scan iteration: the backward pass then holds one layer's MLP intermediates, not two
@@ -83,6 +86,29 @@ def overrides(folder: Path, name: str, completion: int, lora: bool, expert: int 
             f"sampling.max_completion_length={completion}",
             f"train.num_generations={GROUP}", f"train.train_batch_size={ROWS}", "train.gradient_accumulation_steps=4",
             "train.logps_chunk_size=1", "loss.beta=0.04", *mesh, *lora_keys]
+
+
+def whole_depth_layout(root: Path, name: str, completion: int, lora: bool, args, devices) -> int:
+    """The decoding group a run of the whole model would choose (`rollout_layout.choose`; -1: the training layout),
+    so that a plan of its first layers (``--layers``) decodes as the whole model's run would."""
+    from grpo_jax.algo.state import abstract_state, optimizer_from_config
+    from grpo_jax.api import plan_programs
+    from grpo_jax.device import sharding
+    from grpo_jax.device.chips import device_chip
+
+    folder = write_folder(root / "whole", name, None)
+    config = plan.resolved(load_config(None, overrides(folder, name, completion, lora, args.expert,
+                                                       args.scan_unroll)))
+    tc, m = config.train, config.mesh
+    mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor, devices=devices, expert=m.expert)
+    _, optimizer = optimizer_from_config(tc, config.max_steps)
+    shapes = abstract_state(config.model, optimizer, with_reference=config.loss.beta != 0.0,
+                            ref_param_dtype=tc.ref_param_dtype)
+    layout = plan_programs.decode_layout(config, mesh, config.model, device_chip(devices[0].device_kind), shapes,
+                                         sharding.state_shardings(mesh, shapes))
+    print(f"<!-- {name} {devices[0].device_kind} {completion}: the whole model decodes in "
+          f"{'the training layout' if layout is None else layout.reason} -->", flush=True)
+    return -1 if layout is None else layout.group
 
 
 def main() -> int:
@@ -102,6 +128,9 @@ def main() -> int:
                         help="plan the model's first N decoder layers only (how the peaks grow with depth)")
     parser.add_argument("--memory-only", action="store_true",
                         help="no FLOPs or bytes (no roofline): about half the compiles")
+    parser.add_argument("--rollout-tensor", type=int, default=0,
+                        help="mesh.rollout_tensor: 0 the layout a run chooses for the model's whole depth (also "
+                        "under --layers), -1 the training layout, n groups of n chips")
     parser.add_argument("--json", help="also write every plan's `grpo-jax plan --json` object here")
     args = parser.parse_args()
     if args.quick:
@@ -119,8 +148,10 @@ def main() -> int:
                 for lora in variants[args.lora]:
                     timer = time.perf_counter()
                     try:
+                        tensor = args.rollout_tensor or whole_depth_layout(root, name, completion, lora, args,
+                                                                            devices)
                         config = load_config(None, overrides(folder, name, completion, lora, args.expert,
-                                                             args.scan_unroll))
+                                                             args.scan_unroll, tensor))
                         p = plan.plan(config, devices, costs=not args.memory_only)
                     except Exception as e:  # noqa: BLE001 - a row that cannot be planned says why and the rest go on
                         print(f"| {name} | {'LoRA 16' if lora else 'full'} | {topology} | {PROMPT} + {completion} | "
@@ -133,6 +164,7 @@ def main() -> int:
                     print(f"| {name} | {'LoRA 16' if lora else 'full'} | {topology} | {PROMPT} + {completion} | "
                           f"{peaks} | {p.hbm_bytes / GIB:.0f} | {'yes' if p.fits else 'no'} | {seconds_round} "
                           f"| {rate} | {seconds:.0f} |", flush=True)
+                    print(f"<!-- {name} {topology} {completion}: decoding in {p.layout} -->", flush=True)
                     print(f"<!-- {name} {topology} {completion}: temporaries GiB " + ", ".join(
                         f"{ph.name} {ph.temporaries / GIB:.2f}" for ph in p.phases) + " -->", flush=True)
                     if p.round_seconds is not None:

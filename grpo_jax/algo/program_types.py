@@ -14,6 +14,8 @@ from typing import NamedTuple
 class Decoder(NamedTuple):
     """A run's decoding programs over the mesh (`grpo_jax.algo.decoder`), jitted once; `stream.decode` drives them.
 
+    - `layout(params) -> params`: the policy as the other programs take it, once per call: resharded into the
+      rollout layout (`grpo_jax.device.rollout_layout`), or the params as they are
     - `generate(params, prompt_ids, prompt_mask, key, row_offset, options) -> (Trajectory, view)`: a call decoded
       to its end in one program (a static batch)
     - `start(params, prompt_ids, prompt_mask, key, row_offset, options) -> Decoding`
@@ -27,6 +29,7 @@ class Decoder(NamedTuple):
     - `place((prompt_ids, prompt_mask))`: a whole call's host rows as its programs take them (`sharding.host_rows`)
     """
 
+    layout: Callable
     generate: Callable
     start: Callable
     advance: Callable

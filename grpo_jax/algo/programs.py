@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +26,9 @@ from grpo_jax.algo.state import TrainState, abstract_state, model_graphdef, new_
 from grpo_jax.algo.train_step import StepOptions, train_step
 from grpo_jax.config.model import ModelConfig
 from grpo_jax.config.sections import SamplingConfig
-from grpo_jax.device import cpu, sharding
+from grpo_jax.device import cpu, rollout_layout, sharding
 from grpo_jax.models import lora
-from grpo_jax.models.transformer import forward, init_model
+from grpo_jax.models.transformer import compute_dtype_params, forward, init_model
 
 
 def use_compilation_cache(path: str | None) -> None:
@@ -190,9 +190,25 @@ def paged_page_size(config, mesh) -> int:
     return config.kv_page_size if config.kv_cache == "paged" else 0
 
 
+class RolloutPlacement(NamedTuple):
+    """Where decoding runs when not in the training layout: the rollout mesh (`rollout_layout.rollout_mesh`) and the
+    params' shardings over it."""
+
+    mesh: Mesh
+    params_sharding: Any
+
+
+def rollout_placement(mesh: Mesh, layout: rollout_layout.Layout | None, abstract_params) -> RolloutPlacement | None:
+    """The `RolloutPlacement` of ``layout`` (`rollout_layout.choose`) over the training ``mesh``; None: none."""
+    if layout is None:
+        return None
+    decode_mesh = rollout_layout.rollout_mesh(mesh, layout)
+    return RolloutPlacement(decode_mesh, sharding.param_shardings(decode_mesh, abstract_params))
+
+
 def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingConfig, eos_token_ids: tuple[int, ...],
                 pad_token_id: int, params_sharding=None, prompt_group_size: int = 1,
-                cpu_speedups: bool = False) -> Decoder:
+                cpu_speedups: bool = False, rollout: RolloutPlacement | None = None) -> Decoder:
     """The decoding programs of `grpo_jax.algo.decoder` over `mesh` for the model `graphdef` of `model_config` (its
     vocabulary and key/value heads): prompt rows split over (data, fsdp), key replicated;
     `params_sharding` (`sharding.param_shardings`) None takes the params' own layout. A call's options are static:
@@ -200,7 +216,26 @@ def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingCo
     slots (``config.max_batch_rows``, or the call's own) fewer than a call's rows decode them continuously batched.
     LoRA adapters are merged into the kernels once per program (`lora.merged`), not run in every decode step.
     ``cpu_speedups`` (`cpu.enabled`) draws the same tokens the CPU's faster way (`cpu.decode_options`) and on a
-    one-device mesh may split a call into host-thread chunks (`cpu.host_chunks`, ``config.host_threads``)."""
+    one-device mesh may split a call into host-thread chunks (`cpu.host_chunks`, ``config.host_threads``).
+
+    ``rollout`` (`rollout_placement`): the calls decode over its mesh, the policy taken there by ``layout`` once per
+    call (one program: resharded from ``params_sharding``, LoRA adapters merged, cast to the compute dtype), the
+    trajectories given back row-split over ``mesh``. None: ``layout`` gives the params as they are."""
+    out_rows = sharding.row_sharded(mesh)  # trajectories: where the log-prob passes and the train step take them
+    layout = None
+    if rollout is not None:
+        train_graphdef, train_sharding = graphdef, params_sharding
+        premerged = lora.has_adapters(params_sharding)
+        if premerged:  # merged once by the layout program; the decode programs run the base's products
+            graphdef = lora.adapters_off(graphdef, params_sharding)
+
+        def to_rollout(params):
+            if premerged:
+                params = lora.merged(train_graphdef, params)[1]
+            return compute_dtype_params(train_graphdef, params)
+
+        layout = jax.jit(to_rollout, in_shardings=(train_sharding,), out_shardings=rollout.params_sharding)
+        mesh, params_sharding = rollout.mesh, rollout.params_sharding
     rows, replicated = sharding.row_sharded(mesh), sharding.replicated(mesh)
     row_shards = sharding.num_row_shards(mesh)
     if cpu_speedups and config.host_threads > 1 and mesh.devices.size > 1:
@@ -210,7 +245,9 @@ def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingCo
 
     def merged(params):
         # LoRA adapters merged into the kernels once per call (`lora.merged`): decode steps run the base's products
-        return lora.merged(graphdef, params) if lora.has_adapters(params) else (graphdef, params)
+        if rollout is None and lora.has_adapters(params):
+            return lora.merged(graphdef, params)
+        return graphdef, params
 
     def options(num_rows: int, total_rows: int, greedy: bool, slots: int = 0) -> decoder.DecodeOptions:
         group = 1 if greedy else prompt_group_size
@@ -243,15 +280,16 @@ def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingCo
     in_shardings = (params_sharding, rows, rows, replicated, replicated)
     start, generate, advance, append = (sharding.traced_in(mesh, f) for f in (start, generate, advance, append))
     return Decoder(
-        generate=jax.jit(generate, static_argnums=5, in_shardings=in_shardings, out_shardings=(rows, None)),
+        layout=layout or (lambda params: params),
+        generate=jax.jit(generate, static_argnums=5, in_shardings=in_shardings, out_shardings=(out_rows, None)),
         start=jax.jit(start, static_argnums=5, in_shardings=in_shardings),
         advance=jax.jit(advance, static_argnums=(2, 3), donate_argnums=1, in_shardings=(params_sharding, None)),
         append=jax.jit(append, static_argnums=5, donate_argnums=1,
                        in_shardings=(params_sharding, None, replicated, replicated, replicated)),
         # closures, not the module's functions: a jitted function's compilations are counted (and kept) per function
         retire=jax.jit(lambda d, rows_M: decoder.retire(d, rows_M), donate_argnums=0),
-        trajectory=jax.jit(lambda d: decoder.trajectory(d), out_shardings=rows),
-        concat=jax.jit(lambda parts: jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts), out_shardings=rows),
+        trajectory=jax.jit(lambda d: decoder.trajectory(d), out_shardings=out_rows),
+        concat=jax.jit(lambda parts: jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts), out_shardings=out_rows),
         options=options, chunks=chunks, place=lambda rows: sharding.host_rows(rows, mesh))
 
 

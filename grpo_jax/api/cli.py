@@ -95,10 +95,15 @@ def _plan_parser() -> argparse.ArgumentParser:
                         "(the devices at hand)")
     parser.add_argument("--config", help="YAML config file or packaged recipe, as for train; model.path may hold "
                         "only config.json")
-    parser.add_argument("--json", help="also write {fits, phases: {name: {peak_bytes, hbm_bytes, flops, "
-                        "bytes_accessed, est_seconds}}} to this file")
+    parser.add_argument("--json", help="also write {fits, layout, chip, phases: {name: {peak_bytes, hbm_bytes, flops, "
+                        "bytes_accessed, collective_bytes, collectives, loop_trips, rows_per_chip, est_seconds}}} to "
+                        "this file")
     parser.add_argument("--hbm-gib", type=float, help="judge the fit against this much memory per chip instead of "
                         "the chip's (memory kept for something else, or a what-if)")
+    parser.add_argument("--hbm-efficiency", type=float, default=None,
+                        help="share of HBM bandwidth a memory-bound program reaches (default 0.85)")
+    parser.add_argument("--mfu", type=float, default=None,
+                        help="share of peak FLOP/s a compute-bound program reaches (default 0.55)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, as for train")
     return parser
 
@@ -106,7 +111,8 @@ def _plan_parser() -> argparse.ArgumentParser:
 def plan_main(argv: list[str]) -> int:
     """`grpo-jax plan --topology T [--config FILE] [--json FILE] [overrides]`."""
     parser = _plan_parser()
-    args = parser.parse_intermixed_args(flags_as_overrides(argv, own=("--topology", "--json", "--hbm-gib")))
+    args = parser.parse_intermixed_args(flags_as_overrides(argv, own=("--topology", "--json", "--hbm-gib",
+                                                                         "--hbm-efficiency", "--mfu")))
     from grpo_jax.config import load_config
 
     try:
@@ -115,12 +121,16 @@ def plan_main(argv: list[str]) -> int:
         parser.exit(2, f"grpo-jax plan: config error: {_one_line(e)}\n")
     if args.hbm_gib is not None and args.hbm_gib <= 0:
         parser.exit(2, f"grpo-jax plan: --hbm-gib={args.hbm_gib} must be > 0 (GiB per chip)\n")
+    for flag, value in (("--hbm-efficiency", args.hbm_efficiency), ("--mfu", args.mfu)):
+        if value is not None and not 0 < value <= 1:
+            parser.exit(2, f"grpo-jax plan: {flag}={value} must be in (0, 1] (a share of the chip's peak)\n")
     from grpo_jax.api import plan
 
     try:
         devices = plan.topology_devices(args.topology)
         hbm = None if args.hbm_gib is None else int(args.hbm_gib * 2 ** 30)
-        result = plan.plan(config, devices, hbm_bytes=hbm)
+        result = plan.plan(config, devices, hbm_bytes=hbm, hbm_efficiency=args.hbm_efficiency or plan.HBM_EFFICIENCY,
+                           mfu=args.mfu or plan.MFU)
     except ValueError as e:
         print(f"grpo-jax plan: {e}", file=sys.stderr)
         return 1

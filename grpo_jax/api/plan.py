@@ -25,7 +25,13 @@ from grpo_jax.device.chips import GIB, Chip, device_chip, topology_chip
 from grpo_jax.config import Config
 
 FIT_FRACTION = 0.9  # a phase fits when its peak is under this share of the chip's HBM (XLA's own buffers, fragments)
-PHASES = ("prefill", "decode_step", "logps", "train_step")
+PHASES = ("layout", "prefill", "decode_step", "logps", "train_step")
+COMPARED = "decode_step_training_layout"  # shown beside the round, not in it
+# stated efficiency factors, overridable (`grpo-jax plan --hbm-efficiency --mfu`): the share of HBM bandwidth a
+# memory-bound program reaches (tpu-inference's ragged paged attention decodes at ~86 % of it) and of peak FLOP/s a
+# compute-bound one does (MaxText's published v5p training MFUs are 50-65 %)
+HBM_EFFICIENCY = 0.85
+MFU = 0.55
 
 
 class Phase(NamedTuple):
@@ -40,6 +46,20 @@ class Phase(NamedTuple):
     flops: float  # nan: unknown (its loop-free variant did not compile)
     bytes_accessed: float
     error: str | None = None  # XLA refused to compile it: its sizes are what the refusal names (a lower bound)
+    collectives: tuple = ()  # `collectives.Collective`s read from its HLO
+
+    def collective_runs(self) -> list:
+        """(collective, times it runs in one run of the phase): a decode step's loop body once, the work outside
+        its loop spread over the round's steps, known loops (a scan) their trip count times."""
+        return [(c, c.trips if (c.per_step or self.name not in ("decode_step", COMPARED)) else c.trips / self.runs)
+                for c in self.collectives]
+
+    def collective_bytes(self) -> dict:
+        """Bytes per chip of one run, by collective kind."""
+        out: dict = {}
+        for c, n in self.collective_runs():
+            out[c.kind] = out.get(c.kind, 0.0) + c.bytes * n
+        return out
 
     @property
     def peak(self) -> int:
@@ -59,25 +79,43 @@ class Plan:
     row_shards: int  # devices the rows split over (mesh.data * fsdp * expert)
     tokens: int
     config: Config
+    layout: str = "the training layout"  # where decoding runs and why (`rollout_layout.choose`)
+    hbm_efficiency: float = HBM_EFFICIENCY
+    mfu: float = MFU
+
+    def collective_seconds(self, phase: Phase) -> float:
+        """The phase's collectives over the chip's interconnect (`chips.collective_seconds`), one run."""
+        from grpo_jax.device.chips import collective_seconds
+
+        if self.chip is None or not self.chip.ici_bandwidth:
+            return 0.0
+        return sum(n * collective_seconds(self.chip, c.kind, c.bytes, c.group) for c, n in phase.collective_runs())
 
     def seconds(self, phase: Phase) -> float | None:
-        """Roofline time of one run: max(FLOPs / peak FLOP/s, bytes / HBM bandwidth); None without a chip."""
+        """Estimated time of one run: max(FLOPs / (peak FLOP/s x MFU), bytes / (HBM bandwidth x efficiency)) plus its
+        collectives, none overlapped; None without a chip. XLA counts a collective's bytes as memory traffic too."""
         if self.chip is None or math.isnan(phase.flops):
             return None
-        return max(phase.flops / self.chip.bf16_flops, phase.bytes_accessed / self.chip.hbm_bandwidth)
+        return max(phase.flops / (self.chip.bf16_flops * self.mfu),
+                   phase.bytes_accessed / (self.chip.hbm_bandwidth * self.hbm_efficiency)) \
+            + self.collective_seconds(phase)
+
+    @property
+    def round_phases(self) -> tuple[Phase, ...]:
+        return tuple(p for p in self.phases if p.name != COMPARED)
 
     def phase_fits(self, phase: Phase) -> bool:
         return phase.peak < FIT_FRACTION * self.hbm_bytes
 
     @property
     def fits(self) -> bool:
-        return all(self.phase_fits(p) for p in self.phases)
+        return all(self.phase_fits(p) for p in self.round_phases)
 
     @property
     def round_seconds(self) -> float | None:
-        """One round (sampling, log-probs, its optimizer steps) at the roofline."""
-        times = [self.seconds(p) for p in self.phases]
-        return None if None in times else sum(p.runs * t for p, t in zip(self.phases, times))
+        """One round (reshard, sampling, log-probs, its optimizer steps), estimated."""
+        times = [self.seconds(p) for p in self.round_phases]
+        return None if None in times else sum(p.runs * t for p, t in zip(self.round_phases, times))
 
     @property
     def tokens_per_second_per_chip(self) -> float | None:
@@ -87,12 +125,20 @@ class Plan:
         return None if seconds is None else self.tokens / seconds / self.chips
 
     def as_json(self) -> dict:
-        """{"fits", "round_seconds", "tokens_per_round", "tokens_per_second_per_chip", "phases": {name:
-        {"peak_bytes", "hbm_bytes", "flops", "bytes_accessed", "est_seconds", ...}}}."""
+        """{"fits", "round_seconds", "tokens_per_round", "tokens_per_second_per_chip", "layout", "chip", "phases": {name:
+        {"peak_bytes", "hbm_bytes", "flops", "bytes_accessed", "collective_bytes", "collectives", "loop_trips",
+        "rows_per_chip", "est_seconds", ...}}}."""
+        chip = None if self.chip is None else {**self.chip._asdict(), "hbm_efficiency": self.hbm_efficiency,
+                                               "mfu": self.mfu}
         return {"fits": self.fits, "round_seconds": self.round_seconds, "tokens_per_round": self.tokens,
-                "tokens_per_second_per_chip": self.tokens_per_second_per_chip, "phases": {p.name: {
+                "tokens_per_second_per_chip": self.tokens_per_second_per_chip, "layout": self.layout, "chip": chip,
+                "phases": {p.name: {
             "peak_bytes": p.peak, "hbm_bytes": self.hbm_bytes, "flops": _known(p.flops),
             "bytes_accessed": _known(p.bytes_accessed), "est_seconds": self.seconds(p), "runs_per_round": p.runs,
+            "loop_trips": p.runs, "tokens": self.tokens if p.name in ("logps", "train_step") else None,
+            "rows_per_chip": self.config.train.generation_batch_size / self.row_shards,
+            "collective_bytes": p.collective_bytes(), "collectives": sum(n for _, n in p.collective_runs()),
+            "collective_seconds": self.collective_seconds(p),
             "arguments_bytes": p.arguments, "temporaries_bytes": p.temporaries, "error": p.error}
             for p in self.phases}}
 
@@ -175,7 +221,7 @@ def resolved(config: Config) -> Config:
 
 
 def plan(config: Config, devices, *, chip: Chip | None = None, hbm_bytes: int | None = None,
-         costs: bool = True) -> Plan:
+         costs: bool = True, hbm_efficiency: float = HBM_EFFICIENCY, mfu: float = MFU) -> Plan:
     """The run's phases compiled for ``devices`` (`topology_devices`): memory per chip, FLOPs, bytes, roofline.
 
     ``chip`` (None: by the devices' kind) gives the roofline's FLOP/s and bandwidth; ``hbm_bytes`` (None: the
@@ -191,10 +237,11 @@ def plan(config: Config, devices, *, chip: Chip | None = None, hbm_bytes: int | 
         hbm_bytes = chip.hbm_bytes if (chip is not None and tpu) else local_hbm(devices[0])
     m = config.mesh
     mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor, devices=devices, expert=m.expert)
-    phases = _phases(config, mesh, tpu, costs)
+    phases, layout = _phases(config, mesh, tpu, costs, chip)
     tc = config.train
     tokens = tc.generation_batch_size * (config.data.max_prompt_length + config.sampling.max_completion_length)
-    return Plan(tuple(phases), chip, hbm_bytes, len(devices), sharding.num_row_shards(mesh), tokens, config)
+    return Plan(tuple(phases), chip, hbm_bytes, len(devices), sharding.num_row_shards(mesh), tokens, config,
+                layout, hbm_efficiency, mfu)
 
 
 def hint(plan_: Plan, phase: Phase) -> str:
@@ -245,21 +292,26 @@ def report(plan_: Plan, topology: str) -> list[str]:
     chip = plan_.chip.name if plan_.chip else "no chip table entry (no roofline)"
     lines = [f"grpo-jax plan: {topology}, {plan_.chips} chips ({chip}), HBM {_size(plan_.hbm_bytes)} per "
              f"chip; {c.train.generation_batch_size} rows a round x ({c.data.max_prompt_length} prompt + "
-             f"{c.sampling.max_completion_length} completion) tokens",
+             f"{c.sampling.max_completion_length} completion) tokens; decoding in {plan_.layout}",
              f"{'phase':<12} {'runs/round':>10} {'arguments':>10} {'temporaries':>11} {'peak':>10} {'of HBM':>7} "
-             f"{'FLOPs':>9} {'bytes':>10} {'est. s':>9}"]
+             f"{'FLOPs':>9} {'bytes':>10} {'coll.':>6} {'coll. bytes':>11} {'ICI s':>9} {'est. s':>9}"]
     for p in plan_.phases:
         t = plan_.seconds(p)
         if p.error:
             lines.append(f"{p.name:<12} {p.runs:>10g} refused by XLA, needs at least {_size(p.peak)}: {p.error}")
             continue
         flops = "-" if math.isnan(p.flops) else f"{p.flops:.3g}"
+        runs = p.collective_runs()
         lines.append(f"{p.name:<12} {p.runs:>10g} {_size(p.arguments):>10} {_size(p.temporaries):>11} "
                      f"{_size(p.peak):>10} {p.peak / plan_.hbm_bytes:>7.0%} {flops:>9} "
-                     f"{_size(p.bytes_accessed):>10} {'-' if t is None else f'{t:.3g}':>9}")
+                     f"{_size(p.bytes_accessed):>10} {sum(n for _, n in runs):>6.0f} "
+                     f"{_size(sum(p.collective_bytes().values())):>11} {plan_.collective_seconds(p):>9.3g} "
+                     f"{'-' if t is None else f'{t:.3g}':>9}")
     seconds = plan_.round_seconds
     if seconds is not None:
-        lines.append(f"round: {seconds:.2f} s at the roofline (decode steps counted to max_completion_length), "
+        lines.append(f"round: {seconds:.2f} s estimated at {plan_.hbm_efficiency:.0%} of HBM bandwidth, "
+                     f"{plan_.mfu:.0%} MFU, collectives over ICI not overlapped (decode steps counted to "
+                     "max_completion_length), "
                      f"{plan_.tokens_per_second_per_chip:,.0f} tokens/s/chip (a round's "
                      f"{c.train.generation_batch_size} rows x "
                      f"{c.data.max_prompt_length + c.sampling.max_completion_length} prompt + completion slots)")
@@ -271,15 +323,21 @@ def report(plan_: Plan, topology: str) -> list[str]:
     return lines
 
 
-def _phases(config: Config, mesh, tpu: bool, with_costs: bool) -> list[Phase]:
+def _phases(config: Config, mesh, tpu: bool, with_costs: bool, chip: Chip | None) -> tuple[list[Phase], str]:
     """The run's phases over ``mesh``: memory from the programs as the run compiles them, FLOPs and bytes from the
-    same programs (`plan_programs.costs`)."""
+    same programs (`plan_programs.costs`), their collectives from their HLO (`collectives`); and the decoding
+    layout's reason."""
+    from grpo_jax.api import collectives
+    from grpo_jax.algo.state import abstract_state, optimizer_from_config
+    from grpo_jax.device import sharding
+
     tc = config.train
-    compiled = plan_programs.programs(config, mesh, config.model, tpu=tpu)
-    costs = (plan_programs.costs(config, mesh, compiled, tpu=tpu) if with_costs
+    compiled = plan_programs.programs(config, mesh, config.model, tpu=tpu, chip=chip, compare_layouts=True)
+    costs = (plan_programs.costs(config, mesh, compiled, tpu=tpu, chip=chip) if with_costs
              else {name: (math.nan, math.nan) for name in compiled})
     slots = config.sampling.max_batch_rows or tc.generation_batch_size
-    runs = {"prefill": 1, "decode_step": config.sampling.max_completion_length * -(-tc.generation_batch_size // slots),
+    steps = config.sampling.max_completion_length * -(-tc.generation_batch_size // slots)
+    runs = {"layout": 1, "prefill": 1, "decode_step": steps, COMPARED: steps,
             "logps": int(tc.needs_old_logps) + int(config.loss.beta != 0.0), "train_step": tc.steps_per_round}
     phases = []
     for name, program in compiled.items():
@@ -289,5 +347,11 @@ def _phases(config: Config, mesh, tpu: bool, with_costs: bool) -> list[Phase]:
             continue
         m = c.memory_analysis()
         phases.append(Phase(name, runs[name], m.argument_size_in_bytes, m.output_size_in_bytes,
-                            m.alias_size_in_bytes, m.temp_size_in_bytes, *costs[name]))
-    return phases
+                            m.alias_size_in_bytes, m.temp_size_in_bytes, *costs[name],
+                            collectives=tuple(collectives.collectives(c.as_text(), mesh.devices.size))))
+    _, optimizer = optimizer_from_config(tc, config.max_steps)
+    shapes = abstract_state(config.model, optimizer, with_reference=config.loss.beta != 0.0,
+                            ref_param_dtype=tc.ref_param_dtype)
+    layout = plan_programs.decode_layout(config, mesh, config.model, chip, shapes,
+                                         sharding.state_shardings(mesh, shapes, offload_ref=tc.offload_ref_params))
+    return phases, "the training layout" if layout is None else layout.reason

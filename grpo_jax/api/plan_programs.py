@@ -66,9 +66,24 @@ def _abstract(shapes, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
 
 
-def programs(config: Config, mesh, model, *, tpu: bool, reuse: dict | None = None) -> dict[str, Program]:
+def decode_layout(config: Config, mesh, model, chip, shapes, shardings):
+    """The run's decoding layout over ``mesh`` (`rollout_layout.choose`, as `grpo_jax.api.run` chooses it)."""
+    from grpo_jax.device import rollout_layout
+
+    tc = config.train
+    return rollout_layout.choose(config.mesh.rollout_tensor, model, mesh, chip=chip,
+                                 rows=config.sampling.max_batch_rows or tc.generation_batch_size,
+                                 slots=config.data.max_prompt_length + config.sampling.max_completion_length,
+                                 abstract_params=shapes.params,
+                                 state_bytes=rollout_layout.bytes_per_device(shapes, shardings))
+
+
+def programs(config: Config, mesh, model, *, tpu: bool, reuse: dict | None = None, chip=None,
+             compare_layouts: bool = False) -> dict[str, Program]:
     """{phase: `Program`} of a run of ``model`` over ``mesh`` for abstract inputs (nothing allocated); a phase whose
-    lowered text equals ``reuse``'s (a previous call's result) takes its executable instead of compiling again."""
+    lowered text equals ``reuse``'s (a previous call's result) takes its executable instead of compiling again.
+    Decoding runs in the layout the run would choose on ``chip`` (`decode_layout`), its reshard as ``layout``; with
+    ``compare_layouts`` the training layout's decode step too, as ``decode_step_training_layout``."""
     import jax
     import jax.numpy as jnp
 
@@ -105,19 +120,38 @@ def programs(config: Config, mesh, model, *, tpu: bool, reuse: dict | None = Non
 
     B, out = tc.generation_batch_size, {}
     round_group, step_group = prompt_group_sizes(config, mesh)
-    decoder = jitted.jit_decoder(graphdef, mesh, model, config=config.sampling, eos_token_ids=(0,), pad_token_id=0,
-                                 params_sharding=shardings.params, prompt_group_size=tc.num_generations)
-    options = decoder.options(B, B, False)
-    start_args = (state.params, array(B, P), array(B, P), array(2, dtype=jnp.uint32, where=replicated),
-                  array(dtype=jnp.int32, where=replicated))
-    build("prefill", decoder.start.lower(*start_args, options))
-    prefill = out["prefill"].compiled
-    if isinstance(prefill, Refused):  # the decode step's inputs are the prefill's outputs, as it lays them out
-        out["decode_step"] = Program("", Refused("not compiled: the prefill was refused", 0))
-    else:
-        decoding = _abstract(jax.eval_shape(lambda *a: decoder.start(*a, options), *start_args),
-                             prefill.output_shardings)
-        build("decode_step", decoder.advance.lower(state.params, decoding, options, False))
+    layout = decode_layout(config, mesh, model, chip, shapes, shardings)
+    placement = jitted.rollout_placement(mesh, layout, shapes.params)
+
+    def decode(name, placement):
+        decoder = jitted.jit_decoder(graphdef, mesh, model, config=config.sampling, eos_token_ids=(0,),
+                                     pad_token_id=0, params_sharding=shardings.params,
+                                     prompt_group_size=tc.num_generations, rollout=placement)
+        params = state.params
+        if placement is not None:
+            build("layout", decoder.layout.lower(state.params))
+            params = _abstract(jax.eval_shape(decoder.layout, state.params), placement.params_sharding)
+        decode_mesh = mesh if placement is None else placement.mesh
+        decode_rows, decode_replicated = sharding.row_sharded(decode_mesh), sharding.replicated(decode_mesh)
+        options = decoder.options(B, B, False)
+        start_args = (params, array(B, P, where=decode_rows), array(B, P, where=decode_rows),
+                      array(2, dtype=jnp.uint32, where=decode_replicated),
+                      array(dtype=jnp.int32, where=decode_replicated))
+        prefill_name = "prefill" if name == "decode_step" else f"prefill_{name}"
+        build(prefill_name, decoder.start.lower(*start_args, options))
+        prefill = out[prefill_name].compiled
+        if isinstance(prefill, Refused):  # the decode step's inputs are the prefill's outputs, as it lays them out
+            out[name] = Program("", Refused("not compiled: the prefill was refused", 0))
+        else:
+            decoding = _abstract(jax.eval_shape(lambda *a: decoder.start(*a, options), *start_args),
+                                 prefill.output_shardings)
+            build(name, decoder.advance.lower(params, decoding, options, False))
+        if name != "decode_step":
+            out.pop(prefill_name)
+
+    decode("decode_step", placement)
+    if compare_layouts and placement is not None:
+        decode("decode_step_training_layout", None)
     if tc.needs_old_logps or beta != 0.0:
         logps = jitted.jit_logps(graphdef, mesh, temperature=config.sampling.temperature,
                                  chunk_size=tc.logps_chunk_size, params_sharding=shardings.params,
@@ -233,7 +267,8 @@ def unembedding_flops(config: Config, *, rows: int, chips: int, passes: int, sha
     return 2.0 * model.hidden_size * model.vocab_size * T * rows / chips * passes, trips
 
 
-def costs(config: Config, mesh, compiled: dict[str, Program], *, tpu: bool) -> dict[str, tuple[float, float]]:
+def costs(config: Config, mesh, compiled: dict[str, Program], *, tpu: bool, chip=None
+          ) -> dict[str, tuple[float, float]]:
     """{phase: (FLOPs, bytes)} per chip of one run of each of the run's ``compiled`` programs (`programs`).
 
     XLA counts each loop's body once. The layers: with ``model.scan_layers`` the run's programs count
@@ -255,7 +290,8 @@ def costs(config: Config, mesh, compiled: dict[str, Program], *, tpu: bool) -> d
         other_counted = layers_counted(L, other_unroll)
         variant = dataclasses.replace(model, scan_unroll=other_unroll)
         other = {name: xla_cost(p.compiled) for name, p in
-                 programs(config, mesh, variant, tpu=tpu, reuse=compiled).items()}
+                 programs(config, mesh, variant, tpu=tpu, reuse=compiled, chip=chip,
+                          compare_layouts="decode_step_training_layout" in compiled).items()}
     out = {}
     for name, (flops, bytes_) in own.items():
         totals = []

@@ -22,7 +22,7 @@ from grpo_jax.algo.state import TrainState, optimizer_from_config
 from grpo_jax.algo.train_step import StepOptions
 from grpo_jax.config import Config, for_run, resolve_defaults, to_dict
 from grpo_jax.data import prompts as data, sources, task
-from grpo_jax.device import cpu, sharding
+from grpo_jax.device import chips, cpu, rollout_layout, sharding
 from grpo_jax.io import checkpoint, lock, runs, trackers
 from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, lora, peft_io, resolve_config
 from grpo_jax.rewards import reward_specs, functions as rewards
@@ -341,8 +341,14 @@ def _build(config: Config, output_dir: Path, resuming: bool, loss_fn: Callable |
                           # decoupled PPO's behaviour weight is the IS correction against the sampler's log-probs
                           use_sampler_logps=tc.use_sampler_logps or config.loss.off_policy_correction == "decoupled")
     state_sharding = sharding.tree_shardings(state)
+    layout = None if config.mesh.rollout else rollout_layout.choose(
+        config.mesh.rollout_tensor, config.model, mesh, chip=chips.device_chip(devices[0].device_kind),
+        rows=config.sampling.max_batch_rows or tc.generation_batch_size,
+        slots=config.data.max_prompt_length + config.sampling.max_completion_length, abstract_params=state.params,
+        state_bytes=rollout_layout.bytes_per_device(state, state_sharding))
     decoding = dict(eos_token_ids=eos_ids, pad_token_id=tokenizer.pad_token_id,
-                    params_sharding=state_sharding.params, cpu_speedups=speedups)
+                    params_sharding=state_sharding.params, cpu_speedups=speedups,
+                    rollout=programs.rollout_placement(mesh, layout, state.params))
     decoder = programs.jit_decoder(graphdef, mesh, config.model, config=config.sampling,
                                    prompt_group_size=tc.num_generations, **decoding)
     eval_decoder = None
@@ -364,7 +370,7 @@ def _build(config: Config, output_dir: Path, resuming: bool, loss_fn: Callable |
         params_sharding = sharding.param_shardings(rollout_mesh, state.params)
         rollout_decoder = programs.jit_decoder(graphdef, rollout_mesh, config.model, config=config.sampling,
                                                prompt_group_size=tc.num_generations,
-                                               **{**decoding, "params_sharding": params_sharding})
+                                               **{**decoding, "params_sharding": params_sharding, "rollout": None})
         rollout_programs = programs.build(
             graphdef, optimizer, options, rollout_mesh, TrainState(params_sharding, None, None, None, None),
             decoder=rollout_decoder, round_prompt_group_size=prompt_group_sizes(config, rollout_mesh)[0],
@@ -381,5 +387,5 @@ def _build(config: Config, output_dir: Path, resuming: bool, loss_fn: Callable |
               mesh=mesh, graphdef=graphdef, schedule=schedule, programs=run_programs,
               step_prompt_group_size=step_group, round_prompt_group_size=round_group, resuming=resuming,
               tooling=tooling, rollout_mesh=rollout_mesh, rollout_programs=rollout_programs,
-              shapes=run_shapes)
+              shapes=run_shapes, decode_layout="the training layout" if layout is None else layout.reason)
     return run, state

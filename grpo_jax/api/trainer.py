@@ -145,7 +145,7 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool, too
     named = config.output_dir is not None  # else a rerun needs output_dir= added (`preemption.again`)
     preemption.Console.log_to(run.output_dir)
     print(f"grpo_jax: output_dir={run.output_dir}  devices={len(run.mesh.devices.flat)} "
-          f"({jax.devices()[0].platform})  mesh={dict(run.mesh.shape)}")
+          f"({jax.devices()[0].platform})  mesh={dict(run.mesh.shape)}  decoding in {run.decode_layout}")
     mngr = checkpoint.manager(run.output_dir, save_total_limit=config.save_total_limit)
     place, history, before, arrays = _restore(run, state, mngr)
     compile_seconds = _compile_ahead(run, place.state)

@@ -328,8 +328,14 @@ class MeshConfig:
     tensor: int = 1
     expert: int = 1  # mixture-of-experts models: experts split over this many devices (rows too)
     rollout: int = 0  # split placement: the first `rollout` devices sample, the rest train
+    # decoding's layout (`grpo_jax.device.rollout_layout`): 0 chosen from the model and chips, -1 the training
+    # layout, n: tensor (experts: expert) parallel over groups of n neighbouring devices x data parallel over groups
+    rollout_tensor: int = 0
 
     def __post_init__(self):
+        check(isinstance(self.rollout_tensor, int) and self.rollout_tensor >= -1,
+              f"mesh.rollout_tensor={self.rollout_tensor!r} must be an integer >= -1 (0: chosen from the model and "
+              "chips, -1: decode in the training layout, n: tensor-parallel groups of n devices)")
         check(isinstance(self.rollout, int) and self.rollout >= 0,
               f"mesh.rollout={self.rollout!r} must be an integer >= 0 (0: sampling and training share every device)")
         sizes = (self.data, self.fsdp, self.tensor, self.expert)

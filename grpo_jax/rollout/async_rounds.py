@@ -196,11 +196,11 @@ class Sampler:
         segments, tc = itertools.count(), self.train_config
 
         def start(params, *args):
-            return decoder.start(self._params_at(segment_version(tc, round_index, 0)), *args)
+            return decoder.start(decoder.layout(self._params_at(segment_version(tc, round_index, 0))), *args)
 
         def advance(params, decoding, options, segment):
             v = segment_version(tc, round_index, next(segments))
-            decoding, view = decoder.advance(self._params_at(v), decoding, options, segment)
+            decoding, view = decoder.advance(decoder.layout(self._params_at(v)), decoding, options, segment)
             lengths.append((v, view[1]))
             return decoding, view
 

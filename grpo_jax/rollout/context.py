@@ -52,6 +52,7 @@ class Run:
     rollout_mesh: Mesh | None = None  # mesh.rollout > 0: the sampling devices (`mesh` holds the training ones)
     rollout_programs: Programs | None = None  # the sampling programs over `rollout_mesh`
     shapes: RunShapes | None = None  # what the programs are compiled for (None: asynchronous rounds, any)
+    decode_layout: str = "the training layout"  # where decoding runs and why (`grpo_jax.device.rollout_layout`)
 
     @property
     def keep_ref(self) -> bool:

@@ -193,9 +193,11 @@ def compile_ahead(run, state, shapes: RunShapes, *, workers: int = 1) -> Warmup:
     compiler = _Compiler(workers)
     try:
         sample_key = compiler.compile("sample_key", lambda: programs.sample_key.lower(key, 0, 0))
-        rows = None
+        rows, decode_params = None, params
+        if hasattr(programs.decoder.layout, "lower"):  # the rollout layout's reshard (`programs.jit_decoder`)
+            decode_params = compiler.compile("layout", lambda: programs.decoder.layout.lower(params))
         for slots in shapes.decode_slots:
-            rows = _decode_programs(run, compiler, params, sample_key, slots)
+            rows = _decode_programs(run, compiler, decode_params, sample_key, slots)
         args = (rows.prompt_ids, rows.prompt_mask, rows.completion_ids, rows.completion_mask, rows.routed_experts)
         old = rows.sampler_per_token_logps if tc.needs_old_logps else None
         ref = None

@@ -103,6 +103,7 @@ def decode(decoder, params, prompt_ids_BxP, prompt_mask_BxP, key, *, greedy: boo
     ``slots``: the call's decode slots (`plan_slots`; 0: `sampling.max_batch_rows`). With ``turns`` the rows call
     tools between turns (`chunk`, `multiturn.between`)."""
     B = len(prompt_ids_BxP)
+    params = decoder.layout(params)  # once a call: the rollout layout's copy (`programs.jit_decoder`)
     k = decoder.chunks(B, group_size)
     rows = B // k
     options = decoder.options(rows, B, greedy, slots)

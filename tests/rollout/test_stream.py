@@ -49,6 +49,9 @@ class _FakeDecoder:
     def chunks(self, rows, group):
         return 1
 
+    def layout(self, params):
+        return params
+
     def place(self, rows):
         return rows
 

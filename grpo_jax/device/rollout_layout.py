@@ -1,0 +1,118 @@
+"""Decoding's own layout: which group of neighbouring devices holds one copy of the policy, and why.
+
+Training splits every weight over ``fsdp`` along the hidden size, so a decode step in that layout has every device
+run every row against its slice and all-reduce the partial sums across all of them, the [rows, vocab] logits
+included. Decoding runs instead over the same devices in the same order reshaped to (data = n / g, tensor = g):
+each group of g consecutive devices (neighbours on a TPU slice) holds one compute-dtype copy split Megatron-style
+(heads, MLP columns and vocabulary: `sharding.PARTITION_RULES` at fsdp 1, one all-reduce a block inside the group),
+rows and their KV cache split over the groups, the next token drawn from the group's vocabulary shards (their
+arg-maxes gathered, a few bytes a row). A mixture of experts splits its experts over the group instead (expert
+parallel, attention data parallel). The policy is resharded into it once per decoding call (`programs.jit_decoder`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+from jax.sharding import Mesh
+
+from grpo_jax.device import sharding
+from grpo_jax.device.chips import Chip
+
+FIT_FRACTION = 0.9  # of a chip's HBM, as `grpo_jax.api.plan` judges a fit (XLA's own buffers, fragments)
+
+
+class Layout(NamedTuple):
+    """Decoding over groups of ``group`` devices split along ``axis`` ("tensor", or "expert" for experts)."""
+
+    group: int
+    axis: str
+    reason: str
+
+
+def rollout_mesh(mesh: Mesh, layout: Layout) -> Mesh:
+    """``mesh``'s devices in the same order (so one program may take the training layout and give this one) as
+    (data = n / group) x (``layout.axis`` = group)."""
+    sizes = {"data": mesh.devices.size // layout.group, "fsdp": 1, "tensor": 1, "expert": 1, layout.axis: layout.group}
+    return Mesh(np.asarray(mesh.devices).reshape(-1).reshape([sizes[a] for a in sharding.AXES]), sharding.AXES)
+
+
+def bytes_per_device(abstract_tree, shardings) -> int:
+    """Bytes one device holds of ``abstract_tree`` (arrays or ShapeDtypeStructs) laid out as ``shardings``."""
+    import jax
+
+    sizes = jax.tree.map(lambda x, s: math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize,
+                         abstract_tree, shardings)
+    return int(sum(jax.tree.leaves(sizes)))
+
+
+def _splits(model, group: int, expert: bool) -> bool:
+    if expert:
+        return model.num_experts % group == 0
+    return (model.num_attention_heads % group == 0 and model.num_key_value_heads % group == 0
+            and model.intermediate_size % group == 0)
+
+
+def step_seconds(chip: Chip, *, weights: float, kv: float, rows: int, hidden: int, layers: int, group: int) -> float:
+    """A decode step's estimate on one chip of ``chip``: ``weights`` + ``kv`` bytes read from HBM, plus two
+    all-reduces a layer of the group's ``rows`` x ``hidden`` bfloat16 activations (a ring over the group:
+    `chips.collective_seconds`)."""
+    from grpo_jax.device.chips import collective_seconds
+
+    ici = 0.0 if group == 1 else 2 * layers * collective_seconds(chip, "all-reduce", rows * hidden * 2, group)
+    return (weights + kv) / chip.hbm_bandwidth + ici
+
+
+def choose(setting: int, model, mesh: Mesh, *, chip: Chip | None, rows: int, slots: int, abstract_params,
+           state_bytes: int) -> Layout | None:
+    """Decoding's layout for ``mesh.rollout_tensor`` = ``setting`` (0: chosen, -1: none, n: groups of n) of
+    ``model`` over ``mesh`` (the training mesh), ``rows`` a decoding call's rows of ``slots`` cache slots each;
+    None: decode in the training layout. The choice takes, of the group sizes that divide the devices, rows, heads
+    (experts) and fit beside the ``state_bytes`` a device keeps of the train state, the one whose decode step
+    `step_seconds` estimates fastest on ``chip``."""
+    import jax.numpy as jnp
+
+    n, expert = mesh.devices.size, bool(model.num_experts)
+    axis = "expert" if expert else "tensor"
+    if setting == -1 or n == 1:
+        return None
+    if setting > 0:
+        if n % setting or rows % (n // setting):
+            raise ValueError(f"mesh.rollout_tensor={setting} must divide the {n} devices into groups over which the "
+                             f"{rows} rows split: choose a divisor g of {n} with {rows} a multiple of {n}/g, or 0")
+        return Layout(setting, axis, f"{axis} {setting} x data {n // setting} (mesh.rollout_tensor={setting})")
+    platform = mesh.devices.flat[0].platform
+    if platform == "cpu" or chip is None:
+        return None  # weights stream from host memory: the training layout, unless a key asks
+    itemsize = jnp.dtype(model.jnp_dtype).itemsize
+    experts_bytes = sum(math.prod(x.shape) for x in _leaves_named(abstract_params, "experts")) * itemsize
+    weights = sum(math.prod(x.shape) for x in _leaves_named(abstract_params, "")) * itemsize
+    kv_token = 2 * model.num_hidden_layers * model.num_key_value_heads * model.resolved_head_dim * itemsize
+    free = FIT_FRACTION * chip.hbm_bytes - state_bytes
+    tried = []
+    for group in (g for g in range(1, n + 1) if n % g == 0 and g & (g - 1) == 0):
+        if rows % (n // group) or not _splits(model, group, expert):
+            continue
+        chip_weights = (weights - experts_bytes) + experts_bytes / group if expert else weights / group
+        chip_rows = rows / n if expert else rows / (n // group)
+        kv = chip_rows * slots * kv_token / (1 if expert else group)
+        # the group's rows' activations: a tensor group's rows are all its devices'; experts gather theirs
+        seconds = step_seconds(chip, weights=chip_weights, kv=kv, rows=int(chip_rows * (group if expert else 1)),
+                               hidden=model.hidden_size, layers=model.num_hidden_layers, group=group)
+        tried.append((chip_weights + kv > free, seconds, group, chip_weights, kv))
+    if not tried:
+        return None
+    over, seconds, group, chip_weights, kv = min(tried)
+    others = ", ".join(f"{g}: {1e3 * s:.2f} ms" for _, s, g, _, _ in sorted(tried, key=lambda t: t[2]) if g != group)
+    reason = (f"{axis} {group} x data {n // group}: weights {chip_weights / 2**30:.2f} GiB + KV {kv / 2**30:.2f} GiB "
+              f"a chip, est. {1e3 * seconds:.2f} ms a decode step (groups of {others or 'none other'})"
+              + ("; nothing fits beside the train state" if over else ""))
+    return Layout(group, axis, reason)
+
+
+def _leaves_named(tree, part: str) -> list:
+    import jax
+
+    return [x for path, x in jax.tree_util.tree_leaves_with_path(tree) if part in sharding.path_name(path)]

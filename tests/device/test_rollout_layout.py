@@ -1,0 +1,209 @@
+"""Decoding's own layout (grpo_jax/device/rollout_layout.py, `programs.jit_decoder(rollout=...)`): the same tokens as
+the training layout on 8 fake CPU devices, the choice of group, and, compiled for a v5p:4x4x4 slice from here, a
+decode loop whose collectives stay inside the tensor-parallel group (read from the HLO by grpo_jax/api/collectives.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_jax.algo import programs
+from grpo_jax.algo.sampling import SamplingConfig
+from grpo_jax.api import collectives
+from grpo_jax.config.model import LoRAConfig
+from grpo_jax.device import chips, rollout_layout, sharding
+from grpo_jax.models import ModelConfig, init_model
+from grpo_jax.rollout import stream
+
+MASK = np.concatenate([np.zeros((16, 2), np.int32), np.ones((16, 3), np.int32)], axis=1)  # left-padded prompts
+IDS = np.random.default_rng(0).integers(4, 32, (16, 5)).astype(np.int32) * MASK
+
+
+def decode(model, mesh, placement, *, greedy, slots=0):
+    config, graphdef, params = model
+    shardings = sharding.param_shardings(mesh, params)
+    dec = programs.jit_decoder(graphdef, mesh, config, config=SamplingConfig(max_completion_length=7, temperature=0.9,
+                                                                           max_batch_rows=slots),
+                               eos_token_ids=(3,), pad_token_id=0, params_sharding=shardings,
+                               prompt_group_size=1 if greedy else 2, rollout=placement)
+    rows = stream.generate(dec, jax.device_put(params, shardings), IDS, MASK, jax.random.key(5), greedy=greedy,
+                           group_size=1 if greedy else 2)
+    return rows, jax.device_get(rows)
+
+
+@pytest.mark.parametrize("greedy, slots, lora", [(True, 0, False), (False, 0, False), (False, 4, False),
+                                                 (True, 0, True)])
+def test_tensor_2_by_data_4_decodes_the_tokens_of_fsdp_8(tiny_model_config, greedy, slots, lora):
+    """8 devices: the rollout layout (tensor 2 x data 4, the policy resharded into it once a call, LoRA adapters
+    merged there) gives the training layout's (fsdp 8) tokens, its log-probs within float rounding, and its rows
+    back in the training mesh's row layout, where the log-prob passes and the train step take them."""
+    config = tiny_model_config
+    if lora:  # adapters that change the tokens (B not zero)
+        config = dataclasses.replace(config, lora=LoRAConfig(rank=4, alpha=8.0, init_lora_weights=False))
+    graphdef, params = init_model(config, seed=0)
+    model = (config, graphdef, params)
+    mesh = sharding.make_mesh(1, 8, 1)
+    layout = rollout_layout.Layout(2, "tensor", "test")
+    placement = programs.rollout_placement(mesh, layout, params)
+    assert dict(placement.mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2, "expert": 1}
+    assert list(placement.mesh.devices.flat) == list(mesh.devices.flat)  # one device order: one program reshards
+    _, want = decode(model, mesh, None, greedy=greedy, slots=slots)
+    on_devices, got = decode(model, mesh, placement, greedy=greedy, slots=slots)
+    np.testing.assert_array_equal(got.completion_ids, want.completion_ids)
+    np.testing.assert_array_equal(got.completion_mask, want.completion_mask)
+    np.testing.assert_allclose(got.sampler_per_token_logps, want.sampler_per_token_logps, rtol=1e-5, atol=1e-6)
+    assert on_devices.completion_ids.sharding.is_equivalent_to(sharding.row_sharded(mesh), 2)
+    assert np.any(got.completion_mask.sum(1) > 1)  # rows really decoded
+
+
+def test_the_layout_program_splits_heads_columns_and_vocabulary_over_the_group(tiny_model):
+    config, graphdef, params = tiny_model
+    mesh = sharding.make_mesh(1, 8, 1)
+    placement = programs.rollout_placement(mesh, rollout_layout.Layout(2, "tensor", "test"), params)
+    shards = {sharding.path_name(p): s.shard_shape(x.shape) for (p, s), x in
+              zip(jax.tree_util.tree_leaves_with_path(placement.params_sharding), jax.tree.leaves(params))}
+    L, D, F, V = config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size
+    assert shards["embed_tokens.embedding"] == (V // 2, D)  # vocabulary
+    assert shards["layers.self_attn.q_proj.kernel"] == (L, D, config.num_attention_heads * config.resolved_head_dim // 2)
+    assert shards["layers.mlp.down_proj.kernel"] == (L, F // 2, D)  # the MLP's rows: one all-reduce a block
+    assert shards["layers.input_layernorm.weight"] == (L, D)  # norms whole
+
+
+def test_the_choice_is_the_training_layout_on_cpus_and_a_key_is_checked(tiny_model_config):
+    _, params = init_model(tiny_model_config, seed=0)
+    mesh = sharding.make_mesh(1, 8, 1)
+    common = dict(chip=None, rows=16, slots=12, abstract_params=params, state_bytes=0)
+    assert rollout_layout.choose(0, tiny_model_config, mesh, **common) is None  # CPU: weights in host memory
+    assert rollout_layout.choose(-1, tiny_model_config, mesh, **common) is None
+    assert rollout_layout.choose(2, tiny_model_config, mesh, **common).group == 2
+    with pytest.raises(ValueError, match=r"mesh.rollout_tensor=3 must divide the 8 devices"):
+        rollout_layout.choose(3, tiny_model_config, mesh, **common)
+
+
+def test_the_chosen_group_is_the_fastest_estimate_that_fits():
+    """A 27B-sized dense model on 64 v5p chips: a bigger group reads fewer weight bytes a chip per step until the
+    all-reduces' cost outweighs it; every candidate's estimate (`step_seconds`) is in the reason, the choice the
+    smallest of them."""
+    model = ModelConfig(vocab_size=262144, hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+                        num_attention_heads=32, num_key_value_heads=16, head_dim=128, dtype="bfloat16")
+    devices = np.asarray([_FakeDevice(i) for i in range(64)])
+    mesh = jax.sharding.Mesh(devices.reshape(1, 64, 1, 1), sharding.AXES)
+    params = {"w": jax.ShapeDtypeStruct((27 * 10 ** 9,), jnp.float32)}
+    chip = chips.CHIPS["v5p"]
+    layout = rollout_layout.choose(0, model, mesh, chip=chip, rows=256, slots=16384, abstract_params=params,
+                                   state_bytes=20 * 2 ** 30)
+    weights, kv_token = 27e9 * 2, 2 * 62 * 16 * 128 * 2
+
+    def estimate(g):
+        return rollout_layout.step_seconds(chip, weights=weights / g, kv=256 / (64 // g) * 16384 * kv_token / g,
+                                           rows=256 // (64 // g), hidden=5376, layers=62, group=g)
+
+    fits = [g for g in (1, 2, 4, 8, 16) if weights / g + 256 / (64 // g) * 16384 * kv_token / g
+            < 0.9 * chip.hbm_bytes - 20 * 2 ** 30]
+    assert layout.group == min(fits, key=estimate) and layout.axis == "tensor"
+    assert f"{1e3 * estimate(layout.group):.2f} ms" in layout.reason
+
+
+class _FakeDevice:
+    platform, device_kind = "tpu", "TPU v5"
+
+    def __init__(self, i):
+        self.id = i
+
+    def __repr__(self):
+        return f"D{self.id}"
+
+
+def test_collectives_are_read_with_their_groups_bytes_and_loops():
+    """The parser against a hand-written HLO module: an all-reduce in a loop of unknown trip count (per step), one
+    in a scan of known trip count (62 trips), an all-gather's result bytes and a reduce-scatter's operand bytes."""
+    text = """HloModule m
+
+%body (p: (s32[], bf16[32,512])) -> (s32[], bf16[32,512]) {
+  %ar = bf16[32,512]{1,0} all-reduce(%x), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7},{8,9,10,11,12,13,14,15}}, to_apply=%add
+  %scan = (s32[], f32[8]) while(%t), condition=%c2, body=%inner, backend_config={"known_trip_count":{"n":"62"}}
+}
+
+%inner (q: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %rs = f32[8]{0} reduce-scatter(%y), channel_id=2, replica_groups=[2,8]<=[16], dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (a: bf16[32,512]) -> bf16[32,512] {
+  %ag = f32[64,4]{1,0} all-gather(%z), channel_id=3, replica_groups=mesh['axis_0'=2,'axis_1'=8] {'axis_0'}, dimensions={0}
+  %loop = (s32[], bf16[32,512]) while(%init), condition=%cond, body=%body
+}
+"""
+    got = collectives.collectives(text, 16)
+    assert collectives.Collective("all-gather", 64 * 4 * 4, 2, 1, False) in got
+    assert collectives.Collective("all-reduce", 32 * 512 * 2, 8, 1, True) in got
+    assert collectives.Collective("reduce-scatter", 8 * 4 * 8, 8, 62, True) in got
+    assert len(got) == 3
+
+
+def test_ring_collective_seconds_by_hand():
+    chip = chips.CHIPS["v5p"]  # 600 GB/s one way over 6 links, a ring over 2 of them: 200 GB/s
+    assert chip.group_bandwidth == pytest.approx(200e9)
+    assert chips.collective_seconds(chip, "all-reduce", 2e6, 8) == pytest.approx(14e-6 + 2 * 7 / 8 * 2e6 / 200e9)
+    assert chips.collective_seconds(chip, "all-gather", 2e6, 8) == pytest.approx(7e-6 + 7 / 8 * 2e6 / 200e9)
+    assert chips.collective_seconds(chip, "all-reduce", 2e6, 1) == 0.0
+
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu not installed (pip install -e '.[tpu]'): no TPU topology to compile for")
+
+
+@needs_libtpu
+def test_a_v5p_pod_decodes_inside_its_tensor_groups():
+    """A small Llama's decode loop compiled for v5p:4x4x4 (64 chips) from this CPU, 256 rows. In the training layout
+    (fsdp 64) every step all-reduces over all 64 chips, the [256, vocab] logits among them. In the rollout layout
+    (tensor 8 x data 8) no collective of the loop spans more than a group of 8, and each moves at most the group's
+    rows' activations: the next token is drawn from the group's vocabulary shards (their arg-maxes gathered), never
+    from logits crossing the pod."""
+    from grpo_jax.algo.state import model_graphdef
+    from grpo_jax.api import plan
+
+    V, D, B, P, T = 4096, 512, 256, 64, 64
+    model = ModelConfig(vocab_size=V, hidden_size=D, intermediate_size=1024, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=8, head_dim=64, dtype="bfloat16")
+    devices = plan.topology_devices("v5p:4x4x4")
+    mesh = sharding.make_mesh(1, -1, 1, devices=devices)
+    shapes = jax.eval_shape(lambda: init_model(model, 0)[1])
+    graphdef = model_graphdef(model)
+
+    def per_step(placement):
+        shardings = sharding.param_shardings(mesh, shapes)
+        dec = programs.jit_decoder(graphdef, mesh, model, config=SamplingConfig(max_completion_length=T),
+                                   eos_token_ids=(0,), pad_token_id=0, params_sharding=shardings,
+                                   prompt_group_size=4, rollout=placement)
+        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+        decode_mesh = mesh
+        if placement is not None:
+            params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=s),
+                                  shapes, placement.params_sharding)
+            decode_mesh = placement.mesh
+        rows, rep = sharding.row_sharded(decode_mesh), sharding.replicated(decode_mesh)
+        options = dec.options(B, B, False)
+        args = (params, jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=rows),
+                jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=rows),
+                jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep), jax.ShapeDtypeStruct((), jnp.int32, sharding=rep))
+        prefill = dec.start.lower(*args, options).compile()
+        decoding = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                jax.eval_shape(lambda *a: dec.start(*a, options), *args), prefill.output_shardings)
+        text = dec.advance.lower(params, decoding, options, False).compile().as_text()
+        return [c for c in collectives.collectives(text, 64) if c.per_step]
+
+    logits = B * V * 2
+    training = per_step(None)
+    assert max(c.group for c in training) == 64 and max(c.bytes for c in training) >= logits
+    placement = programs.rollout_placement(mesh, rollout_layout.Layout(8, "tensor", "test"), shapes)
+    rollout = per_step(placement)
+    group_rows = B // 8
+    assert rollout and max(c.group for c in rollout) <= 8
+    assert max(c.bytes for c in rollout) <= group_rows * D * 2  # one group's rows' activations, bf16
+    assert sum(c.bytes for c in rollout) < logits / 10
