@@ -319,7 +319,7 @@ def report(plan_: Plan, topology: str) -> list[str]:
         lines.append(f"fits: every phase's peak is under {FIT_FRACTION:.0%} of HBM")
     else:
         lines.append(f"does not fit (a phase's peak over {FIT_FRACTION:.0%} of HBM):")
-        lines += [hint(plan_, p) for p in plan_.phases if not plan_.phase_fits(p)]
+        lines += [hint(plan_, p) for p in plan_.round_phases if not plan_.phase_fits(p)]
     return lines
 
 

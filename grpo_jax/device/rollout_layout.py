@@ -15,11 +15,13 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from grpo_jax.device import sharding
-from grpo_jax.device.chips import Chip
+from grpo_jax.device.chips import Chip, collective_seconds
 
 FIT_FRACTION = 0.9  # of a chip's HBM, as `grpo_jax.api.plan` judges a fit (XLA's own buffers, fragments)
 
@@ -41,8 +43,6 @@ def rollout_mesh(mesh: Mesh, layout: Layout) -> Mesh:
 
 def bytes_per_device(abstract_tree, shardings) -> int:
     """Bytes one device holds of ``abstract_tree`` (arrays or ShapeDtypeStructs) laid out as ``shardings``."""
-    import jax
-
     sizes = jax.tree.map(lambda x, s: math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize,
                          abstract_tree, shardings)
     return int(sum(jax.tree.leaves(sizes)))
@@ -59,8 +59,6 @@ def step_seconds(chip: Chip, *, weights: float, kv: float, rows: int, hidden: in
     """A decode step's estimate on one chip of ``chip``: ``weights`` + ``kv`` bytes read from HBM, plus two
     all-reduces a layer of the group's ``rows`` x ``hidden`` bfloat16 activations (a ring over the group:
     `chips.collective_seconds`)."""
-    from grpo_jax.device.chips import collective_seconds
-
     ici = 0.0 if group == 1 else 2 * layers * collective_seconds(chip, "all-reduce", rows * hidden * 2, group)
     return (weights + kv) / chip.hbm_bandwidth + ici
 
@@ -72,8 +70,6 @@ def choose(setting: int, model, mesh: Mesh, *, chip: Chip | None, rows: int, slo
     None: decode in the training layout. The choice takes, of the group sizes that divide the devices, rows, heads
     (experts) and fit beside the ``state_bytes`` a device keeps of the train state, the one whose decode step
     `step_seconds` estimates fastest on ``chip``."""
-    import jax.numpy as jnp
-
     n, expert = mesh.devices.size, bool(model.num_experts)
     axis = "expert" if expert else "tensor"
     if setting == -1 or n == 1:
@@ -113,6 +109,4 @@ def choose(setting: int, model, mesh: Mesh, *, chip: Chip | None, rows: int, slo
 
 
 def _leaves_named(tree, part: str) -> list:
-    import jax
-
     return [x for path, x in jax.tree_util.tree_leaves_with_path(tree) if part in sharding.path_name(path)]
