@@ -328,9 +328,7 @@ class MeshConfig:
     tensor: int = 1
     expert: int = 1  # mixture-of-experts models: experts split over this many devices (rows too)
     rollout: int = 0  # split placement: the first `rollout` devices sample, the rest train
-    # decoding's layout (`grpo_jax.device.rollout_layout`): 0 chosen from the model and chips, -1 the training
-    # layout, n: tensor (experts: expert) parallel over groups of n neighbouring devices x data parallel over groups
-    rollout_tensor: int = 0
+    rollout_tensor: int = 0  # decoding's group (`grpo_jax.device.rollout_layout`): 0 chosen, -1 the training layout
 
     def __post_init__(self):
         check(isinstance(self.rollout_tensor, int) and self.rollout_tensor >= -1,
