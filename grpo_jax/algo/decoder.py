@@ -86,13 +86,14 @@ def start(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options: Decod
         noise = jax.vmap(lambda r: jax.vmap(lambda t: row_noise(key, row_offset + r, t, V))(jnp.arange(T)))(
             jnp.arange(B))
     page_free = preempted = None
-    if options.page_size:
-        pages = paged.num_pages(options.kv_cache_tokens, N, P, T, options.page_size)
+    if options.page_size:  # a pool and free list per row shard of the slots (`paged.split`)
         _, Kh, _, Dh = prompt_kv.k[0].shape
+        shards = paged.split(N, Kh).shards
+        pages = paged.num_pages(options.kv_cache_tokens, N, P, T, options.page_size, shards)
         cache = paged.init(len(prompt_kv.k), Kh, Dh, prompt_kv.k[0].dtype, pages, options.page_size, N,
-                           paged.pages_per_row(P, T, options.page_size), P + T)
-        page_free = jnp.ones((pages,), bool)
-        if decoder_pages.small_pool(options, N, P):
+                           paged.pages_per_row(P, T, options.page_size), P + T, shards)
+        page_free = jnp.ones((shards, pages), bool)
+        if decoder_pages.small_pool(options, N, P, shards):
             if options.pause_at_eos and N == B:
                 raise ValueError(f"sampling.kv_cache_tokens={options.kv_cache_tokens} is below every slot's whole row "
                                  "while paused rows keep their slots (a slot per row, multi-turn): raise it to 0")
@@ -133,8 +134,7 @@ def _readmit(graphdef, params, d: Decoding, options: DecodeOptions, layers, rope
     if d.preempted is not None:  # a small pool: rows whose tokens so far and pending one fit, beside the live rows'
         prompt_len_K = jnp.sum(d.prompt_mask[row_K], axis=1, dtype=jnp.int32)
         pages_K = jnp.where(valid_K, -(-(prompt_len_K + length_K) // options.page_size), 0)
-        spare = jnp.sum(d.page_free) - jnp.sum(decoder_pages.page_need(d, options.page_size))
-        valid_K &= jnp.cumsum(pages_K) <= spare
+        valid_K &= decoder_pages.fit_in_shards(slots_K, pages_K, decoder_pages.spare_pages(d, options.page_size), N)
     t_T = jnp.arange(T)
     mask_KxS = jnp.concatenate([d.prompt_mask[row_K].astype(d.cache_mask.dtype),
                                 (t_T[None] < length_K[:, None] - 1).astype(d.cache_mask.dtype)], axis=1)
@@ -150,9 +150,9 @@ def _readmit(graphdef, params, d: Decoding, options: DecodeOptions, layers, rope
     into = jnp.where(valid_K, slots_K, N)  # N: dropped
     if options.page_size:
         prompt_len_K = jnp.sum(d.prompt_mask[row_K], axis=1, dtype=jnp.int32)
-        cache, page_free = paged.store(d.cache, d.page_free, into, tuple(cache_K),
-                                       paged.contiguous_positions(prompt_len_K, P, T, length_K - 1),
-                                       prompt_len_K + length_K - 1)
+        cache, page_free = paged.store_slots(d.cache, d.page_free, into, tuple(cache_K),
+                                             paged.contiguous_positions(prompt_len_K, P, T, length_K - 1),
+                                             prompt_len_K + length_K - 1)
         d = d._replace(page_free=page_free)
     else:
         cache = jax.tree.map(lambda c, new: c.at[into].set(new, mode="drop"), d.cache, cache_K)
@@ -259,7 +259,7 @@ def append(graphdef, params, decoding: Decoding, rows_M, tokens_MxA, counts_M, o
         # A spare cache slots: a row near T writes its padded inputs there, not back over its tokens
         prompt_len_M = jnp.sum(d.prompt_mask[row_M], axis=1, dtype=jnp.int32)
         # a paged slot is read back in the contiguous order, run as today, and its row written back
-        held = (KVCache(*paged.view(d.cache, slot_M, paged.contiguous_positions(prompt_len_M, P, T)))
+        held = (KVCache(*paged.view(d.cache, d.page_free, slot_M, paged.contiguous_positions(prompt_len_M, P, T)))
                 if options.page_size else jax.tree.map(lambda c_NxKxSxDh: c_NxKxSxDh[slot_M], d.cache))
         cache_M = jax.tree.map(lambda c_MxKxSxDh: jnp.pad(c_MxKxSxDh, ((0, 0), (0, 0), (0, A), (0, 0))), held)
         mask_MxS = jnp.pad(d.cache_mask[slot_M], ((0, 0), (0, A)))
@@ -274,7 +274,7 @@ def append(graphdef, params, decoding: Decoding, rows_M, tokens_MxA, counts_M, o
         into = jnp.where(resumed_M, slot_M, N)  # N: dropped
         last_M = jnp.take_along_axis(tokens_MxA, jnp.maximum(count_M - 1, 0)[:, None], axis=1)[:, 0]
         if options.page_size:
-            cache, page_free = paged.store(
+            cache, page_free = paged.store_slots(
                 d.cache, d.page_free, into, tuple(tuple(c[:, :, :S] for c in kv) for kv in cache_M),
                 paged.contiguous_positions(prompt_len_M, P, T, t_M + count_M - 1), prompt_len_M + t_M + count_M - 1)
             d = d._replace(page_free=page_free)

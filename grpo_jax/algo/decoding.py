@@ -68,7 +68,7 @@ class Decoding(NamedTuple):
     next_row: jax.Array  # [] the first row still waiting for a slot
     steps: jax.Array  # [] decode steps run (forward passes of the N slots)
     routing: jax.Array | None = None  # [B, P + T, L, K] each token's experts per layer, with ``record_routing``
-    page_free: jax.Array | None = None  # [pages] bool: the paged cache's free list, with ``page_size``
+    page_free: jax.Array | None = None  # [shards, pages] bool: each row shard's free pages, with ``page_size``
     preempted: jax.Array | None = None  # [] rows preempted for pages so far (a pool smaller than every slot's row)
 
 
@@ -106,13 +106,13 @@ def admit(d: Decoding, logits_NxV, group_size: int, options: DecodeOptions):
     """Free slots take the next waiting rows, in slot order: their prompts' keys/values and mask go in, and their
     logits become the prompts' next-token logits."""
     B, P = d.prompt_mask.shape
-    free_N = free_slots(d)
-    new_row_N = d.next_row + jnp.cumsum(free_N) - 1
-    admit_N = free_N & (new_row_N < B) & ~jnp.any(d.ready)  # rows appended to go first: their groups end sooner
-    if d.preempted is not None:  # a small pool: rows wait, in order, until their prompt and first token fit
-        prompt_len_N = jnp.sum(d.prompt_mask[jnp.minimum(new_row_N, B - 1)], axis=1, dtype=jnp.int32)
-        pages_N = jnp.where(admit_N, -(-(prompt_len_N + 1) // options.page_size), 0)
-        admit_N &= jnp.cumsum(pages_N) <= jnp.sum(d.page_free)
+    free_N = takes_N = free_slots(d)
+    if d.preempted is not None:  # a small pool: a slot takes a row when its shard has pages for a whole prompt
+        S, N = d.page_free.shape[0], free_N.shape[0]
+        need_SxN = jnp.cumsum(free_N.reshape(S, -1), axis=1) * -(-(P + 1) // options.page_size)
+        takes_N = free_N & (need_SxN <= jnp.sum(d.page_free, axis=1, keepdims=True)).reshape(N)
+    new_row_N = d.next_row + jnp.cumsum(takes_N) - 1
+    admit_N = takes_N & (new_row_N < B) & ~jnp.any(d.ready)  # rows appended to go first: their groups end sooner
     row_N = jnp.where(admit_N, new_row_N, jnp.where(free_N, B, d.slot_row))
     safe_N = jnp.minimum(row_N, B - 1)
     group_N = safe_N // group_size
@@ -130,8 +130,7 @@ def admit(d: Decoding, logits_NxV, group_size: int, options: DecodeOptions):
     def page_prompts(cache_mask_free):  # the prompt's real tokens into fresh pages, first in the row
         cache, mask_NxS, free = cache_mask_free
         prompt_len_N = jnp.sum(d.prompt_mask[safe_N], axis=1, dtype=jnp.int32)
-        cache, free = paged.store(cache, free, jnp.where(admit_N, jnp.arange(admit_N.shape[0]), admit_N.shape[0]),
-                                  tuple(tuple(p[group_N] for p in kv) for kv in d.prompt_kv),
+        cache, free = paged.store(cache, free, admit_N, tuple(tuple(p[group_N] for p in kv) for kv in d.prompt_kv),
                                   paged.contiguous_positions(prompt_len_N, P, 0), prompt_len_N)
         return cache, admit_mask(mask_NxS), free
 

@@ -183,10 +183,9 @@ def _view(decoding):
 
 def paged_page_size(config, mesh) -> int:
     """The decoder's page size for ``sampling.kv_cache`` on ``mesh`` (0: the contiguous cache). ``auto`` pages on a
-    TPU/GPU mesh of one row shard: the pool is one per mesh, not split by row shards (each would hold it whole)."""
+    TPU/GPU mesh (a pool per row shard, `models.paged.split`), where the decode kernels read the pages."""
     if config.kv_cache == "auto":
-        accelerator = mesh.devices.flat[0].platform != "cpu"
-        return config.kv_page_size if accelerator and sharding.num_row_shards(mesh) == 1 else 0
+        return config.kv_page_size if mesh.devices.flat[0].platform != "cpu" else 0
     return config.kv_page_size if config.kv_cache == "paged" else 0
 
 
@@ -278,7 +277,9 @@ def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingCo
         return cpu.host_chunks(config.host_threads, mesh, num_rows, group_size) if cpu_speedups else 1
 
     in_shardings = (params_sharding, rows, rows, replicated, replicated)
-    start, generate, advance, append = (sharding.traced_in(mesh, f) for f in (start, generate, advance, append))
+    pools = paged_page_size(config, mesh) > 0  # split over the row shards: traced under the mesh
+    start, generate, advance, append = (sharding.traced_in(mesh, f, always=pools)
+                                        for f in (start, generate, advance, append))
     return Decoder(
         layout=layout or (lambda params: params),
         generate=jax.jit(generate, static_argnums=5, in_shardings=in_shardings, out_shardings=(out_rows, None)),

@@ -79,12 +79,13 @@ def num_row_shards(mesh: Mesh) -> int:
     return math.prod(mesh.shape[axis] for axis in ROWS)
 
 
-def traced_in(mesh: Mesh, fn):
+def traced_in(mesh: Mesh, fn, always: bool = False):
     """``fn`` traced under ``mesh`` (as the abstract mesh) when the mesh splits experts, so the mixture-of-experts
     blocks see the ``expert`` axis and split their work over it (`models.moe.Experts`), or is made of TPUs, whose
     splash attention kernel runs in a ``shard_map`` over it (`models.attention.splash`: Mosaic kernels are not
-    partitioned automatically); otherwise ``fn``."""
-    if mesh.shape[EXPERT] == 1 and mesh.devices.flat[0].platform != "tpu":
+    partitioned automatically), or ``always`` (a paged KV cache, whose pools split over the mesh's row shards,
+    `models.paged.split`); otherwise ``fn``."""
+    if not always and mesh.shape[EXPERT] == 1 and mesh.devices.flat[0].platform != "tpu":
         return fn
 
     @functools.wraps(fn)

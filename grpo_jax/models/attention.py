@@ -313,12 +313,11 @@ def attend(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask, *, scale: float, softcap:
 DECODE_KERNELS = ("splash", "splash_interpret", "cudnn")  # backends whose paged decode runs a Pallas kernel
 
 
-def paged_kernel(backend: str) -> bool:
-    """Whether a decode step over a paged cache runs `paged_decode`'s kernel for the resolved ``backend``: not
-    under a mesh of several devices (a Mosaic kernel is not partitioned automatically; the dense path reads the
-    pages back there)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return backend in DECODE_KERNELS and (mesh.empty or mesh.size == 1)
+def paged_kernel(backend: str, head_dim: int) -> bool:
+    """Whether a decode step over a paged cache runs `paged_decode`'s kernel for the resolved ``backend`` (on a
+    mesh in a ``shard_map`` over row shards and key/value heads, `models.paged.attend`): the TPU kernel's blocks
+    take a head dim of whole 128-lane tiles (64 is refused by Mosaic), the dense path reads the pages back else."""
+    return backend in DECODE_KERNELS and (backend != "splash" or head_dim % 128 == 0)
 
 
 PAGES_PER_BLOCK = 8  # pages a paged-attention kernel reads per compute block (fewer when a row has fewer)

@@ -121,7 +121,7 @@ class Attention(nnx.Module):
             cache_kv = tuple(paged.write(pool, pages.pages_NxQ, pages.write_NxA, new)
                              for pool, new in zip(cache_kv[:2], (k_BxKxTxDh, v_BxKxTxDh)))
             if mask_BxTxS is None:  # a decode kernel (`models.transformer`): each row's tokens [0, length)
-                out_BxKxGxTxDh = attention.paged_decode(
+                out_BxKxGxTxDh = paged.attend(
                     q_BxTxHxDh.reshape(B, T, K, H // K, Dh), *cache_kv, pages.pages_NxQ, pages.length_N,
                     scale=self.scale, softcap=self.softcap, backend=attention.resolve(self.backend))
                 return self._out(out_BxKxGxTxDh), cache_kv, (k_BxKxTxDh, v_BxKxTxDh)

@@ -6,23 +6,34 @@ row position j sits in page ``pages_NxQ[n, j // page_size]`` at offset ``j % pag
 are positions [0, length) as the decode kernels take them. The dense path reads a slot back in today's contiguous
 order (left-padded prompt in slots 0 .. P - 1, completion t at slot P + t) through a per-step position map.
 
+On a mesh whose row axes split the slots (`split`), each row shard has a pool and free list of its own: its slots
+take pages from it only, the pool's page axis is split with the slots, and every pass writes and reads its shard's
+pages in a ``shard_map`` (XLA cannot know that a page table points into the same shard, and would move pools).
+
 Dimension letters: N decode slots, Q pages per slot, K key/value heads, Dh head dim, S = P + T slots of the
-contiguous order, A tokens written per slot; "pages" in shapes is the pool's page count. ``NONE`` in a page table is
-the pool's page count: out of range, so writes there are dropped and reads filled with zeros.
+contiguous order, A tokens written per slot; "pages" in shapes is a shard's page count. ``NONE`` in a page table is
+that count: out of range, so writes there are dropped and reads filled with zeros.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from grpo_jax.models import attention
+from grpo_jax.models.attention import HEAD_AXIS, ROW_AXES
 
 
 class PagedKVCache(NamedTuple):
     """Key/value pages, one pool per layer ([K, pages, page_size, Dh], the kernels' layout), and where a pass
     writes and reads: row positions of its new tokens [N, A] and of the contiguous order's slots [N, S] (-1: none),
-    each row's valid tokens after the write [N]."""
+    each row's valid tokens after the write [N]. Over row shards (`split`) the pool's pages are the shards' own in
+    shard order and a page table holds page ids local to its slot's shard."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
@@ -32,22 +43,67 @@ class PagedKVCache(NamedTuple):
     view_NxS: jax.Array
 
 
+class Split(NamedTuple):
+    """How the slots' pages split over the abstract mesh (`jax.sharding.use_abstract_mesh`): ``shards`` row shards
+    over the mesh axes ``rows`` (each holds its slots and a pool of its own pages, so a pass never reads another
+    shard's pages) and key/value heads over ``head``; ``mesh`` None: one shard, nothing split."""
+
+    mesh: Any
+    rows: tuple[str, ...]
+    head: str | None
+    shards: int
+
+    @property
+    def pool(self) -> PartitionSpec:  # [K, pages, page_size, Dh]
+        return PartitionSpec(self.head, self.rows or None, None, None)
+
+    def slots(self, *trailing) -> PartitionSpec:  # [N, ...]
+        return PartitionSpec(self.rows or None, *trailing)
+
+    def map(self, fn, in_specs, out_specs, manual: bool = False):
+        """``fn`` run on each shard's slots and pages (a ``shard_map``), or ``fn`` itself when nothing splits and
+        not ``manual`` (a Mosaic kernel, which XLA does not partition, runs in a ``shard_map`` on any mesh)."""
+        if self.mesh is None or not (self.rows or self.head or manual):
+            return fn
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def split(num_slots: int, kv_heads: int = 0) -> Split:
+    """The abstract mesh's `Split` of ``num_slots`` slots (and ``kv_heads`` key/value heads): rows over the mesh's
+    row axes of size > 1 when they divide the slots, heads over ``tensor`` when it divides them."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return Split(None, (), None, 1)
+    rows = tuple(a for a in ROW_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+    shards = math.prod(mesh.shape[a] for a in rows)
+    if num_slots % shards:
+        rows, shards = (), 1
+    head = HEAD_AXIS if (HEAD_AXIS in mesh.axis_names and mesh.shape[HEAD_AXIS] > 1 and kv_heads
+                         and kv_heads % mesh.shape[HEAD_AXIS] == 0) else None
+    return Split(mesh, rows, head, shards)
+
+
 def pages_per_row(prompt_length: int, completion_length: int, page_size: int) -> int:
     """Q: pages a slot may hold (a whole row, prompt and completion)."""
     return -(-(prompt_length + completion_length) // page_size)
 
 
-def num_pages(kv_cache_tokens: int, num_slots: int, prompt_length: int, completion_length: int, page_size: int):
-    """The pool's pages for ``sampling.kv_cache_tokens`` (0: every slot's whole row, nothing waits; never more).
-    A smaller pool must hold one whole row (the oldest row then always decodes; `decoder` preempts the others)."""
+def num_pages(kv_cache_tokens: int, num_slots: int, prompt_length: int, completion_length: int, page_size: int,
+              shards: int = 1):
+    """A row shard's pages for ``sampling.kv_cache_tokens`` over ``shards`` shards of ``num_slots`` / ``shards``
+    slots each (0: every slot's whole row, nothing waits; never more). A shard's pool must hold one whole row (its
+    oldest row then always decodes; `decoder_pages` preempts the others)."""
     row = pages_per_row(prompt_length, completion_length, page_size)
+    slots = num_slots // shards
     if kv_cache_tokens == 0:
-        return num_slots * row
-    pages = -(-kv_cache_tokens // page_size)
+        return slots * row
+    pages = -(-kv_cache_tokens // (page_size * shards))
     if pages < row:
-        raise ValueError(f"sampling.kv_cache_tokens={kv_cache_tokens} holds {pages} pages of {page_size}, fewer than "
-                         f"one row of {prompt_length} + {completion_length} tokens: raise it to >= {row * page_size}")
-    return min(pages, num_slots * row)
+        where = f" over {shards} row shards ({pages} each)" if shards > 1 else ""
+        raise ValueError(f"sampling.kv_cache_tokens={kv_cache_tokens} holds {-(-kv_cache_tokens // page_size)} pages "
+                         f"of {page_size}{where}, fewer than one row of {prompt_length} + {completion_length} tokens "
+                         f"a shard: raise it to >= {row * page_size * shards}")
+    return min(pages, slots * row)
 
 
 def cache_bytes(*, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, slots: int, prompt_length: int,
@@ -63,9 +119,9 @@ def cache_bytes(*, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, 
 
 
 def init(num_layers: int, kv_heads: int, head_dim: int, dtype, pages: int, page_size: int, num_slots: int,
-         max_pages: int, contiguous_length: int) -> PagedKVCache:
-    """Zero pools, an empty page table and empty maps (nothing written, nothing read)."""
-    pool = lambda: tuple(jnp.zeros((kv_heads, pages, page_size, head_dim), dtype)  # noqa: E731
+         max_pages: int, contiguous_length: int, shards: int = 1) -> PagedKVCache:
+    """Zero pools of ``pages`` pages a shard, an empty page table and empty maps (nothing written, nothing read)."""
+    pool = lambda: tuple(jnp.zeros((kv_heads, shards * pages, page_size, head_dim), dtype)  # noqa: E731
                          for _ in range(num_layers))
     return PagedKVCache(pool(), pool(), jnp.full((num_slots, max_pages), pages, jnp.int32),
                         jnp.zeros((num_slots,), jnp.int32), jnp.full((num_slots, 1), -1, jnp.int32),
@@ -82,16 +138,51 @@ def locate(pages_NxQ, position_NxA, page_size: int, pages: int):
     return page_NxA, jnp.where(valid, position_NxA % page_size, 0)
 
 
-def write(pool, pages_NxQ, position_NxA, new_NxKxAxDh):
-    """``pool`` with the new keys (or values) at their row positions (-1: not written)."""
+def _write(pool, pages_NxQ, position_NxA, new_NxKxAxDh):
     page_NxA, offset_NxA = locate(pages_NxQ, position_NxA, pool.shape[2], pool.shape[1])
     return pool.at[:, page_NxA, offset_NxA].set(new_NxKxAxDh.transpose(1, 0, 2, 3).astype(pool.dtype), mode="drop")
 
 
-def gather(pool, pages_NxQ, position_NxS):
-    """[N, K, S, Dh]: the keys (or values) at row positions ``position_NxS`` (zeros at -1)."""
+def _gather(pool, pages_NxQ, position_NxS):
     page_NxS, offset_NxS = locate(pages_NxQ, position_NxS, pool.shape[2], pool.shape[1])
     return pool.at[:, page_NxS, offset_NxS].get(mode="fill", fill_value=0).transpose(1, 0, 2, 3)
+
+
+def write(pool, pages_NxQ, position_NxA, new_NxKxAxDh):
+    """``pool`` with every slot's new keys (or values) [N, K, A, Dh] at its row positions (-1: not written), each
+    shard writing its own slots into its own pages."""
+    s = split(pages_NxQ.shape[0], pool.shape[0])
+    heads = s.slots(s.head, None, None)
+    return s.map(_write, (s.pool, s.slots(None), s.slots(None), heads), s.pool)(pool, pages_NxQ, position_NxA,
+                                                                                new_NxKxAxDh)
+
+
+def gather(pool, pages_NxQ, position_NxS):
+    """[N, K, S, Dh]: every slot's keys (or values) at row positions ``position_NxS`` (zeros at -1), each shard
+    reading its own pages."""
+    s = split(pages_NxQ.shape[0], pool.shape[0])
+    return s.map(_gather, (s.pool, s.slots(None), s.slots(None)), s.slots(s.head, None, None))(pool, pages_NxQ,
+                                                                                               position_NxS)
+
+
+def attend(q_NxTxKxGxDh, k_pool, v_pool, pages_NxQ, length_N, **kernel):
+    """`attention.paged_decode` (``kernel``: its keyword arguments) for every slot, each shard's kernel over its
+    own slots, pages and key/value heads."""
+    s = split(pages_NxQ.shape[0], k_pool.shape[0])
+    decode = s.map(functools.partial(attention.paged_decode, **kernel),
+                   (s.slots(None, s.head, None, None), s.pool, s.pool, s.slots(None), s.slots()),
+                   s.slots(s.head, None, None, None), manual=True)
+    return decode(q_NxTxKxGxDh, k_pool, v_pool, pages_NxQ, length_N)
+
+
+def _global_rows(pages_NxQ, slots_M, shards: int, pages: int):
+    """[M, Q] the page tables of slots ``slots_M`` (N: none) as ids into the whole pool (shard-local ids offset by
+    their shard's first page), the whole pool's page count where a page is not taken."""
+    N = pages_NxQ.shape[0]
+    safe_M = jnp.minimum(slots_M, N - 1)
+    rows_MxQ = pages_NxQ[safe_M]
+    first_M = (safe_M // (N // shards)) * pages
+    return jnp.where((rows_MxQ < pages) & (slots_M < N)[:, None], rows_MxQ + first_M[:, None], shards * pages)
 
 
 def contiguous_positions(prompt_len_N, prompt_width: int, completion_slots: int, completion_length_N=None):
@@ -108,46 +199,81 @@ def contiguous_positions(prompt_len_N, prompt_width: int, completion_slots: int,
     return jnp.where(valid_NxS, position_NxS, -1)
 
 
-def release(pages_NxQ, free_pages, slots_N):
-    """(page table, free list) with the pages of slots ``slots_N`` (bool [N]) given back."""
-    pages = free_pages.shape[0]
-    taken_NxQ = jnp.where(slots_N[:, None], pages_NxQ, pages)
-    return jnp.where(slots_N[:, None], pages, pages_NxQ), free_pages.at[taken_NxQ].set(True, mode="drop")
+def by_shard(fn, pages_NxQ, free_SxP, *slot_args):
+    """``fn(pages [n, Q], free [p], *slot args [n, ...]) -> (pages, free)`` run for each row shard's slots and free
+    list (vmapped): (page table [N, Q], free lists [shards, p])."""
+    S = free_SxP.shape[0]
+    shard = lambda x: x.reshape(S, x.shape[0] // S, *x.shape[1:])  # noqa: E731
+    pages_SxnxQ, free_SxP = jax.vmap(fn)(shard(pages_NxQ), free_SxP, *map(shard, slot_args))
+    return pages_SxnxQ.reshape(pages_NxQ.shape), free_SxP
 
 
-def grow(pages_NxQ, free_pages, upto_N, page_size: int):
-    """(page table, free list) with slot n's pages covering row positions [0, upto_N[n]): each missing page taken
-    from the free list, in slot order (none left: the page stays missing, its writes dropped; `num_pages` sizes
-    the pool so that this cannot happen)."""
-    N, Q = pages_NxQ.shape
-    pages = free_pages.shape[0]
-    need_NxQ = (jnp.arange(Q)[None] < -(-upto_N[:, None] // page_size)) & (pages_NxQ == pages)
-    rank_NxQ = jnp.cumsum(need_NxQ.reshape(-1)).reshape(N, Q) - 1
-    free_ids = jnp.nonzero(free_pages, size=min(N * Q, pages), fill_value=pages)[0]
-    take_NxQ = jnp.where(need_NxQ, free_ids[jnp.minimum(rank_NxQ, free_ids.shape[0] - 1)], pages)
-    take_NxQ = jnp.where(rank_NxQ < free_ids.shape[0], take_NxQ, pages)
-    return jnp.where(need_NxQ, take_NxQ, pages_NxQ), free_pages.at[take_NxQ].set(False, mode="drop")
+def _release(pages_nxQ, free_p, slots_n):
+    pages = free_p.shape[0]
+    taken_nxQ = jnp.where(slots_n[:, None], pages_nxQ, pages)
+    return jnp.where(slots_n[:, None], pages, pages_nxQ), free_p.at[taken_nxQ].set(True, mode="drop")
 
 
-def store(cache: PagedKVCache, free_pages, slots_M, contiguous: tuple, position_MxS, upto_M):
-    """(cache, free list) with slots ``slots_M`` (N: none) given fresh pages covering [0, upto_M) and the
-    contiguous keys/values ``contiguous`` ((k, v) L-tuples of [M, K, S, Dh]) written at ``position_MxS``."""
+def _grow(page_size: int):
+    def grow(pages_nxQ, free_p, upto_n):
+        n, Q = pages_nxQ.shape
+        pages = free_p.shape[0]
+        need_nxQ = (jnp.arange(Q)[None] < -(-upto_n[:, None] // page_size)) & (pages_nxQ == pages)
+        rank_nxQ = jnp.cumsum(need_nxQ.reshape(-1)).reshape(n, Q) - 1
+        free_ids = jnp.nonzero(free_p, size=min(n * Q, pages), fill_value=pages)[0]
+        take_nxQ = jnp.where(need_nxQ, free_ids[jnp.minimum(rank_nxQ, free_ids.shape[0] - 1)], pages)
+        take_nxQ = jnp.where(rank_nxQ < free_ids.shape[0], take_nxQ, pages)
+        return jnp.where(need_nxQ, take_nxQ, pages_nxQ), free_p.at[take_nxQ].set(False, mode="drop")
+    return grow
+
+
+def release(pages_NxQ, free_SxP, slots_N):
+    """(page table, free lists [shards, pages]) with the pages of slots ``slots_N`` (bool [N]) given back."""
+    return by_shard(_release, pages_NxQ, free_SxP, slots_N)
+
+
+def grow(pages_NxQ, free_SxP, upto_N, page_size: int):
+    """(page table, free lists) with slot n's pages covering row positions [0, upto_N[n]): each missing page taken
+    from its shard's free list, in slot order (none left: the page stays missing, its writes dropped; `num_pages`
+    sizes the pool so that this cannot happen)."""
+    return by_shard(_grow(page_size), pages_NxQ, free_SxP, upto_N)
+
+
+def _fresh(cache: PagedKVCache, free_SxP, held_N, upto_N):
+    """(page table, free lists) with slots ``held_N`` given fresh pages covering [0, upto_N)."""
+    pages_NxQ, free_SxP = release(cache.pages_NxQ, free_SxP, held_N)
+    return grow(pages_NxQ, free_SxP, jnp.where(held_N, upto_N, 0), cache.k[0].shape[2])
+
+
+def store(cache: PagedKVCache, free_SxP, held_N, contiguous: tuple, position_NxS, upto_N):
+    """(cache, free lists) with the slots ``held_N`` (bool [N]) given fresh pages covering [0, upto_N) and their
+    contiguous keys/values ``contiguous`` ((k, v) L-tuples of [N, K, S, Dh], slot by slot) written at
+    ``position_NxS``: each shard writes its own slots."""
+    pages_NxQ, free_SxP = _fresh(cache, free_SxP, held_N, upto_N)
+    position_NxS = jnp.where(held_N[:, None], position_NxS, -1)
+    k, v = (tuple(write(pool, pages_NxQ, position_NxS, new) for pool, new in zip(pools, news))
+            for pools, news in zip((cache.k, cache.v), contiguous))
+    return cache._replace(k=k, v=v, pages_NxQ=pages_NxQ), free_SxP
+
+
+def store_slots(cache: PagedKVCache, free_SxP, slots_M, contiguous: tuple, position_MxS, upto_M):
+    """`store` for a few slots ``slots_M`` (N: none) with ``contiguous`` keys/values [M, K, S, Dh]: written through
+    whole-pool page ids (rows re-admitted after appended tokens; XLA moves the M rows to their shards)."""
     N = cache.pages_NxQ.shape[0]
     held_N = jnp.zeros((N,), bool).at[slots_M].set(True, mode="drop")
-    pages_NxQ, free_pages = release(cache.pages_NxQ, free_pages, held_N)
     upto_N = jnp.zeros((N,), jnp.int32).at[slots_M].set(upto_M, mode="drop")
-    pages_NxQ, free_pages = grow(pages_NxQ, free_pages, upto_N, cache.k[0].shape[2])
-    rows_MxQ = pages_NxQ[jnp.minimum(slots_M, N - 1)]
+    pages_NxQ, free_SxP = _fresh(cache, free_SxP, held_N, upto_N)
+    rows_MxQ = _global_rows(pages_NxQ, slots_M, *free_SxP.shape)
     position_MxS = jnp.where((slots_M < N)[:, None], position_MxS, -1)
-    k, v = (tuple(write(pool, rows_MxQ, position_MxS, new) for pool, new in zip(pools, news))
+    k, v = (tuple(_write(pool, rows_MxQ, position_MxS, new) for pool, new in zip(pools, news))
             for pools, news in zip((cache.k, cache.v), contiguous))
-    return cache._replace(k=k, v=v, pages_NxQ=pages_NxQ), free_pages
+    return cache._replace(k=k, v=v, pages_NxQ=pages_NxQ), free_SxP
 
 
-def view(cache: PagedKVCache, slots_M, position_MxS):
+def view(cache: PagedKVCache, free_SxP, slots_M, position_MxS):
     """(k, v) L-tuples [M, K, S, Dh]: slots ``slots_M`` read back in the contiguous order."""
-    rows_MxQ = cache.pages_NxQ[slots_M]
-    return tuple(tuple(gather(pool, rows_MxQ, position_MxS) for pool in pools) for pools in (cache.k, cache.v))
+    rows_MxQ = _global_rows(cache.pages_NxQ, slots_M, *free_SxP.shape)
+    return tuple(tuple(_gather(pool, rows_MxQ, position_MxS) for pool in pools) for pools in (cache.k, cache.v))
 
 
 class LayerPages(NamedTuple):

@@ -120,7 +120,7 @@ class Transformer(nnx.Module):
                 masks = [attention_mask(attention_mask_BxS, query_slot_T, kind_window(config, k), positions_BxT)
                          for k in kinds]
             if isinstance(cache, paged.PagedKVCache) and T == 1 and attention.paged_kernel(
-                    attention.resolve(config.attention)):  # a token per row over its pages: a kernel reads them
+                    attention.resolve(config.attention), config.resolved_head_dim):  # a token per row over its pages: a kernel reads them
                 masks = [None if kind_window(config, k) is None else m for k, m in zip(kinds, masks)]
         # one mask and one RoPE table per attention kind, built once; each layer takes its kind's
         rope = rotary_tables(config, S) if rope is None else rope

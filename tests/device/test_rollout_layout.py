@@ -159,51 +159,88 @@ needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
 
 
 @needs_libtpu
+def _pod_decode(model: ModelConfig, tensor: int, B: int, P: int, T: int, **sampling):
+    """A v5p:4x4x4 decoding call of ``B`` rows compiled from this CPU, decoding in the training layout (fsdp 64,
+    ``tensor`` 0) or in tensor ``tensor`` x data 64 / ``tensor``: (compiled ``advance``, its decoding state)."""
+    from grpo_jax.algo.state import model_graphdef
+    from grpo_jax.api import plan
+
+    mesh = sharding.make_mesh(1, -1, 1, devices=plan.topology_devices("v5p:4x4x4"))
+    shapes = jax.eval_shape(lambda: init_model(model, 0)[1])
+    shardings = sharding.param_shardings(mesh, shapes)
+    placement = None
+    if tensor:
+        placement = programs.rollout_placement(mesh, rollout_layout.Layout(tensor, "tensor", "test"), shapes)
+    dec = programs.jit_decoder(model_graphdef(model), mesh, model,
+                               config=SamplingConfig(max_completion_length=T, **sampling), eos_token_ids=(0,),
+                               pad_token_id=0, params_sharding=shardings, prompt_group_size=4, rollout=placement)
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+    decode_mesh = mesh
+    if placement is not None:
+        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=s),
+                              shapes, placement.params_sharding)
+        decode_mesh = placement.mesh
+    rows, rep = sharding.row_sharded(decode_mesh), sharding.replicated(decode_mesh)
+    options = dec.options(B, B, False)
+    args = (params, jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=rows),
+            jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=rows),
+            jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep), jax.ShapeDtypeStruct((), jnp.int32, sharding=rep))
+    prefill = dec.start.lower(*args, options).compile()
+    decoding = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            jax.eval_shape(lambda *a: dec.start(*a, options), *args), prefill.output_shardings)
+    return dec.advance.lower(params, decoding, options, False).compile(), decoding
+
+
 def test_a_v5p_pod_decodes_inside_its_tensor_groups():
     """A small Llama's decode loop compiled for v5p:4x4x4 (64 chips) from this CPU, 256 rows. In the training layout
     (fsdp 64) every step all-reduces over all 64 chips, the [256, vocab] logits among them. In the rollout layout
     (tensor 8 x data 8) no collective of the loop spans more than a group of 8, and each moves at most the group's
     rows' activations: the next token is drawn from the group's vocabulary shards (their arg-maxes gathered), never
-    from logits crossing the pod."""
-    from grpo_jax.algo.state import model_graphdef
-    from grpo_jax.api import plan
-
+    from logits crossing the pod. (A paged cache, ``kv_cache`` auto on TPUs; head dim 64: read back densely.)"""
     V, D, B, P, T = 4096, 512, 256, 64, 64
     model = ModelConfig(vocab_size=V, hidden_size=D, intermediate_size=1024, num_hidden_layers=2,
                         num_attention_heads=8, num_key_value_heads=8, head_dim=64, dtype="bfloat16")
-    devices = plan.topology_devices("v5p:4x4x4")
-    mesh = sharding.make_mesh(1, -1, 1, devices=devices)
-    shapes = jax.eval_shape(lambda: init_model(model, 0)[1])
-    graphdef = model_graphdef(model)
 
-    def per_step(placement):
-        shardings = sharding.param_shardings(mesh, shapes)
-        dec = programs.jit_decoder(graphdef, mesh, model, config=SamplingConfig(max_completion_length=T),
-                                   eos_token_ids=(0,), pad_token_id=0, params_sharding=shardings,
-                                   prompt_group_size=4, rollout=placement)
-        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
-        decode_mesh = mesh
-        if placement is not None:
-            params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=s),
-                                  shapes, placement.params_sharding)
-            decode_mesh = placement.mesh
-        rows, rep = sharding.row_sharded(decode_mesh), sharding.replicated(decode_mesh)
-        options = dec.options(B, B, False)
-        args = (params, jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=rows),
-                jax.ShapeDtypeStruct((B, P), jnp.int32, sharding=rows),
-                jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep), jax.ShapeDtypeStruct((), jnp.int32, sharding=rep))
-        prefill = dec.start.lower(*args, options).compile()
-        decoding = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                jax.eval_shape(lambda *a: dec.start(*a, options), *args), prefill.output_shardings)
-        text = dec.advance.lower(params, decoding, options, False).compile().as_text()
+    def per_step(tensor):
+        text = _pod_decode(model, tensor, B, P, T)[0].as_text()
         return [c for c in collectives.collectives(text, 64) if c.per_step]
 
     logits = B * V * 2
-    training = per_step(None)
+    training = per_step(0)
     assert max(c.group for c in training) == 64 and max(c.bytes for c in training) >= logits
-    placement = programs.rollout_placement(mesh, rollout_layout.Layout(8, "tensor", "test"), shapes)
-    rollout = per_step(placement)
+    rollout = per_step(8)
     group_rows = B // 8
     assert rollout and max(c.group for c in rollout) <= 8
     assert max(c.bytes for c in rollout) <= group_rows * D * 2  # one group's rows' activations, bf16
     assert sum(c.bytes for c in rollout) < logits / 10
+
+
+def test_a_v5p_pods_kv_pages_follow_the_pool_not_rows_times_length():
+    """Paged decoding on v5p:4x4x4 in tensor 8 x data 8, compiled from this CPU (head dim 128: the TPU paged-attention
+    kernel reads the pages, in a ``shard_map``): each chip holds its row shard's pool over its key/value head, so a
+    chip's decode state grows by 2 x layers x (tokens / 8 shards) x (K / 8) x Dh x 2 bytes (and the free lists'
+    booleans) when the pool
+    (``sampling.kv_cache_tokens``, sized to the rows' live tokens) grows, and saves against the contiguous cache
+    about its whole rows' slots less the live tokens (hand count; other state differs by ~1 MiB); the decode loop's collectives stay inside the groups of 8 (no page crosses
+    the pod)."""
+    L, K, Dh, B, P, T = 2, 8, 128, 256, 128, 1024
+    model = ModelConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_hidden_layers=L,
+                        num_attention_heads=16, num_key_value_heads=K, head_dim=Dh, dtype="bfloat16")
+    live = B * (P + T // 4)  # rows at a quarter of their completions on average
+    small, state = _pod_decode(model, 8, B, P, T, kv_cache_tokens=live)
+    large, _ = _pod_decode(model, 8, B, P, T, kv_cache_tokens=2 * live)
+    contiguous, _ = _pod_decode(model, 8, B, P, T, kv_cache="contiguous")
+    assert "tpu_custom_call" in small.as_text()
+    assert state.page_free.shape[0] == 8  # a pool per data-parallel row shard
+    grown = large.memory_analysis().argument_size_in_bytes - small.memory_analysis().argument_size_in_bytes
+    page = 16  # sampling.kv_page_size's default
+    per_chip_pages = live // page // 8  # each shard's added pages (the pool doubles)
+    kv = 2 * L * per_chip_pages * page * (K // 8) * Dh * 2
+    assert kv <= grown <= kv + 8 * per_chip_pages  # beside the free lists' booleans (8 shards)
+    per_token = 2 * L * (K // 8) * Dh * 2  # a chip's bytes a cached token (its key/value head)
+    saved = contiguous.memory_analysis().argument_size_in_bytes - small.memory_analysis().argument_size_in_bytes
+    assert saved >= 0.9 * (B // 8 * (P + T) - live // 8) * per_token  # whole rows' slots less the live tokens'
+    loop = [c for c in collectives.collectives(small.as_text(), 64) if c.per_step]
+    assert loop and max(c.group for c in loop) <= 8
+    print(f"v5p:4x4x4 decode state a chip: paged {small.memory_analysis().argument_size_in_bytes / 2**20:.1f} MiB, "
+          f"contiguous {contiguous.memory_analysis().argument_size_in_bytes / 2**20:.1f} MiB")
