@@ -47,8 +47,8 @@ from grpo_jax.algo.trajectory import Trajectory
 from grpo_jax.models import paged
 from grpo_jax.models.layers import KVCache
 from grpo_jax.models.moe import routing_dtype
-from grpo_jax.models.transformer import (compute_dtype_params, forward, init_cache, layer_params, model_config,
-                                         positions_from_mask, rotary_tables, unembed)
+from grpo_jax.models.transformer import (compute_dtype_params, forward, init_cache, layer_params, layer_windows,
+                                         model_config, positions_from_mask, rotary_tables, unembed)
 
 
 def prefill(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, group_size: int, return_routing: bool = False):
@@ -90,8 +90,8 @@ def start(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options: Decod
         _, Kh, _, Dh = prompt_kv.k[0].shape
         shards = paged.split(N, Kh).shards
         pages = paged.num_pages(options.kv_cache_tokens, N, P, T, options.page_size, shards)
-        cache = paged.init(len(prompt_kv.k), Kh, Dh, prompt_kv.k[0].dtype, pages, options.page_size, N,
-                           paged.pages_per_row(P, T, options.page_size), P + T, shards)
+        cache = paged.init(layer_windows(model_config(graphdef, params)), Kh, Dh, prompt_kv.k[0].dtype, pages,
+                           options.page_size, N, paged.pages_per_row(P, T, options.page_size), P + T, shards)
         page_free = jnp.ones((shards, pages), bool)
         if decoder_pages.small_pool(options, N, P, shards):
             if options.pause_at_eos and N == B:
@@ -152,7 +152,7 @@ def _readmit(graphdef, params, d: Decoding, options: DecodeOptions, layers, rope
         prompt_len_K = jnp.sum(d.prompt_mask[row_K], axis=1, dtype=jnp.int32)
         cache, page_free = paged.store_slots(d.cache, d.page_free, into, tuple(cache_K),
                                              paged.contiguous_positions(prompt_len_K, P, T, length_K - 1),
-                                             prompt_len_K + length_K - 1)
+                                             prompt_len_K + length_K - 1, options.page_size)
         d = d._replace(page_free=page_free)
     else:
         cache = jax.tree.map(lambda c, new: c.at[into].set(new, mode="drop"), d.cache, cache_K)
@@ -276,7 +276,8 @@ def append(graphdef, params, decoding: Decoding, rows_M, tokens_MxA, counts_M, o
         if options.page_size:
             cache, page_free = paged.store_slots(
                 d.cache, d.page_free, into, tuple(tuple(c[:, :, :S] for c in kv) for kv in cache_M),
-                paged.contiguous_positions(prompt_len_M, P, T, t_M + count_M - 1), prompt_len_M + t_M + count_M - 1)
+                paged.contiguous_positions(prompt_len_M, P, T, t_M + count_M - 1), prompt_len_M + t_M + count_M - 1,
+                options.page_size)
             d = d._replace(page_free=page_free)
         else:
             cache = jax.tree.map(lambda c, new: c.at[into].set(new[:, :, :S], mode="drop"), d.cache, cache_M)

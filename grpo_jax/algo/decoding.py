@@ -131,7 +131,7 @@ def admit(d: Decoding, logits_NxV, group_size: int, options: DecodeOptions):
         cache, mask_NxS, free = cache_mask_free
         prompt_len_N = jnp.sum(d.prompt_mask[safe_N], axis=1, dtype=jnp.int32)
         cache, free = paged.store(cache, free, admit_N, tuple(tuple(p[group_N] for p in kv) for kv in d.prompt_kv),
-                                  paged.contiguous_positions(prompt_len_N, P, 0), prompt_len_N)
+                                  paged.contiguous_positions(prompt_len_N, P, 0), prompt_len_N, options.page_size)
         return cache, admit_mask(mask_NxS), free
 
     if options.page_size:

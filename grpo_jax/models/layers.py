@@ -116,6 +116,13 @@ class Attention(nnx.Module):
                 k_BxKxSxDh, v_BxKxSxDh = (
                     jnp.concatenate([jnp.repeat(p.astype(new.dtype), prefix_group_size, axis=0), new], axis=2)
                     for p, new in zip(prefix_kv, (k_BxKxTxDh, v_BxKxTxDh)))
+        elif isinstance(cache_kv, paged.LayerPages) and isinstance(cache_kv.k, paged.Ring):  # a window's ring
+            pages = cache_kv.cache
+            cache_kv = tuple(paged.ring_write(ring, pages.write_NxA, new)
+                             for ring, new in zip(cache_kv[:2], (k_BxTxKxDh.transpose(0, 2, 1, 3),
+                                                                 v_BxTxKxDh.transpose(0, 2, 1, 3))))
+            k_BxKxSxDh, v_BxKxSxDh = (ring.buf for ring in cache_kv)
+            mask_BxTxS = paged.ring_mask(pages.write_NxA, cache_kv[0])  # its entries' positions, not slots
         elif isinstance(cache_kv, paged.LayerPages):  # a paged cache: write into pages, read them back
             pages = cache_kv.cache
             cache_kv = tuple(paged.write(pool, pages.pages_NxQ, pages.write_NxA, new)

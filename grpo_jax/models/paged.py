@@ -43,6 +43,14 @@ class PagedKVCache(NamedTuple):
     view_NxS: jax.Array
 
 
+class Ring(NamedTuple):
+    """A sliding-window layer's keys (or values) in place of a pool: [N, K, W, Dh], each slot's last W row positions,
+    position j at ``j % W`` (W = the window, or the row's whole length when shorter). A query at position q sees
+    q - W + 1 .. q, all of them there: a window layer's memory and reads follow its window, not the row."""
+
+    buf: jax.Array
+
+
 class Split(NamedTuple):
     """How the slots' pages split over the abstract mesh (`jax.sharding.use_abstract_mesh`): ``shards`` row shards
     over the mesh axes ``rows`` (each holds its slots and a pool of its own pages, so a pass never reads another
@@ -118,11 +126,16 @@ def cache_bytes(*, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, 
     return prompts + pages * page_size * per_token
 
 
-def init(num_layers: int, kv_heads: int, head_dim: int, dtype, pages: int, page_size: int, num_slots: int,
+def init(windows: tuple, kv_heads: int, head_dim: int, dtype, pages: int, page_size: int, num_slots: int,
          max_pages: int, contiguous_length: int, shards: int = 1) -> PagedKVCache:
-    """Zero pools of ``pages`` pages a shard, an empty page table and empty maps (nothing written, nothing read)."""
-    pool = lambda: tuple(jnp.zeros((kv_heads, shards * pages, page_size, head_dim), dtype)  # noqa: E731
-                         for _ in range(num_layers))
+    """Zero pools of ``pages`` pages a shard, one per layer whose ``windows`` entry is None, a zero `Ring` per
+    sliding-window layer, an empty page table and empty maps (nothing written, nothing read)."""
+    def layer(window):
+        if window is None:
+            return jnp.zeros((kv_heads, shards * pages, page_size, head_dim), dtype)
+        return Ring(jnp.zeros((num_slots, kv_heads, min(window, contiguous_length), head_dim), dtype))
+
+    pool = lambda: tuple(layer(w) for w in windows)  # noqa: E731
     return PagedKVCache(pool(), pool(), jnp.full((num_slots, max_pages), pages, jnp.int32),
                         jnp.zeros((num_slots,), jnp.int32), jnp.full((num_slots, 1), -1, jnp.int32),
                         jnp.full((num_slots, contiguous_length), -1, jnp.int32))
@@ -163,6 +176,40 @@ def gather(pool, pages_NxQ, position_NxS):
     s = split(pages_NxQ.shape[0], pool.shape[0])
     return s.map(_gather, (s.pool, s.slots(None), s.slots(None)), s.slots(s.head, None, None))(pool, pages_NxQ,
                                                                                                position_NxS)
+
+
+def _ring_write(buf_NxKxWxDh, position_NxA, new_NxKxAxDh):
+    W = buf_NxKxWxDh.shape[2]
+    slot_NxA = jnp.where(position_NxA >= 0, position_NxA % W, W)  # W: dropped
+    put = lambda b, s, n: b.at[:, s].set(n.astype(b.dtype), mode="drop")  # noqa: E731
+    return jax.vmap(put)(buf_NxKxWxDh, slot_NxA, new_NxKxAxDh)
+
+
+def _ring_gather(buf_NxKxWxDh, position_NxS):
+    W = buf_NxKxWxDh.shape[2]
+    take = lambda b, p: jnp.where((p >= 0)[None, :, None], b[:, jnp.maximum(p, 0) % W], 0)  # noqa: E731
+    return jax.vmap(take)(buf_NxKxWxDh, position_NxS)
+
+
+def ring_write(ring: Ring, position_NxA, new_NxKxAxDh) -> Ring:
+    """``ring`` with every slot's new keys (or values) at its row positions (-1: not written; at most W of a slot's
+    positions, else the later would land on the earlier), each shard writing its own slots."""
+    s = split(ring.buf.shape[0], ring.buf.shape[1])
+    heads = s.slots(s.head, None, None)
+    return Ring(s.map(_ring_write, (heads, s.slots(None), heads), heads)(ring.buf, position_NxA, new_NxKxAxDh))
+
+
+def ring_mask(position_NxT, ring: Ring):
+    """[N, T, W] bool: which of a slot's ring entries its queries at row positions ``position_NxT`` (written there
+    already) see: the entry r holds position q - ((q - r) mod W), seen when it is a position of the row (>= 0)."""
+    W = ring.buf.shape[2]
+    held_NxTxW = position_NxT[..., None] - (position_NxT[..., None] - jnp.arange(W)) % W
+    return (held_NxTxW >= 0) & (position_NxT[..., None] >= 0)
+
+
+def _window_positions(position_NxS, upto_N, W: int):
+    """The positions of a whole row's write that a ring of W keeps: those from upto - W on (else -1)."""
+    return jnp.where(position_NxS >= upto_N[:, None] - W, position_NxS, -1)
 
 
 def attend(q_NxTxKxGxDh, k_pool, v_pool, pages_NxQ, length_N, **kernel):
@@ -239,45 +286,65 @@ def grow(pages_NxQ, free_SxP, upto_N, page_size: int):
     return by_shard(_grow(page_size), pages_NxQ, free_SxP, upto_N)
 
 
-def _fresh(cache: PagedKVCache, free_SxP, held_N, upto_N):
+def _fresh(cache: PagedKVCache, free_SxP, held_N, upto_N, page_size: int):
     """(page table, free lists) with slots ``held_N`` given fresh pages covering [0, upto_N)."""
     pages_NxQ, free_SxP = release(cache.pages_NxQ, free_SxP, held_N)
-    return grow(pages_NxQ, free_SxP, jnp.where(held_N, upto_N, 0), cache.k[0].shape[2])
+    return grow(pages_NxQ, free_SxP, jnp.where(held_N, upto_N, 0), page_size)
 
 
-def store(cache: PagedKVCache, free_SxP, held_N, contiguous: tuple, position_NxS, upto_N):
+def store(cache: PagedKVCache, free_SxP, held_N, contiguous: tuple, position_NxS, upto_N, page_size: int):
     """(cache, free lists) with the slots ``held_N`` (bool [N]) given fresh pages covering [0, upto_N) and their
     contiguous keys/values ``contiguous`` ((k, v) L-tuples of [N, K, S, Dh], slot by slot) written at
-    ``position_NxS``: each shard writes its own slots."""
-    pages_NxQ, free_SxP = _fresh(cache, free_SxP, held_N, upto_N)
+    ``position_NxS`` (a `Ring` keeps the last W of them): each shard writes its own slots."""
+    pages_NxQ, free_SxP = _fresh(cache, free_SxP, held_N, upto_N, page_size)
     position_NxS = jnp.where(held_N[:, None], position_NxS, -1)
-    k, v = (tuple(write(pool, pages_NxQ, position_NxS, new) for pool, new in zip(pools, news))
-            for pools, news in zip((cache.k, cache.v), contiguous))
+
+    def put(pool, new):
+        if isinstance(pool, Ring):
+            return ring_write(pool, _window_positions(position_NxS, upto_N, pool.buf.shape[2]), new)
+        return write(pool, pages_NxQ, position_NxS, new)
+
+    k, v = (tuple(map(put, pools, news)) for pools, news in zip((cache.k, cache.v), contiguous))
     return cache._replace(k=k, v=v, pages_NxQ=pages_NxQ), free_SxP
 
 
-def store_slots(cache: PagedKVCache, free_SxP, slots_M, contiguous: tuple, position_MxS, upto_M):
+def store_slots(cache: PagedKVCache, free_SxP, slots_M, contiguous: tuple, position_MxS, upto_M, page_size: int):
     """`store` for a few slots ``slots_M`` (N: none) with ``contiguous`` keys/values [M, K, S, Dh]: written through
     whole-pool page ids (rows re-admitted after appended tokens; XLA moves the M rows to their shards)."""
     N = cache.pages_NxQ.shape[0]
     held_N = jnp.zeros((N,), bool).at[slots_M].set(True, mode="drop")
     upto_N = jnp.zeros((N,), jnp.int32).at[slots_M].set(upto_M, mode="drop")
-    pages_NxQ, free_SxP = _fresh(cache, free_SxP, held_N, upto_N)
+    pages_NxQ, free_SxP = _fresh(cache, free_SxP, held_N, upto_N, page_size)
     rows_MxQ = _global_rows(pages_NxQ, slots_M, *free_SxP.shape)
     position_MxS = jnp.where((slots_M < N)[:, None], position_MxS, -1)
-    k, v = (tuple(_write(pool, rows_MxQ, position_MxS, new) for pool, new in zip(pools, news))
-            for pools, news in zip((cache.k, cache.v), contiguous))
+
+    def put(pool, new):
+        if isinstance(pool, Ring):  # the M slots' rings, written and put back (slot N: dropped)
+            rows = _ring_write(pool.buf[jnp.minimum(slots_M, N - 1)],
+                               _window_positions(position_MxS, upto_M, pool.buf.shape[2]), new)
+            return Ring(pool.buf.at[slots_M].set(rows, mode="drop"))
+        return _write(pool, rows_MxQ, position_MxS, new)
+
+    k, v = (tuple(map(put, pools, news)) for pools, news in zip((cache.k, cache.v), contiguous))
     return cache._replace(k=k, v=v, pages_NxQ=pages_NxQ), free_SxP
 
 
 def view(cache: PagedKVCache, free_SxP, slots_M, position_MxS):
-    """(k, v) L-tuples [M, K, S, Dh]: slots ``slots_M`` read back in the contiguous order."""
+    """(k, v) L-tuples [M, K, S, Dh]: slots ``slots_M`` read back in the contiguous order (a `Ring`'s positions
+    before its window hold later keys there: a window mask never shows them)."""
     rows_MxQ = _global_rows(cache.pages_NxQ, slots_M, *free_SxP.shape)
-    return tuple(tuple(_gather(pool, rows_MxQ, position_MxS) for pool in pools) for pools in (cache.k, cache.v))
+
+    def get(pool):
+        if isinstance(pool, Ring):
+            return _ring_gather(pool.buf[jnp.minimum(slots_M, cache.pages_NxQ.shape[0] - 1)], position_MxS)
+        return _gather(pool, rows_MxQ, position_MxS)
+
+    return tuple(tuple(map(get, pools)) for pools in (cache.k, cache.v))
 
 
 class LayerPages(NamedTuple):
-    """One layer's pools and the pass's maps (`PagedKVCache`), as `models.layers.Attention` takes its cache."""
+    """One layer's pools (or `Ring` s) and the pass's maps (`PagedKVCache`), as `models.layers.Attention` takes its
+    cache."""
 
     k: jax.Array
     v: jax.Array

@@ -234,6 +234,13 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int) -> KVCache
     return KVCache(buffers(), buffers())
 
 
+def layer_windows(config: ModelConfig) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention); a paged cache keeps a window layer's keys in a
+    `paged.Ring`."""
+    kinds, kind_of_layer = layer_kinds(config)
+    return tuple(kind_window(config, kinds[i]) for i in kind_of_layer)
+
+
 def rotary_tables(config: ModelConfig, num_positions: int) -> dict:
     """Per attention kind, RoPE cos, sin [num_positions, Dh/2] of positions 0 .. num_positions - 1
     (`positional.rope_tables`): a forward gathers its positions' rows. Pass them as ``forward(..., rope=)`` to a

@@ -194,9 +194,11 @@ def test_the_runs_decoding_programs_take_the_cache_from_config(tiny_model):
          query_pre_attn_scalar=20),
     dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
          routing_replay=True)], ids=["gemma2", "qwen3_moe"])
-def test_windowed_soft_capped_and_routed_families_page_bit_for_bit(tiny_model_config, family):
-    """Gemma 2 (sliding windows over the read-back slots, soft caps) and a mixture of experts recording its routing:
-    paged decoding with fewer slots than rows gives the contiguous cache's tokens, log-probs and experts."""
+def test_windowed_soft_capped_and_routed_families_page_like_the_contiguous_cache(tiny_model_config, family):
+    """Gemma 2 (soft caps; its sliding layers keep a `paged.Ring` of their window of 4, not the rows' 16 slots) and a
+    mixture of experts recording its routing: paged decoding with fewer slots than rows gives the contiguous
+    cache's tokens, lengths and experts; log-probs bit for bit without windows, within float rounding with them
+    (the window's softmax runs over its 4 entries, not 16 masked slots)."""
     from grpo_jax.models import init_model
     config = dataclasses.replace(tiny_model_config, **family)
     graphdef, params = init_model(config, seed=0)
@@ -205,7 +207,14 @@ def test_windowed_soft_capped_and_routed_families_page_bit_for_bit(tiny_model_co
                                num_slots=2)
     want = _generate(model, base)
     got = _generate(model, dataclasses.replace(base, page_size=4))
-    _assert_same(got, want)
+    if config.sliding_window:
+        rings = [k for k in got.cache.k if isinstance(k, paged.Ring)]
+        assert rings and {r.buf.shape for r in rings} == {(2, config.num_key_value_heads, 4, config.resolved_head_dim)}
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        np.testing.assert_array_equal(got.length, want.length)
+        np.testing.assert_allclose(got.logps, want.logps, atol=1e-6)
+    else:
+        _assert_same(got, want)
     if config.routing_replay:
         assert got.routing is not None and got.routing.any()
         np.testing.assert_array_equal(got.routing, want.routing)
@@ -305,3 +314,43 @@ def test_the_decode_kernel_runs_in_each_row_shard(tiny_model_config, monkeypatch
     assert_same_rows(got, want)
     K, G = config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads
     assert set(shapes) == {(8 // 4, 1, K // 2, G, config.resolved_head_dim)}  # a shard's slots and heads
+
+
+GEMMA2 = dict(model_type="gemma2", sliding_window=4, attn_logit_softcapping=1.5, final_logit_softcapping=2.0,
+              query_pre_attn_scalar=20)
+
+
+def test_window_rings_keep_their_tokens_through_appends_and_preemption(tiny_model_config):
+    """Gemma 2's window rings (4 of a row's 6 + 14 positions) through the paths that rebuild a row: appended tokens
+    run into a held slot (its rings read back and written again), a paused row re-admitted into another slot, and
+    a small pool preempting rows (re-run in one pass): the contiguous cache's tokens and loss mask, log-probs within
+    float rounding."""
+    from grpo_jax.models import init_model
+    config = dataclasses.replace(tiny_model_config, **GEMMA2)
+    model = (config, *init_model(config, seed=0))
+    for slots, tokens in ((4, 0), (2, 0), (2, 20)):
+        want = _late_appends(model, slots, 1)
+        got = _late_appends(model, slots, 1, page_size=4, kv_cache_tokens=tokens)
+        assert np.any(got.turns == 1)
+        np.testing.assert_array_equal(got.completion_ids, want.completion_ids)
+        np.testing.assert_array_equal(got.loss_mask, want.loss_mask)
+        np.testing.assert_allclose(got.sampler_per_token_logps, want.sampler_per_token_logps, atol=1e-5)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS in conftest)")
+def test_window_rings_split_over_row_shards(tiny_model_config):
+    """Gemma 2 on data 4 x tensor 2 with a small pool: each device holds its shard's slots' rings over its key/value
+    head ([2, 1, 4, Dh]); one device's contiguous-cache tokens."""
+    from grpo_jax.device import sharding
+    from grpo_jax.models import init_model
+    from tests.algo.test_decoder import IDS, MASK, NO_EOS, assert_same_rows, one_device
+    config = dataclasses.replace(tiny_model_config, **GEMMA2)
+    model = (config, *init_model(config, seed=0))
+    ids, mask = np.concatenate([IDS, IDS[:1]]), np.concatenate([MASK, MASK[:1]])
+    want, _ = _decode_directly(model, one_device(), ids, mask, NO_EOS)
+    got, d = _decode_directly(model, sharding.make_mesh(4, 1, 2), ids, mask, NO_EOS, max_batch_rows=8,
+                              kv_cache="paged", kv_page_size=4, kv_cache_tokens=96)
+    assert_same_rows(got, want)
+    rings = [k for k in d.cache.k if isinstance(k, paged.Ring)]
+    assert rings and all({s.data.shape for s in r.buf.addressable_shards} == {(2, 1, 4, config.resolved_head_dim)}
+                         for r in rings)
