@@ -190,11 +190,12 @@ def paged_page_size(config, mesh) -> int:
 
 
 class RolloutPlacement(NamedTuple):
-    """Where decoding runs when not in the training layout: the rollout mesh (`rollout_layout.rollout_mesh`) and the
-    params' shardings over it."""
+    """Where decoding runs when not in the training layout: the rollout mesh (`rollout_layout.rollout_mesh`), the
+    params' shardings over it and the paged pool that fits there (`rollout_layout.Layout.kv_cache_tokens`)."""
 
     mesh: Mesh
     params_sharding: Any
+    kv_cache_tokens: int = 0
 
 
 def rollout_placement(mesh: Mesh, layout: rollout_layout.Layout | None, abstract_params) -> RolloutPlacement | None:
@@ -202,7 +203,7 @@ def rollout_placement(mesh: Mesh, layout: rollout_layout.Layout | None, abstract
     if layout is None:
         return None
     decode_mesh = rollout_layout.rollout_mesh(mesh, layout)
-    return RolloutPlacement(decode_mesh, sharding.param_shardings(decode_mesh, abstract_params))
+    return RolloutPlacement(decode_mesh, sharding.param_shardings(decode_mesh, abstract_params), layout.kv_cache_tokens)
 
 
 def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingConfig, eos_token_ids: tuple[int, ...],
@@ -222,6 +223,8 @@ def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingCo
     trajectories given back row-split over ``mesh``. None: ``layout`` gives the params as they are."""
     out_rows = sharding.row_sharded(mesh)  # trajectories: where the log-prob passes and the train step take them
     layout = None
+    # the user's pool, else the one the rollout layout found room for (0: every slot's whole row)
+    pool_tokens = config.kv_cache_tokens or (rollout.kv_cache_tokens if rollout is not None else 0)
     if rollout is not None:
         train_graphdef, train_sharding = graphdef, params_sharding
         premerged = lora.has_adapters(params_sharding)
@@ -255,7 +258,7 @@ def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingCo
             sampling=config, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, greedy=greedy, group_size=group,
             num_slots=decoder.continuous_slots(slots or config.max_batch_rows or 0, num_rows, total_rows, row_shards),
             cache_sharding=sharding.cache_sharding(mesh, kv_heads), record_routing=model_config.routing_replay,
-            page_size=paged_page_size(config, mesh), kv_cache_tokens=config.kv_cache_tokens)
+            page_size=paged_page_size(config, mesh), kv_cache_tokens=pool_tokens)
         return cpu.decode_options(base, num_rows, model_config.vocab_size) if cpu_speedups else base
 
     def start(params, prompt_ids_BxP, prompt_mask_BxP, key, row_offset, options):

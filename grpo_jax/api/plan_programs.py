@@ -4,9 +4,9 @@
 abstract inputs (nothing is allocated). `costs` reads XLA's `cost_analysis` of those same programs and corrects it
 for loops, which XLA counts one trip of: the scan over the layers (extrapolated from one more compile of each
 scanned program at another `model.scan_unroll`) and the micro-batches (times their number). What XLA cannot see
-is counted by hand: Pallas splash attention's FLOPs (`kernel_attention_flops`), megablox's grouped products in a
-mixture of experts beyond XLA's count of them (`kernel_expert_flops`) and the chunked unembedding's other trips
-(`unembedding_flops`).
+is counted by hand: Pallas splash attention's FLOPs (`kernel_attention_flops`), the paged-attention kernels' reads
+of the KV pages in a decode step (`paged_kernel_bytes`), megablox's grouped products in a mixture of experts beyond
+XLA's count of them (`kernel_expert_flops`) and the chunked unembedding's other trips (`unembedding_flops`).
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ class Refused(NamedTuple):
 
 
 class Program(NamedTuple):
-    """One phase's program: a digest of its lowered text (equal digests: the same program) and its executable."""
+    """One phase's program: a digest of its lowered text (equal digests: the same program), its executable and the
+    bytes a chip reads inside kernels that XLA's cost analysis leaves out (`paged_kernel_bytes`)."""
 
     digest: str
     compiled: object  # jax's Compiled, or Refused
+    kernel_bytes: float = 0.0
 
 
 def _needs(message: str) -> int:
@@ -60,6 +62,32 @@ def compile_program(lowered, tpu: bool, reuse: Program | None = None) -> Program
         return Program(digest, Refused(str(e).strip().splitlines()[0][:300], _needs(str(e))))
 
 
+def paged_kernel_bytes(config: Config, model, decode_mesh) -> float:
+    """Bytes a chip's paged-attention kernels read in one decode step, which XLA's cost analysis does not count
+    (a Mosaic custom call: its pool operands are left out of the total): each full-attention layer's keys and
+    values of the chip's rows over its key/value heads, a row holding P + t tokens at step t, so P + T / 2 on
+    average over the T steps of rows that run to the end (the plan's decode steps). 0 where no kernel reads pages
+    (the contiguous cache, the dense read-back, window rings: XLA counts those)."""
+    from grpo_jax.algo.programs import paged_page_size
+    from grpo_jax.device import sharding
+    from grpo_jax.models import attention
+
+    import jax.numpy as jnp
+
+    platform = decode_mesh.devices.flat[0].platform
+    backend = model.attention if model.attention != "auto" else {"tpu": "splash", "gpu": "cudnn"}.get(platform, "dense")
+    if not paged_page_size(config.sampling, decode_mesh) or not attention.paged_kernel(backend,
+                                                                                       model.resolved_head_dim):
+        return 0.0
+    P, T = config.data.max_prompt_length, config.sampling.max_completion_length
+    tensor = decode_mesh.shape["tensor"]
+    K = model.num_key_value_heads
+    heads = K // tensor if K % tensor == 0 else K  # split over tensor as `sharding.cache_sharding` does
+    rows = config.train.generation_batch_size / sharding.num_row_shards(decode_mesh)
+    full = sum(t == "full_attention" for t in model.resolved_layer_types)
+    return rows * full * (P + T / 2) * 2 * heads * model.resolved_head_dim * jnp.dtype(model.jnp_dtype).itemsize
+
+
 def _abstract(shapes, shardings):
     import jax
 
@@ -73,7 +101,7 @@ def decode_layout(config: Config, mesh, model, chip, shapes, shardings):
     tc = config.train
     return rollout_layout.choose(config.mesh.rollout_tensor, model, mesh, chip=chip,
                                  rows=config.sampling.max_batch_rows or tc.generation_batch_size,
-                                 slots=config.data.max_prompt_length + config.sampling.max_completion_length,
+                                 prompt=config.data.max_prompt_length, completion=config.sampling.max_completion_length,
                                  abstract_params=shapes.params,
                                  state_bytes=rollout_layout.bytes_per_device(shapes, shardings))
 
@@ -146,6 +174,7 @@ def programs(config: Config, mesh, model, *, tpu: bool, reuse: dict | None = Non
             decoding = _abstract(jax.eval_shape(lambda *a: decoder.start(*a, options), *start_args),
                                  prefill.output_shardings)
             build(name, decoder.advance.lower(params, decoding, options, False))
+            out[name] = out[name]._replace(kernel_bytes=paged_kernel_bytes(config, model, decode_mesh))
         if name != "decode_step":
             out.pop(prefill_name)
 
@@ -283,6 +312,7 @@ def costs(config: Config, mesh, compiled: dict[str, Program], *, tpu: bool, chip
     model, tc = config.model, config.train
     L, u = model.num_hidden_layers, model.scan_unroll
     own = {name: xla_cost(p.compiled) for name, p in compiled.items()}
+    kernels = {name: p.kernel_bytes for name, p in compiled.items()}
     counted = other_counted = layers_counted(L, u)
     other = own
     if model.scan_layers and counted < L:
@@ -299,7 +329,7 @@ def costs(config: Config, mesh, compiled: dict[str, Program], *, tpu: bool, chip
             layer = 0.0 if other_counted == counted else (mine - theirs) / (counted - other_counted)
             totals.append(mine + (L - counted) * layer)
         scale = tc.gradient_accumulation_steps if name == "train_step" else 1
-        out[name] = (max(totals[0], 0.0) * scale, max(totals[1], 0.0) * scale)
+        out[name] = (max(totals[0], 0.0) * scale, max(totals[1], 0.0) * scale + kernels[name])
     from grpo_jax.device import sharding
     from grpo_jax.rollout.context import prompt_group_sizes
 

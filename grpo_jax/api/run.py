@@ -344,8 +344,8 @@ def _build(config: Config, output_dir: Path, resuming: bool, loss_fn: Callable |
     layout = None if config.mesh.rollout else rollout_layout.choose(
         config.mesh.rollout_tensor, config.model, mesh, chip=chips.device_chip(devices[0].device_kind),
         rows=config.sampling.max_batch_rows or tc.generation_batch_size,
-        slots=config.data.max_prompt_length + config.sampling.max_completion_length, abstract_params=state.params,
-        state_bytes=rollout_layout.bytes_per_device(state, state_sharding))
+        prompt=config.data.max_prompt_length, completion=config.sampling.max_completion_length,
+        abstract_params=state.params, state_bytes=rollout_layout.bytes_per_device(state, state_sharding))
     decoding = dict(eos_token_ids=eos_ids, pad_token_id=tokenizer.pad_token_id,
                     params_sharding=state_sharding.params, cpu_speedups=speedups,
                     rollout=programs.rollout_placement(mesh, layout, state.params))

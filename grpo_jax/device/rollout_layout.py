@@ -27,11 +27,14 @@ FIT_FRACTION = 0.9  # of a chip's HBM, as `grpo_jax.api.plan` judges a fit (XLA'
 
 
 class Layout(NamedTuple):
-    """Decoding over groups of ``group`` devices split along ``axis`` ("tensor", or "expert" for experts)."""
+    """Decoding over groups of ``group`` devices split along ``axis`` ("tensor", or "expert" for experts);
+    ``kv_cache_tokens`` the paged pool that fits in HBM beside the weights when every slot's whole row does not
+    (`sampling.kv_cache_tokens`'s meaning; 0: whole rows fit)."""
 
     group: int
     axis: str
     reason: str
+    kv_cache_tokens: int = 0
 
 
 def rollout_mesh(mesh: Mesh, layout: Layout) -> Mesh:
@@ -63,13 +66,26 @@ def step_seconds(chip: Chip, *, weights: float, kv: float, rows: int, hidden: in
     return (weights + kv) / chip.hbm_bandwidth + ici
 
 
-def choose(setting: int, model, mesh: Mesh, *, chip: Chip | None, rows: int, slots: int, abstract_params,
-           state_bytes: int) -> Layout | None:
+def row_tokens(model, prompt: int, completion: int) -> tuple[int, float, int]:
+    """A row's cached tokens summed over layers, as a paged cache holds them: (its full-attention layers' tokens of
+    a whole row, the mean of all layers' tokens a decode step reads over a row's life (half its completion; a
+    window layer at most its window), its window layers' rings (`models.paged.Ring`))."""
+    windows = [model.sliding_window if t == "sliding_attention" else None for t in model.resolved_layer_types]
+    whole, mean = prompt + completion, prompt + completion / 2
+    full = sum(whole for w in windows if w is None)
+    rings = sum(min(w, whole) for w in windows if w is not None)
+    return full, sum(mean if w is None else min(w, mean) for w in windows), rings
+
+
+def choose(setting: int, model, mesh: Mesh, *, chip: Chip | None, rows: int, prompt: int, completion: int,
+           abstract_params, state_bytes: int) -> Layout | None:
     """Decoding's layout for ``mesh.rollout_tensor`` = ``setting`` (0: chosen, -1: none, n: groups of n) of
-    ``model`` over ``mesh`` (the training mesh), ``rows`` a decoding call's rows of ``slots`` cache slots each;
-    None: decode in the training layout. The choice takes, of the group sizes that divide the devices, rows, heads
-    (experts) and fit beside the ``state_bytes`` a device keeps of the train state, the one whose decode step
-    `step_seconds` estimates fastest on ``chip``."""
+    ``model`` over ``mesh`` (the training mesh), ``rows`` a decoding call's rows in flight of ``prompt`` +
+    ``completion`` tokens; None: decode in the training layout. The choice takes, of the group sizes that divide the
+    devices, rows, heads (experts) and hold the weights, the window rings and one whole row a row shard beside the
+    ``state_bytes`` a device keeps of the train state, the one whose decode step `step_seconds` estimates fastest on
+    ``chip`` (a paged cache's reads: rows at half their completion on average, `row_tokens`). When every row's
+    whole row does not fit too, the layout says the pool that does (``kv_cache_tokens``): rows then wait for pages."""
     n, expert = mesh.devices.size, bool(model.num_experts)
     axis = "expert" if expert else "tensor"
     if setting == -1 or n == 1:
@@ -85,27 +101,35 @@ def choose(setting: int, model, mesh: Mesh, *, chip: Chip | None, rows: int, slo
     itemsize = jnp.dtype(model.jnp_dtype).itemsize
     experts_bytes = sum(math.prod(x.shape) for x in _leaves_named(abstract_params, "experts")) * itemsize
     weights = sum(math.prod(x.shape) for x in _leaves_named(abstract_params, "")) * itemsize
-    kv_token = 2 * model.num_hidden_layers * model.num_key_value_heads * model.resolved_head_dim * itemsize
+    full, mean, rings = row_tokens(model, prompt, completion)
     free = FIT_FRACTION * chip.hbm_bytes - state_bytes
     tried = []
     for group in (g for g in range(1, n + 1) if n % g == 0 and g & (g - 1) == 0):
         if rows % (n // group) or not _splits(model, group, expert):
             continue
         chip_weights = (weights - experts_bytes) + experts_bytes / group if expert else weights / group
-        chip_rows = rows / n if expert else rows / (n // group)
-        kv = chip_rows * slots * kv_token / (1 if expert else group)
+        shards = n if expert else n // group  # row shards (experts: rows over every device)
+        chip_rows = rows / shards
+        layer_token = 2 * model.num_key_value_heads * model.resolved_head_dim * itemsize / (1 if expert else group)
+        held = chip_weights + chip_rows * rings * layer_token  # weights and the rows' rings, always there
+        left = free - held - chip_rows * full * layer_token
+        pool = 0 if left >= 0 or not full else int((free - held) // (full / (prompt + completion) * layer_token))
+        over = left < 0 and (not full or pool < prompt + completion)  # not even one whole row a shard
+        kv = chip_rows * mean * layer_token
         # the group's rows' activations: a tensor group's rows are all its devices'; experts gather theirs
         seconds = step_seconds(chip, weights=chip_weights, kv=kv, rows=int(chip_rows * (group if expert else 1)),
                                hidden=model.hidden_size, layers=model.num_hidden_layers, group=group)
-        tried.append((chip_weights + kv > free, seconds, group, chip_weights, kv))
+        tried.append((over, seconds, group, chip_weights, kv, pool * shards))
     if not tried:
         return None
-    over, seconds, group, chip_weights, kv = min(tried)
-    others = ", ".join(f"{g}: {1e3 * s:.2f} ms" for _, s, g, _, _ in sorted(tried, key=lambda t: t[2]) if g != group)
-    reason = (f"{axis} {group} x data {n // group}: weights {chip_weights / 2**30:.2f} GiB + KV {kv / 2**30:.2f} GiB "
-              f"a chip, est. {1e3 * seconds:.2f} ms a decode step (groups of {others or 'none other'})"
+    over, seconds, group, chip_weights, kv, pool = min(tried)
+    others = ", ".join(f"{g}: {1e3 * s:.2f} ms" for _, s, g, *_ in sorted(tried, key=lambda t: t[2]) if g != group)
+    reason = (f"{axis} {group} x data {n // group}: weights {chip_weights / 2**30:.2f} GiB + KV read "
+              f"{kv / 2**30:.2f} GiB a chip, est. {1e3 * seconds:.2f} ms a decode step (groups of "
+              f"{others or 'none other'})"
+              + (f"; a KV pool of {pool} tokens (rows wait for pages beyond)" if pool else "")
               + ("; nothing fits beside the train state" if over else ""))
-    return Layout(group, axis, reason)
+    return Layout(group, axis, reason, pool)
 
 
 def _leaves_named(tree, part: str) -> list:

@@ -119,8 +119,9 @@ class Transformer(nnx.Module):
             else:
                 masks = [attention_mask(attention_mask_BxS, query_slot_T, kind_window(config, k), positions_BxT)
                          for k in kinds]
+            # a token per row over its pages: a kernel reads them
             if isinstance(cache, paged.PagedKVCache) and T == 1 and attention.paged_kernel(
-                    attention.resolve(config.attention), config.resolved_head_dim):  # a token per row over its pages: a kernel reads them
+                    attention.resolve(config.attention), config.resolved_head_dim):
                 masks = [None if kind_window(config, k) is None else m for k, m in zip(kinds, masks)]
         # one mask and one RoPE table per attention kind, built once; each layer takes its kind's
         rope = rotary_tables(config, S) if rope is None else rope
@@ -296,7 +297,8 @@ def forward(graphdef, params, input_ids_BxT, positions_BxT, attention_mask_BxS, 
 
     ``cache`` may instead be a `paged.PagedKVCache`: the new keys/values go to its row positions in its pages, and
     each layer reads them back in the slot order above (the mask as for a contiguous cache), or for one token per
-    row under a kernel backend on one device, non-windowed layers read the pages through `attention.paged_decode`.
+    row under a kernel backend, full-attention layers read the pages through `attention.paged_decode` (in each row
+    shard's ``shard_map``, `paged.attend`); a sliding-window layer attends over its `paged.Ring`.
 
     With a cache the layers run one after another (``layers``: their `layer_params`, sliced once by a decode
     loop's caller); without one a Python loop runs them, or with ``model.scan_layers`` a single ``lax.scan``

@@ -327,3 +327,33 @@ def test_tpu_plan_counts_the_experts_kernel_flops(tmp_path, monkeypatch):
             "train_step": flops["dense"]["train_step"] + (4 * router + mlp) * tokens["train_step"]}
     for name in want:
         assert flops["sparse"][name] == pytest.approx(want[name], rel=0.02), name
+
+
+@needs_libtpu
+def test_the_paged_kernels_kv_reads_are_counted_by_hand():
+    """XLA's cost analysis leaves a Mosaic paged-attention call's pool operands out of its byte total, so the plan
+    adds them (`plan_programs.paged_kernel_bytes`): on v5p:2x2x1 in tensor 2 x data 2, a Gemma-3-like model (6
+    layers, 1 of them full attention, 8 key/value heads of 128) reads a chip's 64 / 2 rows x 1 full layer x
+    (P + T / 2) tokens x 2 x 4 heads x 128 x 2 bytes a step; nothing for a head dim of 64 (the dense read-back, which
+    XLA counts), the contiguous cache or a CPU mesh."""
+    import dataclasses
+
+    from grpo_jax.api import plan_programs
+    from grpo_jax.config.model import ModelConfig
+    from grpo_jax.device import rollout_layout, sharding
+
+    types = ("sliding_attention",) * 5 + ("full_attention",)
+    model = ModelConfig(vocab_size=1024, hidden_size=512, intermediate_size=512, num_hidden_layers=6,
+                        num_attention_heads=8, num_key_value_heads=8, head_dim=128, dtype="bfloat16",
+                        sliding_window=512, layer_types=types)
+    config = load_config(None, [f"data.max_prompt_length={P}", f"sampling.max_completion_length={T}",
+                                "train.num_generations=4", "train.train_batch_size=64"])
+    config = dataclasses.replace(config, model=model)
+    mesh = sharding.make_mesh(1, -1, 1, devices=plan.topology_devices("v5p:2x2x1"))
+    decode_mesh = rollout_layout.rollout_mesh(mesh, rollout_layout.Layout(2, "tensor", "test"))
+    rows = config.train.generation_batch_size // 2
+    assert plan_programs.paged_kernel_bytes(config, model, decode_mesh) == rows * 1 * (P + T / 2) * 2 * 4 * 128 * 2
+    assert plan_programs.paged_kernel_bytes(config, dataclasses.replace(model, head_dim=64), decode_mesh) == 0
+    contiguous = dataclasses.replace(config, sampling=dataclasses.replace(config.sampling, kv_cache="contiguous"))
+    assert plan_programs.paged_kernel_bytes(contiguous, model, decode_mesh) == 0
+    assert plan_programs.paged_kernel_bytes(config, model, sharding.make_mesh(1, -1, 1)) == 0

@@ -78,7 +78,7 @@ def test_the_layout_program_splits_heads_columns_and_vocabulary_over_the_group(t
 def test_the_choice_is_the_training_layout_on_cpus_and_a_key_is_checked(tiny_model_config):
     _, params = init_model(tiny_model_config, seed=0)
     mesh = sharding.make_mesh(1, 8, 1)
-    common = dict(chip=None, rows=16, slots=12, abstract_params=params, state_bytes=0)
+    common = dict(chip=None, rows=16, prompt=6, completion=6, abstract_params=params, state_bytes=0)
     assert rollout_layout.choose(0, tiny_model_config, mesh, **common) is None  # CPU: weights in host memory
     assert rollout_layout.choose(-1, tiny_model_config, mesh, **common) is None
     assert rollout_layout.choose(2, tiny_model_config, mesh, **common).group == 2
@@ -87,27 +87,48 @@ def test_the_choice_is_the_training_layout_on_cpus_and_a_key_is_checked(tiny_mod
 
 
 def test_the_chosen_group_is_the_fastest_estimate_that_fits():
-    """A 27B-sized dense model on 64 v5p chips: a bigger group reads fewer weight bytes a chip per step until the
-    all-reduces' cost outweighs it; every candidate's estimate (`step_seconds`) is in the reason, the choice the
-    smallest of them."""
+    """Gemma-3-27B's shape (62 layers, 52 of them sliding over 1,024 tokens) on 64 v5p chips at 1k + 15k, 256 rows:
+    a bigger group reads fewer weight bytes a chip per step until the all-reduces' cost outweighs it; the KV a step
+    reads is the 10 full layers' rows at half their completion plus the 52 windows (hand count, `row_tokens`); every
+    candidate's estimate (`step_seconds`) is in the reason, the choice the smallest of them, and with a train
+    state that leaves too little HBM for every whole row the layout names the pool that fits (rows wait beyond)."""
+    types = ["sliding_attention"] * 5 + ["full_attention"]
     model = ModelConfig(vocab_size=262144, hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
-                        num_attention_heads=32, num_key_value_heads=16, head_dim=128, dtype="bfloat16")
+                        num_attention_heads=32, num_key_value_heads=16, head_dim=128, dtype="bfloat16",
+                        sliding_window=1024, layer_types=tuple((types * 11)[:62]))
+    assert rollout_layout.row_tokens(model, 1024, 15360) == (10 * 16384, 10 * 8704 + 52 * 1024, 52 * 1024)
     devices = np.asarray([_FakeDevice(i) for i in range(64)])
     mesh = jax.sharding.Mesh(devices.reshape(1, 64, 1, 1), sharding.AXES)
     params = {"w": jax.ShapeDtypeStruct((27 * 10 ** 9,), jnp.float32)}
     chip = chips.CHIPS["v5p"]
-    layout = rollout_layout.choose(0, model, mesh, chip=chip, rows=256, slots=16384, abstract_params=params,
-                                   state_bytes=20 * 2 ** 30)
-    weights, kv_token = 27e9 * 2, 2 * 62 * 16 * 128 * 2
+    weights, layer_token = 27e9 * 2, 2 * 16 * 128 * 2
 
     def estimate(g):
-        return rollout_layout.step_seconds(chip, weights=weights / g, kv=256 / (64 // g) * 16384 * kv_token / g,
-                                           rows=256 // (64 // g), hidden=5376, layers=62, group=g)
+        rows = 256 / (64 // g)
+        kv = rows * (10 * 8704 + 52 * 1024) * layer_token / g
+        return rollout_layout.step_seconds(chip, weights=weights / g, kv=kv,
+                                           rows=int(rows), hidden=5376, layers=62, group=g)
 
-    fits = [g for g in (1, 2, 4, 8, 16) if weights / g + 256 / (64 // g) * 16384 * kv_token / g
-            < 0.9 * chip.hbm_bytes - 20 * 2 ** 30]
-    assert layout.group == min(fits, key=estimate) and layout.axis == "tensor"
-    assert f"{1e3 * estimate(layout.group):.2f} ms" in layout.reason
+    def whole(g):  # weights, rings and every whole row a chip
+        return weights / g + 256 / (64 // g) * (52 * 1024 + 10 * 16384) * layer_token / g
+
+    for state in (20 * 2 ** 30, 75 * 2 ** 30):
+        layout = rollout_layout.choose(0, model, mesh, chip=chip, rows=256, prompt=1024, completion=15360,
+                                       abstract_params=params, state_bytes=state)
+        free = 0.9 * chip.hbm_bytes - state
+        g = layout.group
+        assert g == min((g for g in (1, 2, 4, 8, 16) if weights / g < free), key=estimate)
+        assert layout.axis == "tensor" and f"{1e3 * estimate(g):.2f} ms" in layout.reason
+        if whole(g) <= free:
+            assert layout.kv_cache_tokens == 0
+        else:  # the pool a chip holds over its heads: what the weights and rings leave, per full-layer token
+            rings = 256 / (64 // g) * 52 * 1024 * layer_token / g
+            per_shard = int((free - weights / g - rings) // (10 * layer_token / g))
+            assert layout.kv_cache_tokens == per_shard * (64 // g)
+            assert f"{layout.kv_cache_tokens} tokens" in layout.reason
+            assert 16384 <= per_shard < 256 / (64 // g) * 16384
+    assert layout.kv_cache_tokens  # 75 GiB of train state a chip: a pool
+    print(layout.reason)
 
 
 class _FakeDevice:
