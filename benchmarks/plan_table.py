@@ -6,7 +6,7 @@ prompt, 16 prompts a step: 256 rows, one row per chip per micro-batch, 4 decode 
 layers one per iteration (`--scan-unroll`), bf16 compute over float32 params, beta 0.04 with a bf16 reference) on
 v5p:4x4x4 and v6e:8x8 at 1k prompt + 7k and 15k completion tokens. Nothing is allocated; every program compiles here
 with libtpu (`pip install -e '.[tpu]'`). One row per plan: the peak of each phase per chip, the HBM, the roofline
-round and tokens/s/chip; a comment line after it: each phase's temporaries.
+round and tokens/s/chip (padded, and real at half the completion budget); a comment line after it: each phase's temporaries.
 
     python benchmarks/plan_table.py                 # every row (compiles for minutes each)
     python benchmarks/plan_table.py --quick         # Qwen2.5-7B on v5p:4x4x4 at 1k + 7k only
@@ -137,7 +137,7 @@ def main() -> int:
         args.models, args.topologies, args.completions, args.lora = ["qwen2.5-7b"], ["v5p:4x4x4"], [7168], "none"
     root = Path(tempfile.mkdtemp(prefix="plan_models_"))
     print("| model | training | topology | prompt + completion | prefill / decode / logps / train peak GiB per chip "
-          "| HBM GiB | fits | round s (roofline) | tokens/s/chip | compile s |\n|" + "---|" * 10)
+          "| HBM GiB | fits | round s (roofline) | tokens/s/chip (padded / real at half the completion) | compile s |\n|" + "---|" * 10)
     results = []
     for name in args.models:
         folder = write_folder(root, name, args.layers)
@@ -160,7 +160,8 @@ def main() -> int:
                     seconds = time.perf_counter() - timer
                     peaks = " / ".join(f"{'≥' if ph.error else ''}{ph.peak / GIB:.1f}" for ph in p.phases)
                     seconds_round = "-" if p.round_seconds is None else f"{p.round_seconds:.1f}"
-                    rate = "-" if p.round_seconds is None else f"{p.tokens_per_second_per_chip:,.0f}"
+                    rate = "-" if p.round_seconds is None else (f"{p.tokens_per_second_per_chip:,.0f} / "
+                                                                 f"{p.real_tokens_per_second_per_chip:,.0f}")
                     print(f"| {name} | {'LoRA 16' if lora else 'full'} | {topology} | {PROMPT} + {completion} | "
                           f"{peaks} | {p.hbm_bytes / GIB:.0f} | {'yes' if p.fits else 'no'} | {seconds_round} "
                           f"| {rate} | {seconds:.0f} |", flush=True)

@@ -104,6 +104,9 @@ def _plan_parser() -> argparse.ArgumentParser:
                         help="share of HBM bandwidth a memory-bound program reaches (default 0.85)")
     parser.add_argument("--mfu", type=float, default=None,
                         help="share of peak FLOP/s a compute-bound program reaches (default 0.55)")
+    parser.add_argument("--mean-completion", type=int, default=0,
+                        help="a row's real completion tokens on average, for the real tokens/s (default: half of "
+                        "sampling.max_completion_length)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, as for train")
     return parser
 
@@ -112,7 +115,8 @@ def plan_main(argv: list[str]) -> int:
     """`grpo-jax plan --topology T [--config FILE] [--json FILE] [overrides]`."""
     parser = _plan_parser()
     args = parser.parse_intermixed_args(flags_as_overrides(argv, own=("--topology", "--json", "--hbm-gib",
-                                                                         "--hbm-efficiency", "--mfu")))
+                                                                         "--hbm-efficiency", "--mfu",
+                                                                         "--mean-completion")))
     from grpo_jax.config import load_config
 
     try:
@@ -124,13 +128,17 @@ def plan_main(argv: list[str]) -> int:
     for flag, value in (("--hbm-efficiency", args.hbm_efficiency), ("--mfu", args.mfu)):
         if value is not None and not 0 < value <= 1:
             parser.exit(2, f"grpo-jax plan: {flag}={value} must be in (0, 1] (a share of the chip's peak)\n")
+    T = config.sampling.max_completion_length
+    if not 0 <= args.mean_completion <= T:
+        parser.exit(2, f"grpo-jax plan: --mean-completion={args.mean_completion} must be between 1 and "
+                    f"sampling.max_completion_length={T} (0: {T // 2})\n")
     from grpo_jax.api import plan
 
     try:
         devices = plan.topology_devices(args.topology)
         hbm = None if args.hbm_gib is None else int(args.hbm_gib * 2 ** 30)
         result = plan.plan(config, devices, hbm_bytes=hbm, hbm_efficiency=args.hbm_efficiency or plan.HBM_EFFICIENCY,
-                           mfu=args.mfu or plan.MFU)
+                           mfu=args.mfu or plan.MFU, mean_completion=args.mean_completion)
     except ValueError as e:
         print(f"grpo-jax plan: {e}", file=sys.stderr)
         return 1

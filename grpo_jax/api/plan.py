@@ -82,6 +82,7 @@ class Plan:
     layout: str = "the training layout"  # where decoding runs and why (`rollout_layout.choose`)
     hbm_efficiency: float = HBM_EFFICIENCY
     mfu: float = MFU
+    mean_completion: int = 0  # a row's real completion tokens on average (0: half of max_completion_length)
 
     def collective_seconds(self, phase: Phase) -> float:
         """The phase's collectives over the chip's interconnect (`chips.collective_seconds`), one run."""
@@ -124,14 +125,31 @@ class Plan:
         seconds = self.round_seconds
         return None if seconds is None else self.tokens / seconds / self.chips
 
+    @property
+    def mean_completion_length(self) -> int:
+        return self.mean_completion or self.config.sampling.max_completion_length // 2
+
+    @property
+    def real_tokens_per_second_per_chip(self) -> float | None:
+        """A round's rows x (prompt + ``mean_completion_length``) tokens over the same roofline seconds (its decode
+        steps still counted to max_completion_length: a lower bound) and the chips."""
+        seconds = self.round_seconds
+        rows = self.config.train.generation_batch_size
+        real = rows * (self.config.data.max_prompt_length + self.mean_completion_length)
+        return None if seconds is None else real / seconds / self.chips
+
     def as_json(self) -> dict:
-        """{"fits", "round_seconds", "tokens_per_round", "tokens_per_second_per_chip", "layout", "chip", "phases": {name:
+        """{"fits", "round_seconds", "tokens_per_round", "tokens_per_second_per_chip", "mean_completion_length",
+        "real_tokens_per_second_per_chip", "layout", "chip", "phases": {name:
         {"peak_bytes", "hbm_bytes", "flops", "bytes_accessed", "collective_bytes", "collectives", "loop_trips",
         "rows_per_chip", "est_seconds", ...}}}."""
         chip = None if self.chip is None else {**self.chip._asdict(), "hbm_efficiency": self.hbm_efficiency,
                                                "mfu": self.mfu}
         return {"fits": self.fits, "round_seconds": self.round_seconds, "tokens_per_round": self.tokens,
-                "tokens_per_second_per_chip": self.tokens_per_second_per_chip, "layout": self.layout, "chip": chip,
+                "tokens_per_second_per_chip": self.tokens_per_second_per_chip,
+                "mean_completion_length": self.mean_completion_length,
+                "real_tokens_per_second_per_chip": self.real_tokens_per_second_per_chip, "layout": self.layout,
+                "chip": chip,
                 "phases": {p.name: {
             "peak_bytes": p.peak, "hbm_bytes": self.hbm_bytes, "flops": _known(p.flops),
             "bytes_accessed": _known(p.bytes_accessed), "est_seconds": self.seconds(p), "runs_per_round": p.runs,
@@ -221,12 +239,14 @@ def resolved(config: Config) -> Config:
 
 
 def plan(config: Config, devices, *, chip: Chip | None = None, hbm_bytes: int | None = None,
-         costs: bool = True, hbm_efficiency: float = HBM_EFFICIENCY, mfu: float = MFU) -> Plan:
+         costs: bool = True, hbm_efficiency: float = HBM_EFFICIENCY, mfu: float = MFU,
+         mean_completion: int = 0) -> Plan:
     """The run's phases compiled for ``devices`` (`topology_devices`): memory per chip, FLOPs, bytes, roofline.
 
     ``chip`` (None: by the devices' kind) gives the roofline's FLOP/s and bandwidth; ``hbm_bytes`` (None: the
     chip's, or a device at hand's limit) what a phase must fit in; ``costs`` False skips FLOPs and bytes (memory
-    only: about half the compiles)."""
+    only: about half the compiles); ``mean_completion`` a row's real completion tokens on average for the real
+    tokens/s (0: half of max_completion_length)."""
     from grpo_jax.device import sharding
 
     config = resolved(config)
@@ -241,7 +261,7 @@ def plan(config: Config, devices, *, chip: Chip | None = None, hbm_bytes: int | 
     tc = config.train
     tokens = tc.generation_batch_size * (config.data.max_prompt_length + config.sampling.max_completion_length)
     return Plan(tuple(phases), chip, hbm_bytes, len(devices), sharding.num_row_shards(mesh), tokens, config,
-                layout, hbm_efficiency, mfu)
+                layout, hbm_efficiency, mfu, mean_completion)
 
 
 def hint(plan_: Plan, phase: Phase) -> str:
@@ -314,7 +334,9 @@ def report(plan_: Plan, topology: str) -> list[str]:
                      "max_completion_length), "
                      f"{plan_.tokens_per_second_per_chip:,.0f} tokens/s/chip (a round's "
                      f"{c.train.generation_batch_size} rows x "
-                     f"{c.data.max_prompt_length + c.sampling.max_completion_length} prompt + completion slots)")
+                     f"{c.data.max_prompt_length + c.sampling.max_completion_length} prompt + completion slots), "
+                     f"{plan_.real_tokens_per_second_per_chip:,.0f} real at a mean completion of "
+                     f"{plan_.mean_completion_length} tokens (--mean-completion)")
     if plan_.fits:
         lines.append(f"fits: every phase's peak is under {FIT_FRACTION:.0%} of HBM")
     else:

@@ -100,6 +100,8 @@ def test_tpu_plan_matches_hand_counts_and_exits_1_with_a_hint(tmp_path, capsys):
     chip = chips.CHIPS["v5e"]
     assert result["tokens_per_round"] == ROWS * (P + T)
     assert result["tokens_per_second_per_chip"] == pytest.approx(ROWS * (P + T) / result["round_seconds"] / 4)
+    assert result["mean_completion_length"] == T // 2  # real tokens: rows at half their completion budget
+    assert result["real_tokens_per_second_per_chip"] == pytest.approx(ROWS * (P + T // 2) / result["round_seconds"] / 4)
     assert logps["collective_seconds"] > 0 and logps["collectives"] > 0  # fsdp 4 gathers the layers' weights
     assert logps["est_seconds"] == pytest.approx(max(logps["flops"] / (chip.bf16_flops * plan.MFU),
                                                      logps["bytes_accessed"] / (chip.hbm_bandwidth * plan.HBM_EFFICIENCY))
