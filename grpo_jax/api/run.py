@@ -341,11 +341,16 @@ def _build(config: Config, output_dir: Path, resuming: bool, loss_fn: Callable |
                           # decoupled PPO's behaviour weight is the IS correction against the sampler's log-probs
                           use_sampler_logps=tc.use_sampler_logps or config.loss.off_policy_correction == "decoupled")
     state_sharding = sharding.tree_shardings(state)
-    layout = None if config.mesh.rollout else rollout_layout.choose(
-        config.mesh.rollout_tensor, config.model, mesh, chip=chips.device_chip(devices[0].device_kind),
-        rows=config.sampling.max_batch_rows or tc.generation_batch_size,
-        prompt=config.data.max_prompt_length, completion=config.sampling.max_completion_length,
-        abstract_params=state.params, state_bytes=rollout_layout.bytes_per_device(state, state_sharding))
+
+    def choose_layout(over, state_bytes: int):  # decoding's own layout over the devices ``over`` (None: none)
+        return rollout_layout.choose(
+            config.mesh.rollout_tensor, config.model, over, chip=chips.device_chip(devices[0].device_kind),
+            rows=config.sampling.max_batch_rows or tc.generation_batch_size,
+            prompt=config.data.max_prompt_length, completion=config.sampling.max_completion_length,
+            abstract_params=state.params, state_bytes=state_bytes)
+
+    layout = None if config.mesh.rollout else choose_layout(mesh, rollout_layout.bytes_per_device(state,
+                                                                                                  state_sharding))
     decoding = dict(eos_token_ids=eos_ids, pad_token_id=tokenizer.pad_token_id,
                     params_sharding=state_sharding.params, cpu_speedups=speedups,
                     rollout=programs.rollout_placement(mesh, layout, state.params))
@@ -365,6 +370,10 @@ def _build(config: Config, output_dir: Path, resuming: bool, loss_fn: Callable |
     rollout_mesh = rollout_programs = None
     if config.mesh.rollout:
         rollout_mesh = sharding.make_mesh(config.mesh.rollout, 1, 1, devices=devices[:config.mesh.rollout])
+        # the sampling devices in decoding's own layout: each holds 1 / g of the params versions, not a whole copy
+        layout = choose_layout(rollout_mesh, 0)
+        if layout is not None:
+            rollout_mesh = rollout_layout.rollout_mesh(rollout_mesh, layout)
         sharding.check_rows(tc.generation_batch_size, rollout_mesh, "train.train_batch_size * "
                             "train.steps_per_generation (a round's rows, over mesh.rollout)")
         params_sharding = sharding.param_shardings(rollout_mesh, state.params)

@@ -208,20 +208,29 @@ def test_decoupled_rows_carry_proximal_and_behaviour_logps_to_the_loss(tmp_path)
     assert len(seen) == 4 and all(sampler is None for _, sampler, _ in seen)
 
 
-def test_split_placement_samples_on_the_rollout_devices_and_trains_on_the_others(tmp_path):
+@pytest.mark.parametrize("tensor", [0, 2])
+def test_split_placement_samples_on_the_rollout_devices_and_trains_on_the_others(tmp_path, tensor):
+    """mesh.rollout=4: the first 4 devices sample, the other 4 train; with mesh.rollout_tensor=2 the sampling
+    devices decode in tensor 2 x data 2, each holding half of every params version's matrices, not a whole copy
+    (on CPUs 0 keeps the whole copies: weights in host memory)."""
     from grpo_jax.api import trainer
     from grpo_jax.data import prompts as data
 
-    config = load_config(None, [f"output_dir={tmp_path}", *TINY, "mesh.rollout=4", "train.max_staleness=2"])
+    config = load_config(None, [f"output_dir={tmp_path}", *TINY, "mesh.rollout=4", "train.max_staleness=2",
+                                f"mesh.rollout_tensor={tensor}"])
     run, state, held = trainer.build(config)
     try:
         rollout, training = set(run.rollout_mesh.devices.flat), set(run.mesh.devices.flat)
         assert len(rollout) == len(training) == 4 and not rollout & training
+        assert run.rollout_mesh.shape["tensor"] == max(tensor, 1)
         assert all(leaf.sharding.device_set == training for leaf in jax.tree.leaves(state))
         sampler = async_rounds.Sampler(run, state, next_round=0, data_state=data.DataState(0, 0, config.seed))
         sampler.feed(state, 0)  # k = K = 2: rounds 0 and 1 sample with the initial params, copied over
         assert sorted(sampler.queued) == [0, 1] and list(sampler.versions) == [0]
         assert all(leaf.sharding.device_set == rollout for leaf in jax.tree.leaves(sampler.versions[0]))
+        q = next(leaf for path, leaf in jax.tree_util.tree_leaves_with_path(sampler.versions[0])
+                 if "q_proj" in jax.tree_util.keystr(path))
+        assert {s.data.shape[-1] for s in q.addressable_shards} == {q.shape[-1] // max(tensor, 1)}
         round_batch, _ = sampler.take(state, 0)
         assert all(leaf.sharding.device_set == training for leaf in jax.tree.leaves(round_batch.rows))
         sampler.close()
