@@ -123,6 +123,7 @@ def programs(config: Config, mesh, model, *, tpu: bool, reuse: dict | None = Non
     from grpo_jax.algo.state import abstract_state, model_graphdef, optimizer_from_config
     from grpo_jax.algo.train_step import StepOptions
     from grpo_jax.algo.trajectory import Trajectory
+    from grpo_jax.models.transformer import compute_dtype_params
 
     reuse = reuse or {}
     tc, P, T = config.train, config.data.max_prompt_length, config.sampling.max_completion_length
@@ -155,10 +156,15 @@ def programs(config: Config, mesh, model, *, tpu: bool, reuse: dict | None = Non
         decoder = jitted.jit_decoder(graphdef, mesh, model, config=config.sampling, eos_token_ids=(0,),
                                      pad_token_id=0, params_sharding=shardings.params,
                                      prompt_group_size=tc.num_generations, rollout=placement)
-        params = state.params
         if placement is not None:
             build("layout", decoder.layout.lower(state.params))
             params = _abstract(jax.eval_shape(decoder.layout, state.params), placement.params_sharding)
+        elif name == "decode_step_training_layout":  # compared at the weights a call casts once, as the layout's
+            # reshard does: compiled with the cast in it, its cost would count the cast in every decode step
+            params = _abstract(jax.eval_shape(lambda p: compute_dtype_params(graphdef, p), state.params),
+                               shardings.params)
+        else:
+            params = state.params
         decode_mesh = mesh if placement is None else placement.mesh
         decode_rows, decode_replicated = sharding.row_sharded(decode_mesh), sharding.replicated(decode_mesh)
         options = decoder.options(B, B, False)
