@@ -119,8 +119,7 @@ class Attention(nnx.Module):
         elif isinstance(cache_kv, paged.LayerPages) and isinstance(cache_kv.k, paged.Ring):  # a window's ring
             pages = cache_kv.cache
             cache_kv = tuple(paged.ring_write(ring, pages.write_NxA, new)
-                             for ring, new in zip(cache_kv[:2], (k_BxTxKxDh.transpose(0, 2, 1, 3),
-                                                                 v_BxTxKxDh.transpose(0, 2, 1, 3))))
+                             for ring, new in zip(cache_kv[:2], (k_BxKxTxDh, v_BxKxTxDh)))
             k_BxKxSxDh, v_BxKxSxDh = (ring.buf for ring in cache_kv)
             mask_BxTxS = paged.ring_mask(pages.write_NxA, cache_kv[0])  # its entries' positions, not slots
         elif isinstance(cache_kv, paged.LayerPages):  # a paged cache: write into pages, read them back

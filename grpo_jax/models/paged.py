@@ -6,6 +6,9 @@ row position j sits in page ``pages_NxQ[n, j // page_size]`` at offset ``j % pag
 are positions [0, length) as the decode kernels take them. The dense path reads a slot back in today's contiguous
 order (left-padded prompt in slots 0 .. P - 1, completion t at slot P + t) through a per-step position map.
 
+A sliding-window layer keeps no pages: each slot holds a `Ring` of its window's last keys/values, so its memory and
+its decode reads follow the window (Gemma 3's local layers: 1,024 positions of a 16k row).
+
 On a mesh whose row axes split the slots (`split`), each row shard has a pool and free list of its own: its slots
 take pages from it only, the pool's page axis is split with the slots, and every pass writes and reads its shard's
 pages in a ``shard_map`` (XLA cannot know that a page table points into the same shard, and would move pools).
@@ -30,7 +33,8 @@ from grpo_jax.models.attention import HEAD_AXIS, ROW_AXES
 
 
 class PagedKVCache(NamedTuple):
-    """Key/value pages, one pool per layer ([K, pages, page_size, Dh], the kernels' layout), and where a pass
+    """Key/value pages, one pool per full-attention layer ([K, pages, page_size, Dh], the kernels' layout; a `Ring`
+    per sliding-window layer), and where a pass
     writes and reads: row positions of its new tokens [N, A] and of the contiguous order's slots [N, S] (-1: none),
     each row's valid tokens after the write [N]. Over row shards (`split`) the pool's pages are the shards' own in
     shard order and a page table holds page ids local to its slot's shard."""

@@ -316,8 +316,9 @@ def test_the_decode_kernel_runs_in_each_row_shard(tiny_model_config, monkeypatch
     assert set(shapes) == {(8 // 4, 1, K // 2, G, config.resolved_head_dim)}  # a shard's slots and heads
 
 
+# Gemma 2's alternation: a sliding layer (its ring) and a full one (its pages)
 GEMMA2 = dict(model_type="gemma2", sliding_window=4, attn_logit_softcapping=1.5, final_logit_softcapping=2.0,
-              query_pre_attn_scalar=20)
+              query_pre_attn_scalar=20, layer_types=("sliding_attention", "full_attention"))
 
 
 def test_window_rings_keep_their_tokens_through_appends_and_preemption(tiny_model_config):
@@ -354,3 +355,27 @@ def test_window_rings_split_over_row_shards(tiny_model_config):
     rings = [k for k in d.cache.k if isinstance(k, paged.Ring)]
     assert rings and all({s.data.shape for s in r.buf.addressable_shards} == {(2, 1, 4, config.resolved_head_dim)}
                          for r in rings)
+
+
+@pytest.mark.parametrize("family", [GEMMA2, dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                                                 moe_intermediate_size=16)], ids=["gemma2", "qwen3_moe"])
+def test_every_family_decodes_through_the_kernel_as_the_dense_contiguous_cache(tiny_model_config, family,
+                                                                               monkeypatch):
+    """The paged-attention kernel (GPU Pallas, interpret mode) on Gemma 2 (soft-capped scores on its full layer,
+    its sliding layer over its ring) and a mixture of experts (q/k norms): the dense contiguous cache's tokens,
+    log-probs within float rounding; the kernel traced once a full layer."""
+    from grpo_jax.models import init_model
+    traced, kernel_fn = [], attention.paged_decode
+    monkeypatch.setattr(attention, "paged_decode", lambda *a, **kw: traced.append(kw["softcap"]) or kernel_fn(*a, **kw))
+    dense = dataclasses.replace(tiny_model_config, **family)
+    kernel = dataclasses.replace(dense, attention="splash_interpret")
+    want_model = (dense, *init_model(dense, seed=0))
+    base = dataclasses.replace(make_decoder(want_model, eos=(2, 5), max_completion_length=10).options(4, 4, False),
+                               num_slots=3)
+    want = _generate(want_model, base)
+    got = _generate((kernel, *init_model(kernel, seed=0)), dataclasses.replace(base, page_size=4))
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.length, want.length)
+    np.testing.assert_allclose(got.logps, want.logps, atol=1e-5)
+    full = sum(t == "full_attention" for t in kernel.resolved_layer_types)
+    assert traced == [kernel.attn_logit_softcapping] * full
