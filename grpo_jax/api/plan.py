@@ -83,6 +83,12 @@ class Plan:
     hbm_efficiency: float = HBM_EFFICIENCY
     mfu: float = MFU
     mean_completion: int = 0  # a row's real completion tokens on average (0: half of max_completion_length)
+    decode_row_shards: int = 0  # devices decoding's rows split over in its own layout (0: ``row_shards``)
+
+    def rows_per_chip(self, phase: Phase) -> float:
+        """The round's rows a chip holds in ``phase``: decoding's over its own layout's row shards."""
+        own = phase.name in ("prefill", "decode_step") and self.decode_row_shards
+        return self.config.train.generation_batch_size / (self.decode_row_shards if own else self.row_shards)
 
     def collective_seconds(self, phase: Phase) -> float:
         """The phase's collectives over the chip's interconnect (`chips.collective_seconds`), one run."""
@@ -154,7 +160,7 @@ class Plan:
             "peak_bytes": p.peak, "hbm_bytes": self.hbm_bytes, "flops": _known(p.flops),
             "bytes_accessed": _known(p.bytes_accessed), "est_seconds": self.seconds(p), "runs_per_round": p.runs,
             "loop_trips": p.runs, "tokens": self.tokens if p.name in ("logps", "train_step") else None,
-            "rows_per_chip": self.config.train.generation_batch_size / self.row_shards,
+            "rows_per_chip": self.rows_per_chip(p),
             "collective_bytes": p.collective_bytes(), "collectives": sum(n for _, n in p.collective_runs()),
             "collective_seconds": self.collective_seconds(p),
             "arguments_bytes": p.arguments, "temporaries_bytes": p.temporaries, "error": p.error}
@@ -257,11 +263,11 @@ def plan(config: Config, devices, *, chip: Chip | None = None, hbm_bytes: int | 
         hbm_bytes = chip.hbm_bytes if (chip is not None and tpu) else local_hbm(devices[0])
     m = config.mesh
     mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor, devices=devices, expert=m.expert)
-    phases, layout = _phases(config, mesh, tpu, costs, chip)
+    phases, layout, decode_shards = _phases(config, mesh, tpu, costs, chip)
     tc = config.train
     tokens = tc.generation_batch_size * (config.data.max_prompt_length + config.sampling.max_completion_length)
     return Plan(tuple(phases), chip, hbm_bytes, len(devices), sharding.num_row_shards(mesh), tokens, config,
-                layout, hbm_efficiency, mfu, mean_completion)
+                layout, hbm_efficiency, mfu, mean_completion, decode_shards)
 
 
 def hint(plan_: Plan, phase: Phase) -> str:
@@ -345,10 +351,10 @@ def report(plan_: Plan, topology: str) -> list[str]:
     return lines
 
 
-def _phases(config: Config, mesh, tpu: bool, with_costs: bool, chip: Chip | None) -> tuple[list[Phase], str]:
+def _phases(config: Config, mesh, tpu: bool, with_costs: bool, chip: Chip | None) -> tuple[list[Phase], str, int]:
     """The run's phases over ``mesh``: memory from the programs as the run compiles them, FLOPs and bytes from the
-    same programs (`plan_programs.costs`), their collectives from their HLO (`collectives`); and the decoding
-    layout's reason."""
+    same programs (`plan_programs.costs`), their collectives from their HLO (`collectives`); the decoding
+    layout's reason and its row shards (0: the training layout's)."""
     from grpo_jax.api import collectives
     from grpo_jax.algo.state import abstract_state, optimizer_from_config
     from grpo_jax.device import sharding
@@ -376,4 +382,7 @@ def _phases(config: Config, mesh, tpu: bool, with_costs: bool, chip: Chip | None
                             ref_param_dtype=tc.ref_param_dtype)
     layout = plan_programs.decode_layout(config, mesh, config.model, chip, shapes,
                                          sharding.state_shardings(mesh, shapes, offload_ref=tc.offload_ref_params))
-    return phases, "the training layout" if layout is None else layout.reason
+    if layout is None:
+        return phases, "the training layout", 0
+    from grpo_jax.device import rollout_layout
+    return phases, layout.reason, sharding.num_row_shards(rollout_layout.rollout_mesh(mesh, layout))

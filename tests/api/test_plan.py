@@ -82,6 +82,9 @@ def test_tpu_plan_matches_hand_counts_and_exits_1_with_a_hint(tmp_path, capsys):
     # decoding in its own layout on the TPU (`rollout_layout.choose`): its reshard, and the training layout's decode beside
     assert result["fits"] is False and set(result["phases"]) == {*plan.PHASES, plan.COMPARED}
     assert result["layout"].startswith("tensor ")
+    group = int(result["layout"].split()[1])  # decoding's rows over its own layout's data groups
+    assert result["phases"]["decode_step"]["rows_per_chip"] == ROWS / (4 // group)
+    assert result["phases"]["logps"]["rows_per_chip"] == ROWS / 4
     for name, phase in result["phases"].items():
         assert {"peak_bytes", "hbm_bytes", "flops", "bytes_accessed", "est_seconds"} <= set(phase)
         assert phase["hbm_bytes"] == 2 ** 20 and phase["peak_bytes"] > 0.9 * 2 ** 20
