@@ -105,7 +105,8 @@ class SamplingConfig:
 
     ``kv_cache`` (grpo_jax): the decoding KV cache, ``contiguous`` (prompt + completion per slot) or ``paged``
     (`models.paged`: pages of ``kv_page_size`` tokens from a pool of ``kv_cache_tokens``, 0: every slot's whole
-    row); ``auto``: paged on TPU/GPU meshes of one row shard, contiguous elsewhere (`programs.paged_page_size`)."""
+    row, or on TPU/GPU what fits beside the weights, `rollout_layout.choose`); ``auto``: paged on TPU/GPU meshes (a
+    pool per row shard), contiguous on CPUs (`programs.paged_page_size`)."""
 
     max_completion_length: int = 8
     temperature: float = 1.0
