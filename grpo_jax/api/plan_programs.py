@@ -68,24 +68,24 @@ def paged_kernel_bytes(config: Config, model, decode_mesh) -> float:
     values of the chip's rows over its key/value heads, a row holding P + t tokens at step t, so P + T / 2 on
     average over the T steps of rows that run to the end (the plan's decode steps). 0 where no kernel reads pages
     (the contiguous cache, the dense read-back, window rings: XLA counts those)."""
-    from grpo_jax.algo.programs import paged_page_size
-    from grpo_jax.device import sharding
-    from grpo_jax.models import attention
-
+    import jax
     import jax.numpy as jnp
 
-    platform = decode_mesh.devices.flat[0].platform
-    backend = model.attention if model.attention != "auto" else {"tpu": "splash", "gpu": "cudnn"}.get(platform, "dense")
+    from grpo_jax.algo.programs import paged_page_size
+    from grpo_jax.models import attention, paged
+    from grpo_jax.models.transformer import layer_windows
+
+    B, K = config.train.generation_batch_size, model.num_key_value_heads
+    with jax.sharding.use_abstract_mesh(decode_mesh.abstract_mesh):  # as the decode program is traced
+        backend, split = attention.resolve(model.attention), paged.split(B, K)
     if not paged_page_size(config.sampling, decode_mesh) or not attention.paged_kernel(backend,
                                                                                        model.resolved_head_dim):
         return 0.0
     P, T = config.data.max_prompt_length, config.sampling.max_completion_length
-    tensor = decode_mesh.shape["tensor"]
-    K = model.num_key_value_heads
-    heads = K // tensor if K % tensor == 0 else K  # split over tensor as `sharding.cache_sharding` does
-    rows = config.train.generation_batch_size / sharding.num_row_shards(decode_mesh)
-    full = sum(t == "full_attention" for t in model.resolved_layer_types)
-    return rows * full * (P + T / 2) * 2 * heads * model.resolved_head_dim * jnp.dtype(model.jnp_dtype).itemsize
+    heads = K // decode_mesh.shape[split.head] if split.head else K
+    full = sum(w is None for w in layer_windows(model))
+    return (B / split.shards * full * (P + T / 2) * 2 * heads * model.resolved_head_dim
+            * jnp.dtype(model.jnp_dtype).itemsize)
 
 
 def _abstract(shapes, shardings):

@@ -70,7 +70,9 @@ def row_tokens(model, prompt: int, completion: int) -> tuple[int, float, int]:
     """A row's cached tokens summed over layers, as a paged cache holds them: (its full-attention layers' tokens of
     a whole row, the mean of all layers' tokens a decode step reads over a row's life (half its completion; a
     window layer at most its window), its window layers' rings (`models.paged.Ring`))."""
-    windows = [model.sliding_window if t == "sliding_attention" else None for t in model.resolved_layer_types]
+    from grpo_jax.models.transformer import layer_windows
+
+    windows = layer_windows(model)
     whole, mean = prompt + completion, prompt + completion / 2
     full = sum(whole for w in windows if w is None)
     rings = sum(min(w, whole) for w in windows if w is not None)
