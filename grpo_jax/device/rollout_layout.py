@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 
 from grpo_jax.device import sharding
 from grpo_jax.device.chips import Chip, collective_seconds
+from grpo_jax.models.transformer import layer_windows
 
 FIT_FRACTION = 0.9  # of a chip's HBM, as `grpo_jax.api.plan` judges a fit (XLA's own buffers, fragments)
 
@@ -70,8 +71,6 @@ def row_tokens(model, prompt: int, completion: int) -> tuple[int, float, int]:
     """A row's cached tokens summed over layers, as a paged cache holds them: (its full-attention layers' tokens of
     a whole row, the mean of all layers' tokens a decode step reads over a row's life (half its completion; a
     window layer at most its window), its window layers' rings (`models.paged.Ring`))."""
-    from grpo_jax.models.transformer import layer_windows
-
     windows = layer_windows(model)
     whole, mean = prompt + completion, prompt + completion / 2
     full = sum(whole for w in windows if w is None)
