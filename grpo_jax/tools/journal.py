@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
 import warnings
 from pathlib import Path
@@ -41,12 +42,25 @@ def read_entry(line: bytes) -> dict | None:
     return {k: entry[k] for k in KEYS}  # legacy: no checksum, taken as the run in progress wrote it
 
 
+def _names(line: bytes) -> tuple[int, int] | None:
+    """The (row, round) a line that is not a valid entry still names, if it does (for the message only)."""
+    try:
+        entry = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):  # cut: its start as `put` writes it may be left
+        match = re.match(rb'\{"row": (\d+), "round": (\d+),', line)
+        return None if match is None else (int(match.group(1)), int(match.group(2)))
+    if isinstance(entry, dict) and all(type(entry.get(k)) is int for k in ("row", "round")):
+        return entry["row"], entry["round"]
+    return None
+
+
 class Journal:
     """Tool results of one sampling pass by (row, round), appended to a JSONL file as they arrive and read back
     when the pass is sampled again: a call whose turn asks the same again is not run twice."""
 
     def __init__(self, path: Path | None):
         self.path, self._lock, self._seen = path, threading.Lock(), {}
+        self._damaged = {}  # (row, round) -> the number of a bad line that still names them: said when called again
         self._newline = False  # the file ends in a partial line: the next entry starts a line of its own
         if path is None or not path.exists():
             return
@@ -59,6 +73,9 @@ class Journal:
             entry = read_entry(line)
             if entry is None:
                 bad.append(number)
+                key = _names(line)
+                if key is not None:
+                    self._damaged.setdefault(key, number)
             else:
                 self._seen[(entry["row"], entry["round"])] = entry
         if bad:
@@ -70,6 +87,12 @@ class Journal:
     def get(self, row: int, round_: int, calls: list) -> list | None:
         """The recorded outcomes of row ``row``'s round ``round_`` of calls, if it asked for the same ``calls``."""
         entry = self._seen.get((row, round_))
+        if entry is None and (row, round_) in self._damaged:
+            names = ", ".join(sorted({str((c.get("function") or c).get("name", "?")) if isinstance(c, dict) else "?"
+                                      for c in calls}))
+            warnings.warn(f"tool journal {self.path}: line {self._damaged.pop((row, round_))} recorded row {row}'s "
+                          f"tool round {round_} but failed its checksum or did not parse: calling {names} again",
+                          RuntimeWarning, stacklevel=2)
         if entry is None or entry["calls"] != json.loads(json.dumps(calls, default=str)):
             return None
         return entry["outcomes"]

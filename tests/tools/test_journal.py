@@ -76,6 +76,13 @@ def test_a_damaged_journal_is_one_warning_naming_its_lines_and_those_calls_run_a
     assert str(warning.message).startswith(f"tool journal {path}: {bad} did not parse as an entry or failed its "
                                            "checksum"), warning.message
     assert "\n" not in str(warning.message)
+    # a turn a bad line still names is said again when its tool is called again: the row, the tool, the line
+    again = {"altered": (0, 1), "cut": (2, 3)}.get(damage)
+    if again is not None:
+        with pytest.warns(RuntimeWarning, match=rf"tool journal {path}: line {again[1]} recorded row {again[0]}'s "
+                                                r"tool round 0 but failed its checksum or did not parse: calling "
+                                                r"lookup again"):
+            assert journal.get(again[0], 0, CALLS) is None
     assert [row for row in range(3) if journal.get(row, 0, CALLS) is not None] == kept
     assert all(journal.get(row, 0, CALLS) == [["ok", str(123 + row)]] for row in kept)  # never '923'
     # the turns called again are journalled on lines of their own, read back sound
