@@ -211,7 +211,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grpo-jax: {e}", file=sys.stderr)
         return 1
     preemption.COMMAND = ["grpo-jax", *argv]  # what a message to rerun shows, while this command runs
+    from grpo_jax.device import distributed
+    from grpo_jax.io import supervisor
+
     try:
+        if distributed.wanted(config.distributed) and not os.environ.get(supervisor.CHANNEL):
+            # several processes: the training runs in a child, so that a host lost ends in one line (`supervisor`)
+            return supervisor.supervise(argv, config.distributed,
+                                        distributed.resolved_arguments(config.distributed)["num_processes"],
+                                        named=config.output_dir is not None)
         return _train(config, args.no_progress, args.debug)
     except KeyboardInterrupt:  # outside the loop, whose steps a SIGINT saves: starting, or the final export
         print("grpo-jax: interrupted outside the training steps: none was lost (a stop during training saves "

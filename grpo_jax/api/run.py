@@ -22,10 +22,10 @@ from grpo_jax.algo.state import TrainState, optimizer_from_config
 from grpo_jax.algo.train_step import StepOptions
 from grpo_jax.config import Config, for_run, resolve_defaults, to_dict
 from grpo_jax.data import prompts as data, sources, task
-from grpo_jax.device import chips, cpu, rollout_layout, sharding
+from grpo_jax.device import chips, cpu, distributed, rollout_layout, sharding
 from grpo_jax.io import checkpoint, lock, runs, trackers
 from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, lora, peft_io, resolve_config
-from grpo_jax.rewards import reward_specs, functions as rewards
+from grpo_jax.rewards import code_fingerprints, reward_specs, functions as rewards
 from grpo_jax.rollout import evaluation, shapes
 from grpo_jax.rollout.context import Run, prompt_group_sizes
 from grpo_jax.tools import tool_task, calls as tools
@@ -241,6 +241,11 @@ def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None
     """
     check_inputs(config, reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
                  eval_reward_funcs=eval_reward_funcs)
+    if jax.process_count() > 1:  # processes started differently stop here together, before a folder is touched
+        started = to_dict(config)  # the processes differ in their id only
+        started["distributed"] = {**started["distributed"], **distributed.resolved_arguments(config.distributed),
+                                  "process_id": None}
+        distributed.check_same({"config": started, "code": distributed.code_fingerprint()}, "configs or code")
     config = runs.resolve(config)  # resume_from_checkpoint: the run folder it names or finds, as output_dir
     programs.use_compilation_cache(config.compilation_cache_dir)
     output_dir, resuming, held = runs.open_folder(config, multihost=jax.process_count() > 1)
@@ -310,6 +315,9 @@ def _build(config: Config, output_dir: Path, resuming: bool, loss_fn: Callable |
     reward_fns += tools.env_rewards(tooling)
     sharding.check_rows(tc.train_batch_size // tc.gradient_accumulation_steps, mesh,
                         "train.train_batch_size / train.gradient_accumulation_steps")
+    if jax.process_count() > 1:
+        distributed.check_same({"data": dataset.fingerprint, "eval_data": distributed.digest(eval_rows),
+                                "code": code_fingerprints.fingerprint(reward_fns, tooling)}, "data or reward code")
     schedule, optimizer = optimizer_from_config(tc, config.max_steps)
     state_options = dict(seed=config.seed, with_reference=config.loss.beta != 0.0, mesh=mesh,
                          ref_param_dtype=tc.ref_param_dtype, offload_ref_params=tc.offload_ref_params)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 
 from grpo_jax.algo.state import TrainState
@@ -19,7 +20,7 @@ from grpo_jax.api.run import build
 from grpo_jax.config import Config, to_dict
 from grpo_jax.data import prompts as data, sources
 from grpo_jax.device import sharding
-from grpo_jax.io import checkpoint, export, preemption
+from grpo_jax.io import checkpoint, export, preemption, supervisor
 from grpo_jax.io.reporting import MetricsWriter, is_eval, plot_run
 from grpo_jax.rewards import code_fingerprints
 from grpo_jax.rewards.functions import scored
@@ -144,6 +145,7 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool, too
     main = jax.process_index() == 0
     named = config.output_dir is not None  # else a rerun needs output_dir= added (`preemption.again`)
     preemption.Console.log_to(run.output_dir)
+    supervisor.report("output_dir", run.output_dir)
     print(f"grpo_jax: output_dir={run.output_dir}  devices={len(run.mesh.devices.flat)} "
           f"({jax.devices()[0].platform})  mesh={dict(run.mesh.shape)}  decoding in {run.decode_layout}")
     mngr = checkpoint.manager(run.output_dir, save_total_limit=config.save_total_limit)
@@ -165,12 +167,13 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool, too
 
     skipped, after, failure = 0, {}, None
     try:
-        with preemption.PreemptionGuard() as guard:
+        with preemption.PreemptionGuard(multihost=jax.process_count() > 1) as guard:
             while place.step < config.max_steps and not guard.requested:
                 place = _next_round(run, place, sampler, warned, toolbox)
-                place, lines, completions = _steps(run, place, sampler, stop=lambda: guard.requested,
+                place, lines, completions = _steps(run, place, sampler, stop=guard.stop,
                                                    max_skipped=config.train.max_nonfinite_steps - skipped)
                 writer.write_steps(lines, completions=completions)
+                supervisor.report("step", place.step)
                 skipped = _skipped(writer.history, config.train.max_nonfinite_steps,
                                    config.train.stop_on_zero_gradient)
                 if _due(config.eval.steps, place.step, config.max_steps) and not guard.requested:
@@ -184,7 +187,7 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool, too
                 save(wait=True)
             if guard.requested:
                 raise preemption.Preempted(guard.signum, place.step, mngr.directory / str(place.step),
-                                           preemption.again(run.output_dir, named))
+                                           preemption.again(run.output_dir, named), processes=jax.process_count())
     except preemption.Preempted:
         raise
     except (Exception, SystemExit, KeyboardInterrupt) as error:  # a library's sys.exit, or Python's interrupt
@@ -234,7 +237,7 @@ def _next_round(run: Run, place: Place, sampler, warned: set, toolbox) -> Place:
     return place._replace(plan=_plan(run, place.plan, round_batch))
 
 
-def _steps(run: Run, place: Place, sampler, *, stop: Callable[[], bool], max_skipped: int
+def _steps(run: Run, place: Place, sampler, *, stop: Callable[[int], bool], max_skipped: int
            ) -> tuple[Place, list[dict], list | None]:
     """The round's next optimizer steps (`run_steps`) up to the next save, evaluation, sampler feed or max_steps:
     the place after them (between rounds once the round's last step is done), their metrics lines and the round's
@@ -326,6 +329,8 @@ def _finish(run: Run, state: TrainState, writer: MetricsWriter, before: dict, af
         (run.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     fmt = export.export_policy(run.graphdef, run.config.model, state.params, final, tokenizer=run.tokenizer,
                                overwrite=True)  # the run's own final/ of an earlier end, replaced whole
+    if jax.process_count() > 1:  # the others wait here, not in the shutdown barrier, while process 0 writes it
+        multihost_utils.sync_global_devices("grpo_jax: the policy exported")
     if main:
         print(f"reward first 10% of steps={summary['reward_first_10pct']:.3f}  "
               f"last 10%={summary['reward_last_10pct']:.3f}  plot: {run.output_dir / 'reward.png'}  "

@@ -389,6 +389,10 @@ class DistributedConfig:
     num_processes: int | None = None  # None: JAX_NUM_PROCESSES or detection
     process_id: int | None = None  # None: JAX_PROCESS_ID or detection
     cpu_collectives: str | None = None  # CPU-only runs across processes: "gloo" (or "mpi")
+    # seconds without a process's heartbeat before the others stop (a host lost); a slow tool or disk sends them on
+    heartbeat_timeout: int = 60
+    initialization_timeout: int = 300  # seconds the processes wait for each other to start
+    shutdown_timeout: int = 300  # seconds a process that ends waits for the others to end
 
     def __post_init__(self):
         if self.mode not in DISTRIBUTED_MODES:
@@ -400,5 +404,8 @@ class DistributedConfig:
         if self.num_processes is not None and self.process_id is not None and self.process_id >= self.num_processes:
             raise ValueError(f"distributed.process_id={self.process_id} must be < distributed.num_processes="
                              f"{self.num_processes}")
+        for key in ("heartbeat_timeout", "initialization_timeout", "shutdown_timeout"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"distributed.{key}={getattr(self, key)} must be >= 1 (seconds)")
         if self.cpu_collectives not in (None, "gloo", "mpi"):
             raise ValueError(f"distributed.cpu_collectives={self.cpu_collectives!r}: use gloo, mpi or null")

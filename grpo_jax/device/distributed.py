@@ -5,11 +5,18 @@ TPU VM). Every process runs the same program; each feeds its own rows (`sharding
 spans all processes' devices. Where JAX detects the cluster itself (Cloud TPU, SLURM, Open MPI, Kubernetes)
 `mode="auto"` needs nothing else; elsewhere give the coordinator `host:port`, the process count and this
 process's id, in the config or as JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID.
+
+JAX's coordination service watches the processes: one whose heartbeats stop for `heartbeat_timeout` seconds (a host
+lost) stops all the others (`grpo_jax.io.supervisor` says which in one line). `check_same` refuses processes started
+differently (config, code, data) before anything compiles.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+from pathlib import Path
 
 from grpo_jax.config.sections import DistributedConfig
 
@@ -38,6 +45,11 @@ def _auto_wanted(args: dict) -> bool:
     return args["coordinator_address"] is not None or any(os.environ.get(v) for v in cluster_vars)
 
 
+def wanted(config: DistributedConfig) -> bool:
+    """Whether `initialize` joins a multi-process run (without importing jax)."""
+    return config.mode == "always" or (config.mode == "auto" and _auto_wanted(resolved_arguments(config)))
+
+
 def initialize(config: DistributedConfig) -> bool:
     """Joins the multi-process run as configured (call first, before any jax computation); True if it did.
 
@@ -45,11 +57,9 @@ def initialize(config: DistributedConfig) -> bool:
     """
     import jax  # here, not at import: the config (and `grpo-jax --help`) must not pull in jax
 
-    if config.mode == "never":
+    if not wanted(config):
         return False
     args = resolved_arguments(config)
-    if config.mode == "auto" and not _auto_wanted(args):
-        return False
     if config.cpu_collectives is not None:
         jax.config.update("jax_cpu_collectives_implementation", config.cpu_collectives)
     given = {k: v for k, v in args.items() if v is not None}
@@ -58,5 +68,60 @@ def initialize(config: DistributedConfig) -> bool:
         raise ValueError("distributed: a coordinator_address without num_processes and process_id (and no cluster "
                          "JAX can detect): set distributed.num_processes and distributed.process_id, or "
                          "JAX_NUM_PROCESSES and JAX_PROCESS_ID")
-    jax.distributed.initialize(**given)
+    try:
+        jax.distributed.initialize(**given, initialization_timeout=config.initialization_timeout,
+                                   heartbeat_timeout_seconds=config.heartbeat_timeout,
+                                   shutdown_timeout_seconds=config.shutdown_timeout)
+    except Exception as e:  # the coordination service's multi-line status: what to check, in one line
+        status = " ".join(str(e).split())[:300]
+        raise ValueError(f"distributed: this process (process_id {args['process_id']}) could not join the run at "
+                         f"{args['coordinator_address']} ({status}): start every process with the same "
+                         "distributed.coordinator_address and num_processes") from e
     return True
+
+
+def code_fingerprint() -> str:
+    """A digest of grpo_jax's own source files and the jax version: processes running other code differ in it."""
+    import jax
+
+    digest = hashlib.sha256(jax.__version__.encode())
+    package = Path(__file__).resolve().parents[1]
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def digest(value) -> str:
+    """A short digest of a JSON-able value (rows of data)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    out = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}{key}."))
+    return out
+
+
+def check_same(parts: dict, what: str) -> None:
+    """Every process's ``parts`` (JSON-able, nested dicts flattened to dotted keys) compared once through a
+    collective, on every process alike: a ValueError naming the keys that differ between processes and their values,
+    the same on all of them (so they stop together). ``what``: which start-up check this is, for the message. Call on
+    every process, in the same order, with several processes."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    mine = json.dumps(_flat(parts), sort_keys=True, default=str).encode()
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(len(mine))))
+    width = 1 << max(int(sizes.max()) - 1, 1).bit_length()  # a power of two: few compiled shapes
+    padded = np.frombuffer(mine.ljust(width, b" "), np.uint8)
+    gathered = np.asarray(multihost_utils.process_allgather(padded))
+    tables = [json.loads(bytes(row[:size]).decode()) for row, size in zip(gathered, sizes)]
+    keys = sorted({k for t in tables for k in t if len({json.dumps(u.get(k), default=str) for u in tables}) > 1})
+    if keys:
+        shown = "; ".join(f"{k}: " + ", ".join(f"process {i} {t.get(k, '(absent)')!r}" for i, t in enumerate(tables))
+                          for k in keys[:4]) + (f"; and {len(keys) - 4} more" if len(keys) > 4 else "")
+        raise ValueError(f"distributed: the {len(tables)} processes were started with different {what} ({shown}): "
+                         "start every process with the same command, code and data")

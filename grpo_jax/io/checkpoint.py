@@ -41,8 +41,9 @@ CHECKSUMS = "checksums.json"  # in each step folder: {"algorithm", "files": {rel
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's temporary step folders: `<step>.orbax-checkpoint-tmp`
 UNHASHED = (CHECKSUMS, "_CHECKPOINT_METADATA")  # orbax rewrites its step metadata (timestamps) at the rename
 # top-level and section keys that may change between a run and its resume (dotted; "eval" covers the section)
-RESUMABLE_KEYS = ("output_dir", "max_steps", "logging_steps", "save_steps", "save_total_limit", "resume",
-                  "resume_from_checkpoint",
+# where the processes meet and how the devices are laid out: a rescheduled pod job, or fewer or more hosts
+RESUMABLE_KEYS = ("output_dir", "distributed", "mesh", "max_steps", "logging_steps", "save_steps", "save_total_limit",
+                  "resume", "resume_from_checkpoint",
                   "cpu_speedups", "host_allocator", "compilation_cache_dir", "eval", "train.max_nonfinite_steps",
                   "train.stop_on_zero_gradient",
                   "data.allow_changed", "reward.allow_changed", "num_train_epochs", "disable_tqdm",

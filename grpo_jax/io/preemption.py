@@ -44,12 +44,19 @@ def again(output_dir: Path, named: bool = True) -> str:
 
 
 class Preempted(Exception):
-    """Raised by `train` after a SIGTERM/SIGINT: the step finished and a checkpoint was written."""
+    """Raised by `train` after a SIGTERM/SIGINT: the step finished and a checkpoint was written. ``processes``: how
+    many processes stopped and saved together (a preemption notice on any of them)."""
 
-    def __init__(self, signum: int, step: int, path: Path, rerun: str = "run the same command again"):
+    def __init__(self, signum: int, step: int, path: Path, rerun: str = "run the same command again",
+                 processes: int = 1):
         self.signum, self.step, self.path = signum, step, path
-        super().__init__(f"{signal.Signals(signum).name} received: stopped after optimizer step {step} and saved "
-                         f"{path}; {rerun} to resume")
+        if processes == 1:
+            super().__init__(f"{signal.Signals(signum).name} received: stopped after optimizer step {step} and saved "
+                             f"{path}; {rerun} to resume")
+        else:
+            super().__init__(f"a preemption notice ({signal.Signals(signum).name}) reached the run: its {processes} "
+                             f"processes stopped after optimizer step {step} and saved {path} together; {rerun} on "
+                             "every host to resume")
 
     @property
     def exit_code(self) -> int:
@@ -58,21 +65,46 @@ class Preempted(Exception):
 
 
 class PreemptionGuard:
-    """Context manager: the first SIGTERM/SIGINT/SIGHUP sets `requested`; a second one exits the process at once."""
+    """Context manager: the first SIGTERM/SIGINT/SIGHUP sets `requested`; a second one exits the process at once.
 
-    def __init__(self, signals: Iterable[int] = SIGNALS):
-        self.signals = tuple(signals)
+    `multihost` (several processes): SIGTERM stays with JAX's preemption notifier, which tells every process, and
+    SIGINT/SIGHUP are passed on to it as a SIGTERM; `stop(step)`, asked at every step boundary by every process,
+    becomes true on all of them at the same step (`multihost_utils.reached_preemption_sync_point`), so that all
+    save that step together. One process: `stop` reads the flag and costs nothing.
+    """
+
+    def __init__(self, signals: Iterable[int] = SIGNALS, *, multihost: bool = False):
+        self.multihost = multihost
+        self.signals = tuple(s for s in signals if not (multihost and s == signal.SIGTERM))
         self.signum: int | None = None
+        self.received: int | None = None  # the signal this process got itself (multihost)
         self._previous: dict = {}
 
     @property
     def requested(self) -> bool:
         return self.signum is not None
 
+    def stop(self, step: int) -> bool:
+        """Whether to stop before optimizer step ``step`` + 1 (after ``step`` steps) and save."""
+        if self.signum is None and self.multihost:
+            from jax.experimental import multihost_utils
+
+            if multihost_utils.reached_preemption_sync_point(step):
+                self.signum = self.received or signal.SIGTERM
+                print(f"\ngrpo_jax: a preemption notice reached the run: every process stops after optimizer step "
+                      f"{step} and saves it", flush=True)
+        return self.signum is not None
+
     def _handle(self, signum, frame):
-        if self.signum is not None:
+        if self.signum is not None or self.received is not None:
             print(f"\ngrpo_jax: second {signal.Signals(signum).name}: exiting now without saving", flush=True)
             os._exit(128 + signum)
+        if self.multihost:  # JAX's notifier tells the other processes; `stop` then agrees on the step
+            self.received = signum
+            print(f"\ngrpo_jax: {signal.Signals(signum).name} received: every process finishes the optimizer step "
+                  "that all of them reach, then saves a checkpoint (send it again to exit at once)", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         self.signum = signum
         print(f"\ngrpo_jax: {signal.Signals(signum).name} received: finishing the current optimizer step, then "
               "saving a checkpoint (send it again to exit at once)", flush=True)

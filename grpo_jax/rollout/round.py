@@ -276,11 +276,11 @@ def prepare_round(run: Run, state: TrainState, data_state: data.DataState, round
 
 
 def run_steps(run: Run, state: TrainState, round_batch: RoundBatch, *, until: int,
-              stop: Callable[[], bool] | None = None,
+              stop: Callable[[int], bool] | None = None,
               max_skipped: int | None = None) -> tuple[TrainState, RoundBatch, list[dict]]:
     """The round's next optimizer steps, up to step `until` (counted over the run) or the round's end.
 
-    `stop()` is checked before each step (preemption). Steps are dispatched back to back and their metrics
+    `stop(steps done)` is asked before each step (preemption). Steps are dispatched back to back and their metrics
     fetched once at the end; with `max_skipped` the call also ends right after the step that makes more than
     that many skipped (non-finite) steps, whose flags it fetches only once that many more steps could exceed it.
     Returns the state, the round with its new position, and one metrics line per step.
@@ -291,7 +291,8 @@ def run_steps(run: Run, state: TrainState, round_batch: RoundBatch, *, until: in
     pending, position = [], rb.position
     num_rows = len(rb.rows.completion_ids)
     unchecked = 0  # steps dispatched since the skipped flags were last fetched
-    while position < last and not (stop is not None and stop()) and (max_skipped is None or max_skipped >= 0):
+    while position < last and not (stop is not None and stop(rb.first_step + position)) and \
+            (max_skipped is None or max_skipped >= 0):
         step_rows = rb.step_rows[position]
         # a step of all the round's rows in order (one step per round) takes them as they are, without a gather
         in_order = len(step_rows) == num_rows and np.array_equal(step_rows, np.arange(num_rows))

@@ -65,3 +65,24 @@ def test_a_run_stops_right_past_the_non_finite_limit_or_when_its_gradient_stays_
     # train.stop_on_zero_gradient=false (GRPOConfig's, as TRL goes on): only the non-finite limit stops it
     assert preemption.stalled([ok, dead, dead, dead], 2, zero_gradient=False) is None
     assert preemption.stalled([skipped, dead, skipped, skipped], 2, zero_gradient=False).startswith("3 optimizer")
+
+
+MULTIHOST_GUARD_SCRIPT = textwrap.dedent("""
+    import os, signal, time
+    from grpo_jax.io.preemption import PreemptionGuard
+    with PreemptionGuard(multihost=True) as guard:
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # left to JAX's preemption notifier
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+        print("not passed on", flush=True)
+""")
+
+
+def test_several_processes_pass_sigint_on_to_jaxs_preemption_notifier_as_sigterm():
+    """With several processes SIGTERM is JAX's (its notifier tells every process); SIGINT becomes a SIGTERM to this
+    process, here with no notifier installed, so the default action ends it."""
+    result = subprocess.run([sys.executable, "-c", MULTIHOST_GUARD_SCRIPT], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == -signal.SIGTERM, result.stderr
+    assert "SIGINT received: every process finishes the optimizer step that all of them reach" in result.stdout
+    assert "not passed on" not in result.stdout
