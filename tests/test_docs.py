@@ -231,3 +231,11 @@ def test_readme_python_examples_run():
     library = [ns for ns in namespaces if "train_step" in ns]
     assert len(library) == 1, "docs/modules.md should show one library example ending in a train step"
     assert int(library[0]["state"].step) == 1 and set(library[0]["metrics"]) >= {"loss", "grad_norm", "kl"}
+
+
+def test_every_commands_help_prints_its_percent_signs_once():
+    """argparse formats help strings, not descriptions: a `%%` in a description is printed as written."""
+    for command in ("plan", "export", "verify"):
+        result = subprocess.run([sys.executable, "-m", "grpo_jax", command, "--help"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0 and "%%" not in result.stdout, (command, result.stdout)

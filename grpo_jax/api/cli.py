@@ -89,7 +89,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="grpo-jax plan", description="Compile a run's programs (prefill, a decode step, the log-prob forward, "
         "the train step) for a topology without allocating anything, and print each phase's memory per chip, "
-        "FLOPs, bytes and roofline time; exits 1 when a phase does not fit in 90%% of a chip's HBM.")
+        "FLOPs, bytes and roofline time; exits 1 when a phase does not fit in 90% of a chip's HBM.")
     parser.add_argument("--topology", required=True,
                         help="a TPU slice such as v5p:4x4x4, v6e:8x8, v5e:2x2 (compiled here with libtpu), or local "
                         "(the devices at hand)")
