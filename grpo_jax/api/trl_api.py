@@ -338,15 +338,23 @@ class GRPOTrainer:
         return trl_line({**metrics, "step": step})
 
     def save_model(self, output_dir: str | os.PathLike | None = None) -> None:
-        """TRL's `save_model`: the trained policy as a Hugging Face folder (the run's `final/`, tokenizer included)
-        copied to `output_dir` (default: `args.output_dir`, where it already is as `final/`)."""
+        """TRL's `save_model`: the trained policy as a Hugging Face folder (the run's `final/`: config.json, the
+        safetensors, the tokenizer, generation_config.json; PEFT's adapter files under LoRA) written into
+        `output_dir` (default: `args.output_dir`, the run's own folder, as TRL writes it there), so that
+        `from_pretrained(output_dir)` loads it. The run's own files (config.yaml, checkpoints/, ...) keep other names."""
         if self._output_dir is None:
             raise ValueError("save_model before train(): nothing is trained yet; call trainer.train() first, or "
                              "export a checkpoint with `grpo-jax export`")
         final = Path(self._output_dir) / "final"
-        if output_dir is None or Path(output_dir).resolve() in (final.resolve(), Path(self._output_dir).resolve()):
-            return  # the run's own folder: the policy is in final/ already, beside the checkpoints
-        shutil.copytree(final, output_dir, dirs_exist_ok=True)
+        out = Path(self._output_dir if output_dir is None else output_dir)
+        if out.resolve() == final.resolve():
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        for entry in final.iterdir():
+            if entry.is_dir():
+                shutil.copytree(entry, out / entry.name, dirs_exist_ok=True)
+            else:
+                shutil.copy2(entry, out / entry.name)
 
 
 logger = logging.getLogger("trl.trainer.grpo_trainer")  # TRL's logger, so a script's log filters apply

@@ -49,7 +49,8 @@ class Config:
     report_to: tuple[str, ...] = ("jsonl",)  # jsonl, tensorboard, wandb (TRL's name); [] logs to none
     log_completions: bool = False  # every logging_steps: the round's completions, rewards and advantages (TRL)
     num_completions_to_print: int | None = None  # of those, rows printed to the console; None: all (TRL)
-    save_steps: int = 500  # checkpoint every N optimizer steps (0: only at the end and on SIGTERM/SIGINT)
+    # checkpoint every N optimizer steps (0: only at the end and on SIGTERM/SIGINT; -1: once an epoch, `for_run`)
+    save_steps: int = 500
     save_total_limit: int | None = 2  # checkpoints kept (oldest deleted first); None: keep all
     resume: bool = True  # continue from output_dir's newest checkpoint; false: a non-empty output_dir is an error
     resume_from_checkpoint: bool | str | None = None  # TRL's: true / a run folder: continue that run (grpo_jax.io.runs)
@@ -89,7 +90,8 @@ class Config:
         check(self.resume_from_checkpoint is None or isinstance(self.resume_from_checkpoint, (bool, str)),
               f"resume_from_checkpoint={self.resume_from_checkpoint!r}: give true (the newest run of this config, or "
               "output_dir's) or a run folder")
-        check(self.save_steps >= 0, f"save_steps={self.save_steps} must be >= 0 (0: save only at the end)")
+        check(self.save_steps >= -1, f"save_steps={self.save_steps} must be >= 0 (0: save only at the end; -1: once "
+              "an epoch)")
         check(self.cpu_speedups is None or isinstance(self.cpu_speedups, bool),
                f"cpu_speedups={self.cpu_speedups!r} must be true, false or null (null: on when jax's backend is cpu)")
         check(self.host_allocator in HOST_ALLOCATORS, f"host_allocator={self.host_allocator!r} is not supported: "
@@ -148,8 +150,8 @@ def for_run(config: Config, *, row_devices: int, num_prompts: int | None) -> Con
     """`config` with TRL's run-dependent options turned into ours once the run is built: `per_device_train_batch_size`
     as `train.train_batch_size` (x `row_devices`, the devices the rows are split over, x gradient accumulation),
     `max_steps=-1` as the steps of `num_train_epochs` passes over `num_prompts` prompts (TRL's count: whole rounds
-    per pass x optimizer steps per round), and `train.warmup_ratio` as `train.warmup_steps` (ceil of ratio x steps,
-    transformers' `get_warmup_steps`)."""
+    per pass x optimizer steps per round), `save_steps=-1` as the steps of one such pass, and `train.warmup_ratio` as
+    `train.warmup_steps` (ceil of ratio x steps, transformers' `get_warmup_steps`)."""
     tc = config.train
     if tc.per_device_train_batch_size is not None:
         rows = tc.per_device_train_batch_size * row_devices * tc.gradient_accumulation_steps
@@ -159,17 +161,21 @@ def for_run(config: Config, *, row_devices: int, num_prompts: int | None) -> Con
             raise ValueError(f"per_device_train_batch_size={config.train.per_device_train_batch_size} x {row_devices} "
                              f"devices x gradient_accumulation_steps={tc.gradient_accumulation_steps} = {rows} rows "
                              f"per step: {e}") from e
-    max_steps = config.max_steps
-    if max_steps == -1:
-        check(num_prompts is not None, "max_steps=-1 with num_train_epochs needs a dataset of known size: set "
-              "max_steps")
+    max_steps, save_steps = config.max_steps, config.save_steps
+    if max_steps == -1 or save_steps == -1:
+        what = "max_steps=-1 with num_train_epochs" if max_steps == -1 else "save_steps=-1 (save_strategy=epoch)"
+        check(num_prompts is not None, f"{what} needs a dataset of known size: set "
+              f"{'max_steps' if max_steps == -1 else 'save_steps'}")
         rounds = num_prompts // tc.prompts_per_round  # TRL's sampler drops the last partial generation batch
-        check(rounds >= 1, f"num_train_epochs with {num_prompts} prompts: a round takes {tc.prompts_per_round} "
+        check(rounds >= 1, f"{what} with {num_prompts} prompts: a round takes {tc.prompts_per_round} "
               "prompts, so an epoch holds no whole round; set max_steps or use more prompts")
-        max_steps = max(1, math.ceil(config.num_train_epochs * rounds * tc.steps_per_round))
+        if max_steps == -1:
+            max_steps = max(1, math.ceil(config.num_train_epochs * rounds * tc.steps_per_round))
+        if save_steps == -1:
+            save_steps = rounds * tc.steps_per_round
     if tc.warmup_ratio and not tc.warmup_steps:
         tc = dataclasses.replace(tc, warmup_steps=math.ceil(max_steps * tc.warmup_ratio))
-    return dataclasses.replace(config, train=tc, max_steps=max_steps)
+    return dataclasses.replace(config, train=tc, max_steps=max_steps, save_steps=save_steps)
 
 
 def to_dict(config: Any) -> dict:

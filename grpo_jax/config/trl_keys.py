@@ -144,7 +144,6 @@ OFF = {
     "neftune_noise_alpha": ((None,), "grpo_jax adds no embedding noise: remove the key"),
     "auto_find_batch_size": ((False,), "TRL's GRPO refuses it too: set train.train_batch_size"),
     "logging_strategy": (("steps",), "grpo_jax logs every logging_steps optimizer steps: set logging_steps"),
-    "save_strategy": (("steps",), "grpo_jax checkpoints every save_steps steps: set save_steps (0: at the end)"),
     "push_to_hub": ((False,), "write a Hugging Face folder with `grpo-jax export`, then upload it "
                               "(`huggingface-cli upload`)"),
     "log_completions_hub_repo": ((None,), "completions go to completions.jsonl in output_dir (log_completions)"),
@@ -293,12 +292,30 @@ def _geometry(values: dict) -> None:
     train["steps_per_generation"] = rows // step_rows
 
 
+SAVE_STRATEGIES = {"no": 0, "epoch": -1}  # TRL's save_strategy as our save_steps ("steps": save_steps as given)
+
+
+def _save_strategy(values: dict) -> None:
+    """TRL's `save_strategy` as our `save_steps`, in place: "no" is no checkpoint between the steps (0: grpo_jax
+    still saves at the end and when a run stops, so that it can resume), "epoch" one an epoch (-1), "steps" every
+    `save_steps`."""
+    strategy = values.pop("save_strategy", "steps")
+    strategy = "no" if strategy is False else strategy  # YAML 1.1 reads a bare no as false
+    if strategy == "steps":
+        return
+    if strategy not in SAVE_STRATEGIES:
+        raise ValueError(f"config key save_strategy={strategy!r} is TRL's: use no, epoch or steps (grpo_jax keeps the "
+                         "newest checkpoints, not the best: save_total_limit)")
+    values["save_steps"] = SAVE_STRATEGIES[strategy]
+
+
 def resolve(values: dict) -> dict:
     """Merged values with TRL's batch geometry (`_geometry`), `use_peft` and `disable_dropout` applied: use_peft true
     turns on LoRA with TRL's rank 16, alpha 32 and dropout 0.05 unless given (`lora_r`, `model.lora.rank`, ...);
     false refuses adapters given another way. disable_dropout true zeroes the adapters' dropout, as TRL's
     `disable_dropout_in_model` zeroes every ``nn.Dropout`` of the PEFT model (grpo_jax's models have no other)."""
     _geometry(values)
+    _save_strategy(values)
     disable_dropout = values.pop("disable_dropout", False)
     if not isinstance(disable_dropout, bool):
         raise ValueError(f"config key disable_dropout={disable_dropout!r} must be true or false")

@@ -64,6 +64,17 @@ def test_train_returns_trls_output_and_keeps_the_history_in_memory(tmp_path, cap
         trainer.evaluate()  # eval.num_examples=0: the run evaluated nothing
     trainer.save_model(tmp_path / "saved")
     assert (tmp_path / "saved" / "config.json").is_file() and (tmp_path / "saved" / "model.safetensors").is_file()
+    # with no folder, where TRL writes it: the run's own output_dir, which transformers then loads (before: only
+    # final/ held it, and from_pretrained(output_dir) failed for want of config.json's model_type)
+    import transformers
+
+    trainer.save_model()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run")
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert all(np.array_equal(a.detach().numpy(), b.detach().numpy())
+               for a, b in zip(loaded.state_dict().values(), saved.state_dict().values()))
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "run").get_vocab()
+    assert (tmp_path / "run" / "config.yaml").is_file() and (tmp_path / "run" / "checkpoints").is_dir()
 
     # TRL's layout names checkpoint 2 RUN/checkpoint-2: it resumes the run, whose history goes on
     more = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS, eval_dataset=ROWS[:4],

@@ -159,3 +159,21 @@ def test_chat_template_kwargs_is_one_json_object(override):
 def test_bad_chat_template_kwargs_name_the_key(override, match):
     with pytest.raises(ValueError, match=rf"^data\.chat_template_kwargs=.*{match}"):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("strategy, save_steps, per_epoch", [("no", 0, 0), ("'no'", 0, 0), ("epoch", -1, 80),
+                                                               ("steps", 7, 7)])
+def test_save_strategy_means_what_it_means_in_trl(strategy, save_steps, per_epoch):
+    """TRL's save_strategy (before: refused unless "steps"): "no" saves no checkpoint between the steps (one at the end
+    and at a stop still, so that the run resumes), "epoch" one an epoch (640 prompts, 8 a one-step round: 80 steps),
+    "steps" every save_steps; the same through GRPOConfig; "best" is refused in one line."""
+    from grpo_jax import GRPOConfig
+    from grpo_jax.config import for_run
+
+    config = load_config(None, [f"save_strategy={strategy}", "save_steps=7"])
+    assert config.save_steps == save_steps
+    assert (config.train.prompts_per_round, config.train.steps_per_round) == (8, 1)
+    assert for_run(config, row_devices=1, num_prompts=640).save_steps == per_epoch
+    assert GRPOConfig(output_dir="/tmp/x", save_strategy=yaml.safe_load(strategy), save_steps=7).save_steps == save_steps
+    with pytest.raises(ValueError, match=r"^config key save_strategy='best' is TRL's: use no, epoch or steps"):
+        load_config(None, ["save_strategy=best"])
