@@ -189,6 +189,17 @@ def to_dict(config: Any) -> dict:
     return plain(config)
 
 
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """Nested dicts (a config as `to_dict` gives it) as one dict of dotted keys: {"train.learning_rate": ...}."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
 def with_defaults(saved: dict, defaults: dict | None = None) -> dict:
     """A saved config (plain data) with the keys added since it was written at their defaults, which is what it ran
     with: a resume compares like with like (`checkpoint.check_compatible`)."""

@@ -18,6 +18,7 @@ import json
 import os
 from pathlib import Path
 
+from grpo_jax.config import flatten
 from grpo_jax.config.sections import DistributedConfig
 
 
@@ -96,15 +97,6 @@ def digest(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _flat(tree, prefix: str = "") -> dict:
-    if not isinstance(tree, dict):
-        return {prefix[:-1]: tree}
-    out = {}
-    for key, value in tree.items():
-        out.update(_flat(value, f"{prefix}{key}."))
-    return out
-
-
 def check_same(parts: dict, what: str) -> None:
     """Every process's ``parts`` (JSON-able, nested dicts flattened to dotted keys) compared once through a
     collective, on every process alike: a ValueError naming the keys that differ between processes and their values,
@@ -113,7 +105,7 @@ def check_same(parts: dict, what: str) -> None:
     import numpy as np
     from jax.experimental import multihost_utils
 
-    mine = json.dumps(_flat(parts), sort_keys=True, default=str).encode()
+    mine = json.dumps(flatten(parts), sort_keys=True, default=str).encode()
     sizes = np.asarray(multihost_utils.process_allgather(np.int32(len(mine))))
     width = 1 << max(int(sizes.max()) - 1, 1).bit_length()  # a power of two: few compiled shapes
     padded = np.frombuffer(mine.ljust(width, b" "), np.uint8)

@@ -33,6 +33,7 @@ import orbax.checkpoint as ocp
 import xxhash
 
 from grpo_jax.algo.trajectory import Trajectory
+from grpo_jax.config import flatten
 from grpo_jax.config.moved import current_path
 
 CHECKPOINTS = "checkpoints"
@@ -359,16 +360,6 @@ def saved_config(output_dir: Path) -> dict | None:
     return None if meta is None else meta["config"]
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
-
-
 def _resumable(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS)
 
@@ -376,8 +367,8 @@ def _resumable(key: str) -> bool:
 def check_compatible(saved: dict, new: dict) -> None:
     """Raises a ValueError listing every dotted key (with both values) that differs and may not change on resume."""
     # a "module:function" written before its module moved (grpo_jax.config.moved) names the same function
-    saved_flat = {k: current_path(v) for k, v in _flatten(saved).items()}
-    new_flat = {k: current_path(v) for k, v in _flatten(new).items()}
+    saved_flat = {k: current_path(v) for k, v in flatten(saved).items()}
+    new_flat = {k: current_path(v) for k, v in flatten(new).items()}
     missing = object()
     diffs = [f"{k}: saved {saved_flat.get(k, missing)!r}, now {new_flat.get(k, missing)!r}"
              .replace(repr(missing), "(absent)")
