@@ -65,7 +65,11 @@ POLICY_LOSS_SHARES = ("cispo", "dapo", "vespo")
 
 # LossAux field -> metric name as TRL logs it (docs/algorithms.md §9); other fields keep their own name
 AUX_METRIC_NAMES = {"kl": "kl", "clip_ratio_low": "clip_ratio/low_mean", "clip_ratio_high": "clip_ratio/high_mean",
-                    "clip_ratio_region": "clip_ratio/region_mean"}
+                    "clip_ratio_region": "clip_ratio/region_mean", "clip_ratio_low_min": "clip_ratio/low_min",
+                    "clip_ratio_high_max": "clip_ratio/high_max"}
+# batch extremes, not token means: the step logs their mean over micro-batches (TRL's mean of per-micro-batch values)
+MICRO_BATCH_MEANS = ("clip_ratio/low_min", "clip_ratio/high_max")
+CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", *MICRO_BATCH_MEANS)
 
 
 def _aux_dict(aux) -> dict:
@@ -142,7 +146,10 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
         tokens = jnp.sum(micro.loss_mask).astype(jnp.float32)
         aux = _aux_dict(aux)
         policy = aux.pop("policy_loss", None)
+        extremes = {name: aux.pop(name) for name in MICRO_BATCH_MEANS if name in aux}
         aux = jax.tree.map(lambda x: jax.lax.stop_gradient(x) * tokens, aux)
+        for name, value in extremes.items():  # scaled back by the token weighting below; a batch of no rows: 0
+            aux[name] = jnp.nan_to_num(jax.lax.stop_gradient(value)) / M * num_items
         if policy is not None:  # a share of the step's loss, summed (scaled back by the token weighting below)
             share = 1.0 / M if options.loss.loss_type in POLICY_LOSS_SHARES else 1.0
             aux["policy_loss"] = jax.lax.stop_gradient(policy) * share * num_items
@@ -193,7 +200,7 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
         aux_mean.pop("kl", None)  # no reference, no kl metric
     if options.loss_fn is None:  # log only the ratios this loss_type has, as TRL does
         if options.loss.loss_type not in CLIPPED_LOSS_TYPES:
-            for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+            for name in CLIP_METRICS:
                 aux_mean.pop(name, None)
         if options.loss.loss_type != "cispo":
             aux_mean.pop("cispo_clip_ratio", None)

@@ -225,7 +225,7 @@ def router_aux_loss_coef(config: Config) -> float:
 def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None, eval_dataset=None,
           reward_funcs: Sequence[Callable | str] | None = None, tools: Sequence[Callable | str] | None = None,
           environment_factory=None, eval_reward_funcs: Sequence[Callable | str] | None = None,
-          reward_processing_classes=None) -> tuple[Run, TrainState, lock.RunLock]:
+          reward_processing_classes=None, restart: bool = False) -> tuple[Run, TrainState, lock.RunLock]:
     """Resolves data, rewards, mesh, optimizer and the initial train state; builds the device programs.
 
     `loss_fn` replaces `grpo_jax.losses.compute_loss` in the train step (same signature; see
@@ -235,7 +235,8 @@ def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None
     `*ForSequenceClassification` objects, whose tokenizers `reward_processing_classes` gives) replaces
     `reward.functions` and `eval_reward_funcs` `eval.reward_functions`; `tools` and `environment_factory` replace
     the config's. None of these is part of `config.yaml`: a resumed run must be given them again.
-    An `output_dir` holding a run is checked against its config.yaml (`checkpoint.check_compatible`). Returns
+    An `output_dir` holding a run is checked against its config.yaml (`checkpoint.check_compatible`), or with
+    `restart` set aside for a new run (`runs.open_folder`). Returns
     the run, its initial train state and `output_dir`'s lock, held (a ValueError names the process holding it
     already) until its `release()`, which `train` calls at its end.
     """
@@ -248,7 +249,7 @@ def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None
         distributed.check_same({"config": started, "code": distributed.code_fingerprint()}, "configs or code")
     config = runs.resolve(config)  # resume_from_checkpoint: the run folder it names or finds, as output_dir
     programs.use_compilation_cache(config.compilation_cache_dir)
-    output_dir, resuming, held = runs.open_folder(config, multihost=jax.process_count() > 1)
+    output_dir, resuming, held = runs.open_folder(config, multihost=jax.process_count() > 1, restart=restart)
     tool_specs = config.tools if tools is None else tuple(tools)
     factories = config.environment_factory if environment_factory is None else environment_factory
     try:

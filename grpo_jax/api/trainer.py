@@ -45,6 +45,7 @@ class Place(NamedTuple):
     round_index: int
     step: int  # optimizer steps done: the state's, known without a device sync
     plan: stream.SlotPlan = stream.SlotPlan()  # a speed choice: the tokens do not depend on it
+    tokens_seen: int = 0  # the rounds' prompt and completion tokens so far (TRL's num_tokens, in the history)
 
 
 def _meta(run: Run, place: Place, history: list, eval_before: dict) -> dict:
@@ -95,16 +96,21 @@ def _restore(run: Run, state: TrainState, mngr) -> tuple[Place, list, dict | Non
     where = "" if round_batch is None else f", inside round {round_batch.round_index} ({round_batch.position} " \
         f"of its {len(round_batch.step_rows)} steps done)"
     print(f"grpo_jax: resuming from checkpoint {mngr.directory / str(resumed.step)} at step {resumed.step}{where}")
-    place = Place(resumed.state, data.DataState(**resumed.data), round_batch, resumed.round_index, resumed.step)
+    # the newest step line's num_tokens counts every round up to its own, the one resumed inside included
+    seen = next((line["num_tokens"] for line in reversed(resumed.history) if "num_tokens" in line), 0)
+    place = Place(resumed.state, data.DataState(**resumed.data), round_batch, resumed.round_index, resumed.step,
+                  tokens_seen=seen)
     return place, resumed.history, resumed.eval_before, resumed.arrays
 
 
 def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | None = None, train_dataset=None,
           eval_dataset=None, reward_funcs: list | None = None, tools: list | None = None,
-          environment_factory=None, eval_reward_funcs: list | None = None, reward_processing_classes=None) -> dict:
+          environment_factory=None, eval_reward_funcs: list | None = None, reward_processing_classes=None,
+          restart: bool = False) -> dict:
     """Runs GRPO as configured and returns a summary (eval before/after, skipped steps, output_dir).
 
-    Continues the run in `output_dir` from its newest checkpoint when there is one (`resume`). Saves every
+    Continues the run in `output_dir` from its newest checkpoint when there is one (`resume`), unless `restart`
+    (TRL's `train()`) sets that run aside and starts again (`runs.open_folder`). Saves every
     `save_steps` steps and at the end, then exports the policy to `output_dir/final/`. On SIGTERM/SIGINT it
     finishes the step, saves, and raises `preemption.Preempted`; any other exception during training saves the
     last good state first and raises `preemption.RunFailed` saying what failed (`preemption.failed`); a
@@ -121,7 +127,8 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
                     eval_reward_funcs=eval_reward_funcs)
     run, state, held = build(config, loss_fn=loss_fn, train_dataset=train_dataset, eval_dataset=eval_dataset,
                              reward_funcs=reward_funcs, tools=tools, environment_factory=environment_factory,
-                             eval_reward_funcs=eval_reward_funcs, reward_processing_classes=reward_processing_classes)
+                             eval_reward_funcs=eval_reward_funcs, reward_processing_classes=reward_processing_classes,
+                             restart=restart)
     toolbox = None  # the thread pool of the tool calls: this loop's, closed below however the run ends
     try:
         toolbox = open_toolbox(run.tooling)
@@ -150,6 +157,7 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool, too
           f"({jax.devices()[0].platform})  mesh={dict(run.mesh.shape)}  decoding in {run.decode_layout}")
     mngr = checkpoint.manager(run.output_dir, save_total_limit=config.save_total_limit)
     place, history, before, arrays = _restore(run, state, mngr)
+    first_step = place.step
     compile_seconds = _compile_ahead(run, place.state)
     warned: set = set()  # the keys of the warnings given once a run, not every round (`prepare_round`)
     sampler = None  # asynchronous rounds: sampled ahead by a thread (`grpo_jax.rollout.async_rounds`)
@@ -195,7 +203,10 @@ def _train(config: Config, run: Run, state: TrainState, show_progress: bool, too
         raise _stopped(error, run, place, sampler, writer, saved_step, save, named) from error
     finally:
         _close(run, mngr, writer, sampler, failure, main)
-    return _finish(run, place.state, writer, before, after, skipped, compile_seconds, main)
+    counts = {"steps_trained": place.step - first_step, "train_batch_size": config.train.train_batch_size,
+              "skipped_steps": skipped,
+              "compile_seconds": round(compile_seconds, 2)}
+    return _finish(run, place.state, writer, before, after, counts, main)
 
 
 def _compile_ahead(run: Run, state: TrainState) -> float:
@@ -230,11 +241,13 @@ def _next_round(run: Run, place: Place, sampler, warned: set, toolbox) -> Place:
         return place
     if sampler is not None:
         round_batch, data_state = sampler.take(place.state, place.round_index)
-        return place._replace(round_batch=round_batch, data_state=data_state)
-    round_batch, data_state = prepare_round(run, place.state, place.data_state, place.round_index,
-                                            slots=place.plan.slots, warned=warned, toolbox=toolbox)
-    place = place._replace(round_batch=round_batch, data_state=data_state)
-    return place._replace(plan=_plan(run, place.plan, round_batch))
+    else:
+        round_batch, data_state = prepare_round(run, place.state, place.data_state, place.round_index,
+                                                slots=place.plan.slots, warned=warned, toolbox=toolbox)
+    seen = place.tokens_seen + int(round_batch.token_counts.sum())  # its rows' prompt and completion tokens
+    round_batch = round_batch._replace(metrics={**round_batch.metrics, "num_tokens": seen})
+    place = place._replace(round_batch=round_batch, data_state=data_state, tokens_seen=seen)
+    return place if sampler is not None else place._replace(plan=_plan(run, place.plan, round_batch))
 
 
 def _steps(run: Run, place: Place, sampler, *, stop: Callable[[int], bool], max_skipped: int
@@ -317,11 +330,11 @@ def _close(run: Run, mngr, writer: MetricsWriter, sampler, failure: BaseExceptio
         plot_run(writer.history, run.output_dir)
 
 
-def _finish(run: Run, state: TrainState, writer: MetricsWriter, before: dict, after: dict, skipped: int,
-            compile_seconds: float, main: bool) -> dict:
-    """summary.json and the policy exported to `output_dir/final/`; returns the summary."""
-    summary = {"output_dir": str(run.output_dir), "steps": int(state.step), "skipped_steps": skipped,
-               "compile_seconds": round(compile_seconds, 2),
+def _finish(run: Run, state: TrainState, writer: MetricsWriter, before: dict, after: dict, counts: dict,
+            main: bool) -> dict:
+    """summary.json and the policy exported to `output_dir/final/`; returns the summary (``counts``: the steps
+    this call trained, the skipped steps, the compile seconds, by name)."""
+    summary = {"output_dir": str(run.output_dir), "steps": int(state.step), **counts,
                "eval_before": short_names(before), "eval_after": short_names(after),
                **_reward_summary(writer.history)}
     final = run.output_dir / "final"

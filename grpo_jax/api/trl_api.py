@@ -246,10 +246,12 @@ class GRPOTrainer:
         """Trains (`grpo_jax.api.trainer.train`) and returns transformers' `TrainOutput` (global_step, training_loss,
         metrics: the run's summary, which `output["steps"]` also reads) when transformers is importable, else the
         summary; `self.state.log_history` then holds every logged line. A run in `args.output_dir` continues from
-        its newest checkpoint (`resume`, on by default); `resume_from_checkpoint` as the config key
-        (`grpo_jax.io.runs`): True, a run folder, its newest checkpoint folder, or TRL's `RUN/checkpoint-N`."""
+        A run already in `args.output_dir` is set aside into its `previous-run/` and training starts again, as
+        TRL's does, unless `resume_from_checkpoint` (this argument or the config key, `grpo_jax.io.runs`) asks to
+        continue: True (the newest checkpoint), a run folder, its newest checkpoint folder, or TRL's
+        `RUN/checkpoint-N`."""
         from grpo_jax.api import trainer
-        from grpo_jax.io import checkpoint  # jax and the models: only once training starts
+        from grpo_jax.io import checkpoint, preemption  # jax and the models: only once training starts
 
         config = self.args
         if resume_from_checkpoint is not None:
@@ -259,18 +261,29 @@ class GRPOTrainer:
         if isinstance(self.eval_dataset, Mapping):
             raise ValueError(f"eval_dataset is a dict of {len(self.eval_dataset)} datasets: a run evaluates one "
                              "held-out set; give one (trainer.evaluate(eval_dataset=...) evaluates each of a dict)")
-        summary = trainer.train(config, train_dataset=self._train_rows(), eval_dataset=held_out(self.eval_dataset),
-                                reward_funcs=self._reward_funcs,
-                                reward_processing_classes=self.reward_processing_classes, tools=self._tools,
-                                environment_factory=self.environment_factory)
+        restart = not config.resume_from_checkpoint
+        preemption.RERUN = "call trainer.train(resume_from_checkpoint=True)" if restart else None
+        try:
+            summary = trainer.train(config, train_dataset=self._train_rows(),
+                                    eval_dataset=held_out(self.eval_dataset), reward_funcs=self._reward_funcs,
+                                    reward_processing_classes=self.reward_processing_classes, tools=self._tools,
+                                    environment_factory=self.environment_factory, restart=restart)
+        finally:
+            preemption.RERUN = None
         self._output_dir = summary["output_dir"]
         meta = checkpoint.saved_meta(self._output_dir) or {}  # its history: every line, whatever report_to
         history = [trl_line(line) for line in meta.get("history", [])]
         losses = [line["loss"] for line in history if line.get("loss") is not None]
         train_loss = sum(losses) / len(losses) if losses else float("nan")
+        # transformers' final line (`speed_metrics`): this call's steps, of train_batch_size completions each;
+        # total_flos 0 as in TRL, whose GRPO inputs have no input_ids for the Trainer's FLOP estimate
+        runtime, trained = time.perf_counter() - started, summary["steps_trained"]
+        epoch = next((line["epoch"] for line in reversed(history) if "epoch" in line), 0.0)
         history.append({**residual_means(history, summary["steps"], config.logging_steps),
-                        "train_runtime": round(time.perf_counter() - started, 4), "train_loss": train_loss,
-                        "step": summary["steps"]})
+                        "train_runtime": round(runtime, 4),
+                        "train_samples_per_second": round(trained * summary["train_batch_size"] / runtime, 3),
+                        "train_steps_per_second": round(trained / runtime, 3), "total_flos": 0.0,
+                        "train_loss": train_loss, "epoch": epoch, "step": summary["steps"]})
         self.state = TrainerState(global_step=summary["steps"], max_steps=summary["steps"], log_history=history)
         try:
             from transformers.trainer_utils import TrainOutput

@@ -17,7 +17,9 @@ all.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -340,11 +342,38 @@ def verify_run(path: str | os.PathLike) -> tuple[bool, list[str]]:
     return ok, lines
 
 
+class _ReadOnlyNotes(logging.Filter):
+    """orbax's notes that a read-only CheckpointManager will not save (three absl WARNING lines each time a run is
+    opened read-only on purpose); every other absl record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("CheckpointManagerOptions.read_only=True")
+                    or message.startswith("Given directory is read only"))
+
+
+@contextlib.contextmanager
+def quiet_read_only_notes():
+    """Within it, `_ReadOnlyNotes` drops orbax's read-only notes from the absl logger."""
+    notes, logger = _ReadOnlyNotes(), logging.getLogger("absl")
+    logger.addFilter(notes)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notes)
+
+
+def read_only_manager(directory: Path) -> ocp.CheckpointManager:
+    """A run's checkpoints folder opened to read only, without orbax's notes saying so."""
+    with quiet_read_only_notes():
+        return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
+
+
 def saved_meta(output_dir: Path) -> dict | None:
     """The JSON meta (config, metrics history, fingerprints) of the newest checkpoint of `output_dir` that reads, or
     None."""
     directory = Path(output_dir).absolute() / CHECKPOINTS
-    mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
+    mngr = read_only_manager(directory)
     for step in sorted(mngr.all_steps(), reverse=True):
         try:
             return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta

@@ -9,9 +9,7 @@ overwritten unless asked to (`overwrite`), and never by a failed export.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import os
 import shutil
 import warnings
@@ -24,7 +22,7 @@ import orbax.checkpoint as ocp
 from grpo_jax.algo.state import abstract_state, model_graphdef, optimizer_from_config
 from grpo_jax.config import TrainConfig, from_dict, to_dict
 from grpo_jax.data.prompts import load_tokenizer
-from grpo_jax.io.checkpoint import CHECKPOINTS, check_checksums, nonfinite_leaves
+from grpo_jax.io.checkpoint import CHECKPOINTS, check_checksums, nonfinite_leaves, read_only_manager
 from grpo_jax.io.preemption import storage_error
 from grpo_jax.models import Model, ModelConfig, init_model, lora, peft_io, save_pretrained
 
@@ -164,27 +162,6 @@ def load_native(path: Path):
     return model_graphdef(model_config), params
 
 
-class _ReadOnlyNotes(logging.Filter):
-    """orbax's notes that a read-only CheckpointManager will not save (three absl WARNING lines an export asks for
-    by opening the run read-only); every other absl record passes."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not (message.startswith("CheckpointManagerOptions.read_only=True")
-                    or message.startswith("Given directory is read only"))
-
-
-@contextlib.contextmanager
-def quiet_read_only_notes():
-    """Within it, `_ReadOnlyNotes` drops orbax's read-only notes from the absl logger."""
-    notes, logger = _ReadOnlyNotes(), logging.getLogger("absl")
-    logger.addFilter(notes)
-    try:
-        yield
-    finally:
-        logger.removeFilter(notes)
-
-
 def _step_folder(path: Path) -> tuple[Path, int | None]:
     """(checkpoints folder, step or None for the newest) from an output_dir or one step folder."""
     path = Path(path).absolute()
@@ -209,8 +186,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge: bool
     directory, step = _step_folder(Path(checkpoint))
     _check_not_a_run(Path(out), directory.parent)
     _check_out(Path(out).absolute(), overwrite)
-    with quiet_read_only_notes():
-        mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
+    mngr = read_only_manager(directory)
     steps = [step] if step is not None else sorted(mngr.all_steps(), reverse=True)
     if not steps:
         raise ValueError(f"no checkpoint in {directory}")

@@ -31,11 +31,14 @@ STORAGE_TEXTS = ("No space left on device", "Disk quota exceeded", "Read-only fi
 # the terminal closing (an ssh session dropping) stops a run as a scheduler's SIGTERM does
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
 COMMAND: list[str] | None = None  # the command line that started the run, when it is `grpo-jax` (`cli.main`)
+RERUN: str | None = None  # how to continue, when a caller's rerun does not resume by itself (TRL's `train()`)
 
 
 def again(output_dir: Path, named: bool = True) -> str:
     """How to continue the run in `output_dir`: the same command again, or, where `output_dir` was not given (a
-    new `runs/<task>-<time>/` each start), that command with `output_dir=...` added."""
+    new `runs/<task>-<time>/` each start), that command with `output_dir=...` added; `RERUN` where set."""
+    if RERUN is not None:
+        return RERUN
     if named:
         return "run the same command again"
     if COMMAND is None:

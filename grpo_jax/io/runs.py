@@ -22,12 +22,13 @@ from grpo_jax.models.registry import resolve_config
 RUNS = Path("runs")  # where runs without output_dir go
 
 
-def open_folder(config, *, multihost: bool) -> tuple[Path, bool, lock.RunLock]:
+def open_folder(config, *, multihost: bool, restart: bool = False) -> tuple[Path, bool, lock.RunLock]:
     """The run directory, whether it already holds this run (config.yaml or checkpoints) to resume, and its lock
-    (held: one writer per run, `grpo_jax.io.lock`)."""
+    (held: one writer per run, `grpo_jax.io.lock`). `restart` (TRL's `train()` without `resume_from_checkpoint`):
+    a run already there is moved to `PREVIOUS/` inside the folder (`set_aside`) and a new one starts."""
     if config.output_dir is not None:
         path = Path(config.output_dir)
-        if path.is_dir() and any(p.name != lock.LOCK for p in path.iterdir()):
+        if path.is_dir() and not restart and any(p.name != lock.LOCK for p in path.iterdir()):
             if not config.resume:
                 raise ValueError(f"output_dir={str(path)!r} is not empty and resume=false: choose a new output_dir, "
                                  "delete it, or set resume=true to continue the run saved there")
@@ -44,8 +45,39 @@ def open_folder(config, *, multihost: bool) -> tuple[Path, bool, lock.RunLock]:
         raise ValueError(f"output_dir={str(path)!r} cannot be created ({e.strerror}): choose an output_dir on a "
                          "writable filesystem") from e
     held = lock.acquire(path, multihost=multihost)
-    resuming = (path / "config.yaml").is_file() or (path / checkpoint.CHECKPOINTS).is_dir()
+    resuming = holds_run(path)
+    if restart and resuming:
+        if not multihost:
+            set_aside(path)
+        else:
+            import jax
+            from jax.experimental import multihost_utils
+
+            if jax.process_index() == 0:
+                set_aside(path)
+            multihost_utils.sync_global_devices("grpo_jax: the previous run set aside")
+        resuming = False
     return path, resuming, held
+
+
+PREVIOUS = "previous-run"  # where a restarted folder's earlier run goes (`set_aside`)
+
+
+def holds_run(path: Path) -> bool:
+    return (path / "config.yaml").is_file() or (path / checkpoint.CHECKPOINTS).is_dir()
+
+
+def set_aside(path: Path) -> None:
+    """Moves everything in the run folder `path` but its lock into `path/PREVIOUS/` (an older one there is deleted:
+    one earlier run is kept), so that a new run starts in `path` as TRL's `train()` does, and says so in one line."""
+    previous = path / PREVIOUS
+    shutil.rmtree(previous, ignore_errors=True)
+    previous.mkdir()
+    for entry in path.iterdir():
+        if entry.name not in (lock.LOCK, PREVIOUS):
+            entry.rename(previous / entry.name)
+    print(f"grpo_jax: training from the start as TRL does; the earlier run in {path} is now in {previous} "
+          "(train(resume_from_checkpoint=True) continues a run instead)")
 
 
 def saved_config(output_dir: Path, config) -> tuple[dict, dict]:

@@ -41,7 +41,8 @@ import jax.numpy as jnp
 
 from grpo_jax.config.loss import (CLIPPED_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, IS_CORRECTION_MODES,
                                     KL_ESTIMATORS, LOSS_TYPES, LossConfig)
-from grpo_jax.losses.aggregation import aggregate, cispo_clip_ratio, clip_ratio_metrics, entropy_bonus
+from grpo_jax.losses.aggregation import (aggregate, cispo_clip_ratio, clip_ratio_extremes, clip_ratio_metrics,
+                                        entropy_bonus)
 from grpo_jax.losses.kl import LOW_VAR_KL_BOUND, bias_corrected_kl, kl_divergence
 from grpo_jax.losses.masks import (high_entropy_mask, masked_mean, masked_sum, off_policy_sequence_mask, quantile,
                                    sampler_importance_weights, sampler_log_ratio)
@@ -63,7 +64,7 @@ __all__ = [
     "masked_sum", "masked_mean", "quantile", "high_entropy_mask", "off_policy_sequence_mask", "sampler_log_ratio",
     "sampler_importance_weights",
     # aggregation and metrics
-    "aggregate", "entropy_bonus", "clip_ratio_metrics", "cispo_clip_ratio",
+    "aggregate", "entropy_bonus", "clip_ratio_metrics", "clip_ratio_extremes", "cispo_clip_ratio",
 ]
 
 class LossAux(NamedTuple):
@@ -74,7 +75,9 @@ class LossAux(NamedTuple):
     clip_ratio_* are 0 unless loss_type is clipped (grpo, bnpo, dr_grpo, dapo, luspo); cispo_clip_ratio is 0
     unless loss_type is cispo; entropy is 0 when no entropies are passed. Sequence-level ratios are weighted
     by tokens here (TRL weights them by sequences). policy_loss is not a mean: it is this batch's loss before the
-    entropy bonus (its share of the step's, `aggregate`), which the train step sums into TRL's metric.
+    entropy bonus (its share of the step's, `aggregate`), which the train step sums into TRL's metric; nor are
+    clip_ratio_low_min / clip_ratio_high_max, extremes over this batch's rows that the train step averages over
+    micro-batches, as TRL averages its per-micro-batch values.
     """
 
     kl: jax.Array
@@ -84,6 +87,8 @@ class LossAux(NamedTuple):
     cispo_clip_ratio: jax.Array   # r > ε_high and A > 0 (cispo)
     entropy: jax.Array            # mean per-token entropy
     policy_loss: jax.Array        # the loss without the entropy bonus (a share of the step's, not a mean)
+    clip_ratio_low_min: jax.Array   # the smallest row's clip_ratio_low (a batch's extreme, not a mean)
+    clip_ratio_high_max: jax.Array  # the largest row's clip_ratio_high
 
 
 def compute_loss(per_token_logps: jax.Array, old_per_token_logps: jax.Array | None,
@@ -199,12 +204,15 @@ def compute_loss(per_token_logps: jax.Array, old_per_token_logps: jax.Array | No
                                     entropy_mask_BxT=entropy_mask_BxT, num_items_in_batch=num_items_in_batch)
 
     zero = jnp.zeros((), jnp.float32)
-    low = high = region = cispo = zero
+    low = high = region = cispo = low_min = high_max = zero
     if config.loss_type in CLIPPED_LOSS_TYPES:
         low, high, region = clip_ratio_metrics(ratio, adv_BxT, mask_BxT, epsilon_low=eps_low,
                                                epsilon_high=eps_high)
+        low_min, high_max = clip_ratio_extremes(ratio, adv_BxT, mask_BxT, epsilon_low=eps_low,
+                                                epsilon_high=eps_high)
     elif config.loss_type == "cispo":
         cispo = cispo_clip_ratio(ratio, adv_BxT, mask_BxT, epsilon_high=eps_high)
     entropy = zero if entropies_BxT is None else sg(masked_mean(entropies_BxT, mask_BxT))
     return loss, LossAux(kl=kl_metric, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_region=region,
-                         cispo_clip_ratio=cispo, entropy=entropy, policy_loss=policy_loss)
+                         cispo_clip_ratio=cispo, entropy=entropy, policy_loss=policy_loss,
+                         clip_ratio_low_min=low_min, clip_ratio_high_max=high_max)

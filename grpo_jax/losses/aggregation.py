@@ -88,6 +88,23 @@ def clip_ratio_metrics(ratio_BxT: jax.Array, advantages_BxT: jax.Array, completi
             masked_mean(f32(low | high), completion_mask_BxT))
 
 
+def clip_ratio_extremes(ratio_BxT: jax.Array, advantages_BxT: jax.Array, completion_mask_BxT: jax.Array, *,
+                        epsilon_low: float, epsilon_high: float) -> tuple[jax.Array, jax.Array]:
+    """The smallest row's fraction of active tokens clipped low and the largest row's clipped high, scalars (TRL
+    `clip_ratio/low_min`, `clip_ratio/high_max`): rows without active tokens are left out (NaN when all are)."""
+    ratio_BxT = jax.lax.stop_gradient(ratio_BxT)
+    low = (ratio_BxT < 1.0 - epsilon_low) & (advantages_BxT < 0)
+    high = (ratio_BxT > 1.0 + epsilon_high) & (advantages_BxT > 0)
+    shape = jnp.broadcast_shapes(low.shape, completion_mask_BxT.shape)  # a sequence-level ratio is [B, 1]
+    mask = jnp.broadcast_to(completion_mask_BxT, shape).astype(jnp.float32)
+    tokens_B = jnp.sum(mask, axis=-1)
+
+    def row_means(x):  # NaN for a row with no active token, as TRL's 0 / 0
+        x = jnp.broadcast_to(x, shape)
+        return jnp.where(tokens_B > 0, jnp.sum(x * mask, axis=-1) / jnp.maximum(tokens_B, 1.0), jnp.nan)
+    return jnp.nanmin(row_means(low.astype(jnp.float32))), jnp.nanmax(row_means(high.astype(jnp.float32)))
+
+
 def cispo_clip_ratio(ratio_BxT: jax.Array, advantages_BxT: jax.Array, completion_mask_BxT: jax.Array, *,
                      epsilon_high: float) -> jax.Array:
     """Fraction of active tokens whose CISPO weight is capped: r > ε_high and A > 0 (TRL `cispo_clip_ratio`)."""

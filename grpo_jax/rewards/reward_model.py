@@ -7,8 +7,8 @@ own chat template, `messages = prompt + completion`), tokenized without special 
 reward is `logits[:, 0]` of the head `score` (a bias-free Linear, hidden -> num_labels) at the last token that is
 not the pad token (transformers' pooling; TRL sets the model's pad id to its tokenizer's, EOS when it has none).
 The decoder is ours (`grpo_jax.models`), its weights placed over the run's mesh; rows are padded to a multiple of
-`LENGTH_BUCKET` tokens and to a power-of-two number of rows (a streamed round scores groups in batches of any
-size), so only a few shapes compile.
+`LENGTH_BUCKET` tokens and to a power-of-two number of rows (a sampling pass, dynamic sampling's included, has any
+number), so only a few shapes compile.
 """
 
 from __future__ import annotations

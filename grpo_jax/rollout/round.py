@@ -125,10 +125,11 @@ def _journal(output_dir: Path, round_index: int, pass_index: int) -> Path:
 def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBatch, key, seconds: dict,
                       context: dict, log: rewards.RewardLog, *, logps: bool, old: bool = False, slots: int = 0,
                       turns: multiturn.Turns | None = None, environments: list | None = None):
-    """One sampling pass, each group scored on the host as soon as it has ended while the devices decode the others.
-    With ``logps`` the reference / old (``old``) log-probs are queued on the devices as soon as the last rows are
-    decoded, before the host scores them. ``slots``: the decoding call's (`stream.plan_slots`); ``turns`` and
-    ``environments``: multi-turn rows' (`multiturn.setup`). Adds the pass's `sample` time (until its last rows
+    """One sampling pass, scored on the host once its rows are decoded (each reward function called once, on the
+    pass's rows in order, as TRL calls it once a generation batch). With ``logps`` the reference / old (``old``)
+    log-probs are queued on the devices as soon as the last rows are decoded, before the host scores them.
+    ``slots``: the decoding call's (`stream.plan_slots`); ``turns`` and ``environments``: multi-turn rows'
+    (`multiturn.setup`). Adds the pass's `sample` time (until its last rows
     reach the host), `score` time (host scoring after that) and `decode_steps` to ``seconds``.
     Returns (the rows on the devices, `rounds.Draw`, (ref, old) or None)."""
     timer = time.perf_counter()
@@ -313,10 +314,13 @@ def run_steps(run: Run, state: TrainState, round_batch: RoundBatch, *, until: in
 
     num_steps = len(rb.step_rows)  # the round's sampling, scoring and log-prob time is shared by its steps
     times = {f"step_time/{k}": rb.seconds[k] / num_steps for k in ("sample", "score", "logps")}
+    tc = run.config.train  # TRL's epoch: the dataset's prompts read by this step, at a round's prompts a step
+    prompts_a_step = tc.prompts_per_round / tc.steps_per_round / max(len(run.dataset), 1)
     lines = []
     for i, metrics in enumerate(pending):
         step = rb.first_step + rb.position + i
         lines.append({"step": step + 1, **rb.metrics, **metrics, "learning_rate": float(run.schedule(step)),
+                      "epoch": (step + 1) * prompts_a_step,
                       "step_time": sum(times.values()) + t_update, **times, "step_time/update": t_update})
     return state, rb._replace(position=position), lines
 

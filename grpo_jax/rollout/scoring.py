@@ -1,8 +1,8 @@
 """The host's scoring of finished rows: a sampling pass decoded and scored (`decode_and_score`: the one decode ->
-score path of training rounds and evaluation alike), completion texts (`decode`), the reward functions over one
-piece's rows (`score`) with TRL's columns and weights, a pass's rows and scores placed as one `rounds.Draw`
-(`draw`), and the round's completion and reward metrics; reward functions that return None are warned about once a
-run.
+score path of training rounds and evaluation alike, the reward functions called once a pass), completion texts
+(`decode`), the reward functions over a piece's rows (`score`) with TRL's columns and weights, a pass's rows and
+scores placed as one `rounds.Draw` (`draw`), and the round's completion and reward metrics; reward functions that
+return None are warned about once a run.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from grpo_jax.data import prompts as data
 from grpo_jax.device import sharding
 from grpo_jax.rewards import functions as rewards
 from grpo_jax.rollout import multiturn, stream
-from grpo_jax.rollout.piece import Piece
+from grpo_jax.rollout.piece import Piece, joined
 
 # TRL's logger: its "all reward functions returned None" line reaches a script's log filters and handlers as TRL's does
 trl_logger = logging.getLogger("trl.trainer.grpo_trainer")
@@ -30,13 +30,14 @@ def decode_and_score(decoder, params, batch: data.PromptBatch, key, score: Calla
                      group_size: int, greedy: bool = False, slots: int = 0, turns: multiturn.Turns | None = None,
                      later: bool = False, log: rewards.RewardLog | None = None,
                      decoded: Callable[[Piece, list], None] | None = None) -> tuple[Trajectory, list, list]:
-    """One sampling pass of ``batch``'s rows (`stream.decode` with ``decoder``), each piece scored on the host with
-    ``score`` (a `score` partial) as soon as its groups end, while the devices decode the others. ``later``
-    (`multiturn.scores_on_first`): every piece scored on process 0 once decoding is over, the scores (and what the
-    functions logged to ``log``) handed to every process. ``decoded(last piece, earlier pieces)`` runs once every
-    row's tokens are on the host, before the last rows are scored (training queues its log-probs there). Returns
-    (the rows on the devices, the pieces, their scores)."""
-    pieces, scores, rows = [], [], None
+    """One sampling pass of ``batch``'s rows (`stream.decode` with ``decoder``), its pieces joined in row order
+    (`piece.joined`) and scored on the host with ``score`` (a `score` partial) once decoding is over: each reward
+    function is called once a pass, on the pass's rows in order, as TRL calls it once a generation batch. ``later``
+    (`multiturn.scores_on_first`): scored on process 0, the scores (and what the functions logged to ``log``)
+    handed to every process. ``decoded(last piece, earlier pieces)`` runs once every row's tokens are on the host,
+    before the rows are scored (training queues its log-probs there). Returns (the rows on the devices, the pass
+    as one piece in a list, its scores in a list)."""
+    pieces, rows = [], None
     for piece in stream.decode(decoder, params, batch.prompt_ids, batch.prompt_mask, key, greedy=greedy,
                                group_size=group_size, slots=slots, turns=turns):
         if piece.trajectory is not None:  # decoding is over: every row's tokens are on the host
@@ -44,13 +45,14 @@ def decode_and_score(decoder, params, batch: data.PromptBatch, key, score: Calla
             if decoded is not None:
                 decoded(piece, pieces)
         pieces.append(piece)
-        if not later:
-            scores.append(score(piece))
-    if later and log is None:
-        scores = sharding.from_first_process(lambda: [score(piece) for piece in pieces])
-    elif later:  # what the functions logged comes along
+    pieces = [joined(pieces)]
+    if not later:
+        scores = [score(pieces[0])]
+    elif log is None:
+        scores = sharding.from_first_process(lambda: [score(pieces[0])])
+    else:  # what the functions logged comes along
         scores, log.metrics, log.extra = sharding.from_first_process(lambda: (
-            [score(piece) for piece in pieces], log.metrics, log.extra))
+            [score(pieces[0])], log.metrics, log.extra))
     return rows, pieces, scores
 
 
@@ -71,10 +73,12 @@ def columns_with_ids(columns: dict, completion_ids: np.ndarray, completion_mask:
 
 def completion_metrics(mask: np.ndarray, truncated: np.ndarray) -> dict:
     lengths = mask.sum(axis=1)
-    terminated = lengths[~truncated]
+    terminated = lengths[~truncated] if (~truncated).any() else np.zeros(1)  # TRL's 0s when none ended
     return {"completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
             "completions/max_length": lengths.max(), "completions/clipped_ratio": truncated.mean(),
-            "completions/mean_terminated_length": terminated.mean() if terminated.size else 0.0}
+            "completions/mean_terminated_length": terminated.mean(),
+            "completions/min_terminated_length": terminated.min(),
+            "completions/max_terminated_length": terminated.max()}
 
 
 def nanstd(values) -> float:

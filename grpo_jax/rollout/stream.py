@@ -2,11 +2,11 @@
 
 `decode` runs a call with a run's `programs.Decoder` and yields `Piece`s: whole groups of finished rows, on the host,
 each row once. The piece that completes the call also carries the call's `Trajectory` on the devices, so the
-round can queue the log-prob passes on it before it scores those last rows. A static batch (a slot for every row)
+round can queue the log-prob passes on it before it scores the rows. A static batch (a slot for every row)
 finishes its rows in one program and one piece; continuously batched calls run in segments (`decoder.advance`
-with ``segment``), each queued from a thread of its own before the previous segment's rows are read, so the devices
-keep decoding while the host scores. On the CPU switch a call may also be split into host-thread chunks, each
-decoding its rows from a thread of its own (`cpu.host_chunks`).
+with ``segment``), each queued from a thread of its own before the previous segment's rows are read, so the
+devices keep decoding while the host reads rows and runs tool turns. On the CPU switch a call may also be split
+into host-thread chunks, each decoding its rows from a thread of its own (`cpu.host_chunks`).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def chunk(decoder, params, ids, mask, key, offset: int, options, group_size: int
     last) its `Trajectory`. The one host driver of the decoder: with ``turns`` (``options`` with ``pause_at_eos``)
     the rows run their tool turns between segments (`multiturn.between`).
 
-    Each segment is queued before the host reads the one before it, so the devices decode while the host scores,
-    parses turns and renders results; what the host does (retire, append) goes after the queued segment."""
+    Each segment is queued before the host reads the one before it, so the devices decode while the host reads
+    rows, parses turns and renders results; what the host does (retire, append) goes after the queued segment."""
     if turns is None and (not options.num_slots or options.num_slots >= len(ids)):  # a static batch: one program
         rows, view = decoder.generate(params, ids, mask, key, np.int32(offset), options)
         yield rows

@@ -138,7 +138,8 @@ def check(cfg, seed=0, on_policy=False, use_sampler=False, noise=0.35):
     if cfg.importance_sampling_level == "token":  # TRL weights sequence-level ratio metrics by sequences
         names = {"kl": "kl", "entropy": "entropy", "clip_ratio/low_mean": "clip_ratio_low",
                  "clip_ratio/high_mean": "clip_ratio_high", "clip_ratio/region_mean": "clip_ratio_region",
-                 "cispo_clip_ratio": "cispo_clip_ratio", "policy_loss": "policy_loss"}
+                 "cispo_clip_ratio": "cispo_clip_ratio", "policy_loss": "policy_loss",
+                 "clip_ratio/low_min": "clip_ratio_low_min", "clip_ratio/high_max": "clip_ratio_high_max"}
         for trl_name, field in names.items():
             if trl_name in metrics:
                 np.testing.assert_allclose(float(getattr(aux, field)), metrics[trl_name], rtol=1e-5, atol=1e-7)

@@ -60,6 +60,17 @@ def test_train_returns_trls_output_and_keeps_the_history_in_memory(tmp_path, cap
     assert [line["step"] for line in steps] == [1, 2] and trainer.state.global_step == 2
     assert output.training_loss == pytest.approx(sum(line["loss"] for line in steps) / 2)
     assert trainer.state.log_history[-1]["train_loss"] == output.training_loss
+    # TRL's epoch: steps x completions a step / (prompts x num_generations x num_iterations), 8 devices x 1 row a step
+    assert [line["epoch"] for line in steps] == [s * 8 / (16 * 4) for s in (1, 2)]
+    # num_tokens: the running total of the rounds' prompt and completion tokens (prompts of 3 tokens, 8 rows a round)
+    assert 8 * 3 < steps[0]["num_tokens"] < steps[1]["num_tokens"] <= 2 * 8 * (3 + 4)
+    assert {"clip_ratio/low_min", "clip_ratio/high_max", "completions/min_terminated_length",
+            "completions/max_terminated_length"} <= steps[0].keys()
+    final = trainer.state.log_history[-1]  # transformers' last line: speed metrics of this call's 2 steps
+    assert {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss",
+            "epoch", "step"} <= final.keys() and final["epoch"] == steps[-1]["epoch"]
+    assert final["train_steps_per_second"] == pytest.approx(2 / final["train_runtime"], rel=1e-2)
+    assert final["train_samples_per_second"] == pytest.approx(2 * 8 / final["train_runtime"], rel=1e-2)
     with pytest.raises(ValueError, match="evaluate.. needs an evaluation"):
         trainer.evaluate()  # eval.num_examples=0: the run evaluated nothing
     trainer.save_model(tmp_path / "saved")
@@ -75,6 +86,17 @@ def test_train_returns_trls_output_and_keeps_the_history_in_memory(tmp_path, cap
                for a, b in zip(loaded.state_dict().values(), saved.state_dict().values()))
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "run").get_vocab()
     assert (tmp_path / "run" / "config.yaml").is_file() and (tmp_path / "run" / "checkpoints").is_dir()
+
+    # the same script again trains again from the start, as TRL's does (before: it resumed the finished run and
+    # trained 0 steps); the earlier run is set aside, not lost
+    again = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS, args=GRPOConfig(**args))
+    assert again.train().global_step == 2
+    assert [line["step"] for line in again.state.log_history if "loss" in line] == [1, 2]
+    assert "training from the start as TRL does" in capfd.readouterr().out
+    previous = tmp_path / "run" / "previous-run"
+    assert (previous / "config.yaml").is_file() and sorted(p.name for p in (previous / "checkpoints").iterdir()) \
+        == ["1", "2"] and (previous / "config.json").is_file()  # the earlier save_model's files went with it
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["1", "2"]
 
     # TRL's layout names checkpoint 2 RUN/checkpoint-2: it resumes the run, whose history goes on
     more = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS, eval_dataset=ROWS[:4],
@@ -456,3 +478,40 @@ def test_trainer_tools_list_the_given_tools_then_each_environments_methods(tmp_p
                           args=GRPOConfig(max_steps=1))
     assert [tool.__name__ for tool in trainer.tools] == ["shout", "guess"]
     assert trainer.tools[1]("a") == "a" and trainer._tools == [shout]  # the run gets the given ones
+
+
+def test_reward_functions_are_called_once_a_generation_batch_in_row_order(tmp_path, monkeypatch):
+    """TRL calls each reward function once per generation batch, on its rows in order (prompt after prompt, each
+    prompt's num_generations completions together). Continuously batched (8 slots for 16 rows), a round's rows reach
+    the host in several pieces as their groups end; the function still sees one call of all 16 rows a step
+    (before: one call a piece, `enumerate` positions restarting in each). The first call is the check before
+    compiling, on empty completions."""
+    pytest.importorskip("torch")
+    import hf_fixtures
+
+    from grpo_jax import GRPOConfig, GRPOTrainer
+    from grpo_jax.data import task
+    from grpo_jax.rollout import piece, scoring
+
+    folder = hf_fixtures.save_model(hf_fixtures.build_model("qwen2", tied=True), tmp_path / "hf")
+    task.build_tokenizer(folder)
+    calls, pieces = [], []
+
+    def recorded(prompts, completions, **kwargs):
+        calls.append((list(prompts), list(completions)))
+        return [float(len(c)) for c in completions]
+
+    def joined(parts):
+        pieces.append(len(parts))
+        return piece.joined(parts)
+    monkeypatch.setattr(scoring, "joined", joined)
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, num_generations=4,
+                      max_completion_length=6, max_steps=3, report_to="none", disable_tqdm=True,
+                      **{"sampling.max_batch_rows": 8, "eval.num_examples": 0})
+    GRPOTrainer(model=folder, reward_funcs=recorded, train_dataset=ROWS, args=args).train()
+    assert max(pieces) > 1  # the rows did come in pieces
+    assert calls[0][1] == [""] * len(calls[0][1])  # the check, on empty completions
+    assert [len(prompts) for prompts, _ in calls[1:]] == [16, 16, 16]
+    for prompts, _ in calls[1:]:
+        assert all(prompts[g * 4] != prompts[g * 4 + 4] for g in range(3))
+        assert all(p == prompts[g * 4] for g in range(4) for p in prompts[g * 4:g * 4 + 4])

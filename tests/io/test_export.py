@@ -14,7 +14,7 @@ import pytest
 from grpo_jax.api import trainer
 from grpo_jax.api.cli import main as cli_main
 from grpo_jax.config import load_config
-from grpo_jax.io import export
+from grpo_jax.io import checkpoint, export
 from tests.io.test_checkpoint import ROOT, TINY, _flat, _train
 
 
@@ -87,7 +87,7 @@ def test_export_prints_no_read_only_notes(tmp_path, caplog):
                              "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert result.stdout == f"grpo-jax export: step 1 written to {tmp_path / 'out'} in Hugging Face format\n"
-    with caplog.at_level(logging.WARNING, logger="absl"), export.quiet_read_only_notes():
+    with caplog.at_level(logging.WARNING, logger="absl"), checkpoint.quiet_read_only_notes():
         logging.getLogger("absl").warning("Given directory is read only=%s", tmp_path)
         logging.getLogger("absl").warning("CheckpointManagerOptions.read_only=True, setting create=False.")
         logging.getLogger("absl").warning("Given directory is not writable")

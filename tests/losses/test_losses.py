@@ -251,14 +251,22 @@ def test_clip_ratio_metrics_against_naive_count():
     _, aux = compute_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(ref), jnp.asarray(adv),
                           jnp.asarray(mask), config=cfg)
     low = high = active = 0
+    row_low, row_high = [], []  # each row's fractions, for TRL's clip_ratio/low_min and high_max
     for i in range(logp.shape[0]):
+        row = [0, 0, 0]
         for t in range(logp.shape[1]):
             if mask[i, t]:
                 r = math.exp(float(logp[i, t]) - float(old[i, t]))
-                active += 1
-                low += r < 0.8 and adv[i] < 0
-                high += r > 1.28 and adv[i] > 0
-    assert low > 0 and high > 0
+                row[0] += 1
+                row[1] += r < 0.8 and adv[i] < 0
+                row[2] += r > 1.28 and adv[i] > 0
+        active, low, high = active + row[0], low + row[1], high + row[2]
+        if row[0]:
+            row_low.append(row[1] / row[0])
+            row_high.append(row[2] / row[0])
+    assert low > 0 and high > 0 and min(row_low) != max(row_low)
+    np.testing.assert_allclose(aux.clip_ratio_low_min, min(row_low), rtol=1e-6)
+    np.testing.assert_allclose(aux.clip_ratio_high_max, max(row_high), rtol=1e-6)
     np.testing.assert_allclose(aux.clip_ratio_low, low / active, rtol=1e-6)
     np.testing.assert_allclose(aux.clip_ratio_high, high / active, rtol=1e-6)
     np.testing.assert_allclose(aux.clip_ratio_region, (low + high) / active, rtol=1e-6)
