@@ -69,6 +69,16 @@ def prefill(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, group_size: int, 
     return kv_R, unembed(graphdef, params, hidden_RxPxD[:, -1:])[:, 0], *routed
 
 
+def prompt_tokens(prompt_ids_BxP, prompt_mask_BxP, V: int, options: DecodeOptions):
+    """[B, V] bool: the tokens of each row's prompt, which a repetition penalty discourages (as transformers and
+    vLLM do); None without one."""
+    if options.sampling.repetition_penalty == 1.0:
+        return None
+    B = prompt_ids_BxP.shape[0]
+    rows_BxP = jnp.broadcast_to(jnp.arange(B)[:, None], prompt_ids_BxP.shape)
+    return jnp.zeros((B, V), bool).at[rows_BxP, prompt_ids_BxP].max(prompt_mask_BxP.astype(bool))
+
+
 def start(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options: DecodeOptions, row_offset=0) -> Decoding:
     """Prefill the call's prompts and give the first N rows a slot, their first tokens drawn: no decode step yet."""
     B, P = prompt_ids_BxP.shape
@@ -110,7 +120,8 @@ def start(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options: Decod
         length=jnp.zeros((B,), jnp.int32), turn=jnp.zeros((B,), jnp.int32), ended=jnp.zeros((B,), bool),
         paused=jnp.zeros((B,), bool), ready=jnp.zeros((B,), bool), at_eos=jnp.zeros((B,), bool),
         next_row=jnp.zeros((), jnp.int32),
-        steps=jnp.zeros((), jnp.int32), page_free=page_free, preempted=preempted)
+        steps=jnp.zeros((), jnp.int32), page_free=page_free, preempted=preempted,
+        seen=prompt_tokens(prompt_ids_BxP, prompt_mask_BxP, V, options))
     if options.record_routing:  # each row's prompt tokens took its group's prompt's experts
         experts_LxRxPxK = routed[0].experts
         L, _, _, K = experts_LxRxPxK.shape
@@ -290,8 +301,9 @@ def append(graphdef, params, decoding: Decoding, rows_M, tokens_MxA, counts_M, o
     put = lambda x_BxT, v: x_BxT.at[row_at, t_at].set(v, mode="drop")  # noqa: E731
     rows_at = jnp.where(resumed_M, row_M, B)
     flag = lambda x_B, v_M: x_B.at[rows_at].set(v_M, mode="drop")  # noqa: E731
+    seen = None if d.seen is None else d.seen.at[row_at, tokens_MxA].set(True, mode="drop")  # a tool's tokens too
     return d._replace(
-        tokens=put(d.tokens, tokens_MxA), sampled=put(d.sampled, jnp.zeros_like(tokens_MxA)),
+        seen=seen, tokens=put(d.tokens, tokens_MxA), sampled=put(d.sampled, jnp.zeros_like(tokens_MxA)),
         logps=put(d.logps, jnp.zeros(tokens_MxA.shape, jnp.float32)),
         turns=put(d.turns, jnp.broadcast_to(d.turn[row_M][:, None], tokens_MxA.shape)),
         length=flag(d.length, t_M + count_M), turn=flag(d.turn, d.turn[row_M] + 1),

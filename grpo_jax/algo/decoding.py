@@ -70,6 +70,7 @@ class Decoding(NamedTuple):
     routing: jax.Array | None = None  # [B, P + T, L, K] each token's experts per layer, with ``record_routing``
     page_free: jax.Array | None = None  # [shards, pages] bool: each row shard's free pages, with ``page_size``
     preempted: jax.Array | None = None  # [] rows preempted for pages so far (a pool smaller than every slot's row)
+    seen: jax.Array | None = None  # [B, V] bool: the row's prompt and completion tokens, with a repetition penalty
 
 
 def record_experts(d: Decoding, routed, rows_M, places_MxA, valid_MxA) -> Decoding:
@@ -155,7 +156,9 @@ def sample_next(d: Decoding, logits_NxV, options: DecodeOptions, in_step: bool =
     rows_N = jnp.minimum(d.slot_row, B - 1)
     t_N = jnp.broadcast_to(d.steps + 1, live_N.shape) if in_step else d.length[rows_N]
     noise = None if options.greedy else slot_noise(d, rows_N, t_N, logits_NxV.shape[-1])
-    tokens_N, logp_N = draw(logits_NxV, noise, options.sampling, greedy=options.greedy, argmax=options.argmax)
+    seen_NxV = None if d.seen is None else d.seen[rows_N]
+    tokens_N, logp_N = draw(logits_NxV, noise, options.sampling, greedy=options.greedy, argmax=options.argmax,
+                            seen_NxV=seen_NxV)
     if in_step:
         t = jnp.minimum(d.steps + 1, T - 1)  # rows that ended keep their column
 
@@ -175,8 +178,9 @@ def sample_next(d: Decoding, logits_NxV, options: DecodeOptions, in_step: bool =
     pause_N = eos_N if options.pause_at_eos else jnp.zeros_like(eos_N)
     end_N = (full_N | eos_N) & ~pause_N
     park = d.slot_row.shape[0] < B  # rows wait for slots: a paused row gives its slot up
+    seen = None if d.seen is None else d.seen.at[jnp.where(live_N, rows_N, B), tokens_N].set(True, mode="drop")
     return d._replace(
-        live=live_N & ~end_N & ~pause_N, pending=jnp.where(live_N, tokens_N, d.pending),
+        live=live_N & ~end_N & ~pause_N, pending=jnp.where(live_N, tokens_N, d.pending), seen=seen,
         slot_row=jnp.where(live_N & pause_N, B, d.slot_row) if park else d.slot_row,
         tokens=write(d.tokens, tokens_N), sampled=write(d.sampled, jnp.ones_like(tokens_N)),
         logps=write(d.logps, logp_N), turns=write(d.turns, d.turn[rows_N]), length=flag(d.length, t_N + 1),

@@ -1,5 +1,5 @@
-"""How one token is drawn from a row's logits: temperature, the filters (top-k, top-p, min-p, as Hugging Face's
-logits warpers), and the row's own Gumbel noise. The loop that draws them is `grpo_jax.algo.decoder`.
+"""How one token is drawn from a row's logits: temperature, the repetition penalty and the filters (top-k, top-p,
+min-p), as Hugging Face's logits processors and warpers, and the row's own Gumbel noise. The loop that draws them is `grpo_jax.algo.decoder`.
 
 Dimension letters: N rows drawing at once, V vocab.
 """
@@ -35,6 +35,14 @@ def _min_p(scores_BxV, min_p: float):
     return jnp.where(probs_BxV < threshold_Bx1, -jnp.inf, scores_BxV)
 
 
+def penalize(scaled_logits_BxV, seen_BxV, penalty: float):
+    """HF RepetitionPenaltyLogitsProcessor (vLLM's alike): each token the row holds (``seen_BxV``, its prompt and
+    completion so far) has its score divided by ``penalty`` when positive, multiplied when negative. On logits
+    divided by the temperature first: the same (a positive scale keeps the sign)."""
+    penalized_BxV = jnp.where(scaled_logits_BxV < 0, scaled_logits_BxV * penalty, scaled_logits_BxV / penalty)
+    return jnp.where(seen_BxV, penalized_BxV, scaled_logits_BxV)
+
+
 def filter_logits(scaled_logits_BxV, config: SamplingConfig):
     """Apply top-k, then top-p, then min-p to temperature-scaled logits; removed tokens become -inf."""
     scores = scaled_logits_BxV
@@ -53,16 +61,19 @@ def row_noise(key, row, step, vocab: int):
     return jax.random.gumbel(jax.random.fold_in(jax.random.fold_in(key, row), step), (vocab,), jnp.float32)
 
 
-def draw(logits_NxV, noise_NxV, config: SamplingConfig, *, greedy: bool, argmax=None):
+def draw(logits_NxV, noise_NxV, config: SamplingConfig, *, greedy: bool, argmax=None, seen_NxV=None):
     """Each row's next token and its log-probability (full-vocabulary log-softmax of logits / temperature, before
-    the filters): ([N] int32, [N] float32). Sampling takes argmax(filtered scores + noise), i.e.
-    ``jax.random.categorical`` with the given noise; ``greedy`` the arg-max of the unfiltered scores (``noise``
-    unused). ``argmax``: another arg-max of the last axis (`cpu.argmax_last_axis`), None: ``jnp.argmax``."""
+    the penalty and the filters: the policy's own, as the trainer computes it): ([N] int32, [N] float32).
+    Sampling takes argmax(filtered scores + noise), i.e. ``jax.random.categorical`` with the given noise;
+    ``greedy`` the arg-max of the scores before the filters (``noise`` unused), both after the repetition penalty
+    over ``seen_NxV`` (each row's tokens so far; None: no penalty), as transformers' generate applies it to both.
+    ``argmax``: another arg-max of the last axis (`cpu.argmax_last_axis`), None: ``jnp.argmax``."""
     argmax = (lambda x: jnp.argmax(x, axis=-1)) if argmax is None else argmax  # noqa: E731
     scaled_NxV = logits_NxV.astype(jnp.float32) / config.temperature
-    tokens_N = argmax(scaled_NxV if greedy else noise_NxV + filter_logits(scaled_NxV, config)).astype(jnp.int32)
+    scores_NxV = scaled_NxV if seen_NxV is None else penalize(scaled_NxV, seen_NxV, config.repetition_penalty)
+    tokens_N = argmax(scores_NxV if greedy else noise_NxV + filter_logits(scores_NxV, config)).astype(jnp.int32)
     logp_N = jnp.take_along_axis(jax.nn.log_softmax(scaled_NxV, axis=-1), tokens_N[:, None], axis=-1)[:, 0]
     return tokens_N, logp_N
 
 
-__all__ = ["SamplingConfig", "draw", "filter_logits", "row_noise"]
+__all__ = ["SamplingConfig", "draw", "filter_logits", "penalize", "row_noise"]

@@ -113,6 +113,7 @@ class SamplingConfig:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
     host_threads: int = 0
     max_batch_rows: int | None = None
     max_tool_calling_iterations: int | None = None
@@ -133,6 +134,8 @@ class SamplingConfig:
             raise ValueError(f"sampling.top_p={self.top_p} must be in (0, 1] (1.0 disables it)")
         if not 0 <= self.min_p < 1:
             raise ValueError(f"sampling.min_p={self.min_p} must be in [0, 1) (0.0 disables it)")
+        check_interval("sampling.repetition_penalty", self.repetition_penalty, "(0, inf)",
+                       "1.0 disables it; > 1 discourages the row's prompt and completion tokens")
         if self.max_batch_rows is not None and (not isinstance(self.max_batch_rows, int) or self.max_batch_rows < 0):
             raise ValueError(f"sampling.max_batch_rows={self.max_batch_rows!r} must be an integer >= 0 (0: all of a "
                              "call's rows decode at once)")

@@ -32,7 +32,8 @@ ALIASES = {
         "num_generations", "num_iterations", "per_device_train_batch_size", "ref_model_mixup_alpha",
         "ref_model_sync_steps", "sync_ref_model", "train_batch_size", "warmup_ratio", "warmup_steps", "weight_decay")},
     **{name: f"sampling.{name}" for name in (
-        "max_completion_length", "max_tool_calling_iterations", "temperature", "top_k", "top_p")},
+        "max_completion_length", "max_tool_calling_iterations", "repetition_penalty", "temperature", "top_k",
+        "top_p")},
     "reward_weights": "reward.weights",
     "max_prompt_length": "data.max_prompt_length",  # TRL < 1.0
     "model_name_or_path": "model.path",
@@ -153,8 +154,7 @@ OFF = {
                 "variable JAX_PLATFORMS=cpu"),
     "train_sampling_strategy": (("random",), "grpo_jax shuffles the prompts every epoch (by seed)"),
     "trust_remote_code": ((False,), "grpo_jax runs its own model code (the Llama, Gemma and Qwen3-MoE families)"),
-    "generation_kwargs": ((None,), "set sampling.temperature / top_p / top_k / min_p"),
-    "repetition_penalty": ((1, 1.0), "grpo_jax's sampler has no repetition penalty: remove the key"),
+    "generation_kwargs": ((None,), "set sampling.temperature / top_p / top_k / min_p / repetition_penalty"),
     "vllm_structured_outputs_regex": ((None,), "grpo_jax's sampler has no constrained decoding"),
     "use_adaptive_entropy": ((False,), "grpo_jax's entropy bonus is fixed: set loss.entropy_coef"),
     "log_unique_prompts": ((False,), "completions.jsonl logs every row (log_completions)"),

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax.algo.sampling import SamplingConfig, draw, filter_logits, row_noise
+from grpo_jax.algo.sampling import SamplingConfig, draw, filter_logits, penalize, row_noise
 
 
 def test_config_validation():
@@ -48,6 +48,23 @@ def test_filter_logits_matches_transformers(filters):
         scores = lp.MinPLogitsWarper(filters["min_p"])(None, scores)
     got = filter_logits(jnp.asarray(logits), SamplingConfig(**filters))
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(scores.numpy()))
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_repetition_penalty_matches_transformers(penalty):
+    """transformers' RepetitionPenaltyLogitsProcessor on the raw logits, then the temperature: our penalty on the
+    scaled logits gives the same scores (a positive scale keeps each logit's sign)."""
+    torch = pytest.importorskip("torch")
+    from transformers.generation import logits_process as lp
+
+    logits = np.asarray(jax.random.normal(jax.random.key(1), (3, 40)) * 2, np.float32)
+    ids = np.asarray(jax.random.randint(jax.random.key(2), (3, 9), 0, 40))  # repeats within a row
+    expected = lp.RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor(ids), torch.tensor(logits))
+    seen = np.zeros((3, 40), bool)
+    seen[np.arange(3)[:, None], ids] = True
+    got = penalize(jnp.asarray(logits) / 0.7, jnp.asarray(seen), penalty)
+    np.testing.assert_allclose(np.asarray(got), expected.numpy() / 0.7, rtol=1e-6)
+    assert not np.allclose(np.asarray(got), logits / 0.7)
 
 
 def test_a_rows_noise_is_the_gumbel_draw_of_its_own_key():

@@ -96,7 +96,10 @@ def test_logits_match_transformers(variant):
     np.testing.assert_allclose(ours[MASK == 1], torch_logits(torch_model)[MASK == 1], atol=1e-4, rtol=0)
 
 
-def test_greedy_generation_matches_transformers(variant):
+@pytest.mark.parametrize("penalty", [1.0, 3.0])
+def test_greedy_generation_matches_transformers(variant, penalty):
+    """Greedy tokens equal transformers' generate, also with a repetition penalty (which transformers applies to
+    the prompt's and the completion's tokens, greedy or sampled)."""
     torch_model, folder = variant
     model, params = from_pretrained(folder)
     new = 20
@@ -104,9 +107,17 @@ def test_greedy_generation_matches_transformers(variant):
         expected = torch_model.generate(
             input_ids=torch.tensor(INPUT_IDS, dtype=torch.long), attention_mask=torch.tensor(MASK),
             do_sample=False, max_new_tokens=new, eos_token_id=hf.EOS_ID, pad_token_id=hf.PAD_ID,
+            repetition_penalty=penalty,
         ).numpy()[:, INPUT_IDS.shape[1]:]
+        if penalty != 1.0:  # the penalty changes these tokens
+            plain = torch_model.generate(
+                input_ids=torch.tensor(INPUT_IDS, dtype=torch.long), attention_mask=torch.tensor(MASK),
+                do_sample=False, max_new_tokens=new, eos_token_id=hf.EOS_ID, pad_token_id=hf.PAD_ID,
+            ).numpy()[:, INPUT_IDS.shape[1]:]
+            assert plain.shape != expected.shape or (plain != expected).any()
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    dec = jit_decoder(model.graphdef, mesh, model.config, config=SamplingConfig(max_completion_length=new),
+    dec = jit_decoder(model.graphdef, mesh, model.config,
+                      config=SamplingConfig(max_completion_length=new, repetition_penalty=penalty),
                       eos_token_ids=(hf.EOS_ID,), pad_token_id=hf.PAD_ID)
     out = stream.generate(dec, params, INPUT_IDS, MASK, jax.random.key(0), greedy=True)
     ours = np.asarray(out.completion_ids)
