@@ -30,12 +30,20 @@ class TrainState(NamedTuple):
     ref_params: Any
     step: jax.Array  # int32 scalar: optimizer steps taken (skipped non-finite steps included)
     key: jax.Array
+    # [2] float32 with loss.use_adaptive_entropy (`entropy_control`): the bonus's coefficient, the last step's entropy
+    entropy_control: jax.Array | None = None
 
     @property
     def reference_params(self) -> Any:
         """What the reference log-probs run on: `ref_params`, or with LoRA adapters the policy's params, whose
         base the reference program reads with the adapters off (`programs.build`)."""
         return self.params if self.ref_params is None and lora.has_adapters(self.params) else self.ref_params
+
+
+def entropy_control(loss) -> jax.Array | None:
+    """The adaptive entropy bonus's state at step 0 (`loss.use_adaptive_entropy`, TRL's): [coefficient, last step's
+    entropy] = [loss.entropy_coef, inf] (no bonus before a step's entropy is known); None without it."""
+    return jnp.asarray([loss.entropy_coef, jnp.inf], jnp.float32) if loss.use_adaptive_entropy else None
 
 
 def learning_rate_schedule(*, learning_rate: float, scheduler: str, warmup_steps: int,

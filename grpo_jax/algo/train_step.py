@@ -126,6 +126,13 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
                                                         state.step), M)
                     if lora.has_dropout(graphdef, state.params) else None)
 
+    lc = options.loss
+    bonus = lc.entropy_coef != 0.0 or lc.use_adaptive_entropy
+    coef = {}  # Skywork-OR1's adaptive coefficient (TRL's): the one set after the last step, while its entropy was low
+    if lc.use_adaptive_entropy:
+        coefficient, last_entropy = state.entropy_control[0], state.entropy_control[1]
+        coef = {"entropy_coef": jnp.where(last_entropy <= lc.entropy_target, coefficient, 0.0)}
+
     def loss_fn(trainable, micro: Trajectory, dropout_key=None):
         params = lora.join(trainable, frozen)
         model = (graphdef, params) if dropout_key is None else lora.with_dropout(graphdef, params, dropout_key)
@@ -135,13 +142,13 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
             prompt_group_size=options.prompt_group_size, packed_length=packed_length,
             packed_buffers=packed_buffers, routing=micro.routed_experts, router_aux=router_aux, row_sharding=split)
         # the entropy carries gradient only for the entropy bonus (compute_loss differentiates through what it gets)
-        entropies_BxT = entropy_BxT if options.loss.entropy_coef != 0.0 else jax.lax.stop_gradient(entropy_BxT)
+        entropies_BxT = entropy_BxT if bonus else jax.lax.stop_gradient(entropy_BxT)
         sampler = micro.sampler_per_token_logps if options.use_sampler_logps else None
         # the loss trains the loss mask; attention (the forward above) saw every completion token
         loss, aux = loss_fn_(logps_BxT, micro.old_per_token_logps, micro.ref_per_token_logps,
                              micro.advantages, micro.loss_mask, config=options.loss,
                              num_items_in_batch=num_items, num_sequences=num_sequences,
-                             entropies=entropies_BxT, sampler_per_token_logps=sampler)
+                             entropies=entropies_BxT, sampler_per_token_logps=sampler, **coef)
         # aux holds masked means over this micro-batch: weight by its tokens for exact step-level means
         tokens = jnp.sum(micro.loss_mask).astype(jnp.float32)
         aux = _aux_dict(aux)
@@ -194,6 +201,12 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
         ref_params = reference.update(ref_params, policy, step, options.ref_sync)
     new_state = state._replace(params=params, opt_state=keep(new_opt_state, state.opt_state), step=step,
                                ref_params=ref_params)
+    entropy = entropy_sum / jnp.maximum(num_items, 1.0)  # the step's token-weighted entropy, all micro-batches
+    if lc.use_adaptive_entropy:  # + delta at or below the target, - delta above, within [min, max]
+        coefficient = jnp.where(entropy <= lc.entropy_target,
+                                jnp.minimum(coefficient + lc.entropy_coef_delta, lc.entropy_coef_max),
+                                jnp.maximum(coefficient - lc.entropy_coef_delta, lc.entropy_coef_min))
+        new_state = new_state._replace(entropy_control=jnp.stack([coefficient, entropy]).astype(jnp.float32))
 
     aux_mean = jax.tree.map(lambda x: x / jnp.maximum(num_items, 1.0), aux_sum)
     if options.loss.resolved_beta == 0.0:
@@ -204,10 +217,11 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
                 aux_mean.pop(name, None)
         if options.loss.loss_type != "cispo":
             aux_mean.pop("cispo_clip_ratio", None)
-        if options.loss.entropy_coef == 0.0:  # TRL logs these with its entropy bonus only
+        if not bonus:  # TRL logs these with its entropy bonus only
             aux_mean.pop("policy_loss", None)
-        else:
-            aux_mean["entropy_coef"] = jnp.asarray(options.loss.entropy_coef, jnp.float32)
+        else:  # adaptive: the coefficient after this step's update, as TRL logs it
+            aux_mean["entropy_coef"] = (new_state.entropy_control[0] if lc.use_adaptive_entropy
+                                        else jnp.asarray(lc.entropy_coef, jnp.float32))
     metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32), **aux_mean,
-               "entropy": entropy_sum / jnp.maximum(num_items, 1.0)}
+               "entropy": entropy}
     return new_state, metrics

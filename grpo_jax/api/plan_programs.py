@@ -120,7 +120,7 @@ def programs(config: Config, mesh, model, *, tpu: bool, reuse: dict | None = Non
     from grpo_jax.device import sharding
     from grpo_jax.models.moe import routing_dtype
     from grpo_jax.rollout.context import prompt_group_sizes
-    from grpo_jax.algo.state import abstract_state, model_graphdef, optimizer_from_config
+    from grpo_jax.algo.state import abstract_state, entropy_control, model_graphdef, optimizer_from_config
     from grpo_jax.algo.train_step import StepOptions
     from grpo_jax.algo.trajectory import Trajectory
     from grpo_jax.models.transformer import compute_dtype_params
@@ -131,6 +131,8 @@ def programs(config: Config, mesh, model, *, tpu: bool, reuse: dict | None = Non
     _, optimizer = optimizer_from_config(tc, config.max_steps)
     beta = config.loss.beta
     shapes = abstract_state(model, optimizer, with_reference=beta != 0.0, ref_param_dtype=tc.ref_param_dtype)
+    control = entropy_control(config.loss)  # the adaptive entropy bonus's state, as `run.build` adds it
+    shapes = shapes._replace(entropy_control=None if control is None else jax.eval_shape(lambda: control))
     shardings = sharding.state_shardings(mesh, shapes, offload_ref=tc.offload_ref_params)
     state, graphdef = _abstract(shapes, shardings), model_graphdef(model)
     rows, replicated = sharding.row_sharded(mesh), sharding.replicated(mesh)

@@ -18,7 +18,7 @@ import numpy as np
 import yaml
 
 from grpo_jax.algo import programs
-from grpo_jax.algo.state import TrainState, optimizer_from_config
+from grpo_jax.algo.state import TrainState, entropy_control, optimizer_from_config
 from grpo_jax.algo.train_step import StepOptions
 from grpo_jax.config import Config, for_run, resolve_defaults, to_dict
 from grpo_jax.data import prompts as data, sources, task
@@ -333,6 +333,9 @@ def _build(config: Config, output_dir: Path, resuming: bool, loss_fn: Callable |
         elif config.model.lora.enabled:
             params = lora.join(programs.init_adapters(config.model, config.seed, shardings), params)
         graphdef, state = model.graphdef, programs.state_from_params(params, optimizer, **state_options)
+    control = entropy_control(config.loss)  # the adaptive entropy bonus's, in the state: a resume carries it on
+    if control is not None:
+        state = state._replace(entropy_control=jax.device_put(control, sharding.replicated(mesh)))
     graphdef = cpu.packed_attention(cpu.linear_layers(graphdef, state.params, speedups), state.params, speedups)
     graphdef = cpu.grouped_experts(graphdef, state.params, speedups)
     if config.model.path:

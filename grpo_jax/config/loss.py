@@ -43,6 +43,13 @@ class LossConfig:
     vespo_lambda_neg: float = 2.0
     top_entropy_quantile: float = 1.0   # ρ: keep the top-ρ tokens by entropy in the policy term (1.0 = all)
     entropy_coef: float = 0.0           # entropy bonus: loss -= coef · mean entropy
+    # Skywork-OR1's adaptive coefficient (TRL's): from entropy_coef, + delta after a step whose entropy is at or
+    # below entropy_target, - delta after one above, within [min, max]; applied only while entropy <= target
+    use_adaptive_entropy: bool = False
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    entropy_target: float = 0.2
     off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2 off-policy sequence mask (None = off)
     # Sampler/learner mismatch correction; applied only when compute_loss gets sampler_per_token_logps (our
     # sampler plays vLLM's role in TRL).
@@ -112,6 +119,10 @@ class LossConfig:
         for field in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"loss.{field}={getattr(self, field)} must be > 0")
+        if self.use_adaptive_entropy and self.top_entropy_quantile < 1.0:
+            raise ValueError(f"loss.use_adaptive_entropy with loss.top_entropy_quantile={self.top_entropy_quantile}: "
+                             "grpo_jax's controller measures every token's entropy, TRL's only the kept ones; set "
+                             "top_entropy_quantile=1.0 or use_adaptive_entropy=false")
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
             raise ValueError(
                 f"loss.top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1] (1.0 keeps every token; "

@@ -20,7 +20,8 @@ from typing import Any
 # TRL 1.16 GRPOConfig / TrainingArguments / ModelConfig name -> our dotted key, where the two mean the same thing
 ALIASES = {
     **{name: f"loss.{name}" for name in (
-        "beta", "delta", "entropy_coef", "epsilon", "epsilon_high", "importance_sampling_level", "loss_type",
+        "beta", "delta", "entropy_coef", "entropy_coef_delta", "entropy_coef_max", "entropy_coef_min",
+        "entropy_target", "use_adaptive_entropy", "epsilon", "epsilon_high", "importance_sampling_level", "loss_type",
         "off_policy_mask_threshold", "router_aux_loss_coef", "sapo_temperature_neg", "sapo_temperature_pos",
         "top_entropy_quantile",
         "use_bias_correction_kl", "vespo_k_neg", "vespo_k_pos", "vespo_lambda_neg", "vespo_lambda_pos",
@@ -156,7 +157,6 @@ OFF = {
     "trust_remote_code": ((False,), "grpo_jax runs its own model code (the Llama, Gemma and Qwen3-MoE families)"),
     "generation_kwargs": ((None,), "set sampling.temperature / top_p / top_k / min_p / repetition_penalty"),
     "vllm_structured_outputs_regex": ((None,), "grpo_jax's sampler has no constrained decoding"),
-    "use_adaptive_entropy": ((False,), "grpo_jax's entropy bonus is fixed: set loss.entropy_coef"),
     "log_unique_prompts": ((False,), "completions.jsonl logs every row (log_completions)"),
     "model_revision": (("main",), "model.path is a local folder: download the revision first"),
     "use_dora": ((False,), "grpo_jax's adapters are LoRA only (model.lora)"),
@@ -186,8 +186,7 @@ IGNORED = (
     "do_predict", "local_rank", "cast_lm_head_to_fp32", "ds3_gather_for_generation",
     "pad_to_multiple_of", "cache_implementation", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode",
     "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
-    "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size", "entropy_coef_min",
-    "entropy_coef_max", "entropy_coef_delta", "entropy_target", "log_multimodal",
+    "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size", "log_multimodal",
     "use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_transformers_paged",
     "attn_implementation", "bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage",
 )

@@ -183,7 +183,8 @@ def state_shardings(mesh: Mesh, abstract_state, *, offload_ref: bool = False):
         opt_state=optimizer_shardings(mesh, abstract_state.opt_state),
         ref_params=(None if abstract_state.ref_params is None
                     else param_shardings(mesh, abstract_state.ref_params, memory_kind=ref_kind)),
-        step=replicated(mesh), key=replicated(mesh))
+        step=replicated(mesh), key=replicated(mesh),
+        entropy_control=None if abstract_state.entropy_control is None else replicated(mesh))
 
 
 def cache_sharding(mesh: Mesh, num_kv_heads: int) -> NamedSharding:

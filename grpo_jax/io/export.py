@@ -19,8 +19,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from grpo_jax.algo.state import abstract_state, model_graphdef, optimizer_from_config
-from grpo_jax.config import TrainConfig, from_dict, to_dict
+from grpo_jax.algo.state import abstract_state, entropy_control, model_graphdef, optimizer_from_config
+from grpo_jax.config import LossConfig, TrainConfig, from_dict, to_dict
 from grpo_jax.data.prompts import load_tokenizer
 from grpo_jax.io.checkpoint import CHECKPOINTS, check_checksums, nonfinite_leaves, read_only_manager
 from grpo_jax.io.preemption import storage_error
@@ -200,6 +200,8 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge: bool
             _, optimizer = optimizer_from_config(from_dict(TrainConfig, meta["config"]["train"], "train."),
                                                  meta["config"]["max_steps"])
             shapes = abstract_state(model_config, optimizer, with_reference=meta["ref_params_saved"])
+            control = entropy_control(from_dict(LossConfig, meta["config"].get("loss", {}), "loss."))
+            shapes = shapes._replace(entropy_control=None if control is None else jax.eval_shape(lambda: control))
             device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), shapes)
             skip = lambda tree: jax.tree.map(lambda _: ocp.PLACEHOLDER, tree)  # noqa: E731 - not read at all

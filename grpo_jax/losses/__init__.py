@@ -94,8 +94,8 @@ class LossAux(NamedTuple):
 def compute_loss(per_token_logps: jax.Array, old_per_token_logps: jax.Array | None,
                  ref_per_token_logps: jax.Array | None, advantages: jax.Array, completion_mask: jax.Array, *,
                  config: LossConfig, num_items_in_batch=None, num_sequences=None,
-                 entropies: jax.Array | None = None, sampler_per_token_logps: jax.Array | None = None
-                 ) -> tuple[jax.Array, LossAux]:
+                 entropies: jax.Array | None = None, sampler_per_token_logps: jax.Array | None = None,
+                 entropy_coef: jax.Array | None = None) -> tuple[jax.Array, LossAux]:
     """GRPO-family policy loss and its metrics: TRL 1.16 `GRPOTrainer._compute_loss`, number for number.
 
     log_w at config.importance_sampling_level, r = exp(log_w); ℓ = surrogate of config.loss_type;
@@ -117,6 +117,8 @@ def compute_loss(per_token_logps: jax.Array, old_per_token_logps: jax.Array | No
         off-policy mask compares against them (else against `old`) and, if
         config.vllm_importance_sampling_correction, ℓ is weighted by the sampler/learner IS correction
         (vespo folds a token-level correction into φ instead).
+      entropy_coef: the entropy bonus's coefficient this step (a traced scalar: config.use_adaptive_entropy's,
+        which the train step carries in its state); None: config.entropy_coef.
     Returns:
       (loss scalar float32, LossAux). Positions with mask == 0 get exactly zero gradient whatever they hold.
     """
@@ -135,7 +137,8 @@ def compute_loss(per_token_logps: jax.Array, old_per_token_logps: jax.Array | No
     adv_BxT = sg(advantages[:, None] if advantages.ndim == 1 else clean(advantages))  # [B, 1] or [B, T]
     entropies_BxT = None if entropies is None else clean(entropies)
     sampler_BxT = None if sampler_per_token_logps is None else sg(clean(sampler_per_token_logps))
-    needs_entropy = config.top_entropy_quantile < 1.0 or config.entropy_coef != 0.0
+    bonus = config.entropy_coef != 0.0 or config.use_adaptive_entropy  # adaptive: on while its coefficient is 0
+    needs_entropy = config.top_entropy_quantile < 1.0 or bonus
     if needs_entropy and entropies_BxT is None:
         raise ValueError(f"loss.top_entropy_quantile={config.top_entropy_quantile} / loss.entropy_coef="
                          f"{config.entropy_coef} need per-token entropies: pass entropies=... to compute_loss")
@@ -199,8 +202,9 @@ def compute_loss(per_token_logps: jax.Array, old_per_token_logps: jax.Array | No
                      max_completion_length=config.max_completion_length,
                      num_items_in_batch=num_items_in_batch, num_sequences=num_sequences)
     policy_loss = sg(loss)
-    if config.entropy_coef != 0.0:
-        loss = loss - entropy_bonus(entropies_BxT, mask_BxT, coef=config.entropy_coef,
+    if bonus:
+        coef = config.entropy_coef if entropy_coef is None else entropy_coef
+        loss = loss - entropy_bonus(entropies_BxT, mask_BxT, coef=coef,
                                     entropy_mask_BxT=entropy_mask_BxT, num_items_in_batch=num_items_in_batch)
 
     zero = jnp.zeros((), jnp.float32)

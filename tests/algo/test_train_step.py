@@ -381,3 +381,34 @@ def test_tpu_train_program_keeps_only_each_chips_rows():
     memory = step.lower(state, batch).compile().memory_analysis()
     all_rows_hidden = B * (P + T) * D * 2  # bf16
     assert memory.temp_size_in_bytes < 2 * all_rows_hidden, (memory.temp_size_in_bytes, all_rows_hidden)
+
+
+def test_adaptive_entropy_applies_the_coefficient_of_the_last_step_and_updates_it(tiny_model_config):
+    """TRL's use_adaptive_entropy (Skywork-OR1): a step applies the coefficient the last step left, only when that
+    step's entropy was at or below entropy_target (step 1: none known, no bonus), then moves it by entropy_coef_delta
+    toward more bonus (entropy at or below the target) or less (above), within [min, max], from the state it carries.
+    The applied bonus equals the fixed coefficient's; the update follows the naive rule on the logged entropy."""
+    mesh = one_device_mesh()
+    graphdef, optimizer, state = setup(tiny_model_config, mesh, beta=0.0, adam=False)
+    batch = make_batch(graphdef, state.params, seed=0, beta=0.0)
+
+    def step(loss_config, control=None):
+        options = _options(loss_config, temperature=1.0, gradient_accumulation_steps=2)
+        s = jax.tree.map(jnp.copy, state)  # the step donates its state
+        s = s if control is None else s._replace(entropy_control=jnp.asarray(control, jnp.float32))
+        return jax.device_get(jit_train_step(graphdef, optimizer, options, mesh, sharding.tree_shardings(s))(
+            s, batch, 0, 0))
+
+    fixed = {c: step(LossConfig(loss_type="dapo", beta=0.0, entropy_coef=c)) for c in (0.0, 0.3)}
+    adaptive = dict(loss_type="dapo", beta=0.0, use_adaptive_entropy=True, entropy_coef=0.3, entropy_coef_delta=0.05,
+                    entropy_coef_max=0.32)
+    entropy = float(fixed[0.0][1]["entropy"])
+    for last, target, applied in ((np.inf, 100.0, 0.0), (0.1, 100.0, 0.3), (0.005, 0.01, 0.3), (5.0, 1.0, 0.0)):
+        new_state, metrics = step(LossConfig(**adaptive, entropy_target=target), [0.3, last])
+        np.testing.assert_allclose(metrics["loss"], fixed[applied][1]["loss"], rtol=1e-6, atol=1e-7)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+                     new_state.params, fixed[applied][0].params)
+        moved = min(0.3 + 0.05, 0.32) if entropy <= target else max(0.3 - 0.05, 0.0)
+        np.testing.assert_allclose(new_state.entropy_control, [moved, entropy], rtol=1e-6)
+        assert metrics["entropy_coef"] == pytest.approx(moved) and "policy_loss" in metrics
+    assert fixed[0.3][1]["loss"] != fixed[0.0][1]["loss"]  # the bonus is felt

@@ -68,8 +68,10 @@ def _train(output_dir: Path, *overrides: str) -> dict:
 
 @pytest.mark.parametrize("options", [
     ["train.num_iterations=1"],
-    # mu = 2 with a moving reference (TR-DPO): ref_params are in the checkpoint
-    ["train.num_iterations=2", "train.sync_ref_model=true", "train.ref_model_sync_steps=3"],
+    # mu = 2 with a moving reference (TR-DPO): ref_params are in the checkpoint; so is the adaptive entropy
+    # coefficient (TRL's use_adaptive_entropy: raised every step here, entropy below the target)
+    ["train.num_iterations=2", "train.sync_ref_model=true", "train.ref_model_sync_steps=3",
+     "loss.use_adaptive_entropy=true", "loss.entropy_target=100.0", "loss.entropy_coef_delta=0.01"],
     ["train.dynamic_sampling=true", "train.max_num_gen_batches=3",
      "reward.functions=[tests.api.test_trainer:half_constant_reward]"],
     # LoRA on a bfloat16 base: the checkpoint holds the adapters' optimizer state only, the reference is the base
@@ -92,6 +94,9 @@ def test_resumed_run_equals_uninterrupted_run_bitwise(tmp_path, capsys, options)
     (whole_state, whole_step), (split_state, split_step) = _state(tmp_path / "whole"), _state(tmp_path / "split")
     assert whole_step == split_step == 6
     _assert_same_state(whole_state, split_state)
+    if "loss.use_adaptive_entropy=true" in options:  # the coefficient rose 0.01 a step, in the state and the log
+        assert [line["entropy_coef"] for line in split] == pytest.approx([0.01 * s for s in range(1, 7)])
+        np.testing.assert_allclose(_flat(split_state)["entropy_control"][0], 0.06, rtol=1e-6)
     if "model.lora.rank=4" in options:  # adapters trained, and only they carry Adam moments
         flat = _flat(split_state)
         assert any("lora_b" in k and np.abs(v).max() > 0 for k, v in flat.items() if k.startswith("params"))
