@@ -285,6 +285,8 @@ class GRPOTrainer:
                         "train_steps_per_second": round(trained / runtime, 3), "total_flos": 0.0,
                         "train_loss": train_loss, "epoch": epoch, "step": summary["steps"]})
         self.state = TrainerState(global_step=summary["steps"], max_steps=summary["steps"], log_history=history)
+        if config.loss.use_adaptive_entropy:  # TRL's trainer.entropy_coef: where the controller left it
+            self.entropy_coef = next(line["entropy_coef"] for line in reversed(history) if "loss" in line)
         try:
             from transformers.trainer_utils import TrainOutput
         except ImportError:

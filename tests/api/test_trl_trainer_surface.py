@@ -505,10 +505,15 @@ def test_reward_functions_are_called_once_a_generation_batch_in_row_order(tmp_pa
         pieces.append(len(parts))
         return piece.joined(parts)
     monkeypatch.setattr(scoring, "joined", joined)
+    # (TRL's adaptive entropy rides along: trainer.entropy_coef is where the controller left it, one delta a step
+    # up while the entropy stays below a target above any entropy)
     args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, num_generations=4,
-                      max_completion_length=6, max_steps=3, report_to="none", disable_tqdm=True,
+                      max_completion_length=6, max_steps=3, report_to="none", disable_tqdm=True, entropy_coef=0.01,
+                      use_adaptive_entropy=True, entropy_target=15.0,
                       **{"sampling.max_batch_rows": 8, "eval.num_examples": 0})
-    GRPOTrainer(model=folder, reward_funcs=recorded, train_dataset=ROWS, args=args).train()
+    trainer = GRPOTrainer(model=folder, reward_funcs=recorded, train_dataset=ROWS, args=args)
+    trainer.train()
+    assert trainer.entropy_coef == pytest.approx(0.01 + 3 * 0.005, abs=1e-6)
     assert max(pieces) > 1  # the rows did come in pieces
     assert calls[0][1] == [""] * len(calls[0][1])  # the check, on empty completions
     assert [len(prompts) for prompts, _ in calls[1:]] == [16, 16, 16]
