@@ -403,6 +403,8 @@ def _build(config: Config, output_dir: Path, resuming: bool, loss_fn: Callable |
                                        decode_chunks=decoder.chunks(tc.generation_batch_size, tc.num_generations))
     if jax.process_index() == 0:
         (output_dir / "config.yaml").write_text(yaml.safe_dump(given, sort_keys=False))
+        # what ran: TRL's per-device batch and epochs as counts, the model folder's architecture, the prompt length
+        (output_dir / "resolved.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
     run = Run(config=config, output_dir=output_dir, tokenizer=tokenizer, tokenizer_path=tokenizer_dir,
               dataset=dataset, eval_rows=eval_rows, reward_fns=reward_fns, eval_reward_fns=eval_reward_fns,
               mesh=mesh, graphdef=graphdef, schedule=schedule, programs=run_programs,

@@ -86,6 +86,9 @@ def test_train_returns_trls_output_and_keeps_the_history_in_memory(tmp_path, cap
                for a, b in zip(loaded.state_dict().values(), saved.state_dict().values()))
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "run").get_vocab()
     assert (tmp_path / "run" / "config.yaml").is_file() and (tmp_path / "run" / "checkpoints").is_dir()
+    import yaml  # resolved.yaml: what ran, TRL's per-device batch of 1 on 8 devices as 8 rows a step
+    resolved = yaml.safe_load((tmp_path / "run" / "resolved.yaml").read_text())
+    assert resolved["train"]["train_batch_size"] == 8 and resolved["model"]["model_type"] == "qwen2"
 
     # the same script again trains again from the start, as TRL's does (before: it resumed the finished run and
     # trained 0 steps); the earlier run is set aside, not lost
