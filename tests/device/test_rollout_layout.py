@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ import pytest
 
 from grpo_jax.algo import programs
 from grpo_jax.algo.sampling import SamplingConfig
-from grpo_jax.api import collectives
+from grpo_jax.api import collectives, plan_programs
 from grpo_jax.config.model import LoRAConfig
 from grpo_jax.device import chips, rollout_layout, sharding
 from grpo_jax.models import ModelConfig, init_model
@@ -209,7 +210,8 @@ def _pod_decode(model: ModelConfig, tensor: int, B: int, P: int, T: int, **sampl
     prefill = dec.start.lower(*args, options).compile()
     decoding = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             jax.eval_shape(lambda *a: dec.start(*a, options), *args), prefill.output_shardings)
-    return dec.advance.lower(params, decoding, options, False).compile(), decoding
+    return dec.advance.lower(params, decoding, options, False).compile(), SimpleNamespace(
+        decoding=decoding, dec=dec, options=options, params=params, page_free=decoding.page_free)
 
 
 def test_a_v5p_pod_decodes_inside_its_tensor_groups():
@@ -263,5 +265,16 @@ def test_a_v5p_pods_kv_pages_follow_the_pool_not_rows_times_length():
     assert saved >= 0.9 * (B // 8 * (P + T) - live // 8) * per_token  # whole rows' slots less the live tokens'
     loop = [c for c in collectives.collectives(small.as_text(), 64) if c.per_step]
     assert loop and max(c.group for c in loop) <= 8
+    # the plan counts a step of the pool's steady state (`plan_programs.steady_state`): a pool smaller than every
+    # slot's whole row adds preemption and readmission branches, which XLA counts every trip though they run only
+    # when the pool runs short; without them a step is its products (the kernel's attention XLA does not count):
+    # 2 x a group's 32 rows x a chip's eighth of the weights' products (q, k, v, o, MLP, unembedding), by hand
+    dec, options, params = state.dec, state.options, state.params
+    steady = dec.advance.lower(params, plan_programs.steady_state(state.decoding), options, False).compile()
+    D, H, F, V = model.hidden_size, model.num_attention_heads, model.intermediate_size, model.vocab_size
+    products = L * (2 * D * H * Dh + 2 * D * K * Dh + 3 * D * F) + D * V
+    hand = 2 * (B // 8) * products / 8
+    assert plan_programs.xla_cost(steady)[0] == pytest.approx(hand, rel=0.05)
+    assert plan_programs.xla_cost(small)[0] > 100 * hand  # before: the untaken branches counted every step
     print(f"v5p:4x4x4 decode state a chip: paged {small.memory_analysis().argument_size_in_bytes / 2**20:.1f} MiB, "
           f"contiguous {contiguous.memory_analysis().argument_size_in_bytes / 2**20:.1f} MiB")
