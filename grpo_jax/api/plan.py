@@ -246,13 +246,14 @@ def resolved(config: Config) -> Config:
 
 def plan(config: Config, devices, *, chip: Chip | None = None, hbm_bytes: int | None = None,
          costs: bool = True, hbm_efficiency: float = HBM_EFFICIENCY, mfu: float = MFU,
-         mean_completion: int = 0) -> Plan:
+         mean_completion: int = 0, decoding: bool = True) -> Plan:
     """The run's phases compiled for ``devices`` (`topology_devices`): memory per chip, FLOPs, bytes, roofline.
 
     ``chip`` (None: by the devices' kind) gives the roofline's FLOP/s and bandwidth; ``hbm_bytes`` (None: the
     chip's, or a device at hand's limit) what a phase must fit in; ``costs`` False skips FLOPs and bytes (memory
     only: about half the compiles); ``mean_completion`` a row's real completion tokens on average for the real
-    tokens/s (0: half of max_completion_length)."""
+    tokens/s (0: half of max_completion_length); ``decoding`` False plans the log-prob and train phases alone (what
+    a change to the update needs; the round's totals are then not a round's)."""
     from grpo_jax.device import sharding
 
     config = resolved(config)
@@ -263,7 +264,7 @@ def plan(config: Config, devices, *, chip: Chip | None = None, hbm_bytes: int | 
         hbm_bytes = chip.hbm_bytes if (chip is not None and tpu) else local_hbm(devices[0])
     m = config.mesh
     mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor, devices=devices, expert=m.expert)
-    phases, layout, decode_shards = _phases(config, mesh, tpu, costs, chip)
+    phases, layout, decode_shards = _phases(config, mesh, tpu, costs, chip, decoding)
     tc = config.train
     tokens = tc.generation_batch_size * (config.data.max_prompt_length + config.sampling.max_completion_length)
     return Plan(tuple(phases), chip, hbm_bytes, len(devices), sharding.num_row_shards(mesh), tokens, config,
@@ -351,7 +352,8 @@ def report(plan_: Plan, topology: str) -> list[str]:
     return lines
 
 
-def _phases(config: Config, mesh, tpu: bool, with_costs: bool, chip: Chip | None) -> tuple[list[Phase], str, int]:
+def _phases(config: Config, mesh, tpu: bool, with_costs: bool, chip: Chip | None,
+            decoding: bool = True) -> tuple[list[Phase], str, int]:
     """The run's phases over ``mesh``: memory from the programs as the run compiles them, FLOPs and bytes from the
     same programs (`plan_programs.costs`), their collectives from their HLO (`collectives`); the decoding
     layout's reason and its row shards (0: the training layout's)."""
@@ -360,7 +362,8 @@ def _phases(config: Config, mesh, tpu: bool, with_costs: bool, chip: Chip | None
     from grpo_jax.device import sharding
 
     tc = config.train
-    compiled = plan_programs.programs(config, mesh, config.model, tpu=tpu, chip=chip, compare_layouts=True)
+    compiled = plan_programs.programs(config, mesh, config.model, tpu=tpu, chip=chip, compare_layouts=True,
+                                      decoding=decoding)
     costs = (plan_programs.costs(config, mesh, compiled, tpu=tpu, chip=chip) if with_costs
              else {name: (math.nan, math.nan) for name in compiled})
     slots = config.sampling.max_batch_rows or tc.generation_batch_size

@@ -119,11 +119,12 @@ def decode_layout(config: Config, mesh, model, chip, shapes, shardings):
 
 
 def programs(config: Config, mesh, model, *, tpu: bool, reuse: dict | None = None, chip=None,
-             compare_layouts: bool = False) -> dict[str, Program]:
+             compare_layouts: bool = False, decoding: bool = True) -> dict[str, Program]:
     """{phase: `Program`} of a run of ``model`` over ``mesh`` for abstract inputs (nothing allocated); a phase whose
     lowered text equals ``reuse``'s (a previous call's result) takes its executable instead of compiling again.
     Decoding runs in the layout the run would choose on ``chip`` (`decode_layout`), its reshard as ``layout``; with
-    ``compare_layouts`` the training layout's decode step too, as ``decode_step_training_layout``."""
+    ``compare_layouts`` the training layout's decode step too, as ``decode_step_training_layout``; ``decoding``
+    False: the log-prob and train programs only."""
     import jax
     import jax.numpy as jnp
 
@@ -201,8 +202,9 @@ def programs(config: Config, mesh, model, *, tpu: bool, reuse: dict | None = Non
         if name != "decode_step":
             out.pop(prefill_name)
 
-    decode("decode_step", placement)
-    if compare_layouts and placement is not None:
+    if decoding:
+        decode("decode_step", placement)
+    if decoding and compare_layouts and placement is not None:
         decode("decode_step_training_layout", None)
     if tc.needs_old_logps or beta != 0.0:
         logps = jitted.jit_logps(graphdef, mesh, temperature=config.sampling.temperature,
@@ -344,7 +346,8 @@ def costs(config: Config, mesh, compiled: dict[str, Program], *, tpu: bool, chip
         variant = dataclasses.replace(model, scan_unroll=other_unroll)
         other = {name: xla_cost(p.compiled if p.counted is None else p.counted) for name, p in
                  programs(config, mesh, variant, tpu=tpu, reuse=compiled, chip=chip,
-                          compare_layouts="decode_step_training_layout" in compiled).items()}
+                          compare_layouts="decode_step_training_layout" in compiled,
+                          decoding="decode_step" in compiled).items()}
     out = {}
     for name, (flops, bytes_) in own.items():
         totals = []

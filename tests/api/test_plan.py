@@ -287,7 +287,7 @@ def test_a_chunked_unembedding_counts_every_chunk(tmp_path):
 
     def flops(chunk):
         result = plan.plan(load_config(None, [f"model.path={folder}", *OVERRIDES, f"train.logps_chunk_size={chunk}"]),
-                           plan.topology_devices("v5e:2x2"))
+                           plan.topology_devices("v5e:2x2"), decoding=False)  # the log-prob and train phases
         return {p.name: p.flops for p in result.phases}
 
     whole, chunked = flops(0), flops(1)
@@ -323,7 +323,7 @@ def test_tpu_plan_counts_the_experts_kernel_flops(tmp_path, monkeypatch):
             f"model.path={folder}", "mesh.data=1", f"mesh.fsdp={2 if name == 'sparse' else 4}",
             f"mesh.expert={2 if name == 'sparse' else 1}"]
         config = load_config(None, overrides)
-        result = plan.plan(config, plan.topology_devices("v5e:2x2"))
+        result = plan.plan(config, plan.topology_devices("v5e:2x2"), decoding=False)  # the log-prob and train phases
         flops[name] = {p.name: p.flops for p in result.phases}
     tokens = {"logps": config.train.generation_batch_size * (P + T) / 4, "train_step": ROWS * (P + T) / 4}  # a chip
     router, mlp = 2.0 * Dm * E, 6.0 * Dm * K * Fe  # a token's
