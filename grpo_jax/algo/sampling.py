@@ -1,5 +1,6 @@
 """How one token is drawn from a row's logits: temperature, the repetition penalty and the filters (top-k, top-p,
-min-p), as Hugging Face's logits processors and warpers, and the row's own Gumbel noise. The loop that draws them is `grpo_jax.algo.decoder`.
+min-p), as Hugging Face's logits processors and warpers, and the row's own Gumbel noise. The loop that draws them
+is `grpo_jax.algo.decoder`.
 
 Dimension letters: N rows drawing at once, V vocab.
 """
