@@ -245,7 +245,7 @@ class GRPOTrainer:
     def train(self, resume_from_checkpoint: bool | str | None = None):
         """Trains (`grpo_jax.api.trainer.train`) and returns transformers' `TrainOutput` (global_step, training_loss,
         metrics: the run's summary, which `output["steps"]` also reads) when transformers is importable, else the
-        summary; `self.state.log_history` then holds every logged line. A run in `args.output_dir` continues from
+        summary; `self.state.log_history` then holds every logged line (TRL's keys, transformers' final line).
         A run already in `args.output_dir` is set aside into its `previous-run/` and training starts again, as
         TRL's does, unless `resume_from_checkpoint` (this argument or the config key, `grpo_jax.io.runs`) asks to
         continue: True (the newest checkpoint), a run folder, its newest checkpoint folder, or TRL's
