@@ -21,9 +21,9 @@ from typing import Any
 ALIASES = {
     **{name: f"loss.{name}" for name in (
         "beta", "delta", "entropy_coef", "entropy_coef_delta", "entropy_coef_max", "entropy_coef_min",
-        "entropy_target", "use_adaptive_entropy", "epsilon", "epsilon_high", "importance_sampling_level", "loss_type",
+        "entropy_target", "epsilon", "epsilon_high", "importance_sampling_level", "loss_type",
         "off_policy_mask_threshold", "router_aux_loss_coef", "sapo_temperature_neg", "sapo_temperature_pos",
-        "top_entropy_quantile",
+        "top_entropy_quantile", "use_adaptive_entropy",
         "use_bias_correction_kl", "vespo_k_neg", "vespo_k_pos", "vespo_lambda_neg", "vespo_lambda_pos",
         "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min",
         "vllm_importance_sampling_correction", "vllm_importance_sampling_mode")},
