@@ -96,8 +96,11 @@ def _restore(run: Run, state: TrainState, mngr) -> tuple[Place, list, dict | Non
     where = "" if round_batch is None else f", inside round {round_batch.round_index} ({round_batch.position} " \
         f"of its {len(round_batch.step_rows)} steps done)"
     print(f"grpo_jax: resuming from checkpoint {mngr.directory / str(resumed.step)} at step {resumed.step}{where}")
-    # the newest step line's num_tokens counts every round up to its own, the one resumed inside included
+    # TRL's num_tokens so far: the round resumed inside counts itself already (it may have run no step yet), else
+    # the newest step line counts every round up to its own
     seen = next((line["num_tokens"] for line in reversed(resumed.history) if "num_tokens" in line), 0)
+    if round_batch is not None:
+        seen = round_batch.metrics.get("num_tokens", seen)
     place = Place(resumed.state, data.DataState(**resumed.data), round_batch, resumed.round_index, resumed.step,
                   tokens_seen=seen)
     return place, resumed.history, resumed.eval_before, resumed.arrays

@@ -115,10 +115,12 @@ def test_sharded_train_steps_equal_single_device(tiny_model_config, single, shap
     mesh = sharding.make_mesh(*shape)
     state, metrics, step = run(tiny_model_config, mesh)
     single_state, single_metrics = single
-    # float32; sharded matmuls and psums add in another order: ~1e-7 relative per op, a few ulps through the step
+    # float32; sharded matmuls and psums add in another order: ~1e-7 relative per op, a few ulps through the step.
+    # The loss is a sum of O(1) per-token terms that cancel to O(1e-2): a few ulps of those terms, ~3e-7 absolute
+    # (3.1e-7 measured at (1, 4, 2) since the step also computes the clip-ratio extremes and the entropy control)
     for m, s in zip(metrics, single_metrics):
         for k in ("loss", "grad_norm", "kl", "entropy"):
-            np.testing.assert_allclose(m[k], s[k], rtol=1e-5, atol=1e-7, err_msg=k)
+            np.testing.assert_allclose(m[k], s[k], rtol=1e-5, atol=1e-6 if k == "loss" else 1e-7, err_msg=k)
     # each updated element is init minus gradient sums over every row and token (the tied embedding's over ~1,000
     # terms of either sign): a small element is a cancellation of larger terms, so its rounding scales with the
     # leaf's largest magnitude (8 row shards vs 1 moved one embedding element by 1.3e-6; that leaf peaks at ~0.6)
