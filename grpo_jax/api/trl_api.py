@@ -20,7 +20,8 @@ from typing import Any
 from grpo_jax.api.arguments import check_arguments
 from grpo_jax.api.trl_inputs import (cached_reward_model, env_reward_classes, env_reward_func, held_out, is_stream,
                                      lora_options, model_folder, reward_func_names, tokenizer_folder, trl_tools)
-from grpo_jax.api.trl_state import PolicyView, TrainerState, TRLArgs, residual_means, trl_checkpoint, trl_line
+from grpo_jax.api.trl_state import (PolicyView, TrainerState, TRLArgs, residual_means, trl_checkpoint, trl_line,
+                                    trl_logs)
 from grpo_jax.config import Config, LoRAConfig, for_run, make_config, trl_keys
 from grpo_jax.config.sections import TASK_REWARDS
 
@@ -174,6 +175,14 @@ class GRPOTrainer:
         self.model = PolicyView(self)
         self.use_vllm = False  # TRL's flags scripts and tests read: grpo_jax samples with its own sampler
         self.entropy_coef = self.args.loss.entropy_coef
+
+    @property
+    def _logs(self) -> dict:
+        """TRL's completion logs of the newest logged round (`trl_state.trl_logs`; empty before training or without
+        `log_completions`), which TRL's tests read."""
+        out = self._output_dir
+        return trl_logs(None if out is None else Path(out) / "completions.jsonl", self.reward_func_names,
+                        self.args.train.generation_batch_size)
 
     @property
     def reward_weights(self):

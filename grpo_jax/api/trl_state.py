@@ -1,6 +1,7 @@
 """What a TRL script reads back from a `GRPOTrainer` (`grpo_jax.api.trl_api`): `trainer.args` under TRL's names too,
 `trainer.model` as a view of the policy's weights, `trainer.state` and its `log_history` under TRL's metric names,
-TRL's `checkpoint-N` folders. No jax: the weights are read from Hugging Face folders.
+the newest logged round's completion table (`trainer._logs`), TRL's `checkpoint-N` folders. No jax: the weights are
+read from Hugging Face folders.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import os
 import re
 import shutil
+from collections import defaultdict, deque
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -188,3 +190,26 @@ def trl_checkpoint(value: bool | str | None) -> bool | str | None:
     if match and not path.exists() and (path.parent / CHECKPOINTS_DIR).is_dir():
         return str(path.parent / CHECKPOINTS_DIR / match.group(1))
     return os.fspath(value)
+
+
+COMPLETION_COLUMNS = ("step", "prompt", "completion", "reward", "advantage")  # completions.jsonl's own columns
+
+
+def trl_logs(completions_file: Path | None, reward_names: list[str], batch_size: int) -> dict:
+    """TRL's `trainer._logs` (the newest generation batch's rows, which its completion table prints) read from the
+    run's completions.jsonl (`log_completions`): prompt, completion, advantages, each reward function's column under
+    `rewards` and the `log_extra` columns under `extra`, each at most `batch_size` long as TRL's deques are."""
+    new = lambda: deque(maxlen=batch_size)  # noqa: E731
+    logs = {"images": new(), "prompt": new(), "completion": new(), "rewards": defaultdict(new),
+            "advantages": new(), "extra": defaultdict(new)}
+    lines = [json.loads(line) for line in completions_file.read_text().splitlines()] \
+        if completions_file is not None and completions_file.is_file() else []
+    rewards = {name.split(":")[-1] for name in reward_names}
+    for row in [line for line in lines if line["step"] == lines[-1]["step"]]:
+        logs["prompt"].append(row["prompt"])
+        logs["completion"].append(row["completion"])
+        logs["advantages"].append(row["advantage"])
+        for key, value in row.items():
+            if key not in COMPLETION_COLUMNS:
+                logs["rewards" if key in rewards else "extra"][key].append(value)
+    return logs

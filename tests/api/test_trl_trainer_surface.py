@@ -488,7 +488,8 @@ def test_reward_functions_are_called_once_a_generation_batch_in_row_order(tmp_pa
     prompt's num_generations completions together). Continuously batched (8 slots for 16 rows), a round's rows reach
     the host in several pieces as their groups end; the function still sees one call of all 16 rows a step
     (before: one call a piece, `enumerate` positions restarting in each). The first call is the check before
-    compiling, on empty completions."""
+    compiling, on empty completions. `trainer._logs` (TRL's table of the newest round, which its tests read) holds
+    the last call's rows, rewards and `log_extra` column."""
     pytest.importorskip("torch")
     import hf_fixtures
 
@@ -500,8 +501,9 @@ def test_reward_functions_are_called_once_a_generation_batch_in_row_order(tmp_pa
     task.build_tokenizer(folder)
     calls, pieces = [], []
 
-    def recorded(prompts, completions, **kwargs):
+    def recorded(prompts, completions, log_extra, **kwargs):
         calls.append((list(prompts), list(completions)))
+        log_extra("head", [c[:2] for c in completions])
         return [float(len(c)) for c in completions]
 
     def joined(parts):
@@ -512,10 +514,17 @@ def test_reward_functions_are_called_once_a_generation_batch_in_row_order(tmp_pa
     # up while the entropy stays below a target above any entropy)
     args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, num_generations=4,
                       max_completion_length=6, max_steps=3, report_to="none", disable_tqdm=True, entropy_coef=0.01,
+                      log_completions=True, logging_steps=1,
                       use_adaptive_entropy=True, entropy_target=15.0,
                       **{"sampling.max_batch_rows": 8, "eval.num_examples": 0})
     trainer = GRPOTrainer(model=folder, reward_funcs=recorded, train_dataset=ROWS, args=args)
+    assert not trainer._logs["completion"]
     trainer.train()
+    prompts, completions = calls[-1]
+    logs = trainer._logs
+    assert list(logs["completion"]) == completions and list(logs["prompt"]) == prompts
+    assert list(logs["rewards"]["recorded"]) == [float(len(c)) for c in completions]
+    assert list(logs["extra"]["head"]) == [c[:2] for c in completions] and len(logs["advantages"]) == 16
     assert trainer.entropy_coef == pytest.approx(0.01 + 3 * 0.005, abs=1e-6)
     assert max(pieces) > 1  # the rows did come in pieces
     assert calls[0][1] == [""] * len(calls[0][1])  # the check, on empty completions
