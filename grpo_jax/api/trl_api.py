@@ -181,7 +181,7 @@ class GRPOTrainer:
         """TRL's completion logs of the newest logged round (`trl_state.trl_logs`; empty before training or without
         `log_completions`), which TRL's tests read."""
         out = self._output_dir
-        return trl_logs(None if out is None else Path(out) / "completions.jsonl", self.reward_func_names,
+        return trl_logs(None if out is None else Path(out) / "completions.jsonl",
                         self.args.train.generation_batch_size)
 
     @property

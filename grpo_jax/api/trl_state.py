@@ -192,24 +192,25 @@ def trl_checkpoint(value: bool | str | None) -> bool | str | None:
     return os.fspath(value)
 
 
-COMPLETION_COLUMNS = ("step", "prompt", "completion", "reward", "advantage")  # completions.jsonl's own columns
-
-
-def trl_logs(completions_file: Path | None, reward_names: list[str], batch_size: int) -> dict:
+def trl_logs(completions_file: Path | None, batch_size: int) -> dict:
     """TRL's `trainer._logs` (the newest generation batch's rows, which its completion table prints) read from the
     run's completions.jsonl (`log_completions`): prompt, completion, advantages, each reward function's column under
-    `rewards` and the `log_extra` columns under `extra`, each at most `batch_size` long as TRL's deques are."""
+    `rewards` and the `log_extra` columns under `extra`, each at most `batch_size` long as TRL's deques are. A line's
+    columns are in `io.reporting.completion_rows`' order: step, prompt, completion, the reward functions', reward,
+    advantage, then the extra ones."""
     new = lambda: deque(maxlen=batch_size)  # noqa: E731
     logs = {"images": new(), "prompt": new(), "completion": new(), "rewards": defaultdict(new),
             "advantages": new(), "extra": defaultdict(new)}
     lines = [json.loads(line) for line in completions_file.read_text().splitlines()] \
         if completions_file is not None and completions_file.is_file() else []
-    rewards = {name.split(":")[-1] for name in reward_names}
     for row in [line for line in lines if line["step"] == lines[-1]["step"]]:
         logs["prompt"].append(row["prompt"])
         logs["completion"].append(row["completion"])
         logs["advantages"].append(row["advantage"])
-        for key, value in row.items():
-            if key not in COMPLETION_COLUMNS:
-                logs["rewards" if key in rewards else "extra"][key].append(value)
+        columns = list(row)
+        rewards = columns[columns.index("completion") + 1:columns.index("reward")]
+        extra = columns[columns.index("advantage") + 1:]
+        for kind, names in (("rewards", rewards), ("extra", extra)):
+            for name in names:
+                logs[kind][name].append(row[name])
     return logs
