@@ -338,11 +338,13 @@ def state_from_params(params: Any, optimizer: optax.GradientTransformation, *, s
 
 def init_adapters(model_config: ModelConfig, seed: int, shardings) -> nnx.State:
     """Fresh LoRA adapters of `model_config` (those `init_model` draws for `seed`), placed in their `shardings`
-    (the model's params' shardings): one jitted init whose base weights XLA never computes."""
+    (the model's params' shardings; None: the default device): one jitted init whose base weights XLA never
+    computes."""
     def init():
         return nnx.filter_state(init_model(model_config, seed)[1], nnx.LoRAParam)
 
-    return jax.jit(init, out_shardings=nnx.filter_state(shardings, nnx.LoRAParam))()
+    out_shardings = None if shardings is None else nnx.filter_state(shardings, nnx.LoRAParam)
+    return jax.jit(init, out_shardings=out_shardings)()
 
 
 def _sample_key(key, round_index, draw_index: int):

@@ -74,6 +74,8 @@ def _export_parser() -> argparse.ArgumentParser:
                         help="replace an existing non-empty --out (only once the new export is complete)")
     parser.add_argument("--merge", action="store_true",
                         help="LoRA runs: write the model with the adapters merged, not a PEFT adapter folder")
+    parser.add_argument("--reference", action="store_true",
+                        help="the reference model instead of the policy (kept with train.sync_ref_model)")
     return parser
 
 
@@ -171,12 +173,14 @@ def export_main(argv: list[str]) -> int:
     from grpo_jax.io import export
 
     try:
-        step, fmt = export.export(args.checkpoint, args.out, merge=args.merge, overwrite=args.overwrite)
+        step, fmt = export.export(args.checkpoint, args.out, merge=args.merge, overwrite=args.overwrite,
+                                  reference=args.reference)
     except (ValueError, RuntimeError, OSError) as e:  # OSError: a full or read-only disk; --out is left as it was
         print(f"grpo-jax export: {e}", file=sys.stderr)
         return 1
     kind = "native (params/ + model_config.json)" if fmt == "native" else export.FORMAT_NAMES[fmt]
-    print(f"grpo-jax export: step {step} written to {args.out} in {kind} format")
+    what = "reference model" if args.reference else "policy"
+    print(f"grpo-jax export: step {step}'s {what} written to {args.out} in {kind} format")
     return 0
 
 

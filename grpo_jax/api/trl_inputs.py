@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cached_reward_model", "lora_options", "model_folder", "reward_func_names", "tokenizer_folder"]
+__all__ = ["cached_reward_model", "is_peft_model", "lora_options", "model_folder", "reward_func_names", "saved_peft_model",
+           "tokenizer_folder"]
 
 
 # PEFT's LoraConfig fields with a model.lora counterpart, and their PEFT defaults (a dict leaves some out)
@@ -66,10 +67,7 @@ def _default(field: dataclasses.Field) -> Any:
 MODEL_CACHE = Path("~/.cache/grpo_jax/models")  # model objects saved as folders, by the hash of their weights
 
 
-def saved_model_object(model: Any, cache: str | os.PathLike | None = None) -> str:
-    """A transformers model object (TRL's `model=AutoModelForCausalLM...`) as a Hugging Face folder, as reward model
-    objects are converted: saved with its tokenizer (from its `name_or_path`, when one is there) to
-    `cache/<xxh3 of its config and weights>`, so the same weights give the same folder and a rerun resumes."""
+def _hash(model: Any):
     import torch
     import xxhash
 
@@ -77,21 +75,81 @@ def saved_model_object(model: Any, cache: str | os.PathLike | None = None) -> st
     for name, tensor in sorted(model.state_dict().items()):
         h.update(name.encode())
         h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    folder = Path(MODEL_CACHE if cache is None else cache).expanduser() / h.hexdigest()
-    if not (folder / "config.json").is_file():
+    return h.hexdigest()
+
+
+def _cached(folder: Path, marker: str, write: Callable[[Path], None]) -> str:
+    """`folder`, written by `write(partial)` unless it already holds `marker` (the same weights, saved before)."""
+    if not (folder / marker).is_file():
         partial = folder.with_name(folder.name + ".partial")
-        model.save_pretrained(partial)
-        name = str(getattr(model.config, "_name_or_path", "") or "")
-        try:
-            from transformers import AutoTokenizer
-            AutoTokenizer.from_pretrained(name, local_files_only=True).save_pretrained(partial)
-        except Exception:  # noqa: BLE001 - no tokenizer beside it: processing_class gives it, or the run says so
-            pass
+        shutil.rmtree(partial, ignore_errors=True)
+        write(partial)
         if folder.exists():  # another process saved the same weights meanwhile
             shutil.rmtree(partial)
         else:
             partial.replace(folder)
     return str(folder)
+
+
+def _save_tokenizer(model: Any, folder: Path) -> None:
+    """The tokenizer of the model's `name_or_path` beside it, when one is there (else processing_class gives it, or
+    the run says it is missing)."""
+    name = str(getattr(model.config, "_name_or_path", "") or "")
+    try:
+        from transformers import AutoTokenizer
+        AutoTokenizer.from_pretrained(name, local_files_only=True).save_pretrained(folder)
+    except Exception:  # noqa: BLE001 - no tokenizer beside it
+        pass
+
+
+def saved_model_object(model: Any, cache: str | os.PathLike | None = None) -> str:
+    """A transformers model object (TRL's `model=AutoModelForCausalLM...`) as a Hugging Face folder, as reward model
+    objects are converted: saved with its tokenizer (from its `name_or_path`, when one is there) to
+    `cache/<xxh3 of its config and weights>`, so the same weights give the same folder and a rerun resumes."""
+    def write(partial: Path) -> None:
+        model.save_pretrained(partial)
+        _save_tokenizer(model, partial)
+
+    return _cached(Path(MODEL_CACHE if cache is None else cache).expanduser() / _hash(model), "config.json", write)
+
+
+def is_peft_model(model: Any) -> bool:
+    """A `peft.PeftModel` (told without importing peft: its adapter configs and its wrapped base)."""
+    return isinstance(getattr(model, "peft_config", None), Mapping) and hasattr(model, "get_base_model")
+
+
+def saved_peft_model(model: Any, cache: str | os.PathLike | None = None) -> tuple[str, str, dict]:
+    """A `peft.PeftModel` (TRL's `model=get_peft_model(...)`) as (base model folder, PEFT adapter folder, its
+    `model.lora` keys): the base's weights under their transformers names (PEFT's `base_layer` unwrapped, the
+    adapters left out) with its config and tokenizer, and the adapters as `save_pretrained` writes them, both under
+    `cache/<xxh3 of the config and every weight>`. One LoRA adapter only (PEFT's "default")."""
+    if list(model.peft_config) != ["default"]:
+        raise ValueError(f"model is a PeftModel with adapters {list(model.peft_config)}: grpo_jax trains one LoRA "
+                         "adapter; pass a model with only PEFT's 'default' adapter")
+    try:
+        options = lora_options(model.peft_config["default"])
+    except ValueError as e:
+        raise ValueError(f"model's peft_config: {e}") from e
+    base = model.get_base_model()
+    folder = Path(MODEL_CACHE if cache is None else cache).expanduser() / _hash(model)
+
+    def write_base(partial: Path) -> None:
+        from safetensors.torch import save_file
+
+        tied = getattr(base.config, "tie_word_embeddings", False)
+        weights = {name.replace(".base_layer.", "."): tensor.detach().cpu().contiguous()
+                   for name, tensor in base.state_dict().items()
+                   if ".lora_" not in name and not (tied and name == "lm_head.weight")}
+        partial.mkdir(parents=True)
+        save_file(weights, str(partial / "model.safetensors"), metadata={"format": "pt"})
+        base.config.save_pretrained(partial)
+        if getattr(base, "generation_config", None) is not None:
+            base.generation_config.save_pretrained(partial)
+        _save_tokenizer(base, partial)
+
+    base_folder = _cached(folder.with_name(folder.name + "-base"), "config.json", write_base)
+    adapter_folder = _cached(folder.with_name(folder.name + "-adapter"), "adapter_config.json", model.save_pretrained)
+    return base_folder, adapter_folder, options
 
 
 def model_folder(model: Any) -> str:

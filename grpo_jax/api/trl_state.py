@@ -1,7 +1,7 @@
 """What a TRL script reads back from a `GRPOTrainer` (`grpo_jax.api.trl_api`): `trainer.args` under TRL's names too,
 `trainer.model` as a view of the policy's weights, `trainer.state` and its `log_history` under TRL's metric names,
-the newest logged round's completion table (`trainer._logs`), TRL's `checkpoint-N` folders. No jax: the weights are
-read from Hugging Face folders.
+the newest logged round's completion table (`trainer._logs`), TRL's `checkpoint-N` folders. The weights are read
+from Hugging Face folders; jax only for those no folder holds (the LoRA adapters a run draws, a synced reference).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from collections import defaultdict, deque
 from pathlib import Path
 from types import SimpleNamespace
@@ -64,19 +65,39 @@ class TRLArgs(Config):
                              "nor a TRL name with a counterpart here: see docs/configuration.md)")
 
 
+PEFT_PREFIX = "base_model.model."  # a PeftModel's names: the wrapped model's under it
+
+
 class PolicyView:
     """TRL's `trainer.model` as far as scripts read it: the policy's weights under their Hugging Face names, read
     from the model folder before training and from the run's `final/` after (torch tensors when torch is installed,
-    else numpy arrays), and `save_pretrained`. A view: grpo_jax trains JAX arrays, not this object."""
+    else numpy arrays), and `save_pretrained`. With LoRA adapters, a `peft.PeftModel`'s names, as TRL's model is
+    one then: `base_model.model.<name>`, an adapted module's weights under `base_layer`, its adapters as
+    `lora_A.default.weight` / `lora_B.default.weight` (the initial ones before training: `model.lora.path`'s, or
+    those the run draws from its seed). A view: grpo_jax trains JAX arrays, not this object."""
 
     def __init__(self, trainer):  # the `grpo_jax.api.trl_api.GRPOTrainer` it views
         self._trainer = trainer
+        self._initial_adapters = None  # drawn once, on the first read before training
 
     @property
     def folder(self) -> Path:
         """The folder the weights are read from: the run's `final/` once trained, else the model folder."""
         out = self._trainer._output_dir
         return Path(out) / "final" if out is not None else Path(self._trainer.args.model.path)
+
+    @property
+    def _lora(self) -> bool:
+        return self._trainer.args.model.lora.enabled
+
+    @property
+    def _base_folder(self) -> Path:
+        """The folder of the base weights: the model folder under LoRA adapters (frozen: `final/` holds only the
+        adapters, or a random-init base in `final/base_model`), else `folder`."""
+        if not self._lora:
+            return self.folder
+        path = self._trainer.args.model.path
+        return Path(path) if path is not None else self.folder / "base_model"
 
     @property
     def device(self):
@@ -88,28 +109,48 @@ class PolicyView:
         return torch.device("cpu")
 
     def named_parameters(self):
-        """(name, tensor) of every weight the folder's safetensors files hold, file by file."""
-        try:
-            from safetensors.torch import load_file
-        except ImportError:
-            from safetensors.numpy import load_file
-        for file in sorted(self.folder.glob("*.safetensors")):
-            yield from load_file(file).items()
+        """(name, tensor) of every weight: the base folder's safetensors files, file by file, then under LoRA the
+        adapters."""
+        if not self._lora:
+            yield from _load_all(self.folder)
+            return
+        adapters = self._adapters()
+        modules = _adapted_modules(adapters)
+        for name, tensor in _load_all(self._base_folder):
+            yield _peft_name(name, modules), tensor
+        for name, tensor in adapters.items():
+            yield name[:-len(".weight")] + ".default.weight", tensor
 
     def parameters(self):
         return (tensor for _, tensor in self.named_parameters())
 
+    def _adapters(self) -> dict:
+        """The LoRA adapters under PEFT's saved names: the run's `final/` once trained, else `model.lora.path`'s,
+        else the ones the run draws for its seed."""
+        trained, given = self.folder / ADAPTER_FILE, self._trainer.args.model.lora.path
+        if self._trainer._output_dir is not None and trained.is_file():
+            return _load(trained)
+        if given is not None:
+            return _load(Path(given) / ADAPTER_FILE)
+        if self._initial_adapters is None:
+            self._initial_adapters = _drawn_adapters(self._trainer.args)
+        return self._initial_adapters
+
     def _names(self) -> list[str]:
         from safetensors import safe_open  # the keys only: no tensor is read
         names = []
-        for file in sorted(self.folder.glob("*.safetensors")):
+        for file in sorted(self._base_folder.glob("*.safetensors")):
             with safe_open(file, "numpy") as f:
                 names += list(f.keys())
-        return names
+        if not self._lora:
+            return names
+        adapters = self._adapters()
+        modules = _adapted_modules(adapters)
+        return [_peft_name(n, modules) for n in names] + [n[:-len(".weight")] + ".default.weight" for n in adapters]
 
     def _tied(self, name: str) -> str:
         """``name`` as stored: a tied `lm_head.weight` (config.json's `tie_word_embeddings`) is the embedding's."""
-        config = self.folder / "config.json"
+        config = self._base_folder / "config.json"
         if name.endswith("lm_head.weight") and config.is_file() and name not in self._names():
             hf = json.loads(config.read_text())
             if hf.get("tie_word_embeddings", hf.get("text_config", {}).get("tie_word_embeddings", False)):
@@ -122,7 +163,7 @@ class PolicyView:
             if key == stored:
                 return tensor
         raise AttributeError(f"the policy has no parameter {name!r} (its Hugging Face names are those of "
-                             f"{self.folder}'s safetensors files)")
+                             f"{self._base_folder}'s safetensors files{', under PEFT' if self._lora else ''})")
 
     def __getattr__(self, name: str):
         """A submodule by its Hugging Face path (`trainer.model.lm_head.weight`), as PyTorch's modules nest."""
@@ -131,8 +172,77 @@ class PolicyView:
         return _ModuleView(self, name).check()
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
-        """The folder (weights, config and tokenizer) copied to `save_directory`."""
+        """The folder (weights, config and tokenizer; under LoRA once trained, the adapters) copied to
+        `save_directory`."""
         shutil.copytree(self.folder, save_directory, dirs_exist_ok=True)
+
+
+class ReferenceView(PolicyView):
+    """TRL's `trainer.ref_model` (beta != 0, no LoRA): the reference's weights, the initial model's until a `train()`
+    with `train.sync_ref_model`, which moves them; then the newest checkpoint's (`grpo_jax.io.export`, written once
+    a step to a temporary folder). A view, as `PolicyView` is."""
+
+    def __init__(self, trainer):
+        super().__init__(trainer)
+        self._exported = None  # (step, tempfile.TemporaryDirectory) of the reference last read
+
+    @property
+    def folder(self) -> Path:
+        out, args = self._trainer._output_dir, self._trainer.args
+        if out is None or not args.train.sync_ref_model:
+            return Path(args.model.path)
+        step = self._trainer.state.global_step
+        if self._exported is None or self._exported[0] != step:
+            from grpo_jax.io import export
+
+            folder = tempfile.TemporaryDirectory(prefix="grpo_jax-reference-")
+            export.export(out, Path(folder.name) / "model", reference=True)
+            self._exported = (step, folder)
+        return Path(self._exported[1].name) / "model"
+
+
+ADAPTER_FILE = "adapter_model.safetensors"  # `grpo_jax.models.peft_io.WEIGHTS_FILE`, named here without jax
+
+
+def _load(file: Path) -> dict:
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        from safetensors.numpy import load_file
+    return load_file(file)
+
+
+def _load_all(folder: Path):
+    for file in sorted(folder.glob("*.safetensors")):
+        yield from _load(file).items()
+
+
+def _adapted_modules(adapters: dict) -> set[str]:
+    """The modules (Hugging Face paths) that PEFT's saved adapter names `base_model.model.<module>.lora_A.weight`
+    adapt."""
+    return {name[len(PEFT_PREFIX):].rsplit(".", 2)[0] for name in adapters}
+
+
+def _peft_name(name: str, modules: set[str]) -> str:
+    """A base weight's name inside a PeftModel: under `base_model.model.`, and `<module>.base_layer.<leaf>` where
+    `module` is adapted."""
+    module, leaf = name.rsplit(".", 1)
+    return f"{PEFT_PREFIX}{module}.base_layer.{leaf}" if module in modules else PEFT_PREFIX + name
+
+
+def _drawn_adapters(config: Config) -> dict:
+    """The LoRA adapters a run of `config` starts from (`algo.programs.init_adapters` for its seed) under PEFT's
+    saved names, [r, in] and [out, r] as PEFT holds them."""
+    from grpo_jax.algo import programs
+    from grpo_jax.models import peft_io, resolve_config
+
+    model_config = resolve_config(config.model)
+    out = peft_io.host_adapters(model_config, programs.init_adapters(model_config, config.seed, None))
+    try:
+        import torch
+    except ImportError:
+        return out
+    return {name: torch.from_numpy(tensor) for name, tensor in out.items()}
 
 
 class _ModuleView:

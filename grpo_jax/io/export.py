@@ -174,8 +174,10 @@ def _step_folder(path: Path) -> tuple[Path, int | None]:
 
 
 def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge: bool = False,
-           overwrite: bool = False) -> tuple[int, str]:
+           overwrite: bool = False, reference: bool = False) -> tuple[int, str]:
     """`grpo-jax export`: the policy of a checkpoint (newest valid one of an output_dir) to `out`; (step, format).
+    `reference`: the reference model instead, which a checkpoint holds only where `train.sync_ref_model` moves it
+    (otherwise it is the run's initial model, `model.path`: a ValueError says so).
 
     A checkpoint whose files differ from its checksums is skipped like an unreadable one; an existing non-empty
     `out` is an error unless `overwrite` (see `export_policy`), and an `out` that is, holds or lies inside the run
@@ -196,6 +198,9 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge: bool
             check_checksums(directory, step)
             meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
             model_config = from_dict(ModelConfig, meta["model_config"], "model.")
+            if reference and not meta["ref_params_saved"]:
+                raise ValueError(f"checkpoint {directory / str(step)} holds no reference model: without "
+                                 "train.sync_ref_model it stays the run's initial model (model.path), export that")
             # the optimizer only shapes the tree of the saved state: its values are not read
             _, optimizer = optimizer_from_config(from_dict(TrainConfig, meta["config"]["train"], "train."),
                                                  meta["config"]["max_steps"])
@@ -205,12 +210,15 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge: bool
             device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), shapes)
             skip = lambda tree: jax.tree.map(lambda _: ocp.PLACEHOLDER, tree)  # noqa: E731 - not read at all
-            target = target._replace(opt_state=skip(target.opt_state), ref_params=skip(target.ref_params))
+            kept, skipped = ("ref_params", "params") if reference else ("params", "ref_params")
+            target = target._replace(opt_state=skip(target.opt_state), **{skipped: skip(getattr(target, skipped))})
             restore_args = jax.tree.map(lambda x: x if x is ocp.PLACEHOLDER else ocp.ArrayRestoreArgs(
                 sharding=x.sharding), target, is_leaf=lambda x: x is ocp.PLACEHOLDER)
             state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
                 item=target, restore_args=restore_args))).state
             break
+        except ValueError:
+            raise
         except Exception as e:  # noqa: BLE001
             errors.append(f"step {step}: {type(e).__name__}: {str(e)[:300]}")
             warnings.warn(f"checkpoint {directory / str(step)} could not be restored ({errors[-1]})",
@@ -218,6 +226,6 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, merge: bool
     else:
         raise RuntimeError(f"no valid checkpoint in {directory}: " + "; ".join(errors))
     tokenizer = load_tokenizer(meta["tokenizer_path"], "the run's tokenizer") if meta.get("tokenizer_path") else None
-    fmt = export_policy(model_graphdef(model_config), model_config, state.params, Path(out), tokenizer=tokenizer,
-                        merge=merge, overwrite=overwrite)
+    fmt = export_policy(model_graphdef(model_config), model_config, getattr(state, kept), Path(out),
+                        tokenizer=tokenizer, merge=merge, overwrite=overwrite)
     return step, fmt

@@ -120,6 +120,14 @@ def load_adapters(config: ModelConfig, *, shardings=None) -> nnx.State:
     return abstract
 
 
+def host_adapters(config: ModelConfig, params) -> dict[str, np.ndarray]:
+    """The adapters of ``params`` on the host under PEFT's saved names, [r, in] and [out, r] as PEFT holds them
+    (what `save_adapters` writes)."""
+    return {hf_name: np.ascontiguousarray(_to_host(array[i], True))
+            for name, array in _flat(nnx.filter_state(params, nnx.LoRAParam)).items()
+            for i, hf_name in enumerate(peft_names(name, config.num_hidden_layers))}
+
+
 def save_adapters(config: ModelConfig, params, path, *, base_model_name_or_path: str | None = None) -> None:
     """Write the adapters of ``params`` as a PEFT folder that ``peft.PeftModel.from_pretrained(base, path)`` loads.
 

@@ -532,3 +532,100 @@ def test_reward_functions_are_called_once_a_generation_batch_in_row_order(tmp_pa
     for prompts, _ in calls[1:]:
         assert all(prompts[g * 4] != prompts[g * 4 + 4] for g in range(3))
         assert all(p == prompts[g * 4] for g in range(4) for p in prompts[g * 4:g * 4 + 4])
+
+
+def test_under_lora_trainer_model_holds_a_peft_models_names_and_the_runs_adapters(tmp_path, monkeypatch):
+    """With adapters, TRL's `trainer.model` is a `PeftModel`: our view has exactly its names (`base_model.model.`,
+    `base_layer`, `lora_A.default`), the base weights, and the adapters the run starts from and ends with. With
+    `peft_config` the run draws A itself: B is zero at step 0, so A's gradient is zero and step 1 leaves A as drawn
+    (bit for bit) while B moves. A `PeftModel` as `model` starts from its own adapters."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    import hf_fixtures
+
+    from grpo_jax import GRPOConfig, GRPOTrainer
+    from grpo_jax.api import trl_inputs
+    from grpo_jax.data import task
+
+    monkeypatch.setattr(trl_inputs, "MODEL_CACHE", tmp_path / "cache")
+    folder = hf_fixtures.save_model(hf_fixtures.build_model("qwen2", tied=True), tmp_path / "hf")
+    task.build_tokenizer(folder)
+    args = dict(max_steps=1, num_generations=4, max_completion_length=4, train_batch_size=8, learning_rate=0.01,
+                **{"eval.num_examples": 0})
+    import transformers
+
+    def peft_model(init):
+        base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=init))
+
+    reference = dict(peft_model(True).named_parameters())
+    trainer = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS, processing_class=folder,
+                          peft_config=peft.LoraConfig(r=4, lora_alpha=8),
+                          args=GRPOConfig(output_dir=str(tmp_path / "config"), **args))
+    before = dict(trainer.model.named_parameters())
+    assert before.keys() == reference.keys()  # q_proj's and v_proj's weight and bias under base_layer
+    assert any(".q_proj.base_layer.bias" in n for n in before) and any(".lora_A.default." in n for n in before)
+    for name, tensor in reference.items():
+        assert tensor.shape == before[name].shape, name
+        if ".lora_" not in name:
+            assert torch.equal(tensor, before[name]), name
+        elif ".lora_B." in name:
+            assert not before[name].any(), name
+    trainer.train()
+    after = dict(trainer.model.named_parameters())
+    assert after.keys() == before.keys()
+    for name in after:
+        if ".lora_B." in name:
+            assert after[name].any(), name
+        else:  # the frozen base, and A (zero gradient while B was zero)
+            assert torch.equal(after[name], before[name]), name
+    assert torch.equal(trainer.model.get_parameter("base_model.model.lm_head.weight"),
+                       before["base_model.model.model.embed_tokens.weight"])  # tied, as PEFT reads it
+
+    given = peft_model(False)  # B random too: the adapters change the model before any step
+    given_before = {n: p.detach().clone() for n, p in given.named_parameters()}
+    with pytest.raises(ValueError, match="PeftModel with trained adapters and beta != 0"):
+        GRPOTrainer(model=given, reward_funcs=answer_reward, train_dataset=ROWS, processing_class=folder,
+                    args=GRPOConfig(output_dir=str(tmp_path / "beta"), beta=0.04, **args))
+    with pytest.raises(ValueError, match="You passed a `PeftModel` instance together with a `peft_config`"):
+        GRPOTrainer(model=given, reward_funcs=answer_reward, train_dataset=ROWS, peft_config=peft.LoraConfig())
+    trainer = GRPOTrainer(model=given, reward_funcs=answer_reward, train_dataset=ROWS, processing_class=folder,
+                          args=GRPOConfig(output_dir=str(tmp_path / "object"), **args))
+    assert trainer.args.model.lora.rank == 4 and trainer.args.model.lora.path.endswith("-adapter")
+    view = dict(trainer.model.named_parameters())
+    assert view.keys() == given_before.keys()
+    assert all(torch.equal(view[n], t) for n, t in given_before.items())
+    trainer.train()
+    after = dict(trainer.model.named_parameters())
+    assert all(torch.equal(after[n], t) for n, t in given_before.items() if ".lora_" not in n)
+    assert any(not torch.equal(after[n], t) for n, t in given_before.items() if ".lora_A." in n)
+
+
+def test_trainer_ref_model_is_the_initial_model_then_the_synced_reference(tmp_path):
+    """TRL's `trainer.ref_model` (beta != 0): the initial weights before training; with sync_ref_model, TR-DPO's
+    mix after it. Synced once, at step 2 of 2: ref = alpha * policy(2) + (1 - alpha) * policy(0)."""
+    torch = pytest.importorskip("torch")
+    import hf_fixtures
+
+    from grpo_jax import GRPOConfig, GRPOTrainer
+    from grpo_jax.data import task
+
+    folder = hf_fixtures.save_model(hf_fixtures.build_model("qwen2", tied=True), tmp_path / "hf")
+    task.build_tokenizer(folder)
+    args = dict(max_steps=2, num_generations=4, max_completion_length=4, train_batch_size=8, learning_rate=0.01,
+                **{"eval.num_examples": 0})
+    assert GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS,
+                       args=GRPOConfig(beta=0.0, **args)).ref_model is None  # TRL keeps none at beta 0
+    trainer = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS, args=GRPOConfig(
+        output_dir=str(tmp_path / "run"), beta=0.1, sync_ref_model=True, ref_model_sync_steps=2,
+        ref_model_mixup_alpha=0.6, **args))
+    start = dict(trainer.model.named_parameters())
+    assert all(torch.equal(t, start[n]) for n, t in trainer.ref_model.named_parameters())
+    trainer.train()
+    policy = dict(trainer.model.named_parameters())
+    ref = dict(trainer.ref_model.named_parameters())
+    assert ref.keys() == start.keys()
+    assert any(not torch.equal(policy[n], start[n]) for n in start)
+    for name, tensor in ref.items():
+        torch.testing.assert_close(tensor, 0.6 * policy[name] + 0.4 * start[name], rtol=1e-6, atol=1e-7)
+    assert torch.equal(trainer.ref_model.get_parameter("lm_head.weight"), ref["model.embed_tokens.weight"])

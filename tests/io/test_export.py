@@ -24,7 +24,7 @@ def test_export_round_trip(tmp_path, capsys):
     for source, step in ((tmp_path / "run", 2), (tmp_path / "run" / "checkpoints" / "1", 1)):
         out = tmp_path / f"export{step}"
         assert cli_main(["export", "--checkpoint", str(source), "--out", str(out)]) == 0
-        assert f"step {step} written" in capsys.readouterr().out
+        assert f"step {step}'s policy written" in capsys.readouterr().out
         mngr = ocp.CheckpointManager((tmp_path / "run" / "checkpoints").absolute())
         saved = jax.device_get(mngr.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore())).state["params"])
@@ -50,6 +50,30 @@ def test_export_round_trip(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export1", "export2", "run"]  # no temporary folder left
     assert cli_main(["verify", str(tmp_path / "run")]) == 0
     assert "checkpoints/2: ok" in capsys.readouterr().out
+
+
+def test_export_reference_writes_the_reference_a_synced_run_saved(tmp_path, run_dir, capsys):
+    """`--reference` writes the checkpoint's `ref_params` (saved where train.sync_ref_model moves them): here mixed
+    toward the policy at every step, so neither the policy nor the initial model. A run without it keeps no
+    reference (the initial model is its reference): one line says so."""
+    from grpo_jax.models import from_pretrained
+
+    _train(tmp_path / "run", "max_steps=2", "loss.beta=0.1", "train.sync_ref_model=true",
+           "train.ref_model_sync_steps=1", "train.ref_model_mixup_alpha=0.5")
+    out = tmp_path / "ref"
+    assert cli_main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(out), "--reference"]) == 0
+    assert "step 2's reference model written" in capsys.readouterr().out
+    mngr = ocp.CheckpointManager((tmp_path / "run" / "checkpoints").absolute())
+    saved = jax.device_get(mngr.restore(2, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state)
+    loaded = _flat(jax.device_get(from_pretrained(str(out))[1]))
+    ref, params = _flat(saved["ref_params"]), _flat(saved["params"])
+    for key, value in ref.items():
+        np.testing.assert_array_equal(loaded[key], value, err_msg=key)
+    assert any(not np.array_equal(ref[k], params[k]) for k in ref)
+    assert cli_main(["export", "--checkpoint", str(run_dir), "--out", str(tmp_path / "none"), "--reference"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds no reference model: without train.sync_ref_model" in err[0], err
+    assert not (tmp_path / "none").exists()
 
 
 def test_a_failed_export_leaves_the_folder_as_it_was(tmp_path, tiny_model, monkeypatch):
@@ -86,7 +110,7 @@ def test_export_prints_no_read_only_notes(tmp_path, caplog):
     result = subprocess.run([sys.executable, "-m", "grpo_jax", "export", "--checkpoint", str(tmp_path / "run"),
                              "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stderr == "", result.stderr
-    assert result.stdout == f"grpo-jax export: step 1 written to {tmp_path / 'out'} in Hugging Face format\n"
+    assert result.stdout == f"grpo-jax export: step 1's policy written to {tmp_path / 'out'} in Hugging Face format\n"
     with caplog.at_level(logging.WARNING, logger="absl"), checkpoint.quiet_read_only_notes():
         logging.getLogger("absl").warning("Given directory is read only=%s", tmp_path)
         logging.getLogger("absl").warning("CheckpointManagerOptions.read_only=True, setting create=False.")
