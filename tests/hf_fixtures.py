@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face model folders (llama, mistral, qwen2, qwen3, gemma2, gemma3, qwen3_moe), built and
+"""Tiny random Hugging Face model folders (llama, mistral, qwen2, qwen3, gemma2, gemma3, qwen3_moe, cohere2), built and
 saved by transformers.
 
 Every folder is a real ``save_pretrained`` output (config.json, model.safetensors, generation_config.json), so
@@ -32,6 +32,10 @@ FAMILIES = {
                    sliding_window=4, attn_logit_softcapping=1.5, final_logit_softcapping=2.0),
     "qwen3_moe": dict(model_type="qwen3_moe", head_dim=32, num_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=32, norm_topk_prob=True),
+    # two sliding layers (window 4, interleaved RoPE) before a full one without RoPE, a parallel block over
+    # LayerNorm, logits scaled by 0.5
+    "cohere2": dict(model_type="cohere2", num_hidden_layers=3, sliding_window=4, logit_scale=0.5,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
 }
 UNTIED_EXTRA = {
     "llama": dict(attention_bias=True, mlp_bias=True),
@@ -41,6 +45,7 @@ UNTIED_EXTRA = {
     "gemma3": dict(attention_bias=True),
     "gemma2": dict(attention_bias=True),
     "qwen3_moe": dict(attention_bias=True, norm_topk_prob=False),
+    "cohere2": dict(attention_bias=True),
 }
 
 

@@ -12,7 +12,7 @@ from grpo_jax.config.sections import check
 
 # numpy dtypes, which jax takes as they are (jnp.bfloat16 is ml_dtypes.bfloat16): the schema needs no jax
 _DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-MODEL_TYPES = ("qwen2", "llama", "qwen3", "mistral", "gemma2", "gemma3_text", "qwen3_moe")
+MODEL_TYPES = ("qwen2", "llama", "qwen3", "mistral", "gemma2", "gemma3_text", "qwen3_moe", "cohere2")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # per-layer attention kinds, transformers' names
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's hidden_act (transformers' names)
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -100,6 +100,7 @@ class ModelConfig:
     query_pre_attn_scalar: int | None = None  # scores scaled by its -1/2 power (Gemma); None: head_dim
     attn_logit_softcapping: float | None = None  # scores -> c * tanh(scores / c) (Gemma 2); None: off
     final_logit_softcapping: float | None = None  # logits -> c * tanh(logits / c) (Gemma 2); None: off
+    logit_scale: float | None = None  # logits multiplied by it (Cohere 2's logit_scale); None: unscaled
     rope_type: str = "default"
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
@@ -200,7 +201,7 @@ class ModelConfig:
         check(self.hidden_act in ACTIVATIONS,
               f"model.hidden_act={self.hidden_act!r} is not supported: use one of {', '.join(ACTIVATIONS)}")
         for name in ("rope_local_base_freq", "query_pre_attn_scalar", "attn_logit_softcapping",
-                     "final_logit_softcapping"):
+                     "final_logit_softcapping", "logit_scale"):
             value = getattr(self, name)
             check(value is None or value > 0, f"model.{name}={value!r} must be > 0, or null")
 

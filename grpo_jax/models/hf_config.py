@@ -61,14 +61,15 @@ def check_layer_types(layer_types, where: str) -> None:
         raise ValueError(f"{where}: layer_types {sorted(kinds)} are not supported: only {' and '.join(LAYER_TYPES)}")
 
 
-def common_fields(hf, where: str) -> dict:
-    """The ModelConfig fields every family reads alike (sizes, norms, embeddings)."""
+def common_fields(hf, where: str, eps_name: str = "rms_norm_eps") -> dict:
+    """The ModelConfig fields every family reads alike (sizes, norms, embeddings); the norms' epsilon is
+    ``eps_name`` of config.json (Cohere's LayerNorm: layer_norm_eps)."""
     return dict(
         model_type=hf.model_type, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
         intermediate_size=hf.intermediate_size, num_hidden_layers=hf.num_hidden_layers,
         num_attention_heads=hf.num_attention_heads,
         num_key_value_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-        head_dim=getattr(hf, "head_dim", None) or None, rms_norm_eps=float(hf.rms_norm_eps),
+        head_dim=getattr(hf, "head_dim", None) or None, rms_norm_eps=float(getattr(hf, eps_name)),
         tie_word_embeddings=bool(hf.tie_word_embeddings), max_position_embeddings=hf.max_position_embeddings,
         initializer_range=float(getattr(hf, "initializer_range", 0.02)))
 

@@ -1,4 +1,4 @@
-"""The pieces every decoder family builds its layers from: RMSNorm, linear layers (LoRA where configured),
+"""The pieces every decoder family builds its layers from: RMSNorm (Cohere: LayerNorm), linear layers (LoRA where configured),
 grouped-query attention with RoPE and a KV cache, the gated MLP and the cache itself.
 
 Dimension letters: B rows, T query tokens, S key slots (cache length), D hidden, H query heads, K key/value heads,
@@ -54,6 +54,22 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
 
 
+class LayerNorm(nnx.Module):
+    """y = weight * (x - mean(x)) / sqrt(var(x) + eps) without a bias, statistics and product in float32, then cast
+    (as HF Cohere2LayerNorm); eps is ``rms_norm_eps`` (config.json's ``layer_norm_eps``)."""
+
+    def __init__(self, dim: int, config: ModelConfig):
+        self.weight = nnx.Param(jnp.ones((dim,), config.param_jnp_dtype))
+        self.eps = config.rms_norm_eps
+        self.dtype = config.jnp_dtype
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        x32 = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + self.eps)
+        return (self.weight[...].astype(jnp.float32) * x32).astype(self.dtype)
+
+
 def linear(din, dout, bias, config, rngs, name=None):
     """The layer ``name`` (PEFT's name): a `LoRALinear` when ``config.lora`` targets it, else ``nnx.Linear``."""
     kwargs = {"use_bias": bias, "dtype": config.jnp_dtype, "param_dtype": config.param_jnp_dtype,
@@ -68,7 +84,8 @@ class Attention(nnx.Module):
     soft-capping and a KV cache."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs, *, bias: bool, out_bias: bool, qk_norm: bool,
-                 norm_offset: bool = False, query_scalar: float | None = None, softcap: float | None = None):
+                 norm_offset: bool = False, query_scalar: float | None = None, softcap: float | None = None,
+                 rope_interleaved: bool = False):
         D, H, K, Dh = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                        config.resolved_head_dim)
         self.num_heads, self.num_kv_heads, self.head_dim = H, K, Dh
@@ -82,6 +99,7 @@ class Attention(nnx.Module):
         self.qk_norm = qk_norm
         self.scale = (Dh if query_scalar is None else query_scalar) ** -0.5
         self.softcap = softcap
+        self.rope_interleaved = rope_interleaved  # RoPE on pairs (2i, 2i + 1) (Cohere), not halves
         self.backend = config.attention  # `attention.resolve`d at trace time, by the backend it is traced for
         # ``attend(q [B,T,K,G,Dh], k, v [B,K,T,Dh], mask [B,T,T], scale, softcap) -> [B,K,G,T,Dh] or None`` for
         # whole masks (packed layouts) on the CPU, set by `grpo_jax.device.cpu.packed_attention`; None: dense
@@ -105,8 +123,8 @@ class Attention(nnx.Module):
         v_BxTxKxDh = self.v_proj(x_NxD).reshape(B, T, K, Dh)
         if self.qk_norm:
             q_BxTxHxDh, k_BxTxKxDh = self.q_norm(q_BxTxHxDh), self.k_norm(k_BxTxKxDh)
-        q_BxTxHxDh = apply_rope(q_BxTxHxDh, cos, sin)
-        k_BxTxKxDh = apply_rope(k_BxTxKxDh, cos, sin)
+        q_BxTxHxDh = apply_rope(q_BxTxHxDh, cos, sin, self.rope_interleaved)
+        k_BxTxKxDh = apply_rope(k_BxTxKxDh, cos, sin, self.rope_interleaved)
         # keys/values kv-head-major [B, K, S, Dh]: the cache keeps this layout, so a decode step's attention
         # dots read it in place (a [B, S, K, Dh] cache was transposed, i.e. copied whole, every step and layer)
         k_BxKxTxDh, v_BxKxTxDh = k_BxTxKxDh.transpose(0, 2, 1, 3), v_BxTxKxDh.transpose(0, 2, 1, 3)

@@ -97,6 +97,8 @@ def _problems(config: ModelConfig) -> list[str]:
                  "final_logit_softcapping"):
         if getattr(config, name) is not None:
             problems.append(f"{name} is a Gemma option: set {name}=null or a gemma model_type")
+    if config.logit_scale is not None:
+        problems.append("logit_scale is a Cohere option: set logit_scale=null or model_type=cohere2")
     if config.hidden_act != "silu":
         problems.append("the llama family's MLP is SwiGLU: set hidden_act=silu")
     return problems

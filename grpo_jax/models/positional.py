@@ -52,9 +52,16 @@ def rope_cos_sin(positions_BxT, tables):
     return tuple(rows(table) for table in tables)
 
 
-def apply_rope(x_BxTxHxDh, cos_BxTxDh, sin_BxTxDh):
-    """x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2, x1]; computed in float32."""
+def apply_rope(x_BxTxHxDh, cos_BxTxDh, sin_BxTxDh, interleaved: bool = False):
+    """x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2, x1]; computed in float32. ``interleaved`` (Cohere):
+    pair (2i, 2i + 1) turns by frequency i, as transformers' Cohere ``rotate_half`` over interleaved tables."""
     x = x_BxTxHxDh.astype(jnp.float32)
+    if interleaved:  # the tables' first half holds each frequency once
+        half = x.shape[-1] // 2
+        cos, sin = cos_BxTxDh[:, :, None, :half], sin_BxTxDh[:, :, None, :half]
+        even, odd = x[..., 0::2], x[..., 1::2]
+        out = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1).reshape(x.shape)
+        return out.astype(x_BxTxHxDh.dtype)
     x1, x2 = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     out = x * cos_BxTxDh[:, :, None, :] + rotated * sin_BxTxDh[:, :, None, :]

@@ -26,9 +26,9 @@ from flax import nnx
 
 from grpo_jax.config.model import ModelConfig  # noqa: F401  (re-exported)
 from grpo_jax.config.sections import check
-from grpo_jax.models import attention, gemma, llama, paged, qwen3_moe
+from grpo_jax.models import attention, cohere2, gemma, llama, paged, qwen3_moe
 from grpo_jax.models.families import Family, kind_window, layer_kinds
-from grpo_jax.models.layers import KVCache, RMSNorm, linear
+from grpo_jax.models.layers import KVCache, LayerNorm, RMSNorm, linear
 from grpo_jax.models.moe import Routing
 from grpo_jax.models.positional import (  # noqa: F401  (positions_from_mask, rope_inv_freq: re-exported)
     attention_mask,
@@ -39,7 +39,7 @@ from grpo_jax.models.positional import (  # noqa: F401  (positions_from_mask, ro
 )
 
 # every family the driver builds; a new family module is listed here (and its model types in config.model)
-FAMILIES = (llama.FAMILY, gemma.FAMILY, qwen3_moe.FAMILY)
+FAMILIES = (llama.FAMILY, gemma.FAMILY, qwen3_moe.FAMILY, cohere2.FAMILY)
 
 
 def family(model_type: str) -> Family:
@@ -77,7 +77,8 @@ class Transformer(nnx.Module):
             return fam.decoder_layer(config, rngs)
 
         self.layers = stacked_layers(rngs)
-        self.norm = RMSNorm(config.hidden_size, config, fam.norm_offset)
+        self.norm = (LayerNorm(config.hidden_size, config) if fam.layer_norm else
+                     RMSNorm(config.hidden_size, config, fam.norm_offset))
         if not config.tie_word_embeddings:
             self.lm_head = linear(config.hidden_size, config.vocab_size, False, config, rngs)
 
@@ -204,12 +205,15 @@ class Transformer(nnx.Module):
         return (self.norm(x), kv, Routing(*routed)) if return_routing else (self.norm(x), kv)
 
     def unembed(self, hidden_BxTxD):
-        """Logits [B, T, V] in the compute dtype (soft-capped with ``final_logit_softcapping``)."""
+        """Logits [B, T, V] in the compute dtype (scaled by ``logit_scale``, soft-capped with
+        ``final_logit_softcapping``)."""
         if self.config.tie_word_embeddings:
             logits = self.embed_tokens.attend(hidden_BxTxD)
         else:
             hidden_NxD = hidden_BxTxD.reshape(-1, hidden_BxTxD.shape[-1])
             logits = self.lm_head(hidden_NxD).reshape(*hidden_BxTxD.shape[:-1], -1)
+        if self.config.logit_scale is not None:
+            logits = logits * jnp.asarray(self.config.logit_scale, logits.dtype)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else jnp.tanh(logits / cap) * cap
 
@@ -245,8 +249,15 @@ def layer_windows(config: ModelConfig) -> tuple[int | None, ...]:
 def rotary_tables(config: ModelConfig, num_positions: int) -> dict:
     """Per attention kind, RoPE cos, sin [num_positions, Dh/2] of positions 0 .. num_positions - 1
     (`positional.rope_tables`): a forward gathers its positions' rows. Pass them as ``forward(..., rope=)`` to a
-    decode loop, whose steps then gather instead of evaluating sin/cos again."""
-    return {kind: rope_tables(rope_inv_freq(config, kind), num_positions) for kind in layer_kinds(config)[0]}
+    decode loop, whose steps then gather instead of evaluating sin/cos again. A kind the family leaves without
+    RoPE (NoPE) gets zero frequencies: cos 1 and sin 0, which turn nothing."""
+    rope_kinds = family(config.model_type).rope_kinds
+    tables = {}
+    for kind in layer_kinds(config)[0]:
+        inv_freq = rope_inv_freq(config, kind)
+        tables[kind] = rope_tables(inv_freq if rope_kinds is None or kind in rope_kinds else 0 * inv_freq,
+                                   num_positions)
+    return tables
 
 
 def layer_params_from(stacked, num_layers: int) -> list:
