@@ -35,12 +35,14 @@ CORPUS = [
 ]
 
 
-def qwen_tokenizer(path=None):
-    """A ~500-token byte-level BPE tokenizer with Qwen2.5's chat tokens and TRL's Qwen2.5 chat template."""
+def qwen_tokenizer(path=None, chat_template: str | None = None):
+    """A ~500-token byte-level BPE tokenizer with Qwen2.5's chat tokens and ``chat_template`` (None: TRL's Qwen2.5
+    chat template)."""
     import tokenizers
     import transformers
     from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
-    from trl.chat_template_utils import qwen2_5_chat_template
+    if chat_template is None:
+        from trl.chat_template_utils import qwen2_5_chat_template as chat_template
 
     tok = tokenizers.Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
@@ -58,7 +60,7 @@ def qwen_tokenizer(path=None):
     hf = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", model_max_length=32768,
         clean_up_tokenization_spaces=False)
-    hf.chat_template = qwen2_5_chat_template
+    hf.chat_template = chat_template
     if path is not None:
         hf.save_pretrained(path)
     return hf

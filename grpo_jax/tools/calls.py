@@ -21,7 +21,7 @@ import inspect
 from collections.abc import Callable, Sequence
 
 from grpo_jax.rewards.paths import resolve_reward_fn
-from grpo_jax.tools import tool_parsers, toolbox
+from grpo_jax.tools import templates, tool_parsers, toolbox
 
 RESERVED = ("reset", "get_reward")  # an environment's methods that are not tools
 
@@ -200,8 +200,9 @@ def reward_of(environment_type: type) -> Callable:
 def _parser_and_template(tokenizer) -> str | None:
     """Checks the tokenizer has a response parser (its own, ours for its family, else TRL's `add_response_schema`
     set on it) and returns
-    the chat template multi-turn rendering needs: None (the tokenizer's) where it is prefix-preserving, else TRL's
-    training template for it (`get_training_chat_template`), as TRL's GRPOTrainer does."""
+    the chat template multi-turn rendering needs: None (the tokenizer's) where it is prefix-preserving, else the
+    training template for it (ours, `templates`, else TRL's `get_training_chat_template`), as TRL's GRPOTrainer
+    does."""
     if compiled_template(tokenizer) is None and getattr(tokenizer, "response_schema", None) is None:
         try:  # families we do not parse ourselves (GPT-OSS, GLM-4-MoE, ...) that TRL knows
             from trl.chat_template_utils import add_response_schema
@@ -219,12 +220,16 @@ def _parser_and_template(tokenizer) -> str | None:
         suffix_ids(tokenizer, [{"role": "tool", "name": "dummy", "content": "dummy"}])
         return None
     except ValueError:
-        try:
+        ours = templates.training_chat_template(tokenizer)
+        if ours is not None:
+            return ours
+        try:  # families beyond ours that TRL knows
             from trl.chat_template_utils import get_training_chat_template
         except ImportError:
             raise ValueError("tools: the tokenizer's chat template is not prefix-preserving (an earlier turn renders "
-                             "differently once a tool message follows): `pip install trl` for its training templates "
-                             "of the known families, or set a prefix-preserving chat_template") from None
+                             "differently once a tool message follows) and is none of the released templates "
+                             f"grpo_jax has a training template for ({', '.join(templates.NAMES)}): set a "
+                             "prefix-preserving chat_template, or `pip install trl` for its training templates") from None
         return get_training_chat_template(tokenizer)
 
 
