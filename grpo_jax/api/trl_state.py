@@ -176,6 +176,37 @@ class PolicyView:
         `save_directory`."""
         shutil.copytree(self.folder, save_directory, dirs_exist_ok=True)
 
+    def generate(self, input_ids=None, attention_mask=None, *, max_new_tokens: int | None = None,
+                 do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None, min_p: float | None = None, repetition_penalty: float | None = None,
+                 eos_token_id=None, pad_token_id: int | None = None, **kwargs):
+        """transformers' `generate` on the viewed weights, through grpo_jax's sampler: left-padded [B, P] prompts
+        (torch or numpy) to [B, P + T] ids, rows past their EOS padded and T cut where the last row ends, as
+        transformers returns them. Options not given come from the folder's generation_config.json (transformers'
+        defaults: greedy, 20 new tokens). Sampled calls draw from the run's seed and a call counter (never
+        transformers' torch draws). Under LoRA it runs the base with the adapters as viewed."""
+        import numpy as np
+
+        from grpo_jax.api import policy_sampling  # jax: only a script that samples loads it
+
+        unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in policy_sampling.IGNORED)
+        if unknown:
+            raise ValueError(f"trainer.model.generate: {', '.join(unknown)} not supported (grpo_jax's sampler takes "
+                             "max_new_tokens, do_sample, temperature, top_k, top_p, min_p, repetition_penalty, "
+                             "eos_token_id, pad_token_id)")
+        as_torch = type(input_ids).__module__.startswith("torch")
+        ids = np.asarray(input_ids.cpu() if as_torch else input_ids, np.int32)
+        mask = np.ones_like(ids) if attention_mask is None else np.asarray(
+            attention_mask.cpu() if as_torch else attention_mask, np.int32)
+        self._draws = getattr(self, "_draws", -1) + 1
+        out = policy_sampling.generate(self, ids, mask, draw=self._draws, options=dict(
+            max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+            min_p=min_p, repetition_penalty=repetition_penalty, eos_token_id=eos_token_id, pad_token_id=pad_token_id))
+        if not as_torch:
+            return out.astype(np.asarray(input_ids).dtype)
+        import torch
+        return torch.from_numpy(out).to(device=input_ids.device, dtype=input_ids.dtype)
+
 
 class ReferenceView(PolicyView):
     """TRL's `trainer.ref_model` (beta != 0, no LoRA): the reference's weights, the initial model's until a `train()`

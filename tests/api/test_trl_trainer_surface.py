@@ -629,3 +629,44 @@ def test_trainer_ref_model_is_the_initial_model_then_the_synced_reference(tmp_pa
     for name, tensor in ref.items():
         torch.testing.assert_close(tensor, 0.6 * policy[name] + 0.4 * start[name], rtol=1e-6, atol=1e-7)
     assert torch.equal(trainer.ref_model.get_parameter("lm_head.weight"), ref["model.embed_tokens.weight"])
+
+
+def test_trainer_model_generate_is_transformers_generate_on_the_viewed_weights(tmp_path):
+    """`trainer.model.generate` (TRL scripts sample their trained policy with it): transformers' signature and
+    output ([B, P + T], padded after EOS, cut where the last row ends), greedy tokens equal to transformers'
+    `generate` on the same folder, its generation config's defaults; after `train()` the trained weights'."""
+    torch = pytest.importorskip("torch")
+    import hf_fixtures
+    import transformers
+
+    from grpo_jax import GRPOConfig, GRPOTrainer
+    from grpo_jax.data import task
+
+    folder = hf_fixtures.save_model(hf_fixtures.build_model("qwen2", tied=True), tmp_path / "hf")
+    task.build_tokenizer(folder)
+    trainer = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS, args=GRPOConfig(
+        output_dir=str(tmp_path / "run"), max_steps=1, num_generations=4, max_completion_length=4,
+        train_batch_size=8, learning_rate=0.05, **{"eval.num_examples": 0}))
+    rng = np.random.default_rng(0)
+    mask = np.ones((3, 9), np.int64)
+    mask[0, :4], mask[1, :2] = 0, 0
+    ids = torch.tensor(np.where(mask == 1, rng.integers(3, hf_fixtures.VOCAB, mask.shape), hf_fixtures.PAD_ID))
+    mask = torch.tensor(mask)
+
+    def reference(path, **kwargs):
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=mask, do_sample=False, **kwargs)
+
+    for kwargs in (dict(max_new_tokens=12, eos_token_id=hf_fixtures.EOS_ID, pad_token_id=hf_fixtures.PAD_ID), {}):
+        ours, theirs = trainer.model.generate(ids, attention_mask=mask, **kwargs), reference(folder, **kwargs)
+        assert isinstance(ours, torch.Tensor) and ours.dtype == theirs.dtype and ours.shape == theirs.shape, \
+            (ours.shape, theirs.shape)
+        assert torch.equal(ours, theirs), (ours, theirs)
+    with pytest.raises(ValueError, match="trainer.model.generate: num_beams not supported"):
+        trainer.model.generate(ids, attention_mask=mask, num_beams=4)
+    trainer.train()
+    after = trainer.model.generate(ids, attention_mask=mask, max_new_tokens=12)
+    assert torch.equal(after, reference(tmp_path / "run" / "final", max_new_tokens=12))
+    sampled = [trainer.model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=12) for _ in range(2)]
+    assert sampled[0].shape[0] == 3 and not torch.equal(sampled[0], sampled[1])  # each call draws anew
