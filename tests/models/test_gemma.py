@@ -37,7 +37,7 @@ def zoo(tmp_path_factory):
     """family -> (transformers model, its saved folder), tied embeddings as the released models."""
     root = tmp_path_factory.mktemp("gemma")
     models = {}
-    for family in FAMILIES:
+    for family in (*FAMILIES, "cohere2"):  # Cohere 2: windows too, with NoPE on its full layers
         model = hf.build_model(family, tied=True)
         models[family] = model, hf.save_model(model, root / family)
     return models
@@ -178,10 +178,11 @@ def test_layer_scan_and_remat_equal_the_layer_loop(zoo, family):
                      grads)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", (*FAMILIES, "cohere2"))
 def test_packed_and_shared_layouts_equal_the_padded_one(zoo, family):
     """Each kind's window applied in the model from the packed positions: the same log-probs as the padded rows
-    (prompts and completions longer than the window of 4)."""
+    (prompts and completions longer than the window of 4); Cohere 2 too (interleaved RoPE on its windowed layers,
+    none on its full one)."""
     model, params = from_pretrained(zoo[family][1])
     rng = np.random.default_rng(2)
     G, P, T = 2, 6, 7
