@@ -18,7 +18,7 @@ DEFERRED = {
     "grpo_jax": "the finder of old module names loads config.moved only when an old name is imported",
     "grpo_jax.api.cli": "a command imports what it runs: --help and config errors without jax",
     "grpo_jax.api.trl_api": "GRPOConfig without jax; the trainer once training starts",
-    "grpo_jax.api.trl_state": "jax only for weights no folder holds (drawn LoRA adapters, a synced reference) and model.generate",
+    "grpo_jax.api.trl_state": "jax only for weights no folder holds (drawn adapters, a synced reference), generate",
     "grpo_jax.api.trl_inputs": "the tools' module (and its parsers) only for a trainer given tools or environments",
     "grpo_jax.api.plan": "jax once a topology's environment is set",
     "grpo_jax.api.plan_programs": "jax once a topology's environment is set",

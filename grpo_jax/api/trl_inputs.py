@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cached_reward_model", "is_peft_model", "lora_options", "model_folder", "reward_func_names", "saved_peft_model",
-           "tokenizer_folder"]
+__all__ = ["cached_reward_model", "is_peft_model", "lora_options", "model_folder", "reward_func_names",
+           "saved_peft_model", "tokenizer_folder"]
 
 
 # PEFT's LoraConfig fields with a model.lora counterpart, and their PEFT defaults (a dict leaves some out)
@@ -67,7 +67,7 @@ def _default(field: dataclasses.Field) -> Any:
 MODEL_CACHE = Path("~/.cache/grpo_jax/models")  # model objects saved as folders, by the hash of their weights
 
 
-def _hash(model: Any):
+def _hash(model: Any) -> str:
     import torch
     import xxhash
 

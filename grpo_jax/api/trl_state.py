@@ -1,7 +1,8 @@
 """What a TRL script reads back from a `GRPOTrainer` (`grpo_jax.api.trl_api`): `trainer.args` under TRL's names too,
 `trainer.model` as a view of the policy's weights, `trainer.state` and its `log_history` under TRL's metric names,
 the newest logged round's completion table (`trainer._logs`), TRL's `checkpoint-N` folders. The weights are read
-from Hugging Face folders; jax only for those no folder holds (the LoRA adapters a run draws, a synced reference).
+from Hugging Face folders; jax only for those no folder holds (the LoRA adapters a run draws, a synced reference)
+and for `trainer.model.generate`.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class PolicyView:
     def __init__(self, trainer):  # the `grpo_jax.api.trl_api.GRPOTrainer` it views
         self._trainer = trainer
         self._initial_adapters = None  # drawn once, on the first read before training
+        self._draws = 0  # `generate`'s sampled calls so far: each draws from its own key
 
     @property
     def folder(self) -> Path:
@@ -198,7 +200,7 @@ class PolicyView:
         ids = np.asarray(input_ids.cpu() if as_torch else input_ids, np.int32)
         mask = np.ones_like(ids) if attention_mask is None else np.asarray(
             attention_mask.cpu() if as_torch else attention_mask, np.int32)
-        self._draws = getattr(self, "_draws", -1) + 1
+        self._draws += 1
         out = policy_sampling.generate(self, ids, mask, draw=self._draws, options=dict(
             max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
             min_p=min_p, repetition_penalty=repetition_penalty, eos_token_id=eos_token_id, pad_token_id=pad_token_id))

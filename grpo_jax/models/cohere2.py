@@ -42,7 +42,8 @@ def config_fields(hf, where: str) -> dict:
     layer_types = tuple(hf.layer_types)
     hf_config.check_layer_types(layer_types, where)
     bias = bool(getattr(hf, "attention_bias", False))
-    return dict(hf_config.common_fields(hf, where, "layer_norm_eps"), **hf_config.rope_fields(hf_config.rope_parameters(hf), hf, where),
+    rope = hf_config.rope_fields(hf_config.rope_parameters(hf), hf, where)
+    return dict(hf_config.common_fields(hf, where, "layer_norm_eps"), **rope,
                 sliding_window=hf.sliding_window if "sliding_attention" in layer_types else None,
                 layer_types=layer_types, attention_bias=bias, attention_out_bias=bias, mlp_bias=False, qk_norm=False,
                 logit_scale=float(hf.logit_scale))

@@ -1,5 +1,5 @@
-"""The pieces every decoder family builds its layers from: RMSNorm (Cohere: LayerNorm), linear layers (LoRA where configured),
-grouped-query attention with RoPE and a KV cache, the gated MLP and the cache itself.
+"""The pieces every decoder family builds its layers from: RMSNorm (Cohere: LayerNorm), linear layers (LoRA where
+configured), grouped-query attention with RoPE and a KV cache, the gated MLP and the cache itself.
 
 Dimension letters: B rows, T query tokens, S key slots (cache length), D hidden, H query heads, K key/value heads,
 G = H // K query heads per key/value head, Dh head dim, F MLP width. Kernels are [in, out], the Hugging Face

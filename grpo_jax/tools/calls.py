@@ -229,7 +229,8 @@ def _parser_and_template(tokenizer) -> str | None:
             raise ValueError("tools: the tokenizer's chat template is not prefix-preserving (an earlier turn renders "
                              "differently once a tool message follows) and is none of the released templates "
                              f"grpo_jax has a training template for ({', '.join(templates.NAMES)}): set a "
-                             "prefix-preserving chat_template, or `pip install trl` for its training templates") from None
+                             "prefix-preserving chat_template, or `pip install trl` for its training "
+                             "templates") from None
         return get_training_chat_template(tokenizer)
 
 

@@ -15,7 +15,8 @@ TOOL = [{"role": "tool", "name": "multiply", "content": "12"}]
 
 def _tokenizer(name: str, training: bool = False):
     """The test BPE tokenizer (Qwen's chat tokens) with a shipped template."""
-    return qwen_tokenizer(chat_template=(templates.FOLDER / f"{name}{'_training' if training else ''}.jinja").read_text())
+    file = templates.FOLDER / f"{name}{'_training' if training else ''}.jinja"
+    return qwen_tokenizer(chat_template=file.read_text())
 
 
 def test_the_shipped_templates_are_trls():
