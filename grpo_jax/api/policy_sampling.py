@@ -47,7 +47,8 @@ def generate(view, ids: np.ndarray, mask: np.ndarray, *, draw: int, options: dic
     """[B, P + T] ids of `ids` / `mask` (left-padded [B, P]) and their completions; `options` as `generate` takes
     them, None where the folder's generation config decides."""
     gen = _generation_config(view._base_folder)
-    def pick(name, default=None):  # the call's option, else the generation config's, else the default
+
+    def pick(name, default=None):  # the call's option, else the folder's generation config, else transformers'
         return next((v for v in (options.get(name), getattr(gen, name, None), default) if v is not None), None)
 
     # transformers: 20 new tokens unless the call or the folder's config sets max_new_tokens or a whole max_length
@@ -56,10 +57,10 @@ def generate(view, ids: np.ndarray, mask: np.ndarray, *, draw: int, options: dic
     eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
     pad = pick("pad_token_id", eos[0] if eos else 0)
     greedy = not pick("do_sample", False)
+    # transformers' defaults where nothing sets one: temperature 1, top_k 50, top_p 1, no min_p, no penalty
     config = SamplingConfig(max_completion_length=int(new), temperature=float(pick("temperature", 1.0)),
-                            top_k=int(pick("top_k", 0) if not greedy else 0), top_p=float(pick("top_p", 1.0)),
-                            min_p=float(pick("min_p", 0.0) or 0.0),
-                            repetition_penalty=float(pick("repetition_penalty", 1.0)))
+                            top_k=int(pick("top_k", 50)), top_p=float(pick("top_p", 1.0)),
+                            min_p=float(pick("min_p", 0.0)), repetition_penalty=float(pick("repetition_penalty", 1.0)))
     graphdef, params, model_config = _model(view)
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     decoder = programs.jit_decoder(graphdef, mesh, model_config, config=config, eos_token_ids=eos,
