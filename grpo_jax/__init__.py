@@ -6,7 +6,6 @@ imported when first used: `import grpo_jax` imports no jax.
 """
 
 import importlib
-import sys
 
 __version__ = "0.1.0"
 
@@ -22,22 +21,6 @@ def __getattr__(name: str):
     value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value  # looked up once
     return value
-
-
-class _MovedModules:
-    """The flat layout's module paths (`grpo_jax.decoder`, ...) still import, as users' scripts name them: the
-    table is read only when an import under grpo_jax finds nothing else (so `import grpo_jax` stays light)."""
-
-    def find_spec(self, name, path=None, target=None):
-        if not name.startswith("grpo_jax."):
-            return None
-        from grpo_jax.config import moved
-
-        return moved.spec(name)
-
-
-if not any(type(f).__name__ == "_MovedModules" for f in sys.meta_path):
-    sys.meta_path.append(_MovedModules())
 
 
 def __dir__():

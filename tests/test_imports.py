@@ -15,7 +15,6 @@ PACKAGE = ROOT / "grpo_jax"
 MAX_FLOORS = 11
 # module -> why its in-function grpo_jax imports wait (docs/modules.md lists the same)
 DEFERRED = {
-    "grpo_jax": "the finder of old module names loads config.moved only when an old name is imported",
     "grpo_jax.api.cli": "a command imports what it runs: --help and config errors without jax",
     "grpo_jax.api.trl_api": "GRPOConfig without jax; the trainer once training starts",
     "grpo_jax.api.trl_state": "jax only for weights no folder holds (drawn adapters, a synced reference), generate",

@@ -18,6 +18,7 @@ all.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -36,7 +37,6 @@ import xxhash
 
 from grpo_jax.algo.trajectory import Trajectory
 from grpo_jax.config import flatten
-from grpo_jax.config.moved import current_path
 
 CHECKPOINTS = "checkpoints"
 UNREADABLE = "unreadable_checkpoints"  # where restore_latest moves steps that fail to read
@@ -393,11 +393,24 @@ def _resumable(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS)
 
 
+def _gone(value) -> list[str]:
+    """The "grpo_jax.module:attribute" strings in `value` (a string or a list) whose module grpo_jax no longer has."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [v for v in values if isinstance(v, str) and v.startswith("grpo_jax.") and ":" in v
+            and importlib.util.find_spec(v.partition(":")[0]) is None]
+
+
 def check_compatible(saved: dict, new: dict) -> None:
-    """Raises a ValueError listing every dotted key (with both values) that differs and may not change on resume."""
-    # a "module:function" written before its module moved (grpo_jax.config.moved) names the same function
-    saved_flat = {k: current_path(v) for k, v in flatten(saved).items()}
-    new_flat = {k: current_path(v) for k, v in flatten(new).items()}
+    """Raises a ValueError listing every dotted key (with both values) that differs and may not change on resume;
+    one line when the saved config.yaml names a grpo_jax module path that is gone (the flat layout's, from before
+    the subpackages: `grpo_jax.task:char_accuracy`)."""
+    saved_flat, new_flat = flatten(saved), flatten(new)
+    gone = [(k, path) for k, v in saved_flat.items() for path in _gone(v)]
+    if gone:
+        key, path = gone[0]
+        raise ValueError(f"cannot resume: the saved run's config.yaml names {path!r} ({key}), a grpo_jax module path "
+                         "from before its subpackage layout that no longer exists; start a new output_dir, or write "
+                         "the function's path as it is now in that config.yaml")
     missing = object()
     diffs = [f"{k}: saved {saved_flat.get(k, missing)!r}, now {new_flat.get(k, missing)!r}"
              .replace(repr(missing), "(absent)")

@@ -3,8 +3,3 @@
 fingerprints of the host code a run calls (`code_fingerprints`). May import `config`, `data`, `device`, `models` and
 `algo` (a reward model's jitted pass); never `rollout`, `tools` or `api`.
 """
-
-from grpo_jax.config.moved import forward
-
-# the flat layout's grpo_jax.rewards module is rewards.functions now: its names still read from here
-__getattr__ = forward(__name__, "grpo_jax.rewards.functions")

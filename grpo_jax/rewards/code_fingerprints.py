@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 
 import xxhash
 
-from grpo_jax.config.moved import current_path
 from grpo_jax.data import sources
 
 PRIMITIVES = (int, float, str, bool, type(None))
@@ -68,9 +67,8 @@ def check(saved: dict | None, now: dict, *, step: int, allow_changed: bool) -> s
         return None
     changes = []
     for kind, label in KINDS.items():
-        # a name written before its module moved (grpo_jax.config.moved) is the same function
-        then = [(current_path(n), h) for n, h in saved.get(kind, [])]
-        current = [(current_path(n), h) for n, h in now[kind]]
+        then = [(n, h) for n, h in saved.get(kind, [])]
+        current = [(n, h) for n, h in now[kind]]
         if then == current:
             continue
         if [n for n, _ in then] != [n for n, _ in current]:

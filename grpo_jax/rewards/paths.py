@@ -1,6 +1,5 @@
 """A "package.module:function" path imported (`resolve_reward_fn`): the reward functions, tools, environments and
-answer extractors a config names. A module from before the subpackage split is read as where it is now
-(`grpo_jax.config.moved`).
+answer extractors a config names.
 """
 
 from __future__ import annotations
@@ -8,8 +7,6 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from typing import Any
-
-from grpo_jax.config.moved import current_module
 
 
 def resolve_reward_fn(path: str, what: str = "reward function") -> Callable:
@@ -20,7 +17,7 @@ def resolve_reward_fn(path: str, what: str = "reward function") -> Callable:
     if not module_name or not attr:
         raise ValueError(f"{what} {path!r} is incomplete: use 'package.module:function'")
     try:
-        module = importlib.import_module(current_module(module_name))  # a path written before a module moved too
+        module = importlib.import_module(module_name)
     except ImportError as e:
         raise ValueError(
             f"{what} {path!r}: module {module_name!r} could not be imported ({type(e).__name__}: {e}); "

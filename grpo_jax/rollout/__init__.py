@@ -3,8 +3,3 @@
 (`evaluation`), the round's fixed shapes and their compilation ahead (`shapes`). May import `config`, `algo`,
 `device`, `data`, `rewards`, `tools` and `io`; never `api`.
 """
-
-from grpo_jax.config.moved import forward
-
-# the flat layout's grpo_jax.rollout module is rollout.round now: its names still read from here
-__getattr__ = forward(__name__, "grpo_jax.rollout.round")

@@ -456,3 +456,25 @@ def test_a_run_saved_before_a_key_existed_resumes_with_that_keys_default(tmp_pat
     with pytest.raises(ValueError, match=r"tools: saved \[\], now \['m:f'\]"):
         checkpoint.check_compatible(*_saved_config(tmp_path, load_config(None, [f"output_dir={tmp_path}", *TINY,
                                                                               "tools=[m:f]"])))
+
+
+def test_a_run_that_names_a_module_path_from_before_the_subpackages_is_refused_in_one_line(tmp_path):
+    """The flat layout's module paths (`grpo_jax.task`, `grpo_jax.decoder`, ...) are gone in a 0.x package: a
+    config.yaml that names one (a run from before the subpackage split) is refused in one line naming the path,
+    whatever the new config says, and the old modules no longer import."""
+    import importlib
+
+    from grpo_jax.io.runs import saved_config as _saved_config
+
+    old = to_dict(resolve_defaults(load_config(None, [f"output_dir={tmp_path}", *TINY])))
+    old["reward"]["functions"] = ["grpo_jax.task:char_accuracy"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    for now in ("grpo_jax.task:char_accuracy", "grpo_jax.data.task:char_accuracy"):
+        config = load_config(None, [f"output_dir={tmp_path}", *TINY, f"reward.functions=[{now}]"])
+        with pytest.raises(ValueError) as refused:
+            checkpoint.check_compatible(*_saved_config(tmp_path, config))
+        assert "\n" not in str(refused.value)
+        assert "names 'grpo_jax.task:char_accuracy' (reward.functions)" in str(refused.value)
+    for gone in ("grpo_jax.task", "grpo_jax.decoder", "grpo_jax.cli"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(gone)
