@@ -35,7 +35,9 @@ from grpo_jax.rollout import eval_loss, multiturn, scoring
 from grpo_jax.rollout.piece import Piece
 
 EVAL_STREAM = 0x6576616C  # "eval", folded into the seed's key: a stream the training key never meets
-TASK_REWARDS = ("grpo_jax.data.task:exact_match", "grpo_jax.data.task:char_accuracy")  # the digit tasks' own
+# the digit tasks' own, exact match first: the held-out line's headline (training lists char_accuracy first,
+# config.sections.TASK_REWARDS)
+EVAL_TASK_REWARDS = ("grpo_jax.data.task:exact_match", "grpo_jax.data.task:char_accuracy")
 LOOKUP_REWARDS = ("grpo_jax.tools.tool_task:answer_accuracy",)  # the multi-turn lookup task's own
 
 
@@ -53,7 +55,7 @@ def reward_functions(config, *, given_data: bool, held_out: bool = True, eval_re
                              "train.advantage_estimator=process: those return steps, evaluation scores a completion "
                              "with one number; list eval.reward_functions (from Python: eval_reward_funcs=[...])")
         return None
-    return list(LOOKUP_REWARDS if config.data.task == "lookup" else TASK_REWARDS)
+    return list(LOOKUP_REWARDS if config.data.task == "lookup" else EVAL_TASK_REWARDS)
 
 
 def pass_at_k(num_correct_P, n: int, k: int) -> np.ndarray:
