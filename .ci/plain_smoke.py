@@ -103,6 +103,17 @@ def main() -> None:
                 message = tool_parsers.parse_response(fmt, texts[fmt.name])
                 assert message["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]
 
+        @step("qwen3 tools", "Qwen3's chat template (not prefix-preserving) renders tool turns without TRL")
+        def _():
+            import transformers
+
+            from grpo_jax.tools import calls, templates
+            tok = transformers.AutoTokenizer.from_pretrained(tmp / "tok")  # the chat data step's tokenizer
+            tok.chat_template = (templates.FOLDER / "qwen3.jinja").read_text()
+            assert templates.training_chat_template(tok) == (templates.FOLDER / "qwen3_training.jinja").read_text()
+            tool = [{"role": "tool", "name": "f", "content": "1"}]
+            assert calls.suffix_ids(tok, tool, chat_template=templates.training_chat_template(tok))
+
     print("plain smoke: all passed: " + ", ".join(f"{name} {t:.0f} s" for name, t in TIMES)
           + f"; total {sum(t for _, t in TIMES):.0f} s")
 
