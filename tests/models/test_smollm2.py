@@ -104,4 +104,5 @@ def test_smollm2_bfloat16_greedy_tokens_part_from_float32_only_at_near_ties(smol
     theirs = _gaps(torch_model, tok, ids, mask, _torch_greedy(folder, tok, ids, mask, "bfloat16"))
     assert gaps.max() <= 0.25, gaps
     assert (gaps == 0).mean() >= 0.9 and (theirs == 0).mean() >= 0.9, (gaps, theirs)
-    np.testing.assert_array_equal(ours[:, :8], _greedy(folder, tok, ids, mask, "float32")[:, :8])
+    # float32's greedy tokens are transformers' (the test above)
+    np.testing.assert_array_equal(ours[:, :8], _torch_greedy(folder, tok, ids, mask, "float32")[:, :8])
