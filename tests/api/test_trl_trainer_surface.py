@@ -670,3 +670,41 @@ def test_trainer_model_generate_is_transformers_generate_on_the_viewed_weights(t
     assert torch.equal(after, reference(tmp_path / "run" / "final", max_new_tokens=12))
     sampled = [trainer.model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=12) for _ in range(2)]
     assert sampled[0].shape[0] == 3 and not torch.equal(sampled[0], sampled[1])  # each call draws anew
+
+
+def test_trainer_model_generate_under_lora_runs_the_base_with_the_viewed_adapters(tmp_path):
+    """Under `peft_config` `trainer.model.generate` runs the base with the adapters the view reads: before training
+    the drawn ones (B zero: the base's greedy tokens, as transformers' base model generates them), after it the
+    trained ones (as peft's PeftModel over the base and the run's final/ adapter folder generates them)."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    import hf_fixtures
+    import transformers
+
+    from grpo_jax import GRPOConfig, GRPOTrainer
+    from grpo_jax.data import task
+
+    folder = hf_fixtures.save_model(hf_fixtures.build_model("qwen2", tied=True), tmp_path / "hf")
+    task.build_tokenizer(folder)
+    trainer = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS, processing_class=folder,
+                          peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+                          args=GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=2, num_generations=4,
+                                          max_completion_length=4, train_batch_size=8, learning_rate=0.05,
+                                          **{"eval.num_examples": 0}))
+    mask = torch.ones((2, 7), dtype=torch.long)
+    mask[0, :3] = 0
+    ids = torch.where(mask == 1, torch.arange(3, 17).reshape(2, 7) * 7 % hf_fixtures.VOCAB, hf_fixtures.PAD_ID)
+    options = dict(max_new_tokens=10, eos_token_id=hf_fixtures.EOS_ID, pad_token_id=hf_fixtures.PAD_ID)
+
+    def reference(model):
+        with torch.no_grad():
+            return model.eval().generate(input_ids=ids, attention_mask=mask, do_sample=False, **options)
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert torch.equal(trainer.model.generate(ids, attention_mask=mask, **options), reference(base))
+    trainer.train()
+    trained = peft.PeftModel.from_pretrained(base, tmp_path / "run" / "final")
+    after = trainer.model.generate(ids, attention_mask=mask, **options)
+    assert torch.equal(after, reference(trained))
+    with trained.disable_adapter():
+        assert not torch.equal(after, reference(trained))  # the adapters moved the tokens
