@@ -61,10 +61,20 @@ def generate(view, ids: np.ndarray, mask: np.ndarray, *, draw: int, options: dic
     config = SamplingConfig(max_completion_length=int(new), temperature=float(pick("temperature", 1.0)),
                             top_k=int(pick("top_k", 50)), top_p=float(pick("top_p", 1.0)),
                             min_p=float(pick("min_p", 0.0)), repetition_penalty=float(pick("repetition_penalty", 1.0)))
-    graphdef, params, model_config = _model(view)
-    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    decoder = programs.jit_decoder(graphdef, mesh, model_config, config=config, eos_token_ids=eos,
-                                   pad_token_id=int(pad))
+    # the weights read once per folder and trained step, a decoder built once per sampling options: a script's
+    # loop of calls compiles once
+    cache = view._sampling_cache
+    weights = (str(view.folder), view._trainer.state.global_step)
+    if cache.get("weights") != weights:
+        cache.clear()
+        cache.update(weights=weights, model=_model(view))
+    graphdef, params, model_config = cache["model"]
+    options_key = (config, eos, int(pad))
+    if options_key not in cache:
+        mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+        cache[options_key] = programs.jit_decoder(graphdef, mesh, model_config, config=config, eos_token_ids=eos,
+                                                  pad_token_id=int(pad))
+    decoder = cache[options_key]
     key = jax.random.fold_in(jax.random.key(view._trainer.args.seed), draw)
     out = stream.generate(decoder, params, ids, mask, key, greedy=greedy)
     completions = np.asarray(out.completion_ids)

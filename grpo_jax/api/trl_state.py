@@ -81,6 +81,7 @@ class PolicyView:
         self._trainer = trainer
         self._initial_adapters = None  # drawn once, on the first read before training
         self._draws = 0  # `generate`'s sampled calls so far: each draws from its own key
+        self._sampling_cache = {}  # `generate`'s weights and decoders (`api.policy_sampling`)
 
     @property
     def folder(self) -> Path:

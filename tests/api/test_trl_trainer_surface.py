@@ -631,7 +631,7 @@ def test_trainer_ref_model_is_the_initial_model_then_the_synced_reference(tmp_pa
     assert torch.equal(trainer.ref_model.get_parameter("lm_head.weight"), ref["model.embed_tokens.weight"])
 
 
-def test_trainer_model_generate_is_transformers_generate_on_the_viewed_weights(tmp_path):
+def test_trainer_model_generate_is_transformers_generate_on_the_viewed_weights(tmp_path, monkeypatch):
     """`trainer.model.generate` (TRL scripts sample their trained policy with it): transformers' signature and
     output ([B, P + T], padded after EOS, cut where the last row ends), greedy tokens equal to transformers'
     `generate` on the same folder, its generation config's defaults; after `train()` the trained weights'."""
@@ -668,8 +668,14 @@ def test_trainer_model_generate_is_transformers_generate_on_the_viewed_weights(t
     trainer.train()
     after = trainer.model.generate(ids, attention_mask=mask, max_new_tokens=12)
     assert torch.equal(after, reference(tmp_path / "run" / "final", max_new_tokens=12))
+    from grpo_jax.api import policy_sampling
+
+    reads = []
+    monkeypatch.setattr(policy_sampling, "_model", lambda view, read=policy_sampling._model: reads.append(1) or
+                        read(view))
     sampled = [trainer.model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=12) for _ in range(2)]
     assert sampled[0].shape[0] == 3 and not torch.equal(sampled[0], sampled[1])  # each call draws anew
+    assert not reads  # the trained weights were read once, by the call above: a loop of calls compiles once
 
 
 def test_trainer_model_generate_under_lora_runs_the_base_with_the_viewed_adapters(tmp_path):
