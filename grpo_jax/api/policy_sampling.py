@@ -10,9 +10,10 @@ import jax
 import numpy as np
 
 from grpo_jax.algo import programs
+from grpo_jax.api import run
 from grpo_jax.algo.sampling import SamplingConfig
 from grpo_jax.device import sharding
-from grpo_jax.models import abstract_model, from_pretrained, lora, peft_io, resolve_config
+from grpo_jax.models import abstract_model, from_pretrained, peft_io, resolve_config
 from grpo_jax.rollout import stream
 
 IGNORED = ("use_cache",)  # transformers' options that change nothing here
@@ -29,10 +30,7 @@ def _model(view):
     config = resolve_config(dataclasses.replace(args.model, path=str(view._base_folder),
                                                 lora=dataclasses.replace(args.model.lora, path=adapters)))
     config = dataclasses.replace(config, lora=peft_io.resolve_lora(config.lora))
-    model, _ = abstract_model(config)
-    _, params = from_pretrained(str(view._base_folder), config=lora.base_config(config))
-    drawn = programs.init_adapters(config, args.seed, None) if adapters is None else peft_io.load_adapters(config)
-    return model.graphdef, lora.join(drawn, params), config
+    return abstract_model(config)[0].graphdef, run.pretrained_params(config, args.seed), config
 
 
 def _generation_config(folder):

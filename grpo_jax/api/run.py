@@ -24,7 +24,7 @@ from grpo_jax.config import Config, for_run, resolve_defaults, to_dict
 from grpo_jax.data import prompts as data, sources, task
 from grpo_jax.device import chips, cpu, distributed, rollout_layout, sharding
 from grpo_jax.io import checkpoint, lock, runs, trackers
-from grpo_jax.models import abstract_model, eos_token_ids, from_pretrained, lora, peft_io, resolve_config
+from grpo_jax.models import ModelConfig, abstract_model, eos_token_ids, from_pretrained, lora, peft_io, resolve_config
 from grpo_jax.rewards import code_fingerprints, reward_specs, functions as rewards
 from grpo_jax.rollout import evaluation, shapes
 from grpo_jax.rollout.context import Run, prompt_group_sizes
@@ -327,11 +327,7 @@ def _build(config: Config, output_dir: Path, resuming: bool, loss_fn: Callable |
     else:  # each tensor read from the safetensors straight into its shard
         model, abstract_params = abstract_model(config.model)
         shardings = sharding.param_shardings(mesh, abstract_params)
-        _, params = from_pretrained(config.model.path, config=lora.base_config(config.model), shardings=shardings)
-        if config.model.lora.path is not None:
-            params = lora.join(peft_io.load_adapters(config.model, shardings=shardings), params)
-        elif config.model.lora.enabled:
-            params = lora.join(programs.init_adapters(config.model, config.seed, shardings), params)
+        params = pretrained_params(config.model, config.seed, shardings)
         graphdef, state = model.graphdef, programs.state_from_params(params, optimizer, **state_options)
     control = entropy_control(config.loss)  # the adaptive entropy bonus's, in the state: a resume carries it on
     if control is not None:
@@ -412,3 +408,15 @@ def _build(config: Config, output_dir: Path, resuming: bool, loss_fn: Callable |
               tooling=tooling, rollout_mesh=rollout_mesh, rollout_programs=rollout_programs,
               shapes=run_shapes, decode_layout="the training layout" if layout is None else layout.reason)
     return run, state
+
+
+def pretrained_params(model_config: ModelConfig, seed: int, shardings=None):
+    """The params of `model_config.path`'s folder (resolved: `registry.resolve_config`, `peft_io.resolve_lora`),
+    each tensor read into its shard (`shardings`: the model's params' shardings; None: the default device), with
+    the LoRA adapters of `model_config.lora.path`, or else fresh ones for `seed` when it has adapters."""
+    _, params = from_pretrained(model_config.path, config=lora.base_config(model_config), shardings=shardings)
+    if model_config.lora.path is not None:
+        return lora.join(peft_io.load_adapters(model_config, shardings=shardings), params)
+    if model_config.lora.enabled:
+        return lora.join(programs.init_adapters(model_config, seed, shardings), params)
+    return params

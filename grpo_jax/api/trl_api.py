@@ -19,11 +19,11 @@ from typing import Any
 
 from grpo_jax.api.arguments import check_arguments
 from grpo_jax.api.trl_inputs import (cached_reward_model, env_reward_classes, env_reward_func, held_out, is_stream,
-                                     is_peft_model, lora_options, model_folder, reward_func_names, saved_peft_model,
+                                     lora_options, model_and_adapters, model_folder, reward_func_names,
                                      tokenizer_folder, trl_tools)
 from grpo_jax.api.trl_state import (PolicyView, ReferenceView, TrainerState, TRLArgs, residual_means, trl_checkpoint,
                                     trl_line, trl_logs)
-from grpo_jax.config import Config, LoRAConfig, for_run, make_config, trl_keys
+from grpo_jax.config import Config, for_run, make_config, trl_keys
 from grpo_jax.config.sections import TASK_REWARDS
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "lora_options", "model_folder"]  # what a script reads back: `trl_state`
@@ -117,29 +117,9 @@ class GRPOTrainer:
                         environment_factory=environment_factory)
         for name, dataset in (eval_dataset.items() if isinstance(eval_dataset, Mapping) else [(None, eval_dataset)]):
             check_arguments(config, eval_dataset=held_out(dataset, name))  # TRL: a dict of them, each by name
-        lora_config = None
-        if is_peft_model(model):
-            if peft_config is not None:  # TRL's words
-                raise ValueError("You passed a `PeftModel` instance together with a `peft_config` to the trainer. "
-                                 "Please first merge and unload the existing adapter, save the resulting base model, "
-                                 "and then pass that base model along with the new `peft_config` to the trainer.")
-            if config.loss.beta != 0.0 and any(t.any() for n, t in model.named_parameters() if ".lora_B." in n):
-                # TRL's reference is a frozen copy of the adapters as given; grpo_jax's is the base (adapters off),
-                # the same policy only while B is zero
-                raise ValueError("model is a PeftModel with trained adapters and beta != 0: grpo_jax's reference is "
-                                 "the base model, not the adapters as given; merge them into the base and pass a "
-                                 "peft_config, or set beta=0")
-            path, adapters, options = saved_peft_model(model)
-            lora_config = LoRAConfig(**options, path=adapters)
-        else:
-            path = model_folder(model)
+        path, lora_config = model_and_adapters(model, peft_config, beta=config.loss.beta)
         if config.model.path not in (None, path):
             raise ValueError(f"model={path!r} and args' model.path={config.model.path!r} differ: give the model once")
-        if peft_config is not None:
-            try:
-                lora_config = LoRAConfig(**lora_options(peft_config))
-            except ValueError as e:
-                raise ValueError(f"peft_config: {e}") from e
         if lora_config is not None and config.model.lora.enabled:
             raise ValueError("the adapters (peft_config or a PeftModel) and args' model.lora both set adapters: give "
                              "the LoRA options once")

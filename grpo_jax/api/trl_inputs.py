@@ -14,8 +14,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cached_reward_model", "is_peft_model", "lora_options", "model_folder", "reward_func_names",
-           "saved_peft_model", "tokenizer_folder"]
+from grpo_jax.config import LoRAConfig
+
+__all__ = ["cached_reward_model", "lora_options", "model_and_adapters", "model_folder", "reward_func_names",
+           "tokenizer_folder"]
 
 
 # PEFT's LoraConfig fields with a model.lora counterpart, and their PEFT defaults (a dict leaves some out)
@@ -150,6 +152,30 @@ def saved_peft_model(model: Any, cache: str | os.PathLike | None = None) -> tupl
     base_folder = _cached(folder.with_name(folder.name + "-base"), "config.json", write_base)
     adapter_folder = _cached(folder.with_name(folder.name + "-adapter"), "adapter_config.json", model.save_pretrained)
     return base_folder, adapter_folder, options
+
+
+def model_and_adapters(model: Any, peft_config: Any, *, beta: float):
+    """TRL's `model` and `peft_config` as (model folder, `LoRAConfig` or None): a `PeftModel` trains from its own
+    adapters (`saved_peft_model`), a `peft_config` adds fresh ones (`lora_options`)."""
+    if not is_peft_model(model):
+        if peft_config is None:
+            return model_folder(model), None
+        try:
+            return model_folder(model), LoRAConfig(**lora_options(peft_config))
+        except ValueError as e:
+            raise ValueError(f"peft_config: {e}") from e
+    if peft_config is not None:  # TRL's words
+        raise ValueError("You passed a `PeftModel` instance together with a `peft_config` to the trainer. Please first "
+                         "merge and unload the existing adapter, save the resulting base model, and then pass that "
+                         "base model along with the new `peft_config` to the trainer.")
+    if beta != 0.0 and any(t.any() for n, t in model.named_parameters() if ".lora_B." in n):
+        # TRL's reference is a frozen copy of the adapters as given; grpo_jax's is the base (adapters off), the same
+        # policy only while B is zero
+        raise ValueError("model is a PeftModel with trained adapters and beta != 0: grpo_jax's reference is the base "
+                         "model, not the adapters as given; merge them into the base and pass a peft_config, or set "
+                         "beta=0")
+    path, adapters, options = saved_peft_model(model)
+    return path, LoRAConfig(**options, path=adapters)
 
 
 def model_folder(model: Any) -> str:

@@ -122,7 +122,7 @@ class PolicyView:
         for name, tensor in _load_all(self._base_folder):
             yield _peft_name(name, modules), tensor
         for name, tensor in adapters.items():
-            yield name[:-len(".weight")] + ".default.weight", tensor
+            yield _adapter_name(name), tensor
 
     def parameters(self):
         return (tensor for _, tensor in self.named_parameters())
@@ -149,7 +149,7 @@ class PolicyView:
             return names
         adapters = self._adapters()
         modules = _adapted_modules(adapters)
-        return [_peft_name(n, modules) for n in names] + [n[:-len(".weight")] + ".default.weight" for n in adapters]
+        return [_peft_name(n, modules) for n in names] + [_adapter_name(n) for n in adapters]
 
     def _tied(self, name: str) -> str:
         """``name`` as stored: a tied `lm_head.weight` (config.json's `tie_word_embeddings`) is the embedding's."""
@@ -262,6 +262,11 @@ def _peft_name(name: str, modules: set[str]) -> str:
     `module` is adapted."""
     module, leaf = name.rsplit(".", 1)
     return f"{PEFT_PREFIX}{module}.base_layer.{leaf}" if module in modules else PEFT_PREFIX + name
+
+
+def _adapter_name(saved: str) -> str:
+    """An adapter's name inside a PeftModel: its saved name with PEFT's adapter name ("default") before `weight`."""
+    return saved[:-len(".weight")] + ".default.weight"
 
 
 def _drawn_adapters(config: Config) -> dict:

@@ -58,11 +58,7 @@ def _problems(config: ModelConfig) -> list[str]:
                         "hidden_act=silu")
     if config.resolved_head_dim != config.hidden_size // config.num_attention_heads:
         problems.append("cohere2's head_dim is hidden_size / num_attention_heads: set head_dim=null")
-    for name in ("rope_local_base_freq", "query_pre_attn_scalar", "attn_logit_softcapping",
-                 "final_logit_softcapping"):
-        if getattr(config, name) is not None:
-            problems.append(f"{name} is a Gemma option: set {name}=null or a gemma model_type")
-    return problems
+    return problems + hf_config.foreign_options(config, "Cohere")
 
 
 def hf_kwargs(config: ModelConfig) -> dict:

@@ -91,9 +91,7 @@ def _problems(config: ModelConfig) -> list[str]:
         problems.append("gemma2 has one RoPE base: set rope_local_base_freq=null")
     if config.hidden_act != "gelu_pytorch_tanh":
         problems.append(f"{mt}'s MLP is GeGLU: set hidden_act=gelu_pytorch_tanh")
-    if config.logit_scale is not None:
-        problems.append("logit_scale is a Cohere option: set logit_scale=null or model_type=cohere2")
-    return problems
+    return problems + hf_config.foreign_options(config, "Gemma")
 
 
 def hf_kwargs(config: ModelConfig) -> dict:

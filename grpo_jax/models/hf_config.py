@@ -61,6 +61,22 @@ def check_layer_types(layer_types, where: str) -> None:
         raise ValueError(f"{where}: layer_types {sorted(kinds)} are not supported: only {' and '.join(LAYER_TYPES)}")
 
 
+# ModelConfig options of some families only: option -> (those families' name, the model_type to use instead)
+FAMILY_OPTIONS = {"rope_local_base_freq": ("Gemma", "a gemma model_type"),
+                  "query_pre_attn_scalar": ("Gemma", "a gemma model_type"),
+                  "attn_logit_softcapping": ("Gemma", "a gemma model_type"),
+                  "final_logit_softcapping": ("Gemma", "a gemma model_type"),
+                  "logit_scale": ("Cohere", "model_type=cohere2")}
+
+
+def foreign_options(config: ModelConfig, family: str | None = None) -> list[str]:
+    """One problem per option of another family than ``family`` (a `FAMILY_OPTIONS` name) set in ``config``: what
+    this family's export cannot express."""
+    return [f"{name} is a {owner} option: set {name}=null or {instead}"
+            for name, (owner, instead) in FAMILY_OPTIONS.items()
+            if owner != family and getattr(config, name) is not None]
+
+
 def common_fields(hf, where: str, eps_name: str = "rms_norm_eps") -> dict:
     """The ModelConfig fields every family reads alike (sizes, norms, embeddings); the norms' epsilon is
     ``eps_name`` of config.json (Cohere's LayerNorm: layer_norm_eps)."""

@@ -93,12 +93,7 @@ def _problems(config: ModelConfig) -> list[str]:
         problems.append("llama has no sliding window: use model_type=mistral or sliding_window=null")
     if mt in ("llama", "mistral") and config.layer_types is not None and len(set(config.layer_types)) > 1:
         problems.append(f"{mt} has one attention kind for every layer: set layer_types=null or model_type=qwen2")
-    for name in ("rope_local_base_freq", "query_pre_attn_scalar", "attn_logit_softcapping",
-                 "final_logit_softcapping"):
-        if getattr(config, name) is not None:
-            problems.append(f"{name} is a Gemma option: set {name}=null or a gemma model_type")
-    if config.logit_scale is not None:
-        problems.append("logit_scale is a Cohere option: set logit_scale=null or model_type=cohere2")
+    problems += hf_config.foreign_options(config)
     if config.hidden_act != "silu":
         problems.append("the llama family's MLP is SwiGLU: set hidden_act=silu")
     return problems

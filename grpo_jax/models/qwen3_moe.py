@@ -80,8 +80,7 @@ def hf_kwargs(config: ModelConfig) -> dict:
                         "hidden_act=silu")
     if config.layer_types is not None and len(set(config.layer_types)) > 1:
         problems.append("qwen3_moe has one attention kind for every layer: set layer_types=null")
-    if config.logit_scale is not None:
-        problems.append("logit_scale is a Cohere option: set logit_scale=null or model_type=cohere2")
+    problems += hf_config.foreign_options(config)
     if problems:
         raise ValueError("model.model_type='qwen3_moe' cannot express this config: " + "; ".join(problems))
     return dict(hf_config.common_kwargs(config), hidden_act="silu", rope_parameters=hf_config.hf_rope(config),
