@@ -46,7 +46,7 @@ class Phase(NamedTuple):
     flops: float  # nan: unknown (its loop-free variant did not compile)
     bytes_accessed: float
     error: str | None = None  # XLA refused to compile it: its sizes are what the refusal names (a lower bound)
-    collectives: tuple = ()  # `collectives.Collective`s read from its HLO
+    collectives: tuple = ()  # `hlo.Collective`s read from its HLO
 
     def collective_runs(self) -> list:
         """(collective, times it runs in one run of the phase): a decode step's loop body once, the work outside
@@ -355,9 +355,9 @@ def report(plan_: Plan, topology: str) -> list[str]:
 def _phases(config: Config, mesh, tpu: bool, with_costs: bool, chip: Chip | None,
             decoding: bool = True) -> tuple[list[Phase], str, int]:
     """The run's phases over ``mesh``: memory from the programs as the run compiles them, FLOPs and bytes from the
-    same programs (`plan_programs.costs`), their collectives from their HLO (`collectives`); the decoding
+    same programs (`plan_programs.costs`), their collectives from their HLO (`hlo.collectives`); the decoding
     layout's reason and its row shards (0: the training layout's)."""
-    from grpo_jax.api import collectives
+    from grpo_jax.api import hlo
     from grpo_jax.algo.state import abstract_state, optimizer_from_config
     from grpo_jax.device import sharding
 
@@ -366,8 +366,7 @@ def _phases(config: Config, mesh, tpu: bool, with_costs: bool, chip: Chip | None
                                       decoding=decoding)
     costs = (plan_programs.costs(config, mesh, compiled, tpu=tpu, chip=chip) if with_costs
              else {name: (math.nan, math.nan) for name in compiled})
-    slots = config.sampling.max_batch_rows or tc.generation_batch_size
-    steps = config.sampling.max_completion_length * -(-tc.generation_batch_size // slots)
+    steps = plan_programs.decode_steps(config)
     runs = {"layout": 1, "prefill": 1, "decode_step": steps, COMPARED: steps,
             "logps": int(tc.needs_old_logps) + int(config.loss.beta != 0.0), "train_step": tc.steps_per_round}
     phases = []
@@ -379,7 +378,7 @@ def _phases(config: Config, mesh, tpu: bool, with_costs: bool, chip: Chip | None
         m = c.memory_analysis()
         phases.append(Phase(name, runs[name], m.argument_size_in_bytes, m.output_size_in_bytes,
                             m.alias_size_in_bytes, m.temp_size_in_bytes, *costs[name],
-                            collectives=tuple(collectives.collectives(c.as_text(), mesh.devices.size))))
+                            collectives=tuple(hlo.collectives(c.as_text(), mesh.devices.size))))
     _, optimizer = optimizer_from_config(tc, config.max_steps)
     shapes = abstract_state(config.model, optimizer, with_reference=config.loss.beta != 0.0,
                             ref_param_dtype=tc.ref_param_dtype)

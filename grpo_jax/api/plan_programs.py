@@ -3,10 +3,12 @@
 `programs` lowers and compiles the run's prefill, decode step, log-prob forward and train step over a mesh for
 abstract inputs (nothing is allocated). `costs` reads XLA's `cost_analysis` of those same programs and corrects it
 for loops, which XLA counts one trip of: the scan over the layers (extrapolated from one more compile of each
-scanned program at another `model.scan_unroll`) and the micro-batches (times their number). What XLA cannot see
-is counted by hand: Pallas splash attention's FLOPs (`kernel_attention_flops`), the paged-attention kernels' reads
-of the KV pages in a decode step (`paged_kernel_bytes`), megablox's grouped products in a mixture of experts beyond
-XLA's count of them (`kernel_expert_flops`) and the chunked unembedding's other trips (`unembedding_flops`).
+scanned program at another `model.scan_unroll`) and the micro-batches (times their number). A decode step's bytes
+are read from its HLO instruction by instruction (`hlo.traffic`: the loop's body a step, the call's one-time work
+spread over its steps, in-place writes as their updates). What XLA cannot see is counted by hand: Pallas splash
+attention's FLOPs (`kernel_attention_flops`), the paged-attention kernels' reads of the KV pages in a decode step
+(`paged_kernel_bytes`), megablox's grouped products in a mixture of experts beyond XLA's count of them
+(`kernel_expert_flops`) and the chunked unembedding's other trips (`unembedding_flops`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import math
 import re
 from typing import NamedTuple
 
+from grpo_jax.api import hlo
 from grpo_jax.config import Config
 
 
@@ -29,13 +32,35 @@ class Refused(NamedTuple):
 
 class Program(NamedTuple):
     """One phase's program: a digest of its lowered text (equal digests: the same program), its executable, the
-    bytes a chip reads inside kernels that XLA's cost analysis leaves out (`paged_kernel_bytes`), and the
-    executable whose cost the plan counts where it is not this one (`steady_state`)."""
+    bytes a chip reads inside kernels that XLA's cost analysis leaves out (`paged_kernel_bytes`), the executable
+    whose cost the plan counts where it is not this one (`steady_state`), and a decode program's HBM traffic read
+    from that executable's HLO (`hlo.traffic`)."""
 
     digest: str
     compiled: object  # jax's Compiled, or Refused
     kernel_bytes: float = 0.0
     counted: object = None  # None: ``compiled``
+    traffic: object = None  # `hlo.Traffic` of a decode program, else None
+
+
+def decode_steps(config: Config) -> int:
+    """Decode steps a round runs (an upper bound: every row to max_completion_length), its rows in calls of
+    ``sampling.max_batch_rows`` slots."""
+    tc = config.train
+    slots = config.sampling.max_batch_rows or tc.generation_batch_size
+    return config.sampling.max_completion_length * -(-tc.generation_batch_size // slots)
+
+
+def kernel_operands(decoding) -> frozenset:
+    """The per-chip shapes of a decoding state's page pools, which the paged-attention kernels read only where the
+    page table points (`paged_kernel_bytes`), not whole as their operands say."""
+    from grpo_jax.models import paged
+
+    cache = decoding.cache
+    if not isinstance(cache, paged.PagedKVCache):
+        return frozenset()
+    return frozenset(tuple(x.sharding.shard_shape(x.shape)) for x in (*cache.k, *cache.v)
+                     if not isinstance(x, paged.Ring))
 
 
 def steady_state(decoding):
@@ -136,7 +161,6 @@ def programs(config: Config, mesh, model, *, tpu: bool, reuse: dict | None = Non
     from grpo_jax.algo.state import abstract_state, entropy_control, model_graphdef, optimizer_from_config
     from grpo_jax.algo.train_step import StepOptions
     from grpo_jax.algo.trajectory import Trajectory
-    from grpo_jax.models.transformer import compute_dtype_params
 
     reuse = reuse or {}
     tc, P, T = config.train, config.data.max_prompt_length, config.sampling.max_completion_length
@@ -148,7 +172,7 @@ def programs(config: Config, mesh, model, *, tpu: bool, reuse: dict | None = Non
     shapes = shapes._replace(entropy_control=None if control is None else jax.eval_shape(lambda: control))
     shardings = sharding.state_shardings(mesh, shapes, offload_ref=tc.offload_ref_params)
     state, graphdef = _abstract(shapes, shardings), model_graphdef(model)
-    rows, replicated = sharding.row_sharded(mesh), sharding.replicated(mesh)
+    rows = sharding.row_sharded(mesh)
 
     def array(*shape, dtype=jnp.int32, where=rows):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=where)
@@ -174,10 +198,6 @@ def programs(config: Config, mesh, model, *, tpu: bool, reuse: dict | None = Non
         if placement is not None:
             build("layout", decoder.layout.lower(state.params))
             params = _abstract(jax.eval_shape(decoder.layout, state.params), placement.params_sharding)
-        elif name == "decode_step_training_layout":  # compared at the weights a call casts once, as the layout's
-            # reshard does: compiled with the cast in it, its cost would count the cast in every decode step
-            params = _abstract(jax.eval_shape(lambda p: compute_dtype_params(graphdef, p), state.params),
-                               shardings.params)
         else:
             params = state.params
         decode_mesh = mesh if placement is None else placement.mesh
@@ -199,6 +219,9 @@ def programs(config: Config, mesh, model, *, tpu: bool, reuse: dict | None = Non
             if steady_state(decoding) is not decoding and out[name].counted is None:  # reused: counted already
                 steady = compile_program(decoder.advance.lower(params, steady_state(decoding), options, False), tpu)
                 out[name] = out[name]._replace(counted=steady.compiled)
+            counted = out[name].counted or out[name].compiled
+            if out[name].traffic is None and not isinstance(counted, Refused):
+                out[name] = out[name]._replace(traffic=hlo.traffic(counted.as_text(), kernel_operands(decoding)))
         if name != "decode_step":
             out.pop(prefill_name)
 
@@ -333,7 +356,9 @@ def costs(config: Config, mesh, compiled: dict[str, Program], *, tpu: bool, chip
     counted that many times: about 16 bytes a parameter per chip each). Added by hand, FLOPs only: splash
     attention's (a custom call to XLA: `kernel_attention_flops`) and the unembedding's trips XLA did not count under
     ``train.logps_chunk_size`` (`unembedding_flops`); their bytes stay XLA's count (the kernels' operands, one
-    trip of the unembedding: a lower bound)."""
+    trip of the unembedding: a lower bound). A decode step's bytes are its `Program.traffic`: a trip of the loop
+    plus the call's one-time work (its state's set-up, the layers' weights sliced out of their stack) over the
+    round's `decode_steps`, and the kernels' page reads."""
     model, tc = config.model, config.train
     L, u = model.num_hidden_layers, model.scan_unroll
     own = {name: xla_cost(p.compiled if p.counted is None else p.counted) for name, p in compiled.items()}
@@ -356,6 +381,9 @@ def costs(config: Config, mesh, compiled: dict[str, Program], *, tpu: bool, chip
             totals.append(mine + (L - counted) * layer)
         scale = tc.gradient_accumulation_steps if name == "train_step" else 1
         out[name] = (max(totals[0], 0.0) * scale, max(totals[1], 0.0) * scale + kernels[name])
+        traffic = compiled[name].traffic
+        if traffic is not None:  # a decode step: its loop's body, and the call's one-time work over its steps
+            out[name] = (out[name][0], traffic.per_step + traffic.once / decode_steps(config) + kernels[name])
     from grpo_jax.device import sharding
     from grpo_jax.rollout.context import prompt_group_sizes
 

@@ -252,7 +252,7 @@ def test_the_cost_pass_equals_the_former_pass_and_the_unrolled_programs(tmp_path
     recompile at scan_unroll 1 (`plan_programs.costs`) give the FLOPs of the former pass (1- and 2-layer models
     unrolled whole, three compiles a phase) and of the same programs with their 4 layers unrolled (every layer
     counted, no extrapolation). Bytes: the decoder's programs loop over layers in Python, so theirs are the unrolled
-    programs' exactly; a scanned program's differ from an unrolled one's by its per-trip slices of the stacked
+    programs' exactly (a decode step's read from its HLO); a scanned program's differ from an unrolled one's by its per-trip slices of the stacked
     layers (a dynamic slice read and its copy written: XLA counts them, the unrolled program has none)."""
     import dataclasses
 
@@ -272,8 +272,14 @@ def test_the_cost_pass_equals_the_former_pass_and_the_unrolled_programs(tmp_path
     for name in new:
         assert new[name][0] == pytest.approx(former[name][0], rel=5e-3), name
         assert new[name][0] == pytest.approx(whole[name][0], rel=5e-3), name
-    for name in ("prefill", "decode_step"):
-        assert new[name] == whole[name]
+    assert new["prefill"] == whole["prefill"]
+    # a decode step's bytes: its loop's body and the call's one-time work over the round's steps (`hlo.traffic`),
+    # which on a CPU (whose cost analysis counts an in-place update as its update, as `hlo` does) add up to XLA's
+    # count of the program, the body once and the rest once (within 5 %: 3.8 % measured, XLA's finer rules for
+    # some fused operands)
+    traffic = unrolled["decode_step"].traffic
+    assert new["decode_step"][1] == traffic.per_step + traffic.once / plan_programs.decode_steps(config)
+    assert traffic.per_step + traffic.once == pytest.approx(whole["decode_step"][1], rel=0.05)
     for name in ("logps", "train_step"):
         assert new[name][1] == pytest.approx(whole[name][1], rel=0.1), name
 

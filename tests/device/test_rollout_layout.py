@@ -1,6 +1,6 @@
 """Decoding's own layout (grpo_jax/device/rollout_layout.py, `programs.jit_decoder(rollout=...)`): the same tokens as
 the training layout on 8 fake CPU devices, the choice of group, and, compiled for a v5p:4x4x4 slice from here, a
-decode loop whose collectives stay inside the tensor-parallel group (read from the HLO by grpo_jax/api/collectives.py).
+decode loop whose collectives stay inside the tensor-parallel group (read from the HLO by grpo_jax/api/hlo.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 from grpo_jax.algo import programs
 from grpo_jax.algo.sampling import SamplingConfig
-from grpo_jax.api import collectives, plan_programs
+from grpo_jax.api import hlo, plan_programs
 from grpo_jax.config.model import LoRAConfig
 from grpo_jax.device import chips, rollout_layout, sharding
 from grpo_jax.models import ModelConfig, init_model
@@ -142,32 +142,6 @@ class _FakeDevice:
         return f"D{self.id}"
 
 
-def test_collectives_are_read_with_their_groups_bytes_and_loops():
-    """The parser against a hand-written HLO module: an all-reduce in a loop of unknown trip count (per step), one
-    in a scan of known trip count (62 trips), an all-gather's result bytes and a reduce-scatter's operand bytes."""
-    text = """HloModule m
-
-%body (p: (s32[], bf16[32,512])) -> (s32[], bf16[32,512]) {
-  %ar = bf16[32,512]{1,0} all-reduce(%x), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7},{8,9,10,11,12,13,14,15}}, to_apply=%add
-  %scan = (s32[], f32[8]) while(%t), condition=%c2, body=%inner, backend_config={"known_trip_count":{"n":"62"}}
-}
-
-%inner (q: (s32[], f32[8])) -> (s32[], f32[8]) {
-  %rs = f32[8]{0} reduce-scatter(%y), channel_id=2, replica_groups=[2,8]<=[16], dimensions={0}, to_apply=%add
-}
-
-ENTRY %main (a: bf16[32,512]) -> bf16[32,512] {
-  %ag = f32[64,4]{1,0} all-gather(%z), channel_id=3, replica_groups=mesh['axis_0'=2,'axis_1'=8] {'axis_0'}, dimensions={0}
-  %loop = (s32[], bf16[32,512]) while(%init), condition=%cond, body=%body
-}
-"""
-    got = collectives.collectives(text, 16)
-    assert collectives.Collective("all-gather", 64 * 4 * 4, 2, 1, False) in got
-    assert collectives.Collective("all-reduce", 32 * 512 * 2, 8, 1, True) in got
-    assert collectives.Collective("reduce-scatter", 8 * 4 * 8, 8, 62, True) in got
-    assert len(got) == 3
-
-
 def test_ring_collective_seconds_by_hand():
     chip = chips.CHIPS["v5p"]  # 600 GB/s one way over 6 links, a ring over 2 of them: 200 GB/s
     assert chip.group_bandwidth == pytest.approx(200e9)
@@ -226,7 +200,7 @@ def test_a_v5p_pod_decodes_inside_its_tensor_groups():
 
     def per_step(tensor):
         text = _pod_decode(model, tensor, B, P, T)[0].as_text()
-        return [c for c in collectives.collectives(text, 64) if c.per_step]
+        return [c for c in hlo.collectives(text, 64) if c.per_step]
 
     logits = B * V * 2
     training = per_step(0)
@@ -263,7 +237,7 @@ def test_a_v5p_pods_kv_pages_follow_the_pool_not_rows_times_length():
     per_token = 2 * L * (K // 8) * Dh * 2  # a chip's bytes a cached token (its key/value head)
     saved = contiguous.memory_analysis().argument_size_in_bytes - small.memory_analysis().argument_size_in_bytes
     assert saved >= 0.9 * (B // 8 * (P + T) - live // 8) * per_token  # whole rows' slots less the live tokens'
-    loop = [c for c in collectives.collectives(small.as_text(), 64) if c.per_step]
+    loop = [c for c in hlo.collectives(small.as_text(), 64) if c.per_step]
     assert loop and max(c.group for c in loop) <= 8
     # the plan counts a step of the pool's steady state (`plan_programs.steady_state`): a pool smaller than every
     # slot's whole row adds preemption and readmission branches, which XLA counts every trip though they run only
@@ -278,3 +252,31 @@ def test_a_v5p_pods_kv_pages_follow_the_pool_not_rows_times_length():
     assert plan_programs.xla_cost(small)[0] > 100 * hand  # before: the untaken branches counted every step
     print(f"v5p:4x4x4 decode state a chip: paged {small.memory_analysis().argument_size_in_bytes / 2**20:.1f} MiB, "
           f"contiguous {contiguous.memory_analysis().argument_size_in_bytes / 2**20:.1f} MiB")
+
+
+def test_a_v5p_decode_steps_hbm_bytes_are_its_weights():
+    """A Llama of hidden 4096 (2 layers, vocabulary 32k, 32 query and 16 key/value heads of 128: two a chip)
+    decoding on v5p:4x4x4 in tensor 8 x data 8, its decode loop read from the HLO instruction by instruction
+    (`hlo.traffic`, what the plan counts a step): a chip's eighth of the weights, by hand, less what XLA keeps in
+    VMEM across the loop's trips (its loop state laid out in ``S(1)``), within 10 % (the 32 rows' activations); the
+    page pools' writes count as the tokens written, their reads are the kernel's (`paged_kernel_bytes`), and the
+    call's one-time work (layers sliced out of their stack, the loop state's set-up) is apart. No pool is copied in
+    the loop: scattered over their head axis, pools of two heads a chip were copied to and from the kernel's layout
+    every step (192 MB a step at hidden 1024). Before: XLA's count, over 5x the step, was the plan's."""
+    L, D, F, H, K, Dh, V, B, P, T = 2, 4096, 14336, 32, 16, 128, 32768, 256, 128, 1024
+    model = ModelConfig(vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=L, num_attention_heads=H,
+                        num_key_value_heads=K, head_dim=Dh, dtype="bfloat16")
+    compiled, state = _pod_decode(model, 8, B, P, T)
+    text = compiled.as_text()
+    pools = plan_programs.kernel_operands(state.decoding)
+    assert pools == {(2, 2304, 16, 128)}  # a chip's two key/value heads of its shard's pages
+    traffic = hlo.traffic(text, pools)
+    comps, entry = hlo.computations(text)
+    loop = next(i for i in comps[entry] if i.opcode == "while" and "known_trip_count" not in i.line)
+    body = comps[loop.attribute("body")[0]]
+    assert not [i.name for i in body if i.opcode == "copy" and i.type.startswith("bf16[2,2304,16,128]")]
+    in_vmem = sum(hlo.array_bytes(i.type) for i in body if i.opcode == "get-tuple-element" and "S(1)" in i.type)
+    weights = (L * (2 * D * H * Dh + 2 * D * K * Dh + 3 * D * F) + D * V) * 2 / 8  # the embedding: its rows only
+    assert weights <= traffic.per_step + in_vmem <= 1.1 * weights
+    assert traffic.once > weights  # the layers' weights sliced out of their stack, once a call
+    assert plan_programs.xla_cost(compiled)[1] > 5 * traffic.per_step
