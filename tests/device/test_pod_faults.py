@@ -198,6 +198,7 @@ def test_a_lost_host_stops_the_other_in_seconds_and_the_rerun_resumes_bitwise(tm
     assert newest <= step < STEPS
     assert "Check failure stack trace" not in stderr  # the abort's C++ stack is not copied through
     assert seconds < 60, seconds  # the heartbeat timeout's bound, not the collective's wait
+    print(f"the survivor exited {seconds:.1f} s after its peer's SIGKILL (heartbeat timeout 5 s)")
     # a save that a lost host cut off is a temporary folder: never taken for a checkpoint
     shutil.copytree(out / "checkpoints" / str(newest), out / "checkpoints" / f"{STEPS - 1}.orbax-checkpoint-tmp")
     results, _ = _both(out)
