@@ -258,7 +258,7 @@ def traffic(hlo_text: str, skip: frozenset = frozenset()) -> Traffic:
                 if branches:
                     once += max(t.once for t in branches)
                     step += max(t.per_step for t in branches)
-            elif ins.opcode in ("call", "async-start") and not ins.opcode.endswith("-done"):
+            elif ins.opcode in ("call", "async-start"):
                 for callee in ins.attribute("to_apply") + ins.attribute("calls"):
                     if callee not in seen:
                         inner = walk(callee, seen + (callee,))

@@ -158,7 +158,7 @@ def locate(pages_NxQ, position_NxA, page_size: int, pages: int):
 def _write(pool, pages_NxQ, position_NxA, new_NxKxAxDh):
     # one scatter of rows into the pool seen as [K * pages * page_size, Dh], a bitcast of the kernels' row-major
     # layout: scattered over its head axis, XLA:TPU laid a pool of 2+ heads out another way and copied it whole to
-    # and from the kernels' layout every decode step (Gemma-3-27B on v5p, tensor 8: 10.7 GB a step)
+    # and from the kernels' layout every decode step
     K, pages, size, Dh = pool.shape
     page_NxA, offset_NxA = locate(pages_NxQ, position_NxA, size, pages)
     row_NxA = jnp.where(page_NxA < pages, page_NxA * size + offset_NxA, K * pages * size)  # out of range: dropped
