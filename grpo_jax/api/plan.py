@@ -5,7 +5,8 @@ a mesh of ``devices`` (a TPU topology's, `topology_devices`, or the devices at h
 is allocated, no weights or tokenizer are read (`model.path` may hold only config.json). Each phase (prefill, one
 decode step, the old/reference log-prob forward, the train step) is compiled once as the run would compile it
 (`grpo_jax.api.plan_programs`), for its memory per chip (`memory_analysis`), and its FLOPs and bytes come from XLA's
-`cost_analysis` of the same program, corrected for the loops XLA counts once (`plan_programs.costs`). A chip table
+`cost_analysis` of the same program, corrected for the loops XLA counts once (`plan_programs.costs`); a decode
+step's bytes are read from its HLO (`grpo_jax.api.hlo.traffic`). A chip table
 (`grpo_jax.device.chips`) turns them into roofline times, and `Plan.fits` says whether every phase's peak is under
 `FIT_FRACTION` of HBM.
 """
