@@ -252,8 +252,9 @@ def test_the_cost_pass_equals_the_former_pass_and_the_unrolled_programs(tmp_path
     recompile at scan_unroll 1 (`plan_programs.costs`) give the FLOPs of the former pass (1- and 2-layer models
     unrolled whole, three compiles a phase) and of the same programs with their 4 layers unrolled (every layer
     counted, no extrapolation). Bytes: the decoder's programs loop over layers in Python, so theirs are the unrolled
-    programs' exactly (a decode step's read from its HLO); a scanned program's differ from an unrolled one's by its per-trip slices of the stacked
-    layers (a dynamic slice read and its copy written: XLA counts them, the unrolled program has none)."""
+    programs' exactly (a decode step's read from its HLO); a scanned program's differ from an unrolled one's by its
+    per-trip slices of the stacked layers (a dynamic slice read and its copy written: XLA counts them, the unrolled
+    program has none)."""
     import dataclasses
 
     from grpo_jax.api import plan_programs
