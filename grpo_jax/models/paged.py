@@ -161,8 +161,8 @@ def _write(pool, pages_NxQ, position_NxA, new_NxKxAxDh):
     # and from the kernels' layout every decode step
     K, pages, size, Dh = pool.shape
     page_NxA, offset_NxA = locate(pages_NxQ, position_NxA, size, pages)
-    row_NxA = jnp.where(page_NxA < pages, page_NxA * size + offset_NxA, K * pages * size)  # out of range: dropped
-    row_KxNxA = jnp.where(row_NxA < pages * size, jnp.arange(K)[:, None, None] * pages * size + row_NxA, row_NxA)
+    row_KxNxA = jnp.where(page_NxA < pages, (jnp.arange(K)[:, None, None] * pages + page_NxA) * size + offset_NxA,
+                          K * pages * size)  # out of range: dropped
     new = new_NxKxAxDh.transpose(1, 0, 2, 3).reshape(-1, Dh).astype(pool.dtype)
     rows = pool.reshape(K * pages * size, Dh).at[row_KxNxA.reshape(-1)].set(new, mode="drop")
     return rows.reshape(pool.shape)
