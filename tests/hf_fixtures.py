@@ -1,5 +1,5 @@
-"""Tiny random Hugging Face model folders (llama, mistral, qwen2, qwen3, gemma2, gemma3, qwen3_moe, cohere2), built and
-saved by transformers.
+"""Tiny random Hugging Face model folders (llama, mistral, qwen2, qwen3, gemma2, gemma3, qwen3_moe, cohere2, gpt_oss),
+built and saved by transformers.
 
 Every folder is a real ``save_pretrained`` output (config.json, model.safetensors, generation_config.json), so
 the loader is tested on what users bring. Biases and norm weights are randomised too (transformers initialises
@@ -36,6 +36,12 @@ FAMILIES = {
     # LayerNorm, logits scaled by 0.5
     "cohere2": dict(model_type="cohere2", num_hidden_layers=3, sliding_window=4, logit_scale=0.5,
                     layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    # sliding (window 4) and full layers alternating with sinks, YaRN (factor 8 over an original context of 16), a
+    # clamp of 0.5 that binds, biased router and experts
+    "gpt_oss": dict(model_type="gpt_oss", head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                    intermediate_size=32, sliding_window=4, swiglu_limit=0.5,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}),
 }
 UNTIED_EXTRA = {
     "llama": dict(attention_bias=True, mlp_bias=True),
@@ -46,6 +52,9 @@ UNTIED_EXTRA = {
     "gemma2": dict(attention_bias=True),
     "qwen3_moe": dict(attention_bias=True, norm_topk_prob=False),
     "cohere2": dict(attention_bias=True),
+    # truncated correction range and an explicit attention factor
+    "gpt_oss": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "attention_factor": 1.3,
+                                     "original_max_position_embeddings": 32}),
 }
 
 

@@ -115,8 +115,7 @@ def paged_kernel_bytes(config: Config, model, decode_mesh) -> float:
     B, K = config.train.generation_batch_size, model.num_key_value_heads
     with jax.sharding.use_abstract_mesh(decode_mesh.abstract_mesh):  # as the decode program is traced
         backend, split = attention.resolve(model.attention), paged.split(B, K)
-    if not paged_page_size(config.sampling, decode_mesh) or not attention.paged_kernel(backend,
-                                                                                       model.resolved_head_dim):
+    if not paged_page_size(config.sampling, decode_mesh) or not attention.paged_kernel(backend, model):
         return 0.0
     P, T = config.data.max_prompt_length, config.sampling.max_completion_length
     heads = K // decode_mesh.shape[split.head] if split.head else K

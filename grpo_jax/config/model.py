@@ -12,10 +12,11 @@ from grpo_jax.config.sections import check
 
 # numpy dtypes, which jax takes as they are (jnp.bfloat16 is ml_dtypes.bfloat16): the schema needs no jax
 _DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-MODEL_TYPES = ("qwen2", "llama", "qwen3", "mistral", "gemma2", "gemma3_text", "qwen3_moe", "cohere2")
+MODEL_TYPES = ("qwen2", "llama", "qwen3", "mistral", "gemma2", "gemma3_text", "qwen3_moe", "cohere2", "gpt_oss")
+MOE_TYPES = ("qwen3_moe", "gpt_oss")  # the model types whose MLPs are mixtures of experts
 LAYER_TYPES = ("full_attention", "sliding_attention")  # per-layer attention kinds, transformers' names
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's hidden_act (transformers' names)
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # `models.attention`: auto resolves by jax's backend (TPU splash, GPU cudnn, CPU dense); splash_interpret runs the
 # splash kernel in Pallas interpret mode (any backend, slow: tests)
 ATTENTION = ("auto", "dense", "splash", "cudnn", "xla", "splash_interpret")
@@ -106,6 +107,14 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int | None = None
+    # yarn (GPT-OSS; transformers' names without rope_): frequencies ramped between beta_fast and beta_slow
+    # rotations, the correction range rounded outwards with rope_truncate, cos/sin scaled by rope_attention_factor
+    # (None: 0.1 ln(rope_factor) + 1)
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float | None = None
+    attention_sinks: bool = False  # a learned logit per query head joins every softmax (GPT-OSS's sinks)
     param_dtype: str = "float32"  # storage dtype
     remat: str = "none"
     attention: str = "auto"  # the attention backend, one of ATTENTION (`models.attention.resolve`)
@@ -123,6 +132,9 @@ class ModelConfig:
     moe_intermediate_size: int = 768
     norm_topk_prob: bool = False  # renormalise the chosen experts' router probabilities to sum 1
     router_aux_loss_coef: float = 0.001  # the architecture's load-balancing coefficient (HF config.json)
+    # GPT-OSS's experts: (up + 1) * g * sigmoid(swiglu_alpha * g), g = min(gate, limit), up clipped to +-limit
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # routing replay: the sampler records each token's experts and the log-prob forwards (old, reference, the
     # update) use them instead of routing afresh
     routing_replay: bool = False
@@ -171,9 +183,10 @@ class ModelConfig:
     def _check_moe(self):
         check(isinstance(self.num_experts, int) and self.num_experts >= 0,
               f"model.num_experts={self.num_experts!r} must be an integer >= 0 (0: dense MLPs)")
-        check((self.num_experts > 0) == (self.model_type == "qwen3_moe"),
+        check((self.num_experts > 0) == (self.model_type in MOE_TYPES),
               f"model.num_experts={self.num_experts} with model.model_type={self.model_type!r}: mixture-of-experts "
-              "models are qwen3_moe (num_experts >= 1); every other model_type has dense MLPs (num_experts=0)")
+              f"models are {' and '.join(MOE_TYPES)} (num_experts >= 1); every other model_type has dense MLPs "
+              "(num_experts=0)")
         if self.num_experts:
             check(isinstance(self.num_experts_per_tok, int) and 1 <= self.num_experts_per_tok <= self.num_experts,
                   f"model.num_experts_per_tok={self.num_experts_per_tok!r} must be in 1 .. model.num_experts="
@@ -188,7 +201,8 @@ class ModelConfig:
         check(self.router_aux_loss_coef >= 0, f"model.router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0")
         # with a path the architecture is config.json's: `run.build` checks it once resolved
         check(not self.routing_replay or self.num_experts > 0 or self.path is not None,
-              "model.routing_replay=true needs a mixture-of-experts model (model_type qwen3_moe): set it to false")
+              f"model.routing_replay=true needs a mixture-of-experts model (model_type "
+              f"{' or '.join(MOE_TYPES)}): set it to false")
 
     def _check_layers(self):
         types = self.layer_types
@@ -210,15 +224,23 @@ class ModelConfig:
                f"model.rope_type={self.rope_type!r} is not supported: use one of {', '.join(ROPE_TYPES)}")
         if self.rope_type == "default":
             check(self.rope_factor == 1.0, f"model.rope_factor={self.rope_factor} has no effect with "
-                   "model.rope_type='default': set rope_type to linear or llama3, or the factor to 1.0")
+                   "model.rope_type='default': set rope_type to linear, llama3 or yarn, or the factor to 1.0")
             return
         check(self.rope_factor >= 1.0, f"model.rope_factor={self.rope_factor} must be >= 1 for "
                f"model.rope_type={self.rope_type!r}")
-        if self.rope_type == "llama3":
+        if self.rope_type in ("llama3", "yarn"):
             original = self.rope_original_max_position_embeddings
             check(isinstance(original, int) and original >= 1,
                    f"model.rope_original_max_position_embeddings={original!r} must be a positive integer with "
-                   "model.rope_type='llama3' (8192 for Llama 3.1)")
+                   f"model.rope_type={self.rope_type!r} (8192 for Llama 3.1, 4096 for GPT-OSS)")
+        if self.rope_type == "yarn":
+            check(self.rope_beta_fast > self.rope_beta_slow > 0,
+                  f"model.rope_beta_fast={self.rope_beta_fast}, model.rope_beta_slow={self.rope_beta_slow}: need "
+                  "beta_fast > beta_slow > 0 (YaRN's 32 and 1)")
+            check(self.rope_attention_factor is None or self.rope_attention_factor > 0,
+                  f"model.rope_attention_factor={self.rope_attention_factor!r} must be > 0, or null (0.1 ln(factor) "
+                  "+ 1)")
+        if self.rope_type == "llama3":
             check(0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
                    f"model.rope_low_freq_factor={self.rope_low_freq_factor}, model.rope_high_freq_factor="
                    f"{self.rope_high_freq_factor}: need 0 < low_freq_factor < high_freq_factor (Llama 3.1: 1, 4)")

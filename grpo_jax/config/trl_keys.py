@@ -154,8 +154,8 @@ OFF = {
     "use_cpu": ((False,), "pass it to GRPOConfig(use_cpu=True) before JAX starts, or run with the environment "
                 "variable JAX_PLATFORMS=cpu"),
     "train_sampling_strategy": (("random",), "grpo_jax shuffles the prompts every epoch (by seed)"),
-    "trust_remote_code": ((False,), "grpo_jax runs its own model code (the Llama, Gemma, Qwen3-MoE and Cohere 2 "
-                                    "families)"),
+    "trust_remote_code": ((False,), "grpo_jax runs its own model code (the Llama, Gemma, Qwen3-MoE, Cohere 2 and "
+                                    "GPT-OSS families)"),
     "generation_kwargs": ((None,), "set sampling.temperature / top_p / top_k / min_p / repetition_penalty"),
     "vllm_structured_outputs_regex": ((None,), "grpo_jax's sampler has no constrained decoding"),
     "log_unique_prompts": ((False,), "completions.jsonl logs every row (log_completions)"),

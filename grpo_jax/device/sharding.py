@@ -31,7 +31,13 @@ PARTITION_RULES: tuple[tuple[str, tuple], ...] = (
     # mixture of experts (models/moe.py): stacked experts split over `expert`, each like its dense kernel
     (r"experts\.(gate_proj|up_proj)$", (EXPERT, FSDP, TENSOR)),       # [.., E, D, F]
     (r"experts\.down_proj$", (EXPERT, TENSOR, FSDP)),                  # [.., E, F, D]
-    (r"mlp\.gate\.kernel$", (FSDP, None)),                             # router [.., D, E]
+    # GPT-OSS (models/gpt_oss.py): gate and up interleaved, so a tensor shard of 2F columns holds whole pairs
+    (r"experts\.gate_up_proj$", (EXPERT, FSDP, TENSOR)),              # [.., E, D, 2F]
+    (r"experts\.gate_up_proj_bias$", (EXPERT, TENSOR)),               # [.., E, 2F]
+    (r"experts\.down_proj_bias$", (EXPERT, None)),                    # [.., E, D]
+    (r"mlp\.(gate|router)\.kernel$", (FSDP, None)),                    # router [.., D, E]
+    (r"mlp\.router\.bias$", (None,)),                                 # [.., E]
+    (r"self_attn\.sinks$", (None,)),                                  # [.., H]: tiny, replicated
     (r"lm_head\.kernel$", (FSDP, TENSOR)),                             # [D, V]
     (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)\.kernel$", (FSDP, TENSOR)),  # [.., D, out]
     (r"(o_proj|down_proj)\.kernel$", (TENSOR, FSDP)),                  # [.., in, D]

@@ -16,7 +16,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
 from jax.experimental.pallas.ops.tpu import splash_attention as splash_lib
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
@@ -94,13 +93,18 @@ def attention_scores(q_BxTxKxGxDh, k_BxKxSxDh, scale: float, softcap: float | No
     return scores
 
 
-def dense(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxTxS, scale: float, softcap: float | None):
-    """softmax(masked scores) v -> [B, K, G, T, Dh]: the [B, K, G, T, S] scores held whole."""
+def dense(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxTxS, scale: float, softcap: float | None, sinks_KxG=None):
+    """softmax(masked scores) v -> [B, K, G, T, Dh]: the [B, K, G, T, S] scores held whole. ``sinks_KxG``
+    (GPT-OSS): each head's learned logit joins every query's softmax as one more key whose value is zero."""
     scores = attention_scores(q_BxTxKxGxDh, k_BxKxSxDh, scale, softcap)
     # a finite floor (not -inf) keeps fully masked padding queries NaN-free: they become uniform
     scores = jnp.where(mask_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxDh.dtype)
-    return jnp.einsum("bkgts,bksd->bkgtd", probs, v_BxKxSxDh)
+    if sinks_KxG is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink = jnp.broadcast_to(sinks_KxG.astype(jnp.float32)[None, :, :, None, None], (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    return jnp.einsum("bkgts,bksd->bkgtd", probs.astype(v_BxKxSxDh.dtype), v_BxKxSxDh)
 
 
 # --- blocked (whole masks) ------------------------------------------------------------------------------------
@@ -110,14 +114,14 @@ MIN_BLOCKED_LENGTH = 512  # shorter buffers stay dense: too few blocks to skip
 
 
 def blocked_attention(q_BxTxKxGxDh, k_BxKxTxDh, v_BxKxTxDh, mask_BxTxT, scale: float | None = None,
-                      softcap: float | None = None):
+                      softcap: float | None = None, sinks_KxG=None):
     """Softmax attention over blocks of keys, skipping the blocks that no query of a query block sees: a packed
     buffer's branches see the prompt and themselves, not each other, so most blocks are empty. [B,K,G,T,Dh], the
     dense softmax's result up to float rounding (an online softmax, summed block by block); None when T is too
     short or splits into no blocks of at least 64 (the dense path then runs). A block is run when any row needs it.
     Each query block is rematerialised in the backward pass: no [T, T] scores are kept, so memory is linear in T
     beside the boolean mask (bounded by `trajectory.choose_packing`). Scores as `attention_scores` (``scale``
-    None: Dh^-1/2)."""
+    None: Dh^-1/2); ``sinks_KxG`` as `dense`'s, the sink's term starting each query's running sum."""
     B, T, K, G, Dh = q_BxTxKxGxDh.shape
     score_scale = Dh ** -0.5 if scale is None else scale
     b = math.gcd(T, ATTENTION_BLOCK)
@@ -154,8 +158,13 @@ def blocked_attention(q_BxTxKxGxDh, k_BxKxTxDh, v_BxKxTxDh, mask_BxTxT, scale: f
 
             return jax.lax.cond(needed, visit, lambda c: c, carry), None
 
-        init = (jnp.full((B, K, G, b), floor, jnp.float32), jnp.zeros((B, K, G, b), jnp.float32),
-                jnp.zeros((B, K, G, b, Dh), jnp.float32))
+        if sinks_KxG is None:
+            init = (jnp.full((B, K, G, b), floor, jnp.float32), jnp.zeros((B, K, G, b), jnp.float32))
+        else:  # the sink is a key of value zero: it starts the max and adds exp(sink - max) to the sum
+            sink_BxKxGxb = jnp.broadcast_to(sinks_KxG.astype(jnp.float32)[None, :, :, None], (B, K, G, b))
+            m0 = jax.lax.stop_gradient(sink_BxKxGxb)
+            init = (m0, jnp.exp(sink_BxKxGxb - m0))
+        init = (*init, jnp.zeros((B, K, G, b, Dh), jnp.float32))
         (_, l, acc), _ = jax.lax.scan(key_block, init, (k_nxBxKxbxDh, v_nxBxKxbxDh,
                                                         mask_Bxbxnxb.transpose(2, 0, 1, 3), needed_n))
         return (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(v_BxKxTxDh.dtype)
@@ -210,11 +219,12 @@ def _mesh_specs(B: int, K: int):
 
 
 def splash(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, vis: Visibility, scale: float, softcap: float | None,
-           interpret: bool = False):
+           interpret: bool = False, sinks_KxG=None):
     """Pallas splash attention -> [B, K, G, T, Dh]: one MQA kernel per row and key/value head (vmapped), rows
     split over the abstract mesh's data axes and key/value heads over ``tensor`` in a ``shard_map`` (Mosaic
     kernels are not partitioned automatically). Queries and keys pad to tiles: padded ones get segment -1 and
-    each padded query sees its own padded key. The queries are scaled before the kernel (it does not scale)."""
+    each padded query sees its own padded key. The queries are scaled before the kernel (it does not scale).
+    ``sinks_KxG``: `dense`'s, the kernel's own ``sinks`` (its running max and sum start from them)."""
     B, T, K, G, Dh = q_BxTxKxGxDh.shape
     k_BxKxSxDh, v_BxKxSxDh, kv_segment_BxS, offset = _compact(k_BxKxSxDh, v_BxKxSxDh, vis)
     S = k_BxKxSxDh.shape[2]
@@ -229,13 +239,17 @@ def splash(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, vis: Visibility, scale: float, 
     kv_segment_BxS = jnp.pad(kv_segment_BxS, ((0, 0), (0, Sp - S)), constant_values=-1)
     kernel = _splash_kernel(Tp, Sp, G, offset, vis.window, softcap, block, interpret)
 
-    def local(q, k, v, q_segment, kv_segment):
-        row = lambda q, k, v, qs, ks: kernel(q, k, v, segment_ids=splash_lib.SegmentIds(q=qs, kv=ks))  # noqa: E731
-        per_head = jax.vmap(row, in_axes=(0, 0, 0, None, None))
-        return jax.vmap(per_head)(q, k, v, q_segment, kv_segment)
+    def local(q, k, v, q_segment, kv_segment, *sinks):
+        def row(q, k, v, qs, ks, *sink_G):
+            return kernel(q, k, v, segment_ids=splash_lib.SegmentIds(q=qs, kv=ks), sinks=(sink_G or [None])[0])
+
+        per_head = jax.vmap(row, in_axes=(0, 0, 0, None, None, *[0] * len(sinks)))
+        return jax.vmap(per_head, in_axes=(0, 0, 0, 0, 0, *[None] * len(sinks)))(q, k, v, q_segment, kv_segment,
+                                                                                 *sinks)
 
     mesh, rows, head = _mesh_specs(B, K)
-    args = (q_BxKxGxTxDh, k_BxKxSxDh, v_BxKxSxDh, q_segment_BxT, kv_segment_BxS)
+    sinks = () if sinks_KxG is None else (sinks_KxG.astype(jnp.float32),)
+    args = (q_BxKxGxTxDh, k_BxKxSxDh, v_BxKxSxDh, q_segment_BxT, kv_segment_BxS, *sinks)
     if mesh is None:
         out_BxKxGxTxDh = local(*args)
     else:
@@ -243,7 +257,8 @@ def splash(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, vis: Visibility, scale: float, 
         heads = PartitionSpec(rows, head, None, None)
         out_BxKxGxTxDh = jax.shard_map(
             local, mesh=mesh, in_specs=(PartitionSpec(rows, head, None, None, None), heads, heads,
-                                        PartitionSpec(rows, None), PartitionSpec(rows, None)),
+                                        PartitionSpec(rows, None), PartitionSpec(rows, None),
+                                        *[PartitionSpec(head, None)] * len(sinks)),
             out_specs=PartitionSpec(rows, head, None, None, None), check_vma=False)(*args)
     return out_BxKxGxTxDh[:, :, :, :T]
 
@@ -283,29 +298,31 @@ def dot_product(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, vis: Visibility, scale: fl
 
 
 def attend(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask, *, scale: float, softcap: float | None, backend: str,
-           whole_mask: bool = False, whole_mask_hook=None):
+           whole_mask: bool = False, whole_mask_hook=None, sinks_KxG=None):
     """Attention -> [B, K, G, T, Dh] by ``backend`` (`resolve`d ``model.attention``). ``mask``: a `Visibility`
     (a kernel backend's training forward) or a boolean [B, T, S] (dense, decoding, packed). A whole [B, T, T] mask
     (``whole_mask``, packed layouts) goes to ``whole_mask_hook`` (the CPU speed-ups' `blocked_attention`) on the
-    CPU and to `blocked_attention` under a kernel backend, dense where they return None."""
+    CPU and to `blocked_attention` under a kernel backend, dense where they return None. ``sinks_KxG``
+    (`dense`'s) go to splash, and skip ``jax.nn.dot_product_attention``, which takes no sink logit."""
     args = (q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh)
     if isinstance(mask, Visibility):
         if backend in ("splash", "splash_interpret"):
-            return splash(*args, mask, scale, softcap, interpret=backend == "splash_interpret")
-        out = dot_product(*args, mask, scale, softcap, backend) if backend in ("cudnn", "xla") else None
+            return splash(*args, mask, scale, softcap, interpret=backend == "splash_interpret", sinks_KxG=sinks_KxG)
+        cudnn = backend in ("cudnn", "xla") and sinks_KxG is None
+        out = dot_product(*args, mask, scale, softcap, backend) if cudnn else None
         if out is not None:
             return out
         if mask.hidden_slot:
             k_BxKxSxDh, v_BxKxSxDh, segment_BxS, _ = _compact(k_BxKxSxDh, v_BxKxSxDh, mask)
             mask = dataclasses.replace(mask, kv_segment_BxS=segment_BxS, query_offset=mask.query_offset - 1,
                                        hidden_slot=False)
-        return dense(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask.dense_mask(), scale, softcap)
+        return dense(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask.dense_mask(), scale, softcap, sinks_KxG)
     out = None
     if whole_mask:
         attend_whole = blocked_attention if backend in KERNELS else whole_mask_hook
         if attend_whole is not None:
-            out = attend_whole(*args, mask, scale, softcap)
-    return dense(*args, mask, scale, softcap) if out is None else out
+            out = attend_whole(*args, mask, scale, softcap, sinks_KxG=sinks_KxG)
+    return dense(*args, mask, scale, softcap, sinks_KxG) if out is None else out
 
 
 # --- decoding over a paged cache ------------------------------------------------------------------------------
@@ -313,11 +330,14 @@ def attend(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask, *, scale: float, softcap:
 DECODE_KERNELS = ("splash", "splash_interpret", "cudnn")  # backends whose paged decode runs a Pallas kernel
 
 
-def paged_kernel(backend: str, head_dim: int) -> bool:
-    """Whether a decode step over a paged cache runs `paged_decode`'s kernel for the resolved ``backend`` (on a
-    mesh in a ``shard_map`` over row shards and key/value heads, `models.paged.attend`): the TPU kernel's blocks
-    take a head dim of whole 128-lane tiles (64 is refused by Mosaic), the dense path reads the pages back else."""
-    return backend in DECODE_KERNELS and (backend != "splash" or head_dim % 128 == 0)
+def paged_kernel(backend: str, model) -> bool:
+    """Whether a decode step over a paged cache runs `paged_decode`'s kernel for the resolved ``backend`` and the
+    ``model`` config (on a mesh in a ``shard_map`` over row shards and key/value heads, `models.paged.attend`): the
+    TPU kernel's blocks take a head dim of whole 128-lane tiles (64 is refused by Mosaic) and neither kernel takes
+    attention sinks; the dense path reads the pages back else."""
+    head_dim = model.resolved_head_dim
+    return (backend in DECODE_KERNELS and (backend != "splash" or head_dim % 128 == 0)
+            and not model.attention_sinks)
 
 
 PAGES_PER_BLOCK = 8  # pages a paged-attention kernel reads per compute block (fewer when a row has fewer)

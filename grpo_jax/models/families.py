@@ -45,6 +45,7 @@ class Family:
     config_fields: Callable[[Any, str], dict]  # (transformers config, where) -> ModelConfig field values
     hf_kwargs: Callable[[ModelConfig], dict]  # ModelConfig -> transformers.AutoConfig.for_model arguments
     norm_offset: bool = False  # RMSNorms scale by (1 + weight) (Gemma)
+    norm_f32_scale: bool = False  # the final RMSNorm scales in float32 before the cast (GPT-OSS)
     layer_norm: bool = False  # the final norm is a bias-free LayerNorm, not an RMSNorm (Cohere)
     # the attention kinds whose layers apply RoPE; None: every kind (Cohere 2: sliding layers only, full ones NoPE)
     rope_kinds: tuple[str, ...] | None = None

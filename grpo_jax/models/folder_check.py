@@ -2,9 +2,9 @@
 
 `check_folder` reads config.json as JSON (before transformers, whose validation of a bad config is a traceback) and
 the safetensors headers (shapes only, no tensor is read), and compares the architecture keys every family shares
-(llama, qwen2/3, mistral, gemma2/3, qwen3_moe): layer count and per-layer kinds, vocabulary, hidden size, head
-counts and head size, MLP width, experts and their width. A mismatch is one ValueError naming the key, the config's
-value and the weights' value, with the tensor that shows it.
+(llama, qwen2/3, mistral, gemma2/3, qwen3_moe, cohere2, gpt_oss): layer count and per-layer kinds, vocabulary,
+hidden size, head counts and head size, MLP width, experts and their width. A mismatch is one ValueError naming the
+key, the config's value and the weights' value, with the tensor that shows it.
 """
 
 from __future__ import annotations
@@ -58,10 +58,14 @@ def _facts(refs: dict) -> dict[str, tuple[int, str]]:
     gate = _shape(refs, "model.layers.0.mlp.gate_proj.weight")
     if gate is not None:
         facts["intermediate_size"] = (gate[0], "model.layers.0.mlp.gate_proj.weight")
-    router = _shape(refs, "model.layers.0.mlp.gate.weight")
+    fused = _shape(refs, "model.layers.0.mlp.experts.gate_up_proj")  # GPT-OSS: [E, D, 2F], F its intermediate_size
+    if fused is not None and len(fused) == 3:
+        facts["intermediate_size"] = (fused[2] // 2, "model.layers.0.mlp.experts.gate_up_proj")
+    router_name = next((n for n in ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.router.weight")
+                        if n in refs), None)
     experts = {int(m.group(1)) for n in refs if (m := _EXPERT.match(n))}
-    if router is not None:
-        facts["num_experts"] = (router[0], "model.layers.0.mlp.gate.weight")
+    if router_name is not None:
+        facts["num_experts"] = (refs[router_name].shape[0], router_name)
     elif experts:
         facts["num_experts"] = (max(experts) + 1, "model.layers.0.mlp.experts.*")
     expert_gate = _shape(refs, "model.layers.0.mlp.experts.0.gate_proj.weight")

@@ -40,7 +40,26 @@ def rope_fields(rope: dict, hf, where: str) -> dict:
         out.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
                    rope_high_freq_factor=float(rope["high_freq_factor"]),
                    rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+    if rope_type == "yarn":
+        out.update(_yarn_fields(rope, hf, where))
     return out
+
+
+def _yarn_fields(rope: dict, hf, where: str) -> dict:
+    """ModelConfig fields of a yarn ``rope_parameters``, with transformers' defaults; DeepSeek's mscale options
+    (which also rescale the non-rotary dims) are refused."""
+    for name in ("mscale", "mscale_all_dim"):
+        if rope.get(name):
+            raise ValueError(f"{where}: rope_parameters {name}={rope[name]} is not supported: only YaRN's default "
+                             "attention factor or an explicit attention_factor")
+    original = int(rope["original_max_position_embeddings"])
+    factor = rope.get("factor")
+    attention_factor = rope.get("attention_factor")
+    return dict(rope_factor=float(hf.max_position_embeddings / original if factor is None else factor),
+                rope_original_max_position_embeddings=original,
+                rope_beta_fast=float(rope.get("beta_fast") or 32), rope_beta_slow=float(rope.get("beta_slow") or 1),
+                rope_truncate=bool(rope.get("truncate", True)),
+                rope_attention_factor=None if attention_factor is None else float(attention_factor))
 
 
 def hf_rope(config: ModelConfig) -> dict:
@@ -51,6 +70,12 @@ def hf_rope(config: ModelConfig) -> dict:
     if config.rope_type == "llama3":
         rope.update(low_freq_factor=config.rope_low_freq_factor, high_freq_factor=config.rope_high_freq_factor,
                     original_max_position_embeddings=config.rope_original_max_position_embeddings)
+    if config.rope_type == "yarn":
+        rope.update(factor=config.rope_factor, beta_fast=config.rope_beta_fast, beta_slow=config.rope_beta_slow,
+                    original_max_position_embeddings=config.rope_original_max_position_embeddings,
+                    truncate=config.rope_truncate)
+        if config.rope_attention_factor is not None:
+            rope["attention_factor"] = config.rope_attention_factor
     return rope
 
 
@@ -66,15 +91,17 @@ FAMILY_OPTIONS = {"rope_local_base_freq": ("Gemma", "a gemma model_type"),
                   "query_pre_attn_scalar": ("Gemma", "a gemma model_type"),
                   "attn_logit_softcapping": ("Gemma", "a gemma model_type"),
                   "final_logit_softcapping": ("Gemma", "a gemma model_type"),
-                  "logit_scale": ("Cohere", "model_type=cohere2")}
+                  "logit_scale": ("Cohere", "model_type=cohere2"),
+                  "attention_sinks": ("GPT-OSS", "model_type=gpt_oss")}
 
 
 def foreign_options(config: ModelConfig, family: str | None = None) -> list[str]:
-    """One problem per option of another family than ``family`` (a `FAMILY_OPTIONS` name) set in ``config``: what
-    this family's export cannot express."""
-    return [f"{name} is a {owner} option: set {name}=null or {instead}"
+    """One problem per option of another family than ``family`` (a `FAMILY_OPTIONS` name) set in ``config`` (not
+    null or false): what this family's export cannot express."""
+    off = lambda name: "false" if isinstance(getattr(config, name), bool) else "null"  # noqa: E731
+    return [f"{name} is a {owner} option: set {name}={off(name)} or {instead}"
             for name, (owner, instead) in FAMILY_OPTIONS.items()
-            if owner != family and getattr(config, name) is not None]
+            if owner != family and getattr(config, name) not in (None, False)]
 
 
 def common_fields(hf, where: str, eps_name: str = "rms_norm_eps") -> dict:

@@ -38,19 +38,21 @@ class RMSNorm(nnx.Module):
     """y = weight * x / sqrt(mean(x^2) + eps), statistics in float32 (as HF Qwen2RMSNorm).
 
     ``offset`` (Gemma): y = (1 + weight) * x / sqrt(...), the product too in float32 before the cast (as HF
-    Gemma3RMSNorm), the weight initialised to 0."""
+    Gemma3RMSNorm), the weight initialised to 0. ``f32_scale`` (GPT-OSS, as HF Olmo2RMSNorm): weight * x in
+    float32, then the cast."""
 
-    def __init__(self, dim: int, config: ModelConfig, offset: bool = False):
+    def __init__(self, dim: int, config: ModelConfig, offset: bool = False, f32_scale: bool = False):
         self.weight = nnx.Param((jnp.zeros if offset else jnp.ones)((dim,), config.param_jnp_dtype))
         self.eps = config.rms_norm_eps
         self.dtype = config.jnp_dtype
         self.offset = offset
+        self.f32_scale = f32_scale
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        if self.offset:
-            return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(self.dtype)
+        if self.offset or self.f32_scale:
+            return (x32 * (self.offset + self.weight[...].astype(jnp.float32))).astype(self.dtype)
         return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
 
 
@@ -81,7 +83,8 @@ def linear(din, dout, bias, config, rngs, name=None):
 
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE, optional q/k/v/o biases, q/k norms, query scaling, score
-    soft-capping and a KV cache."""
+    soft-capping, attention sinks (``config.attention_sinks``: a learned logit per query head in every softmax,
+    GPT-OSS's ``sinks``) and a KV cache."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs, *, bias: bool, out_bias: bool, qk_norm: bool,
                  norm_offset: bool = False, query_scalar: float | None = None, softcap: float | None = None,
@@ -97,6 +100,10 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(Dh, config, norm_offset)
             self.k_norm = RMSNorm(Dh, config, norm_offset)
         self.qk_norm = qk_norm
+        if config.attention_sinks:
+            self.sinks = nnx.Param(nnx.initializers.normal(config.initializer_range)(rngs.params(), (H,),
+                                                                                     config.param_jnp_dtype))
+        self.has_sinks = config.attention_sinks
         self.scale = (Dh if query_scalar is None else query_scalar) ** -0.5
         self.softcap = softcap
         self.rope_interleaved = rope_interleaved  # RoPE on pairs (2i, 2i + 1) (Cohere), not halves
@@ -162,9 +169,12 @@ class Attention(nnx.Module):
                              for c, new in zip(cache_kv, (k_BxKxTxDh, v_BxKxTxDh)))
             k_BxKxSxDh, v_BxKxSxDh = cache_kv
         q_BxTxKxGxDh = q_BxTxHxDh.reshape(B, T, K, H // K, Dh)
+        # query head h = k * G + g attends with key/value head k (transformers' repeat_kv), and so reads sink h
+        sinks_KxG = self.sinks[...].reshape(K, H // K) if self.has_sinks else None
         out_BxKxGxTxDh = attention.attend(q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxTxS, scale=self.scale,
                                           softcap=self.softcap, backend=attention.resolve(self.backend),
-                                          whole_mask=whole_mask, whole_mask_hook=self.attend_whole_mask)
+                                          whole_mask=whole_mask, whole_mask_hook=self.attend_whole_mask,
+                                          sinks_KxG=sinks_KxG)
         return self._out(out_BxKxGxTxDh), cache_kv, (k_BxKxTxDh, v_BxKxTxDh)
 
     def _out(self, out_BxKxGxTxDh):

@@ -1,4 +1,5 @@
-"""Sparse mixture-of-experts feed-forward block (Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``) as pure NNX/JAX.
+"""Sparse mixture-of-experts feed-forward block (Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``; GPT-OSS's experts and
+biased router in `models.gpt_oss`) as pure NNX/JAX.
 
 Dimension letters: N tokens (rows x positions, flattened), D hidden, E experts, F expert width
 (``moe_intermediate_size``), K experts per token (``num_experts_per_tok``), M = N * K token-expert assignments.
@@ -52,6 +53,14 @@ class Routing(NamedTuple):
     experts: jax.Array
 
 
+def swiglu(xs_MxD, group_M, group_sizes_E, stacks, ragged_dot):
+    """Qwen3-MoE's experts: down(silu(gate(x)) * up(x)) of each sorted assignment's expert, float32 [M, D].
+    ``group_M``: each row's expert (E past the groups); ``stacks``: gate [E, D, F], up [E, D, F], down [E, F, D]."""
+    gate_ExDxF, up_ExDxF, down_ExFxD = stacks
+    h_MxF = jax.nn.silu(ragged_dot(xs_MxD, gate_ExDxF, group_sizes_E)) * ragged_dot(xs_MxD, up_ExDxF, group_sizes_E)
+    return ragged_dot(h_MxF, down_ExFxD, group_sizes_E, preferred_element_type=jnp.float32)
+
+
 class Experts(nnx.Module):
     """E SwiGLU experts stored as one stacked tensor per projection."""
 
@@ -67,43 +76,48 @@ class Experts(nnx.Module):
         # (`grpo_jax.cpu.grouped_experts`)
         self.ragged_dot = grouped.grouped_dot
 
+    def stacks(self) -> tuple:
+        """The stacked tensors `ffn` reads, each [E, ...]."""
+        return self.gate_proj[...], self.up_proj[...], self.down_proj[...]
+
+    ffn = staticmethod(swiglu)  # (sorted rows, their experts, group sizes, stacks, ragged_dot) -> [M, D]
+
     def __call__(self, x_NxD, experts_NxK, weights_NxK):
         """sum_k weights[n, k] * expert_{experts[n, k]}(x[n]) -> [N, D], experts split over an ``expert`` mesh
         axis when the abstract mesh (`jax.set_mesh`) has one of size > 1."""
-        stacks = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        stacks = self.stacks()
         mesh = jax.sharding.get_abstract_mesh()
         # a kernel on several devices runs in expert_parallel's shard_map (XLA does not partition it), even at
         # mesh.expert 1
         manual = grouped.needs_manual(self.ragged_dot) and not mesh.empty and mesh.size > 1
         if EXPERT not in mesh.axis_names or (mesh.shape[EXPERT] == 1 and not manual):
-            return expert_mlp(x_NxD, experts_NxK, weights_NxK, *(w.astype(self.dtype) for w in stacks),
-                              ragged_dot=self.ragged_dot).astype(self.dtype)
-        return expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, *stacks, dtype=self.dtype,
+            return expert_mlp(x_NxD, experts_NxK, weights_NxK, tuple(w.astype(self.dtype) for w in stacks),
+                              ffn=self.ffn, ragged_dot=self.ragged_dot).astype(self.dtype)
+        return expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, stacks, ffn=self.ffn, dtype=self.dtype,
                                ragged_dot=self.ragged_dot, manual=manual).astype(self.dtype)
 
 
-def expert_mlp(x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, first_expert=0, *,
+def expert_mlp(x_NxD, experts_NxK, weights_NxK, stacks, first_expert=0, *, ffn=swiglu,
                ragged_dot=jax.lax.ragged_dot):
-    """sum_k weights[n, k] * down(silu(gate(x[n])) * up(x[n])) over the experts first_expert .. first_expert + E - 1
-    (the given stacks); assignments to other experts contribute nothing. float32 [N, D]."""
+    """sum_k weights[n, k] * ffn_{experts[n, k]}(x[n]) over the experts first_expert .. first_expert + E - 1 (the
+    given ``stacks``, each [E, ...]: `swiglu`'s by default); assignments to other experts contribute nothing.
+    float32 [N, D]."""
     N, K = experts_NxK.shape
-    E = gate_ExDxF.shape[0]
+    E = stacks[0].shape[0]
     local_M = experts_NxK.reshape(-1) - first_expert
     is_local_M = (local_M >= 0) & (local_M < E)
     group_M = jnp.where(is_local_M, local_M, E)  # other devices' assignments sort last, past every group
     order_M = jnp.argsort(group_M, stable=True)
     token_M = order_M // K
     group_sizes_E = jnp.zeros((E + 1,), jnp.int32).at[group_M].add(1)[:E]
-    xs_MxD = x_NxD[token_M]
-    h_MxF = jax.nn.silu(ragged_dot(xs_MxD, gate_ExDxF, group_sizes_E)) * ragged_dot(xs_MxD, up_ExDxF, group_sizes_E)
-    ys_MxD = ragged_dot(h_MxF, down_ExFxD, group_sizes_E, preferred_element_type=jnp.float32)
+    ys_MxD = ffn(x_NxD[token_M], group_M[order_M], group_sizes_E, stacks, ragged_dot)
     w_M = jnp.where(is_local_M, weights_NxK.reshape(-1), 0)[order_M].astype(jnp.float32)
     # where, not a product: rows past the groups are not the experts' business (their value is unspecified)
     ys_MxD = jnp.where(is_local_M[order_M][:, None], ys_MxD * w_M[:, None], 0.0)
     return jnp.zeros((N, x_NxD.shape[-1]), jnp.float32).at[token_M].add(ys_MxD)
 
 
-def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, *, dtype=None,
+def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, stacks, *, ffn=swiglu, dtype=None,
                     ragged_dot=jax.lax.ragged_dot, chunk_tokens=None, manual=False):
     """`expert_mlp` with the experts split over the mesh's ``expert`` axis and the tokens over its row axes (data,
     fsdp, expert): each device takes its tokens in chunks; a chunk's tokens are gathered over ``expert``, each
@@ -116,15 +130,14 @@ def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF,
     ``chunk_tokens``: tokens of one device per chunk (default: `CHUNK_ASSIGNMENTS` / (n K)). ``manual``: the
     ``ragged_dot`` is a Pallas kernel (`grouped.needs_manual`), run with every mesh axis manual (the tokens
     replicated over ``tensor``); `_all_tokens` (no gradient to speed up: decode) then runs ``jax.lax.ragged_dot``."""
-    E = gate_ExDxF.shape[0]
+    E = stacks[0].shape[0]
     n = mesh.shape[EXPERT]
     if E % n:
         raise ValueError(f"model.num_experts={E} does not split over mesh.expert={n}: make mesh.expert divide it")
     N, K = experts_NxK.shape
     if chunk_tokens is None and N * K <= CHUNK_ASSIGNMENTS:
-        return _all_tokens(mesh, x_NxD, experts_NxK, weights_NxK, *(w.astype(dtype or x_NxD.dtype) for w in
-                                                                     (gate_ExDxF, up_ExDxF, down_ExFxD)),
-                           ragged_dot=jax.lax.ragged_dot if manual else ragged_dot)
+        return _all_tokens(mesh, x_NxD, experts_NxK, weights_NxK, tuple(w.astype(dtype or x_NxD.dtype) for w in stacks),
+                           ffn=ffn, ragged_dot=jax.lax.ragged_dot if manual else ragged_dot)
     rows = tuple(axis for axis in ROWS if axis in mesh.axis_names)
     shards = math.prod(mesh.shape[axis] for axis in rows)
     chunk = chunk_tokens or max(1, CHUNK_ASSIGNMENTS // (n * K))
@@ -134,7 +147,6 @@ def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF,
     tokens = (N + pad) // shards
     chunks = -(-tokens // chunk)
     size = -(-tokens // chunks)
-    stacks = (gate_ExDxF, up_ExDxF, down_ExFxD)
     if chunks == 1:
         stacks = tuple(w.astype(dtype) for w in stacks)
 
@@ -148,7 +160,7 @@ def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF,
 
         def one(part):
             xs, es, ws = (jax.lax.all_gather(a, EXPERT, tiled=True) for a in part)
-            ys = expert_mlp(xs, es, ws, *(w.astype(dtype) for w in stacks), first, ragged_dot=ragged_dot)
+            ys = expert_mlp(xs, es, ws, tuple(w.astype(dtype) for w in stacks), first, ffn=ffn, ragged_dot=ragged_dot)
             return jax.lax.psum_scatter(ys, EXPERT, tiled=True)
 
         if chunks == 1:
@@ -162,31 +174,30 @@ def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF,
     # partitioner refuses the PartitionId that axis_index becomes in a shard_map with other axes left automatic
     # (Qwen3-30B-A3B's train step over expert x fsdp)
     first_n = jnp.arange(n, dtype=jnp.int32) * (E // n)
-    out_NxD = jax.shard_map(local, mesh=mesh, in_specs=(split, row_split, row_split, row_split, *[split] * 3),
+    out_NxD = jax.shard_map(local, mesh=mesh, in_specs=(split, row_split, row_split, row_split, *[split] * len(stacks)),
                             out_specs=row_split, axis_names=set(mesh.axis_names if manual else rows),
                             check_vma=not manual)(  # a Pallas call's outputs carry no varying-axes type
         first_n, x_NxD, experts_NxK, weights_NxK, *stacks)
     return out_NxD[:N]
 
 
-def _all_tokens(mesh, x_NxD, experts_NxK, weights_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, *, ragged_dot):
+def _all_tokens(mesh, x_NxD, experts_NxK, weights_NxK, stacks, *, ffn, ragged_dot):
     """`expert_parallel` for few tokens (decode): every device runs its experts' assignments of ALL the tokens and
     a psum over ``expert`` adds them; the weights stay split over the other axes (0.26 GB accessed a layer a chip
     at Qwen3-30B-A3B's 4 decode tokens a chip over expert 8 x fsdp 8, against 0.50 GB gathering them)."""
 
-    def local(first_1, x, experts, weights, gate, up, down):
+    def local(first_1, x, experts, weights, *stacks):
         # the tokens cast to varying over the axis up front, so the cast's transpose sums every device's part of
         # their gradient (left to jax 0.10's implicit casts, x's gradient came back wrong: tests/models/test_moe.py)
         x = jax.lax.pcast(x, EXPERT, to="varying")
-        return jax.lax.psum(expert_mlp(x, experts, weights, gate, up, down, first_1[0], ragged_dot=ragged_dot),
+        return jax.lax.psum(expert_mlp(x, experts, weights, stacks, first_1[0], ffn=ffn, ragged_dot=ragged_dot),
                             EXPERT)
 
-    n, E = mesh.shape[EXPERT], gate_ExDxF.shape[0]
+    n, E = mesh.shape[EXPERT], stacks[0].shape[0]
     split, whole = PartitionSpec(EXPERT), PartitionSpec()
     first_n = jnp.arange(n, dtype=jnp.int32) * (E // n)  # as data, not axis_index: see `expert_parallel`
-    return jax.shard_map(local, mesh=mesh, in_specs=(split, whole, whole, whole, split, split, split),
-                         out_specs=whole, axis_names={EXPERT})(first_n, x_NxD, experts_NxK, weights_NxK, gate_ExDxF,
-                                                               up_ExDxF, down_ExFxD)
+    return jax.shard_map(local, mesh=mesh, in_specs=(split, whole, whole, whole, *[split] * len(stacks)),
+                         out_specs=whole, axis_names={EXPERT})(first_n, x_NxD, experts_NxK, weights_NxK, *stacks)
 
 
 def _pad(pad, x_NxD, experts_NxK, weights_NxK):
@@ -222,13 +233,17 @@ class SparseMoE(nnx.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
 
+    def router_logits(self, x_NxD):
+        """The router's logits [N, E] in the compute dtype."""
+        return self.gate(x_NxD)
+
     def __call__(self, x_BxTxD, replay_BxTxK=None):
         """(out [B, T, D], router logits [B, T, E] in the compute dtype, chosen experts [B, T, K] int32).
 
         ``replay_BxTxK``: use these experts instead of the router's top K (routing replay)."""
         B, T, D = x_BxTxD.shape
         x_NxD = x_BxTxD.reshape(B * T, D)
-        logits_NxE = self.gate(x_NxD)
+        logits_NxE = self.router_logits(x_NxD)
         replay_NxK = None if replay_BxTxK is None else replay_BxTxK.reshape(B * T, -1)
         experts_NxK, weights_NxK = route(logits_NxE, self.top_k, self.norm_topk_prob, replay_NxK)
         # HF casts the weights to the compute dtype before they scale the experts' outputs

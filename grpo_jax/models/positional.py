@@ -32,15 +32,51 @@ def rope_inv_freq(config, kind: str = "full_attention") -> np.ndarray:
         smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
         medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
         return np.where(medium, smoothed, inv_freq_llama).astype(np.float32)
+    if config.rope_type == "yarn":  # transformers' _compute_yarn_parameters, op for op
+        return _yarn_inv_freq(config, theta, dim, float(factor))
     return inv_freq
 
 
-def rope_tables(inv_freq_F, num_positions: int):
-    """cos, sin [num_positions, Dh/2] float32 of positions 0 .. num_positions - 1: one sin/cos per distinct
-    (position, frequency), gathered by `rope_cos_sin` (XLA:CPU evaluates each one as a scalar libm call)."""
+def _yarn_inv_freq(config, base: float, dim: int, factor: float) -> np.ndarray:
+    """YaRN's frequencies: each one interpolated (divided by ``factor``) below ``rope_beta_slow`` rotations over the
+    original context, kept above ``rope_beta_fast``, ramped linearly between."""
+    original = config.rope_original_max_position_embeddings
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(config.rope_beta_fast), correction_dim(config.rope_beta_slow)
+    if config.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    extrapolation = (1 - ramp).astype(np.float32)
+    pos_freqs = (base ** (np.arange(0, dim, 2).astype(np.float32) / dim)).astype(np.float32)
+    inv_extrapolated, inv_interpolated = 1.0 / pos_freqs, 1.0 / (np.float32(factor) * pos_freqs)
+    return (inv_interpolated * (1 - extrapolation) + inv_extrapolated * extrapolation).astype(np.float32)
+
+
+def rope_attention_scaling(config, kind: str = "full_attention") -> float:
+    """What a layer kind's cos and sin are multiplied by (transformers' ``attention_scaling``): YaRN's
+    ``rope_attention_factor``, by default 0.1 ln(factor) + 1 (1 for factors <= 1); 1 for every other RoPE."""
+    if config.rope_type != "yarn" or (kind == "sliding_attention" and config.rope_local_base_freq is not None):
+        return 1.0
+    if config.rope_attention_factor is not None:
+        return float(config.rope_attention_factor)
+    return 1.0 if config.rope_factor <= 1 else 0.1 * math.log(config.rope_factor) + 1.0
+
+
+def rope_tables(inv_freq_F, num_positions: int, scaling: float = 1.0):
+    """cos, sin [num_positions, Dh/2] float32 of positions 0 .. num_positions - 1, times ``scaling``
+    (`rope_attention_scaling`): one sin/cos per distinct (position, frequency), gathered by `rope_cos_sin` (XLA:CPU
+    evaluates each one as a scalar libm call)."""
     freqs_SxF = jnp.arange(num_positions, dtype=jnp.int32).astype(jnp.float32)[:, None] * jnp.asarray(
         inv_freq_F, jnp.float32)
-    return jnp.cos(freqs_SxF), jnp.sin(freqs_SxF)
+    if scaling == 1.0:
+        return jnp.cos(freqs_SxF), jnp.sin(freqs_SxF)
+    return jnp.cos(freqs_SxF) * scaling, jnp.sin(freqs_SxF) * scaling
 
 
 def rope_cos_sin(positions_BxT, tables):

@@ -26,20 +26,21 @@ from flax import nnx
 
 from grpo_jax.config.model import ModelConfig  # noqa: F401  (re-exported)
 from grpo_jax.config.sections import check
-from grpo_jax.models import attention, cohere2, gemma, llama, paged, qwen3_moe
+from grpo_jax.models import attention, cohere2, gemma, gpt_oss, llama, paged, qwen3_moe
 from grpo_jax.models.families import Family, kind_window, layer_kinds
 from grpo_jax.models.layers import KVCache, LayerNorm, RMSNorm, linear
 from grpo_jax.models.moe import Routing
 from grpo_jax.models.positional import (  # noqa: F401  (positions_from_mask, rope_inv_freq: re-exported)
     attention_mask,
     positions_from_mask,
+    rope_attention_scaling,
     rope_cos_sin,
     rope_inv_freq,
     rope_tables,
 )
 
 # every family the driver builds; a new family module is listed here (and its model types in config.model)
-FAMILIES = (llama.FAMILY, gemma.FAMILY, qwen3_moe.FAMILY, cohere2.FAMILY)
+FAMILIES = (llama.FAMILY, gemma.FAMILY, qwen3_moe.FAMILY, cohere2.FAMILY, gpt_oss.FAMILY)
 
 
 def family(model_type: str) -> Family:
@@ -78,7 +79,7 @@ class Transformer(nnx.Module):
 
         self.layers = stacked_layers(rngs)
         self.norm = (LayerNorm(config.hidden_size, config) if fam.layer_norm else
-                     RMSNorm(config.hidden_size, config, fam.norm_offset))
+                     RMSNorm(config.hidden_size, config, fam.norm_offset, fam.norm_f32_scale))
         if not config.tie_word_embeddings:
             self.lm_head = linear(config.hidden_size, config.vocab_size, False, config, rngs)
 
@@ -122,7 +123,7 @@ class Transformer(nnx.Module):
                          for k in kinds]
             # a token per row over its pages: a kernel reads them
             if isinstance(cache, paged.PagedKVCache) and T == 1 and attention.paged_kernel(
-                    attention.resolve(config.attention), config.resolved_head_dim):
+                    attention.resolve(config.attention), config):
                 masks = [None if kind_window(config, k) is None else m for k, m in zip(kinds, masks)]
         # one mask and one RoPE table per attention kind, built once; each layer takes its kind's
         rope = rotary_tables(config, S) if rope is None else rope
@@ -256,7 +257,7 @@ def rotary_tables(config: ModelConfig, num_positions: int) -> dict:
     for kind in layer_kinds(config)[0]:
         inv_freq = rope_inv_freq(config, kind)
         tables[kind] = rope_tables(inv_freq if rope_kinds is None or kind in rope_kinds else 0 * inv_freq,
-                                   num_positions)
+                                   num_positions, rope_attention_scaling(config, kind))
     return tables
 
 

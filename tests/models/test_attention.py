@@ -16,7 +16,7 @@ from grpo_jax.algo.logprobs import completion_logps
 from grpo_jax.config.model import ModelConfig
 from grpo_jax.device import sharding
 from grpo_jax.models import attention, init_model
-from grpo_jax.models.positional import attention_mask, positions_from_mask
+from grpo_jax.models.positional import attention_mask
 
 B, K, G, Dh = 3, 2, 2, 8
 
@@ -127,6 +127,64 @@ def test_whole_masks_go_through_blocked_attention_under_a_kernel_backend():
              lambda q, k, v: attention.dense(q, k, v, mask, 0.3, None), q, k, v, real, atol=1e-4)
 
 
+def _naive_sinks(q, k, v, mask, scale, sinks_KxG):
+    """Attention with a sink logit per query head, from its definition in float64: softmax over the visible keys'
+    scores and the sink, the sink's share dropped (GPT-OSS: the probabilities of a row sum to below 1)."""
+    q, k, v, sinks_KxG = (np.asarray(x, np.float64) for x in (q, k, v, sinks_KxG))
+    B_, T, K_, G_, _ = q.shape
+    out = np.zeros((B_, K_, G_, T, v.shape[-1]))
+    for b, h, g, t in np.ndindex(B_, K_, G_, T):
+        visible = np.asarray(mask)[b, t]
+        scores = (k[b, h] @ q[b, t, h, g]) * scale
+        m = max(scores[visible].max(initial=-np.inf), sinks_KxG[h, g])
+        e = np.where(visible, np.exp(scores - m), 0.0)
+        out[b, h, g, t] = e @ v[b, h] / (e.sum() + np.exp(sinks_KxG[h, g] - m))
+    return out
+
+
+SINKS_KxG = jnp.asarray([[0.5, -1.0], [2.0, 0.0]], jnp.float32)
+
+
+@pytest.mark.parametrize("kind,window", [("padded", None), ("shared", 3)])
+def test_attention_sinks_in_dense_splash_and_blocked_equal_their_definition(kind, window):
+    """GPT-OSS's sinks: dense == the float64 definition; splash (interpret mode, its own ``sinks``) and the
+    memory-linear blocked path == dense in values and in the gradients of q, k, v and the sinks; attend under
+    xla (no sink in ``dot_product_attention``) falls back to dense."""
+    T, mask_BxS, vis, want, real = _layout(kind, window)
+    q, k, v = _qkv(T, mask_BxS.shape[1])
+    dense = attention.dense(q, k, v, want, 0.3, None, SINKS_KxG)
+    naive = _naive_sinks(q, k, v, want, 0.3, SINKS_KxG)
+    np.testing.assert_allclose(np.asarray(dense) * real[:, None, None, :, None], naive * real[:, None, None, :, None],
+                               atol=2e-6, rtol=0)
+    assert not np.allclose(dense, attention.dense(q, k, v, want, 0.3, None), atol=1e-2)  # the sinks matter
+    ref = lambda s: lambda q, k, v: attention.dense(q, k, v, want, 0.3, None, s)  # noqa: E731
+    paths = {"splash": lambda s: lambda q, k, v: attention.splash(q, k, v, vis, 0.3, None, interpret=True,
+                                                                 sinks_KxG=s),
+             "xla": lambda s: lambda q, k, v: attention.attend(q, k, v, vis, scale=0.3, softcap=None,
+                                                              backend="xla", sinks_KxG=s)}
+    for name, path in paths.items():
+        _compare(path(SINKS_KxG), ref(SINKS_KxG), q, k, v, real)
+        weight = real[:, None, None, :, None] * jax.random.normal(jax.random.key(9), dense.shape)
+        grad = lambda f: jax.grad(lambda s: jnp.sum(f(s)(q, k, v) * weight))(SINKS_KxG)  # noqa: E731
+        np.testing.assert_allclose(grad(path), grad(ref), atol=2e-5, rtol=0, err_msg=name)
+
+
+def test_attention_sinks_in_blocked_attention_equal_dense():
+    """Whole masks of packed layouts with sinks: the online softmax starts from the sink's term."""
+    T = 512
+    q, k, v = _qkv(T, T)
+    causal = np.tril(np.ones((T, T), bool))
+    mask = jnp.asarray(np.broadcast_to(causal & (np.arange(T)[None] % 200 < 150), (B, T, T)))
+    real = np.asarray(mask).any(-1)
+    blocked = lambda s: lambda q, k, v: attention.attend(q, k, v, mask, scale=0.3, softcap=None,  # noqa: E731
+                                                         backend="splash", whole_mask=True, sinks_KxG=s)
+    dense = lambda s: lambda q, k, v: attention.dense(q, k, v, mask, 0.3, None, s)  # noqa: E731
+    _compare(blocked(SINKS_KxG), dense(SINKS_KxG), q, k, v, real, atol=1e-4)
+    weight = real[:, None, None, :, None] * jax.random.normal(jax.random.key(9), (B, K, G, T, Dh))
+    grad = lambda f: jax.grad(lambda s: jnp.sum(f(s)(q, k, v) * weight))(SINKS_KxG)  # noqa: E731
+    np.testing.assert_allclose(grad(blocked), grad(dense), atol=1e-3, rtol=1e-4)
+
+
 def test_auto_resolves_by_the_platform_and_bad_values_are_refused():
     assert attention.resolve("auto") == "dense"  # the CPU: today's path
     assert attention.resolve("splash") == "splash"
@@ -155,7 +213,7 @@ def test_splash_over_a_mesh_in_shard_map_equals_one_device():
 
 # --- whole models ----------------------------------------------------------------------------------------------
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "qwen3_moe", "gpt_oss")
 
 
 def _model(family: str, **options):

@@ -58,6 +58,8 @@ def test_an_edited_key_is_one_line_naming_it_and_both_values(folders, tmp_path, 
     if key == "intermediate_size" and family == "qwen3_moe":
         key, change = "moe_intermediate_size", lambda v: v + 8  # its experts' width; intermediate_size is unused
         held = lambda raw: "32"  # noqa: E731
+    if key == "intermediate_size" and family == "gpt_oss":
+        held = lambda raw: "32"  # noqa: E731  (its experts' width, from gate_up_proj [E, D, 2F])
     raw = json.loads(open(f"{folders[family]}/config.json").read())
     value = change(raw[key])
     folder = _edited(folders, tmp_path, family, **{key: value})

@@ -58,7 +58,7 @@ def test_interpreted_megablox_in_the_expert_parallel_block(shape):
     mesh = sharding.make_mesh(data=1, fsdp=fsdp, expert=expert, devices=jax.devices()[:4])
 
     def loss(fn):
-        return jax.jit(jax.value_and_grad(lambda x, w, *s: jnp.sum(fn(x, experts, w, *s) ** 2),
+        return jax.jit(jax.value_and_grad(lambda x, w, *s: jnp.sum(fn(x, experts, w, s) ** 2),
                                           argnums=(0, 1, 2, 3, 4)))
 
     want = loss(moe.expert_mlp)(x, weights, *stacks)

@@ -12,15 +12,20 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.device import sharding
-from grpo_jax.models import ModelConfig, moe
+from grpo_jax.models import ModelConfig, gpt_oss, moe
 
 D, E, F, K = 32, 8, 16, 2
 
 
-def _block(seed=0, **kw):
+def _block(seed=0, family="qwen3_moe", **kw):
+    """Qwen3-MoE's block, or GPT-OSS's (biased router and experts, biases drawn, a clamp of 0.3 that binds)."""
     config = ModelConfig(vocab_size=64, hidden_size=D, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=F,
-                         norm_topk_prob=True, initializer_range=0.2, model_type="qwen3_moe", **kw)
-    return nnx.split(moe.SparseMoE(config, nnx.Rngs(seed)))
+                         norm_topk_prob=True, initializer_range=0.2, model_type=family, swiglu_limit=0.3, **kw)
+    graphdef, params = nnx.split((gpt_oss.MLP if family == "gpt_oss" else moe.SparseMoE)(config, nnx.Rngs(seed)))
+    rng = np.random.default_rng(seed)
+    return graphdef, jax.tree_util.tree_map_with_path(
+        lambda path, x: x + 0.2 * rng.standard_normal(x.shape).astype(x.dtype)
+        if "bias" in jax.tree_util.keystr(path) else x, params)
 
 
 def _loss(graphdef):
@@ -34,14 +39,16 @@ def _close(got, want):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(np.abs(want).max()))
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("chunk_assignments, rows", [(moe.CHUNK_ASSIGNMENTS, 4), (8, 4), (4, 3)])
-def test_chunked_tokens_split_over_rows_equal_one_device(monkeypatch, chunk_assignments, rows):
+def test_chunked_tokens_split_over_rows_equal_one_device(monkeypatch, chunk_assignments, rows, family):
     """data 2 x fsdp 2 x expert 2, the weights split over expert and fsdp as `sharding.PARTITION_RULES` say: all
     20 tokens' 40 assignments on every device (`_all_tokens`); chunks of 2 tokens (4 x 5 tokens: 3 a device,
     padded to 2 chunks); chunks of 1 token with 3 x 5 tokens, which do not split over the 8 devices (padded with
-    tokens sent to no expert). Same outputs and gradients (weights, router, tokens) as one device."""
+    tokens sent to no expert). Same outputs and gradients (weights, biases, router, tokens) as one device, for
+    Qwen3-MoE's experts and GPT-OSS's."""
     assert moe.ROWS == sharding.ROWS  # the block splits tokens as the batch's rows are split
-    graphdef, params = _block()
+    graphdef, params = _block(family=family)
     x = jax.random.normal(jax.random.key(7), (rows, 5, D), jnp.float32)
     grad = jax.grad(_loss(graphdef), argnums=(0, 1), has_aux=True)
     want_grad, want_out = grad(params, x)
@@ -53,7 +60,8 @@ def test_chunked_tokens_split_over_rows_equal_one_device(monkeypatch, chunk_assi
                                                                     mesh)), params))
     x_sharded = jax.device_put(x, NamedSharding(mesh, PartitionSpec(sharding.ROWS)) if rows % 8 == 0
                                else NamedSharding(mesh, PartitionSpec()))
-    assert params_sharded["experts"]["gate_proj"][...].sharding.spec[:2] == ("expert", "fsdp")
+    first = "gate_up_proj" if family == "gpt_oss" else "gate_proj"
+    assert params_sharded["experts"][first][...].sharding.spec[:2] == ("expert", "fsdp")
     with jax.set_mesh(mesh):
         lowered = jax.jit(grad).lower(params_sharded, x_sharded)
         got_grad, got_out = lowered.compile()(params_sharded, x_sharded)
@@ -80,7 +88,7 @@ def test_chunks_do_not_change_the_expert_parallel_block(axes):
             else Mesh(np.asarray(jax.devices()[:2]), ("expert",)))
 
     def loss(fn):
-        return jax.jit(jax.value_and_grad(lambda x, w, *s: jnp.sum(fn(x, experts, w, *s) ** 2),
+        return jax.jit(jax.value_and_grad(lambda x, w, *s: jnp.sum(fn(x, experts, w, s) ** 2),
                                           argnums=(0, 1, 2, 3, 4)))
 
     want = loss(moe.expert_mlp)(x, weights, *stacks)

@@ -389,9 +389,9 @@ BAD_FOLDERS = [
     ("shape", r"bad/config.json: intermediate_size=96 but the weights hold 128 \(model.layers.0.mlp.gate_proj."
               r"weight in model.safetensors\)"),
     ("truncated", r"model.safetensors: .*truncated or corrupt"),
-    ("gpt2", r"model_type 'gpt2' is not supported: supported are \['cohere2', 'gemma2', 'gemma3_text', 'llama', "
-             r"'mistral', 'qwen2', 'qwen3', 'qwen3_moe'\]"),
-    ("yarn", r"rope_type 'yarn' is not supported: supported are \('default', 'linear', 'llama3'\)"),
+    ("gpt2", r"model_type 'gpt2' is not supported: supported are \['cohere2', 'gemma2', 'gemma3_text', 'gpt_oss', "
+             r"'llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe'\]"),
+    ("dynamic", r"rope_type 'dynamic' is not supported: supported are \('default', 'linear', 'llama3', 'yarn'\)"),
     ("gelu", r"hidden_act 'gelu' is not supported"),
 ]
 
@@ -419,9 +419,8 @@ def test_bad_folders(zoo, tmp_path, breakage, match):
             f.truncate(os.path.getsize(bad / "model.safetensors") - 8)
     elif breakage == "gpt2":
         transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(bad)
-    elif breakage == "yarn":
-        _edit_config(bad, rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4,
-                                           "original_max_position_embeddings": 64})
+    elif breakage == "dynamic":
+        _edit_config(bad, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
     elif breakage == "gelu":
         _edit_config(bad, hidden_act="gelu")
     with pytest.raises(ValueError, match=match):

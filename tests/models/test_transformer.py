@@ -12,7 +12,7 @@ from flax import nnx
 
 from grpo_jax.models import ModelConfig, Transformer, forward, init_cache, init_model, positions_from_mask, unembed
 from grpo_jax.models.positional import rope_cos_sin
-from grpo_jax.models.transformer import attention_mask, rope_inv_freq, rotary_tables
+from grpo_jax.models.transformer import attention_mask, rope_attention_scaling, rope_inv_freq, rotary_tables
 
 # rows of different real lengths, left-padded with token 0
 PROMPT_IDS = np.array([[0, 0, 0, 5, 7, 9, 4], [0, 3, 1, 4, 1, 5, 9], [2, 7, 1, 8, 2, 8, 1]], np.int32)
@@ -137,14 +137,18 @@ def test_config_validation():
         ModelConfig(remat="some")
     with pytest.raises(ValueError, match=r"^model.sliding_window=0 must be a positive integer"):
         ModelConfig(sliding_window=0)
-    with pytest.raises(ValueError, match=r"^model.rope_type='yarn' .*default, linear, llama3"):
-        ModelConfig(rope_type="yarn")
+    with pytest.raises(ValueError, match=r"^model.rope_type='dynamic' .*default, linear, llama3, yarn"):
+        ModelConfig(rope_type="dynamic")
     with pytest.raises(ValueError, match=r"^model.rope_factor=2.0 has no effect .*rope_type='default'"):
         ModelConfig(rope_factor=2.0)
     with pytest.raises(ValueError, match=r"^model.rope_factor=0.5 must be >= 1"):
         ModelConfig(rope_type="linear", rope_factor=0.5)
     with pytest.raises(ValueError, match=r"^model.rope_original_max_position_embeddings=None"):
         ModelConfig(rope_type="llama3", rope_factor=8.0)
+    with pytest.raises(ValueError, match=r"^model.rope_beta_fast=1.0, model.rope_beta_slow=1.0: need beta_fast"):
+        ModelConfig(rope_type="yarn", rope_factor=4.0, rope_original_max_position_embeddings=16, rope_beta_fast=1.0)
+    with pytest.raises(ValueError, match=r"^model.rope_original_max_position_embeddings=None .*'yarn'"):
+        ModelConfig(rope_type="yarn", rope_factor=4.0)
     with pytest.raises(ValueError, match=r"^model.rope_low_freq_factor=4.0, model.rope_high_freq_factor=1.0"):
         ModelConfig(rope_type="llama3", rope_factor=8.0, rope_original_max_position_embeddings=8192,
                     rope_low_freq_factor=4.0, rope_high_freq_factor=1.0)
@@ -375,6 +379,70 @@ def test_rope_inv_freq_matches_transformers(case):
         assert attention_factor == 1.0
     np.testing.assert_allclose(rope_inv_freq(config), expected.numpy(), rtol=1e-6, atol=0)
     np.testing.assert_allclose(rope_inv_freq(config), naive_inv_freq(config), rtol=1e-6, atol=0)
+
+
+# GPT-OSS's real YaRN (head_dim 64, no truncation) and Qwen's long-context recipe (head_dim 128, truncated range,
+# transformers' default attention factor), and an explicit attention factor
+YARN_CASES = {
+    "gpt_oss": (64, dict(rope_theta=150000.0, rope_factor=32.0, rope_beta_fast=32.0, rope_beta_slow=1.0,
+                         rope_truncate=False, rope_original_max_position_embeddings=4096)),
+    "qwen": (128, dict(rope_theta=1000000.0, rope_factor=4.0, rope_original_max_position_embeddings=32768)),
+    "explicit": (64, dict(rope_theta=10000.0, rope_factor=8.0, rope_original_max_position_embeddings=2048,
+                          rope_attention_factor=1.25)),
+}
+
+
+def naive_yarn(config: ModelConfig) -> tuple[list[float], float]:
+    """YaRN (arXiv 2309.00071, section 3.2-3.4) in float64: frequencies of wavelength r = L / (2 pi / f) rotations
+    over the original context L kept above beta_fast, divided by the factor below beta_slow, linearly ramped over
+    the dims between (the ramp's ends as dims, rounded outwards when truncating); mscale 0.1 ln(factor) + 1."""
+    Dh, base, factor = config.resolved_head_dim, config.rope_theta, config.rope_factor
+    L = config.rope_original_max_position_embeddings
+    dim_of = lambda rotations: Dh * math.log(L / (rotations * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
+    low, high = dim_of(config.rope_beta_fast), dim_of(config.rope_beta_slow)
+    if config.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, Dh - 1)
+    out = []
+    for i in range(Dh // 2):
+        f = base ** (-2 * i / Dh)
+        keep = 1 - min(max((i - low) / (high - low), 0.0), 1.0)
+        out.append(keep * f + (1 - keep) * f / factor)
+    scale = config.rope_attention_factor or 0.1 * math.log(factor) + 1
+    return out, scale
+
+
+@pytest.mark.parametrize("case", list(YARN_CASES))
+def test_yarn_matches_transformers_and_the_paper(case):
+    """YaRN's frequencies and cos/sin scale equal transformers' ``_compute_yarn_parameters`` and a float64 version
+    of the paper's formulas; the rotary tables are cos/sin(position * inv_freq) times the scale."""
+    pytest.importorskip("torch")
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    head_dim, ours = YARN_CASES[case]
+    config = ModelConfig(hidden_size=2 * head_dim, num_attention_heads=2, max_position_embeddings=131072,
+                         rope_type="yarn", **ours)
+    theirs = dict(rope_type="yarn", rope_theta=config.rope_theta, factor=config.rope_factor,
+                  beta_fast=config.rope_beta_fast, beta_slow=config.rope_beta_slow, truncate=config.rope_truncate,
+                  original_max_position_embeddings=config.rope_original_max_position_embeddings)
+    if config.rope_attention_factor is not None:
+        theirs["attention_factor"] = config.rope_attention_factor
+    hf_config = transformers.LlamaConfig(hidden_size=2 * head_dim, num_attention_heads=2, head_dim=head_dim,
+                                         max_position_embeddings=131072, rope_parameters=theirs)
+    expected, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config, "cpu")
+    np.testing.assert_allclose(rope_inv_freq(config), expected.numpy(), rtol=1e-6, atol=0)
+    naive, naive_scale = naive_yarn(config)
+    np.testing.assert_allclose(rope_inv_freq(config), naive, rtol=2e-6, atol=0)
+    assert rope_attention_scaling(config) == pytest.approx(attention_factor, rel=1e-12)
+    assert rope_attention_scaling(config) == pytest.approx(naive_scale, rel=1e-12) and naive_scale > 1
+    positions_BxT = np.array([[0, 3, 4095, 70000]], np.int32)
+    cos, sin = rope_cos_sin(positions_BxT, rotary_tables(config, 70001)["full_attention"])
+    angles = positions_BxT[..., None].astype(np.float64) * np.asarray(naive)
+    angles = np.concatenate([angles, angles], axis=-1)
+    np.testing.assert_allclose(cos, naive_scale * np.cos(angles), rtol=0, atol=2e-2 * naive_scale)
+    np.testing.assert_allclose(cos[0, :2], naive_scale * np.cos(angles[0, :2]), rtol=0, atol=5e-6)
+    np.testing.assert_allclose(sin[0, :2], naive_scale * np.sin(angles[0, :2]), rtol=0, atol=5e-6)
 
 
 @pytest.mark.parametrize("case", list(ROPE_CASES))
