@@ -28,6 +28,7 @@ from grpo_jax.models import ModelConfig, abstract_model, eos_token_ids, from_pre
 from grpo_jax.rewards import code_fingerprints, reward_specs, functions as rewards
 from grpo_jax.rollout import evaluation, shapes
 from grpo_jax.rollout.context import Run, prompt_group_sizes
+from grpo_jax.rollout.rollout_func import RolloutFunc
 from grpo_jax.tools import tool_task, calls as tools
 
 HELD_OUT_POOL = 16  # the embedded task draws this many prompts per held-out one asked, to find unseen ones
@@ -225,7 +226,8 @@ def router_aux_loss_coef(config: Config) -> float:
 def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None, eval_dataset=None,
           reward_funcs: Sequence[Callable | str] | None = None, tools: Sequence[Callable | str] | None = None,
           environment_factory=None, eval_reward_funcs: Sequence[Callable | str] | None = None,
-          reward_processing_classes=None, restart: bool = False) -> tuple[Run, TrainState, lock.RunLock]:
+          reward_processing_classes=None, restart: bool = False,
+          rollout_func: Callable[[list], dict] | None = None) -> tuple[Run, TrainState, lock.RunLock]:
     """Resolves data, rewards, mesh, optimizer and the initial train state; builds the device programs.
 
     `loss_fn` replaces `grpo_jax.losses.compute_loss` in the train step (same signature; see
@@ -234,7 +236,9 @@ def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None
     `reward_funcs` (callables, 'module:function' paths, reward model folders or transformers
     `*ForSequenceClassification` objects, whose tokenizers `reward_processing_classes` gives) replaces
     `reward.functions` and `eval_reward_funcs` `eval.reward_functions`; `tools` and `environment_factory` replace
-    the config's. None of these is part of `config.yaml`: a resumed run must be given them again.
+    the config's; `rollout_func` (TRL's, bound to its trainer: prompts -> dict) makes the training passes' rows
+    instead of the sampler (`rollout.rollout_func`). None of these is part of `config.yaml`: a resumed run must be
+    given them again.
     An `output_dir` holding a run is checked against its config.yaml (`checkpoint.check_compatible`), or with
     `restart` set aside for a new run (`runs.open_folder`). Returns
     the run, its initial train state and `output_dir`'s lock, held (a ValueError names the process holding it
@@ -254,7 +258,7 @@ def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None
     factories = config.environment_factory if environment_factory is None else environment_factory
     try:
         run, state = _build(config, output_dir, resuming, loss_fn, train_dataset, eval_dataset, reward_funcs,
-                            tool_specs, factories, eval_reward_funcs, reward_processing_classes)
+                            tool_specs, factories, eval_reward_funcs, reward_processing_classes, rollout_func)
     except BaseException:
         if not resuming and jax.process_index() == 0:
             runs.remove_setup_files(output_dir)
@@ -265,7 +269,7 @@ def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None
 
 def _build(config: Config, output_dir: Path, resuming: bool, loss_fn: Callable | None,
            train_dataset, eval_dataset, reward_funcs, tool_specs, factories, eval_reward_funcs,
-           processing_classes) -> tuple[Run, TrainState]:
+           processing_classes, rollout_func) -> tuple[Run, TrainState]:
     speedups = cpu.enabled(config.cpu_speedups)
     if speedups:
         cpu.configure_host_allocator(config.host_allocator)  # before the first jitted call allocates
@@ -307,8 +311,13 @@ def _build(config: Config, output_dir: Path, resuming: bool, loss_fn: Callable |
     eval_reward_fns = list(reward_fns) if eval_paths is None else reward_specs.resolve_all(eval_paths, mesh, **lengths)
     # a reward function that fails on its first call does so now, not after the sampler compiled
     where = "train_dataset" if train_dataset is not None else config.data.path or "the embedded task"
-    rewards.check_reward_fns(reward_fns, [dataset.rows[i] for i in range(min(2, len(dataset)))],
-                             tokenizer.eos_token_id, where=where, process=config.train.advantage_estimator == "process")
+    if rollout_func is None:  # a rollout_func's rows carry the fields it returns, known once it runs
+        rewards.check_reward_fns(reward_fns, [dataset.rows[i] for i in range(min(2, len(dataset)))],
+                                 tokenizer.eos_token_id, where=where,
+                                 process=config.train.advantage_estimator == "process")
+    elif tooling is not None or config.model.routing_replay:
+        raise ValueError("rollout_func makes whole rows, tool calls included, and records no routing: give it "
+                         "without tools / environment_factory and with model.routing_replay=false")
     rewards.check_reward_fns(eval_reward_fns, eval_rows[:2], tokenizer.eos_token_id,
                              where="eval_dataset" if eval_dataset is not None else config.eval.path or where)
     # environments' get_reward, weight 1 each (`scoring.reward_weights`), named after the class; they need the rollouts'
@@ -406,7 +415,9 @@ def _build(config: Config, output_dir: Path, resuming: bool, loss_fn: Callable |
               mesh=mesh, graphdef=graphdef, schedule=schedule, programs=run_programs,
               step_prompt_group_size=step_group, round_prompt_group_size=round_group, resuming=resuming,
               tooling=tooling, rollout_mesh=rollout_mesh, rollout_programs=rollout_programs,
-              shapes=run_shapes, decode_layout="the training layout" if layout is None else layout.reason)
+              shapes=run_shapes, decode_layout="the training layout" if layout is None else layout.reason,
+              rollout_func=None if rollout_func is None else RolloutFunc(rollout_func, eos_ids,
+                                                                          tokenizer.pad_token_id))
     return run, state
 
 

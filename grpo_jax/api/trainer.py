@@ -109,7 +109,7 @@ def _restore(run: Run, state: TrainState, mngr) -> tuple[Place, list, dict | Non
 def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | None = None, train_dataset=None,
           eval_dataset=None, reward_funcs: list | None = None, tools: list | None = None,
           environment_factory=None, eval_reward_funcs: list | None = None, reward_processing_classes=None,
-          restart: bool = False) -> dict:
+          restart: bool = False, rollout_func=None) -> dict:
     """Runs GRPO as configured and returns a summary (eval before/after, skipped steps, output_dir).
 
     Continues the run in `output_dir` from its newest checkpoint when there is one (`resume`), unless `restart`
@@ -121,7 +121,8 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
     `preemption.Interrupted`, still a KeyboardInterrupt. `loss_fn`: a custom loss with `compute_loss`'s signature,
     used instead of it; `train_dataset`, `eval_dataset`,
     `reward_funcs` (callables, paths, reward model folders or transformers objects), `reward_processing_classes`,
-    `tools` and `environment_factory` as TRL's GRPOTrainer takes them, and `eval_reward_funcs` (default: the
+    `tools` and `environment_factory` as TRL's GRPOTrainer takes them, `rollout_func` (prompts -> TRL's dict:
+    `grpo_jax.rollout.rollout_func`), and `eval_reward_funcs` (default: the
     training ones) for the held-out evaluation (see `build`). The run holds `output_dir`'s lock (one writer per run)
     until it returns.
     """
@@ -131,7 +132,7 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
     run, state, held = build(config, loss_fn=loss_fn, train_dataset=train_dataset, eval_dataset=eval_dataset,
                              reward_funcs=reward_funcs, tools=tools, environment_factory=environment_factory,
                              eval_reward_funcs=eval_reward_funcs, reward_processing_classes=reward_processing_classes,
-                             restart=restart)
+                             restart=restart, rollout_func=rollout_func)
     toolbox = None  # the thread pool of the tool calls: this loop's, closed below however the run ends
     try:
         toolbox = open_toolbox(run.tooling)

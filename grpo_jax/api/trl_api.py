@@ -105,8 +105,7 @@ class GRPOTrainer:
                 ("callbacks", callbacks, "metrics reach report_to's trackers and metrics.jsonl every step"),
                 ("optimizers", None if optimizers == (None, None) else optimizers,
                  "the train.* keys configure optax's AdamW and its schedule"),
-                ("quantization_config", quantization_config, "train in float32 or bfloat16 (model.dtype)"),
-                ("rollout_func", rollout_func, "tools and environment_factory run multi-turn rollouts")):
+                ("quantization_config", quantization_config, "train in float32 or bfloat16 (model.dtype)")):
             if value:
                 raise ValueError(f"{name} is TRL's PyTorch hook, which grpo_jax has no counterpart for: {instead}")
         config = GRPOConfig() if args is None else args
@@ -169,6 +168,10 @@ class GRPOTrainer:
         self.reward_processing_classes, self._tools = reward_processing_classes, tools
         self.tools = trl_tools(tools, environment_factory)
         self.environment_factory = environment_factory
+        if rollout_func is not None and not callable(rollout_func):
+            raise TypeError(f"rollout_func is a {type(rollout_func).__name__}: pass a function (prompts, trainer) -> "
+                            "dict of prompt_ids, completion_ids and logprobs")
+        self.rollout_func = rollout_func
         self.state, self._output_dir = TrainerState(), None
         self.model = PolicyView(self)
         # TRL keeps a reference model for beta != 0 without PEFT (whose reference is the base: adapters off)
@@ -235,6 +238,41 @@ class GRPOTrainer:
         coef = hf.get("router_aux_loss_coef", 0.0) if coef is None else coef
         return "output_router_logits" in hf and coef != 0.0
 
+    def __getattr__(self, name: str):  # called only for attributes not set: `processing_class`, read on first use
+        if name != "processing_class":
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        from grpo_jax.data.prompts import load_tokenizer
+
+        folder = self.args.data.tokenizer_path or self.args.model.path
+        tokenizer = None if folder is None else load_tokenizer(folder, "data.tokenizer_path" if
+                                                                self.args.data.tokenizer_path else "model.path")
+        if tokenizer is not None and tokenizer.pad_token_id is None:  # as the run pads: with EOS, as TRL does
+            tokenizer.pad_token = tokenizer.eos_token
+        self.processing_class = tokenizer  # TRL's tokenizer: the run's
+        return tokenizer
+
+    def _rollout(self, prompts: list) -> dict:
+        """`rollout_func` called as TRL calls it, (prompts, trainer), its output checked (`rollout_func.checked`)."""
+        from grpo_jax.rollout.rollout_func import checked
+
+        output = self.rollout_func(prompts, self)
+        checked(output)
+        return output
+
+    def _generate(self, prompts: list):
+        """TRL's `_generate` with a `rollout_func` (what the run calls each training pass, `_rollout`): (prompt_ids,
+        completion_ids, tool_mask (the output's `env_mask`, or None), completions (the decoded texts), logprobs,
+        the output's other fields)."""
+        from grpo_jax.rollout.rollout_func import checked
+
+        if self.rollout_func is None:
+            raise ValueError("_generate without a rollout_func: grpo_jax samples with its own programs inside "
+                             "train(); pass rollout_func to GRPOTrainer to make the rows yourself")
+        output, extra = checked(self.rollout_func(prompts, self))
+        completions = self.processing_class.batch_decode(output["completion_ids"], skip_special_tokens=True)
+        return (output["prompt_ids"], output["completion_ids"], extra.pop("env_mask", None), completions,
+                output["logprobs"], extra)
+
     def _train_rows(self):
         """`train_dataset` as the run reads it: a streamed `datasets.IterableDataset` (TRL's `streaming=True`) as the
         rows its `max_steps` can reach (whole rounds of prompts on every device there could be), read once, in the
@@ -277,7 +315,8 @@ class GRPOTrainer:
             summary = trainer.train(config, train_dataset=self._train_rows(),
                                     eval_dataset=held_out(self.eval_dataset), reward_funcs=self._reward_funcs,
                                     reward_processing_classes=self.reward_processing_classes, tools=self._tools,
-                                    environment_factory=self.environment_factory, restart=restart)
+                                    environment_factory=self.environment_factory, restart=restart,
+                                    rollout_func=None if self.rollout_func is None else self._rollout)
         finally:
             preemption.RERUN = None
         self._output_dir = summary["output_dir"]

@@ -20,6 +20,7 @@ from grpo_jax.algo.program_types import Programs, RunShapes
 from grpo_jax.config import Config
 from grpo_jax.data import prompts as data
 from grpo_jax.device import sharding
+from grpo_jax.rollout.rollout_func import RolloutFunc
 from grpo_jax.tools import calls as tools
 
 
@@ -53,6 +54,7 @@ class Run:
     rollout_programs: Programs | None = None  # the sampling programs over `rollout_mesh`
     shapes: RunShapes | None = None  # what the programs are compiled for (None: asynchronous rounds, any)
     decode_layout: str = "the training layout"  # where decoding runs and why (`grpo_jax.device.rollout_layout`)
+    rollout_func: RolloutFunc | None = None  # TRL's rollout_func: it makes the training passes' rows, not the sampler
 
     @property
     def keep_ref(self) -> bool:

@@ -34,7 +34,7 @@ from grpo_jax.data import prompts as data
 from grpo_jax.device import cpu, sharding
 from grpo_jax.io.reporting import completion_rows, plain
 from grpo_jax.rewards import functions as rewards
-from grpo_jax.rollout import multiturn, scoring
+from grpo_jax.rollout import multiturn, rollout_func, scoring
 from grpo_jax.rollout.context import Run
 
 
@@ -136,7 +136,7 @@ def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBat
     queued = None
     process = run.config.train.advantage_estimator == "process"
     weights = _weights(run.config, run.reward_fns) if process else None
-    score = functools.partial(scoring.score, batch, context=context, log=log, tokenizer=run.tokenizer,
+    score = functools.partial(scoring.score, context=context, log=log, tokenizer=run.tokenizer,
                               reward_fns=run.reward_fns, step_weights=weights,
                               environments=environments)
 
@@ -152,10 +152,16 @@ def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBat
         seconds["sample"] = seconds.get("sample", 0.0) + time.perf_counter() - timer
         timer = time.perf_counter()
 
-    # process 0 scores rows with environments once decoding is over: the decoding thread's collectives are done
-    rows, pieces, scores = scoring.decode_and_score(
-        run.programs.decoder, params, batch, key, score, group_size=run.config.train.num_generations, slots=slots,
-        turns=turns, later=multiturn.scores_on_first(run.tooling), log=log, decoded=decoded)
+    if run.rollout_func is not None:  # the user's function makes the rows (TRL's rollout_func), on every process
+        batch, piece = rollout_func.rows(run.rollout_func, batch, run.config.data.max_prompt_length,
+                                         run.config.sampling.max_completion_length, run.mesh)
+        decoded(piece, [])
+        rows, pieces, scores = piece.trajectory, [piece], [score(batch, piece)]
+    else:  # process 0 scores rows with environments once decoding is over: the decoding thread's collectives are done
+        rows, pieces, scores = scoring.decode_and_score(
+            run.programs.decoder, params, batch, key, lambda piece: score(batch, piece),
+            group_size=run.config.train.num_generations, slots=slots, turns=turns,
+            later=multiturn.scores_on_first(run.tooling), log=log, decoded=decoded)
     draw = scoring.draw(batch, pieces, scores)
     seconds["score"] = seconds.get("score", 0.0) + time.perf_counter() - timer
     if turns is not None:  # the time a decoding chunk had nothing to decode until a tool returned, chunks' mean

@@ -191,14 +191,17 @@ def draw(batch: data.PromptBatch, pieces: list, scores: list) -> rounds.Draw:
     ids, mask = np.zeros((N, T), np.int32), np.zeros((N, T), np.int32)
     truncated = np.zeros(N, bool)
     rewards_NxF = np.full((N, scores[0][0].shape[1]), np.nan, np.float32)
-    multi = pieces[0].loss_mask is not None
-    loss_mask, tool_counts = (np.zeros((N, T), np.int32), np.zeros((N, 4), np.int32)) if multi else (None, None)
+    multi, tooled = pieces[0].loss_mask is not None, pieces[0].tool_counts is not None  # a rollout_func: no tools
+    loss_mask = np.zeros((N, T), np.int32) if multi else None
+    tool_counts = np.zeros((N, 4), np.int32) if tooled else None
     for piece, (r_NxF, _) in zip(pieces, scores):
         ids[piece.rows], mask[piece.rows], truncated[piece.rows] = (piece.completion_ids, piece.completion_mask,
                                                                       piece.is_truncated)
         rewards_NxF[piece.rows] = r_NxF
         if multi:
-            loss_mask[piece.rows], tool_counts[piece.rows] = piece.loss_mask, piece.tool_counts
+            loss_mask[piece.rows] = piece.loss_mask
+        if tooled:
+            tool_counts[piece.rows] = piece.tool_counts
     steps = {}
     if scores[0][1] is not None:  # process supervision: each piece's steps padded to the most of any row
         S = max(step_rewards.shape[1] for _, (step_rewards, _) in scores)
