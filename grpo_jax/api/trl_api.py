@@ -6,6 +6,7 @@ refused in one line naming what to pass instead. Imports no jax until `.train()`
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import json
@@ -21,8 +22,8 @@ from grpo_jax.api.arguments import check_arguments
 from grpo_jax.api.trl_inputs import (cached_reward_model, env_reward_classes, env_reward_func, held_out, is_stream,
                                      lora_options, model_and_adapters, model_folder, reward_func_names,
                                      tokenizer_folder, trl_tools)
-from grpo_jax.api.trl_state import (PolicyView, ReferenceView, TrainerState, TRLArgs, residual_means, trl_checkpoint,
-                                    trl_line, trl_logs)
+from grpo_jax.api.trl_state import (PolicyView, ReferenceView, TrainerState, TRLArgs, accelerator_config,
+                                    residual_means, trl_checkpoint, trl_line, trl_logs)
 from grpo_jax.config import Config, for_run, make_config, trl_keys
 from grpo_jax.config.sections import TASK_REWARDS
 
@@ -50,6 +51,7 @@ def GRPOConfig(**kwargs: Any) -> Config:  # noqa: N802 - TRL's name for what bui
     only before JAX has started on another: then a ValueError says so."""
     if kwargs.pop("use_cpu", False):
         _use_cpu()
+    accelerator = accelerator_config(kwargs.pop("accelerator_config", None))
     given = set(kwargs)
     for section, values in kwargs.items():
         if isinstance(values, Mapping):
@@ -69,7 +71,7 @@ def GRPOConfig(**kwargs: Any) -> Config:  # noqa: N802 - TRL's name for what bui
         follow["num_generations"] = config.train.num_generations
     if "eval.temperature" not in given:
         follow["temperature"] = config.sampling.temperature
-    return TRLArgs.of(dataclasses.replace(config, eval=dataclasses.replace(config.eval, **follow)))
+    return TRLArgs.of(dataclasses.replace(config, eval=dataclasses.replace(config.eval, **follow)), accelerator)
 
 
 def _use_cpu() -> None:
@@ -92,8 +94,8 @@ class GRPOTrainer:
     `train_dataset` is required, as in TRL, unless an environment owns the data or args name `data.path`.
     `peft_config`: a `peft.LoraConfig` or a dict of its fields (`model.lora`). `processing_class`: a tokenizer
     folder, or a tokenizer loaded from one (`data.tokenizer_path`); None: the model folder's.
-    `reward_processing_classes`, `tools` and `environment_factory` go to `train` as TRL's. `.args` is the config the
-    run gets.
+    `reward_processing_classes`, `tools`, `environment_factory` and `rollout_func` (`grpo_jax.rollout.rollout_func`)
+    go to `train` as TRL's. `.args` is the config the run gets; `.processing_class` its tokenizer.
     """
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: Config | None = None, train_dataset=None,
@@ -132,7 +134,8 @@ class GRPOTrainer:
                                  f"{data_config.tokenizer_path!r} differ: give the tokenizer once")
             data_config = dataclasses.replace(data_config, tokenizer_path=None if folder == path else folder)
         # checked as a whole again; TRL's names read too (`args.beta`)
-        self.args = TRLArgs.of(dataclasses.replace(config, model=model_config, data=data_config))
+        self.args = TRLArgs.of(dataclasses.replace(config, model=model_config, data=data_config),
+                               copy.copy(config.accelerator_config) if isinstance(config, TRLArgs) else None)
         # None: args' reward.functions (TRL: reward_funcs may be left out when the environment scores)
         given = None if reward_funcs is None else list(
             reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
@@ -159,6 +162,12 @@ class GRPOTrainer:
             raise ValueError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
                              "environment defines a `get_reward` method.")
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        held = eval_dataset.values() if isinstance(eval_dataset, Mapping) else [eval_dataset]
+        if any(is_stream(d) for d in (train_dataset, *held)):  # TRL's check: a stream is never dispatched
+            if self.args.accelerator_config.dispatch_batches:
+                raise ValueError("Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
+                                 "`accelerator_config`. Please set it to `False`.")
+            self.args.accelerator_config.dispatch_batches = False
         self._streamed = None  # a streamed train_dataset's rows, once read (`_train_rows`)
         _trl_checks(self.args, self._reward_funcs, reward_processing_classes)
         if self._reward_funcs is not None and not isinstance(reward_processing_classes, (list, tuple)):

@@ -7,6 +7,7 @@ and for `trainer.model.generate`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -37,22 +38,48 @@ def residual_means(history: list[dict], last_step: int, logging_steps: int) -> d
 
 
 # TRL names of what grpo_jax does one way only, and the value that says so: rows are read in the training process
-# (no loader workers), and every process reads the rows itself and keeps its own (accelerate's dispatch_batches=False,
-# which TRL sets for a streamed dataset)
-TRL_FIXED = {"dataloader_num_workers": 0, "accelerator_config": SimpleNamespace(dispatch_batches=False)}
+# (no loader workers)
+TRL_FIXED = {"dataloader_num_workers": 0}
+# accelerate's AcceleratorConfig fields, at the values that ask for nothing grpo_jax does otherwise; dispatch_batches
+# (None, True or False) changes no row: every process reads the rows itself, the ones process 0 would dispatch
+ACCELERATOR_DEFAULTS = {"split_batches": False, "even_batches": True, "use_seedable_sampler": True,
+                        "non_blocking": False, "gradient_accumulation_kwargs": None, "use_configured_state": False}
+
+
+def accelerator_config(value) -> SimpleNamespace:
+    """TRL's ``accelerator_config`` (a dict, its JSON string, or accelerate's AcceleratorConfig; None: accelerate's
+    defaults) as ``args.accelerator_config``: ``dispatch_batches`` as given (None, True or False) and the other
+    fields at accelerate's defaults, any other value refused in one line naming the field."""
+    if isinstance(value, str):
+        value = json.loads(value)
+    if value is not None and not isinstance(value, dict):
+        value = {f: getattr(value, f) for f in ("dispatch_batches", *ACCELERATOR_DEFAULTS) if hasattr(value, f)}
+    fields = dict(value or {})
+    dispatch = fields.pop("dispatch_batches", None)
+    if dispatch not in (None, True, False):
+        raise ValueError(f"accelerator_config dispatch_batches={dispatch!r}: use true, false or null")
+    for name, given in fields.items():
+        if name not in ACCELERATOR_DEFAULTS or given != ACCELERATOR_DEFAULTS[name]:
+            raise ValueError(f"accelerator_config {name}={given!r} is accelerate's, which grpo_jax does not run: "
+                             "remove it (grpo_jax shards with its device mesh: set mesh.*)")
+    return SimpleNamespace(dispatch_batches=dispatch, **ACCELERATOR_DEFAULTS)
 
 
 class TRLArgs(Config):
     """The run's `Config` (`GRPOConfig(...)`, `trainer.args`) that also reads TRL's names: `args.beta` is
-    `args.loss.beta` (`trl_keys.ALIASES`), and `dataloader_num_workers` is 0 (`TRL_FIXED`). A dataclass like
-    `Config`, equal field for field; `dataclasses.replace` keeps the class."""
-
-    __slots__ = ()
+    `args.loss.beta` (`trl_keys.ALIASES`), `dataloader_num_workers` is 0 (`TRL_FIXED`) and `accelerator_config` its
+    own (`accelerator_config`). A dataclass like `Config`, equal field for field; `dataclasses.replace` keeps the
+    class (and accelerate's defaults for `accelerator_config`)."""
 
     @classmethod
-    def of(cls, config: Config) -> "TRLArgs":
-        return config if isinstance(config, cls) else cls(**{f.name: getattr(config, f.name)
-                                                              for f in dataclasses.fields(config)})
+    def of(cls, config: Config, accelerator: SimpleNamespace | None = None) -> "TRLArgs":
+        """``config`` as TRLArgs; ``accelerator``: its ``accelerator_config`` (`accelerator_config`), else the one
+        ``config`` has, else accelerate's defaults. Each TRLArgs has its own (TRL's trainer sets its fields)."""
+        args = cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+        if accelerator is None:
+            accelerator = copy.copy(config.__dict__.get("accelerator_config")) or accelerator_config(None)
+        object.__setattr__(args, "accelerator_config", accelerator)  # not a Config field: `replace` drops it
+        return args
 
     def __getattr__(self, name: str):  # only names that are not our fields: TRL's
         if name in trl_keys.ALIASES:
@@ -62,6 +89,8 @@ class TRLArgs(Config):
             return value
         if name in TRL_FIXED:
             return TRL_FIXED[name]
+        if name == "accelerator_config":  # a `replace`d copy: accelerate's defaults
+            return accelerator_config(None)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r} (neither a key of grpo_jax's Config "
                              "nor a TRL name with a counterpart here: see docs/configuration.md)")
 

@@ -127,12 +127,13 @@ def test_the_trainer_takes_a_cached_model_id_and_refuses_objects(tmp_path, monke
         == 0.05
     with pytest.raises(ValueError, match=r"model.init=random with model.path="):
         GRPOTrainer(str(snapshot), answer_reward, args=GRPOConfig(model={"init": "random"}), train_dataset=ROWS)
-    for hook in ({"callbacks": [object()]}, {"optimizers": (object(), None)}, {"quantization_config": {"bits": 4}},
-                 {"rollout_func": len}):
+    for hook in ({"callbacks": [object()]}, {"optimizers": (object(), None)}, {"quantization_config": {"bits": 4}}):
         with pytest.raises(ValueError, match=f"{next(iter(hook))} is TRL's PyTorch hook"):
             GRPOTrainer(str(snapshot), answer_reward, **hook, train_dataset=ROWS)
     assert GRPOTrainer(str(snapshot), answer_reward, callbacks=[], optimizers=(None, None),
                        train_dataset=ROWS).args.model.path
+    with pytest.raises(TypeError, match=r"^rollout_func is a int: pass a function \(prompts, trainer\)"):
+        GRPOTrainer(str(snapshot), answer_reward, rollout_func=3, train_dataset=ROWS)
 
 
 def test_the_trl_shaped_trainer_is_train_on_the_same_config_bit_for_bit(tmp_path):

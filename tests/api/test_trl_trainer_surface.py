@@ -430,6 +430,33 @@ def test_a_streamed_train_dataset_is_read_as_the_rows_max_steps_reaches(tmp_path
         unbounded._train_rows()
 
 
+def test_accelerator_config_dispatch_batches_is_trls_and_a_stream_refuses_it(tmp_path):
+    """accelerate's `dispatch_batches` (None by default): True with map-style rows is kept (every process reads the
+    rows process 0 would dispatch), with a streamed train or eval set refused in TRL's words, False set for a stream
+    as TRL sets it; each args has its own; accelerate's other fields only at their defaults, else named."""
+    datasets = pytest.importorskip("datasets")
+    from grpo_jax import GRPOConfig, GRPOTrainer
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    assert GRPOConfig().accelerator_config.dispatch_batches is None
+    dispatch = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=2,
+                          accelerator_config={"dispatch_batches": True, "even_batches": True})
+    trainer = GRPOTrainer(model=str(folder), reward_funcs=answer_reward, train_dataset=ROWS, args=dispatch)
+    assert trainer.args.accelerator_config.dispatch_batches is True
+    stream = datasets.IterableDataset.from_generator(lambda: iter(ROWS))
+    for given in (dict(train_dataset=stream), dict(train_dataset=ROWS, eval_dataset={"held": stream})):
+        with pytest.raises(ValueError, match=r"^Iterable datasets require `dispatch_batches=False`, but it is set to "
+                                             r"`True` in `accelerator_config`. Please set it to `False`.$"):
+            GRPOTrainer(model=str(folder), reward_funcs=answer_reward, args=dispatch, **given)
+    plain = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=2)
+    streamed = GRPOTrainer(model=str(folder), reward_funcs=answer_reward, train_dataset=stream, args=plain)
+    assert streamed.args.accelerator_config.dispatch_batches is False
+    assert plain.accelerator_config.dispatch_batches is None  # the trainer's copy, not the config it was given
+    with pytest.raises(ValueError, match=r"^accelerator_config split_batches=True is accelerate's"):
+        GRPOConfig(accelerator_config={"split_batches": True})
+
+
 def test_reward_processing_classes_are_one_per_function_and_prompt_learning_is_named(tmp_path):
     """TRL keeps `reward_processing_classes` as a list, one per reward function (None each, or the one given);
     a PEFT prompt-learning config is refused saying so, as TRL refuses it."""
