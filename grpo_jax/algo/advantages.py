@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.config.sections import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
+from grpo_jax.losses import contracts
 
 
 # Added to the std so a group of identical rewards gives A = 0 / 1e-4 = 0 rather than 0 / 0 (TRL).
@@ -127,6 +128,7 @@ def group_advantages(rewards_NxF: jax.Array, reward_weights_F: jax.Array, *, num
       ("none" reports the per-group std, as TRL does, so `frac_reward_zero_std` stays meaningful);
       it is NaN for singleton / all-NaN groups.
     """
+    contracts.grouped_rewards(rewards_NxF, reward_weights_F)
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards={scale_rewards!r} is not one of {SCALE_REWARDS}: pick one of them")
     if multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:

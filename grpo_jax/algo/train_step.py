@@ -35,7 +35,7 @@ from grpo_jax.algo.logprobs import completion_logps
 from grpo_jax.algo.state import TrainState, as_float32
 from grpo_jax.algo.trajectory import Trajectory
 from grpo_jax.device import sharding
-from grpo_jax.losses import CLIPPED_LOSS_TYPES, LossConfig, compute_loss
+from grpo_jax.losses import CLIPPED_LOSS_TYPES, LossConfig, compute_loss, contracts
 from grpo_jax.models import lora
 
 
@@ -112,6 +112,7 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     ``router_aux_loss_coef`` adds coef * each micro-batch's load-balancing loss / M, as TRL does, logged as
     ``router_aux_loss`` (its mean over the micro-batches).
     """
+    contracts.trajectory(batch)
     num_sequences = batch.loss_mask.shape[0]
     num_items = jnp.sum(batch.loss_mask).astype(jnp.float32)
     loss_fn_ = compute_loss if options.loss_fn is None else options.loss_fn

@@ -31,6 +31,8 @@ Example: a new variant — clip-higher, token-mean normaliser, k1 KL — without
 devices) gives the full-batch loss and gradient, for every loss_type; see `aggregation` for where TRL's
 accumulated numbers differ. Two batch-dependent pieces are computed over the batch passed, as TRL does per
 micro-batch: the top-entropy quantile threshold, and the entropy-bonus mean when top_entropy_quantile < 1.
+`compute_loss` and the pieces check their arguments' shapes, ranks and dtypes while tracing (`contracts`): a wrong
+array from a variant fails naming it and the shape it must have.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ import jax.numpy as jnp
 
 from grpo_jax.config.loss import (CLIPPED_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, IS_CORRECTION_MODES,
                                     KL_ESTIMATORS, LOSS_TYPES, LossConfig)
+from grpo_jax.losses import contracts
 from grpo_jax.losses.aggregation import (aggregate, cispo_clip_ratio, clip_ratio_extremes, clip_ratio_metrics,
                                         entropy_bonus)
 from grpo_jax.losses.kl import LOW_VAR_KL_BOUND, bias_corrected_kl, kl_divergence
@@ -122,6 +125,13 @@ def compute_loss(per_token_logps: jax.Array, old_per_token_logps: jax.Array | No
     Returns:
       (loss scalar float32, LossAux). Positions with mask == 0 get exactly zero gradient whatever they hold.
     """
+    contracts.per_token(per_token_logps=per_token_logps, old_per_token_logps=old_per_token_logps,
+                        ref_per_token_logps=ref_per_token_logps, completion_mask=completion_mask, entropies=entropies,
+                        sampler_per_token_logps=sampler_per_token_logps)
+    contracts.floating(per_token_logps=per_token_logps, old_per_token_logps=old_per_token_logps,
+                       ref_per_token_logps=ref_per_token_logps, advantages=advantages, entropies=entropies,
+                       sampler_per_token_logps=sampler_per_token_logps)
+    contracts.advantages(advantages, per_token_logps)
     valid_BxT = completion_mask > 0
     mask_BxT = jnp.asarray(completion_mask, jnp.float32)
 

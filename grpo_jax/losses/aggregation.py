@@ -14,10 +14,12 @@ Where TRL's gradient-accumulated numbers differ (with one micro-batch per step t
 """
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
 from grpo_jax.config.loss import LOSS_TYPES
+from grpo_jax.losses import contracts
 from grpo_jax.losses.masks import masked_mean, masked_sum
 
 
@@ -32,6 +34,11 @@ def aggregate(per_token_loss_BxT: jax.Array, completion_mask_BxT: jax.Array, *, 
     dr_grpo:            Σ ℓ·m / (num_sequences · max_completion_length)
     Shapes: per_token_loss [B, T] or [B, 1] (broadcast), completion_mask [B, T] (0/1, any dtype) -> scalar f32.
     """
+    contracts.per_token(completion_mask=completion_mask_BxT)
+    chex.assert_rank(per_token_loss_BxT, 2, custom_message="per_token_loss must be [B, T] or [B, 1]")
+    chex.assert_is_broadcastable(per_token_loss_BxT.shape, completion_mask_BxT.shape,
+                                 custom_message=f"per_token_loss {per_token_loss_BxT.shape} must be [B, T] or [B, 1] "
+                                                f"for completion_mask {completion_mask_BxT.shape}")
     mask_BxT = jnp.asarray(completion_mask_BxT, jnp.float32)
     loss_BxT = jnp.broadcast_to(per_token_loss_BxT, mask_BxT.shape)
     if num_sequences is None:

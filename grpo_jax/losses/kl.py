@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.config.loss import KL_ESTIMATORS
+from grpo_jax.losses import contracts
 
 # low_var_kl clamps k3 to this range (verl's low_var_kl) so one far-off token cannot dominate.
 LOW_VAR_KL_BOUND = 10.0
@@ -17,6 +18,7 @@ def kl_divergence(per_token_logps: jax.Array, ref_per_token_logps: jax.Array, *,
     d = ref - logp;  k1: -d;  k2: d²/2;  k3: exp(d) - d - 1 (DeepSeekMath eq. 4, TRL's only estimator);
     low_var_kl: clip(k3, -10, 10).
     """
+    contracts.same_shape(per_token_logps=per_token_logps, ref_per_token_logps=ref_per_token_logps)
     d_BxT = ref_per_token_logps - per_token_logps
     if estimator == "k1":
         return -d_BxT

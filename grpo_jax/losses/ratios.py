@@ -8,6 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.losses import contracts
+
 
 def sequence_log_importance_weights(per_token_logps: jax.Array, old_per_token_logps: jax.Array,
                                     completion_mask: jax.Array) -> jax.Array:
@@ -37,8 +39,11 @@ def log_importance_weights(per_token_logps: jax.Array, old_per_token_logps: jax.
     """log_w at `level` (docs/algorithms.md §3): token (default) -> logp - old, [B, T]; sequence -> [B, 1];
     sequence_token -> [B, T]. The sequence levels need `completion_mask` [B, T].
     """
-    if level == "token":
+    if level == "token":  # elementwise: any shape, the two alike
+        contracts.same_shape(per_token_logps=per_token_logps, old_per_token_logps=old_per_token_logps)
         return per_token_logps - old_per_token_logps
+    contracts.per_token(per_token_logps=per_token_logps, old_per_token_logps=old_per_token_logps,
+                        completion_mask=completion_mask)
     if level not in ("sequence", "sequence_token"):
         raise ValueError(f"loss.importance_sampling_level={level!r} is not supported: choose token, sequence or "
                          "sequence_token")
