@@ -281,25 +281,33 @@ def _tpu_devices():
         pytest.skip(f"no TPU topology to compile for: {type(e).__name__}: {e}")
 
 
-def _temporaries(mesh, T: int, backend: str, H: int = 8, heads_kv: int = 2) -> int:
-    """Per-chip temporary bytes of attention forward + backward over 4 rows of T tokens (bf16, Dh 128)."""
+def _temporaries(mesh, T: int, backend: str, H: int = 8, heads_kv: int = 2, sinks: bool = False) -> int:
+    """Per-chip temporary bytes of attention forward + backward over 4 rows of T tokens (bf16, Dh 128); with
+    ``sinks`` (GPT-OSS's), their gradient too, and the program must hold the kernel."""
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(sharding.ROWS))
 
-    def loss(q, k, v, segment):
+    def loss(q, k, v, segment, *sinks_KxG):
         vis = attention.Visibility(segment, segment)
         mask = vis if backend != "dense" else vis.dense_mask()
-        out = attention.attend(q, k, v, mask, scale=128 ** -0.5, softcap=None, backend=attention.resolve(backend))
+        out = attention.attend(q, k, v, mask, scale=128 ** -0.5, softcap=None, backend=attention.resolve(backend),
+                               sinks_KxG=sinks_KxG[0] if sinks_KxG else None)
         return jnp.sum(out.astype(jnp.float32) ** 2)
     shapes = [((4, T, heads_kv, H // heads_kv, 128), jnp.bfloat16), ((4, heads_kv, T, 128), jnp.bfloat16),
               ((4, heads_kv, T, 128), jnp.bfloat16), ((4, T), jnp.int32)]
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=rows) for shape, dtype in shapes]
-    step = sharding.traced_in(mesh, jax.grad(loss, argnums=(0, 1, 2)))
-    return jax.jit(step).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    if sinks:
+        args.append(jax.ShapeDtypeStruct((heads_kv, H // heads_kv), jnp.float32,
+                                         sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
+    step = sharding.traced_in(mesh, jax.grad(loss, argnums=(0, 1, 2, 4) if sinks else (0, 1, 2)))
+    lowered = jax.jit(step).lower(*args)
+    assert not sinks or backend == "dense" or "tpu_custom_call" in lowered.as_text()  # the kernel, not a fallback
+    return lowered.compile().memory_analysis().temp_size_in_bytes
 
 
 def test_splash_compiles_for_a_tpu_pod_with_temporaries_linear_in_the_sequence():
     """Forward + backward with splash for v5e:2x2 (rows over the chips, `shard_map`): temporaries at 2L at most
-    ~2x those at L and far below the dense path's [rows, heads, L, L] float32 scores, which it does hold."""
+    ~2x those at L and far below the dense path's [rows, heads, L, L] float32 scores, which it does hold; with
+    attention sinks as at L without."""
     mesh = sharding.make_mesh(data=-1, devices=_tpu_devices())
     L, H = 2048, 8
     scores_per_chip = 1 * H * L * L * 4  # one row a chip
@@ -310,3 +318,5 @@ def test_splash_compiles_for_a_tpu_pod_with_temporaries_linear_in_the_sequence()
           f"{at_L / 2**20:.2f} MiB, 2L: {at_2L / 2**20:.2f} MiB")
     assert at_2L <= 2.5 * at_L + (1 << 20)
     assert at_2L < scores_per_chip / 16
+    with_sinks = _temporaries(mesh, L, "auto", H, sinks=True)  # GPT-OSS: the kernel's own sinks, no dense fallback
+    assert with_sinks <= 1.1 * at_L + (1 << 20)
