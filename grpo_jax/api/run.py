@@ -227,7 +227,7 @@ def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None
           reward_funcs: Sequence[Callable | str] | None = None, tools: Sequence[Callable | str] | None = None,
           environment_factory=None, eval_reward_funcs: Sequence[Callable | str] | None = None,
           reward_processing_classes=None, restart: bool = False,
-          rollout_func: Callable[[list], dict] | None = None) -> tuple[Run, TrainState, lock.RunLock]:
+          rollout_func: Callable[[list, object], dict] | None = None) -> tuple[Run, TrainState, lock.RunLock]:
     """Resolves data, rewards, mesh, optimizer and the initial train state; builds the device programs.
 
     `loss_fn` replaces `grpo_jax.losses.compute_loss` in the train step (same signature; see
@@ -236,9 +236,9 @@ def build(config: Config, *, loss_fn: Callable | None = None, train_dataset=None
     `reward_funcs` (callables, 'module:function' paths, reward model folders or transformers
     `*ForSequenceClassification` objects, whose tokenizers `reward_processing_classes` gives) replaces
     `reward.functions` and `eval_reward_funcs` `eval.reward_functions`; `tools` and `environment_factory` replace
-    the config's; `rollout_func` (TRL's, bound to its trainer: prompts -> dict) makes the training passes' rows
-    instead of the sampler (`rollout.rollout_func`). None of these is part of `config.yaml`: a resumed run must be
-    given them again.
+    the config's; `rollout_func` (TRL's, bound to its trainer: (prompts, trainer_state) -> dict) makes the training
+    passes' rows instead of the sampler (`rollout.rollout_func`). None of these is part of `config.yaml`: a resumed
+    run must be given them again.
     An `output_dir` holding a run is checked against its config.yaml (`checkpoint.check_compatible`), or with
     `restart` set aside for a new run (`runs.open_folder`). Returns
     the run, its initial train state and `output_dir`'s lock, held (a ValueError names the process holding it

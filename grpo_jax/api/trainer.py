@@ -121,7 +121,7 @@ def train(config: Config, *, show_progress: bool = True, loss_fn: Callable | Non
     `preemption.Interrupted`, still a KeyboardInterrupt. `loss_fn`: a custom loss with `compute_loss`'s signature,
     used instead of it; `train_dataset`, `eval_dataset`,
     `reward_funcs` (callables, paths, reward model folders or transformers objects), `reward_processing_classes`,
-    `tools` and `environment_factory` as TRL's GRPOTrainer takes them, `rollout_func` (prompts -> TRL's dict:
+    `tools` and `environment_factory` as TRL's GRPOTrainer takes them, `rollout_func` ((prompts, trainer_state) -> TRL's dict:
     `grpo_jax.rollout.rollout_func`), and `eval_reward_funcs` (default: the
     training ones) for the held-out evaluation (see `build`). The run holds `output_dir`'s lock (one writer per run)
     until it returns.

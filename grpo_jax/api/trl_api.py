@@ -260,8 +260,11 @@ class GRPOTrainer:
         self.processing_class = tokenizer  # TRL's tokenizer: the run's
         return tokenizer
 
-    def _rollout(self, prompts: list) -> dict:
-        """`rollout_func` called as TRL calls it, (prompts, trainer); the run checks what it returns."""
+    def _rollout(self, prompts: list, trainer_state) -> dict:
+        """`rollout_func` called as TRL calls it, (prompts, trainer), `self.state` the run's so far (its step and
+        max_steps: `trainer_state`); the run checks what it returns."""
+        if trainer_state is not None:
+            self.state.global_step, self.state.max_steps = trainer_state.global_step, trainer_state.max_steps
         return self.rollout_func(prompts, self)
 
     def _generate(self, prompts: list):

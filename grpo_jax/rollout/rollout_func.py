@@ -29,9 +29,10 @@ REQUIRED = ("prompt_ids", "completion_ids", "logprobs")  # TRL's required keys, 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutFunc:
-    """The user's function bound to its trainer (``call(prompts) -> dict``) and the stop ids its rows end at."""
+    """The user's function bound to its trainer (``call(prompts, trainer_state) -> dict``: the trainer's `state` is
+    the run's so far when it runs) and the stop ids its rows end at."""
 
-    call: Callable[[list], dict]
+    call: Callable[[list, object], dict]
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
 
@@ -58,12 +59,13 @@ def _rows(name: str, values, n: int, limit: int | None = None, fix: str = "") ->
     return rows
 
 
-def rows(fn: RolloutFunc, batch: data.PromptBatch, prompt_length: int, completion_length: int,
-         mesh) -> tuple[data.PromptBatch, Piece]:
-    """One pass's rows from ``fn``: (``batch`` with the function's prompt tokens, as wide as the batch's or its
-    longest prompt, at most ``prompt_length``, and its extra fields as columns; the pass as one finished `Piece`
-    whose trajectory is on ``mesh``, rows split over its data axes)."""
-    output, extra = checked(sharding.from_first_process(lambda: fn.call(list(batch.prompts))))
+def rows(fn: RolloutFunc, batch: data.PromptBatch, prompt_length: int, completion_length: int, mesh,
+         trainer_state=None) -> tuple[data.PromptBatch, Piece]:
+    """One pass's rows from ``fn`` called at ``trainer_state`` (`rewards.trainer_state`): (``batch`` with the
+    function's prompt tokens, as wide as the batch's or its longest prompt, at most ``prompt_length``, and its extra
+    fields as columns; the pass as one finished `Piece` whose trajectory is on ``mesh``, rows split over its data
+    axes)."""
+    output, extra = checked(sharding.from_first_process(lambda: fn.call(list(batch.prompts), trainer_state)))
     B = batch.prompt_ids.shape[0]
     T = completion_length
     prompts = _rows("prompt_ids", output["prompt_ids"], B, prompt_length, "raise data.max_prompt_length")

@@ -154,7 +154,7 @@ def _sample_and_score(run: Run, state: TrainState, params, batch: data.PromptBat
 
     if run.rollout_func is not None:  # the user's function makes the rows (TRL's rollout_func), on every process
         batch, piece = rollout_func.rows(run.rollout_func, batch, run.config.data.max_prompt_length,
-                                         run.config.sampling.max_completion_length, run.mesh)
+                                         run.config.sampling.max_completion_length, run.mesh, context["trainer_state"])
         decoded(piece, [])
         rows, pieces, scores = piece.trajectory, [piece], [score(batch, piece)]
     else:  # process 0 scores rows with environments once decoding is over: the decoding thread's collectives are done

@@ -19,7 +19,7 @@ def _batch(n=4, P=5):
 
 
 def _fn(output):
-    return RolloutFunc(lambda prompts: output, (EOS, 7), PAD)
+    return RolloutFunc(lambda prompts, state: output, (EOS, 7), PAD)
 
 
 def test_rows_are_padded_as_trl_pads_them():
@@ -88,11 +88,12 @@ def test_a_trainer_with_a_rollout_func_trains_on_its_rows(tmp_path):
     folder = hf_fixtures.save_model(hf_fixtures.build_model("qwen2", tied=True), tmp_path / "hf")
     task.build_tokenizer(folder)
     rows = [{"prompt": f"{i}{i}>", "answer": str(i)} for i in range(8)]
-    calls, seen = [], []
+    calls, seen, steps = [], [], []
     scripts = ["1", "12", "123", "1234"]
 
     def rollout(prompts, trainer):
         calls.append(list(prompts))
+        steps.append(trainer.state.global_step)
         tok = trainer.processing_class
         prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
         ends = [[tok.eos_token_id] if i % 4 < 3 else [] for i in range(len(prompts))]  # every 4th runs out
@@ -110,7 +111,7 @@ def test_a_trainer_with_a_rollout_func_trains_on_its_rows(tmp_path):
                                           max_completion_length=4, beta=0.0, logging_steps=1, shuffle_dataset=False,
                                           train={"train_batch_size": 8}, **{"eval.num_examples": 0}))
     trainer.train()
-    assert len(calls) == 2 and [len(c) for c in calls] == [8, 8]
+    assert len(calls) == 2 and [len(c) for c in calls] == [8, 8] and steps == [0, 1]  # trainer.state: the run's
     assert calls[0] == [rows[0]["prompt"]] * 4 + [rows[1]["prompt"]] * 4  # each prompt G times, in order
     tok = trainer.processing_class
     for completions, ids, source in seen:
