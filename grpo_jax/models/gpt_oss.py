@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from grpo_jax.config.model import ModelConfig
-from grpo_jax.models import grouped, hf_config, moe
+from grpo_jax.models import grouped, hf_config, moe, qwen3_moe
 from grpo_jax.models.families import Family
 from grpo_jax.models.layers import Attention, RMSNorm
 
@@ -73,24 +73,16 @@ class MLP(moe.SparseMoE):
         return self.router(x_NxD)
 
 
-class DecoderLayer(nnx.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); also returns the router's logits and the experts
-    each token went to (``routing``: replay these instead). Norms scale in float32 (transformers keeps them so)."""
+class DecoderLayer(qwen3_moe.DecoderLayer):
+    """Qwen3-MoE's pre-norm routed block (its call) with GPT-OSS's attention (no q/k norm, sinks), experts and norms,
+    which scale in float32 (transformers keeps them so)."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):  # its own modules, not the base class's
         self.self_attn = Attention(config, rngs, bias=config.attention_bias, out_bias=config.attention_out_bias,
                                    qk_norm=False)
         self.mlp = MLP(config, rngs)
         self.input_layernorm = RMSNorm(config.hidden_size, config, f32_scale=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config, f32_scale=True)
-
-    def __call__(self, x, cos, sin, mask, cache_kv, cache_index, prefix_kv=None, prefix_group_size=1,
-                 whole_mask=False, routing=None):
-        attn, cache_kv, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_kv, cache_index,
-                                                prefix_kv, prefix_group_size, whole_mask)
-        x = x + attn
-        out, router_logits, experts = self.mlp(self.post_attention_layernorm(x), routing)
-        return x + out, cache_kv, new_kv, (router_logits, experts)
 
 
 def config_fields(hf, where: str) -> dict:
