@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from grpo_jax.config.model import ModelConfig
-from grpo_jax.models import grouped, hf_config, moe, qwen3_moe
+from grpo_jax.models import grouped, hf_config, moe
 from grpo_jax.models.families import Family
 from grpo_jax.models.layers import Attention, RMSNorm
 
@@ -73,11 +73,11 @@ class MLP(moe.SparseMoE):
         return self.router(x_NxD)
 
 
-class DecoderLayer(qwen3_moe.DecoderLayer):
-    """Qwen3-MoE's pre-norm routed block (its call) with GPT-OSS's attention (no q/k norm, sinks), experts and norms,
-    which scale in float32 (transformers keeps them so)."""
+class DecoderLayer(moe.RoutedDecoderLayer):
+    """GPT-OSS's attention (no q/k norm, sinks), experts and norms, which scale in float32 (transformers keeps them
+    so), in the routed pre-norm block."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):  # its own modules, not the base class's
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.self_attn = Attention(config, rngs, bias=config.attention_bias, out_bias=config.attention_out_bias,
                                    qk_norm=False)
         self.mlp = MLP(config, rngs)

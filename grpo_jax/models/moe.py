@@ -252,6 +252,20 @@ class SparseMoE(nnx.Module):
                 experts_NxK.reshape(B, T, -1))
 
 
+class RoutedDecoderLayer(nnx.Module):
+    """A pre-norm decoder block with a mixture of experts: x + attn(norm(x)), then x + mlp(norm(x)); also returns the
+    router's logits and the experts each token went to (``routing``: replay these instead). A family's subclass
+    builds ``self_attn``, ``mlp`` (a `SparseMoE`), ``input_layernorm`` and ``post_attention_layernorm``."""
+
+    def __call__(self, x, cos, sin, mask, cache_kv, cache_index, prefix_kv=None, prefix_group_size=1,
+                 whole_mask=False, routing=None):
+        attn, cache_kv, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_kv, cache_index,
+                                                prefix_kv, prefix_group_size, whole_mask)
+        x = x + attn
+        out, router_logits, experts = self.mlp(self.post_attention_layernorm(x), routing)
+        return x + out, cache_kv, new_kv, (router_logits, experts)
+
+
 def routing_dtype(num_experts: int):
     """The smallest integer dtype of expert ids: recorded routing ([B, P + T, L, K] per round) is large."""
     return jnp.uint8 if num_experts <= 256 else jnp.int32

@@ -16,14 +16,13 @@ from grpo_jax.models import hf_config
 from grpo_jax.models import families
 from grpo_jax.models.families import Family
 from grpo_jax.models.layers import Attention, RMSNorm
-from grpo_jax.models.moe import SparseMoE
+from grpo_jax.models.moe import RoutedDecoderLayer, SparseMoE
 
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
-class DecoderLayer(nnx.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + moe(norm(x)); also returns the router's logits and the experts
-    each token went to (``routing``: replay these instead)."""
+class DecoderLayer(RoutedDecoderLayer):
+    """Qwen3's attention (q/k norm) and `SparseMoE` in the routed pre-norm block."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.self_attn = Attention(config, rngs, bias=config.attention_bias, out_bias=config.attention_bias,
@@ -31,14 +30,6 @@ class DecoderLayer(nnx.Module):
         self.mlp = SparseMoE(config, rngs)
         self.input_layernorm = RMSNorm(config.hidden_size, config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config)
-
-    def __call__(self, x, cos, sin, mask, cache_kv, cache_index, prefix_kv=None, prefix_group_size=1,
-                 whole_mask=False, routing=None):
-        attn, cache_kv, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_kv, cache_index,
-                                                prefix_kv, prefix_group_size, whole_mask)
-        x = x + attn
-        out, router_logits, experts = self.mlp(self.post_attention_layernorm(x), routing)
-        return x + out, cache_kv, new_kv, (router_logits, experts)
 
 
 def hf_names(path: str, config: ModelConfig) -> tuple[list[str], int, bool]:
