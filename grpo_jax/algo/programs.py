@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from grpo_jax.algo import decoder, rounds
+from grpo_jax.algo import beam, decoder, rounds
 from grpo_jax.algo.logprobs import completion_logps
 from grpo_jax.algo.program_types import Decoder, Programs  # noqa: F401  (re-exported)
 from grpo_jax.algo.state import TrainState, abstract_state, model_graphdef, new_state
@@ -256,7 +256,8 @@ def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingCo
         kv_heads = model_config.num_key_value_heads
         base = decoder.DecodeOptions(
             sampling=config, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, greedy=greedy, group_size=group,
-            num_slots=decoder.continuous_slots(slots or config.max_batch_rows or 0, num_rows, total_rows, row_shards),
+            num_slots=0 if config.num_beams > 1 else decoder.continuous_slots(slots or config.max_batch_rows or 0,
+                                                                              num_rows, total_rows, row_shards),
             cache_sharding=sharding.cache_sharding(mesh, kv_heads), record_routing=model_config.routing_replay,
             page_size=paged_page_size(config, mesh), kv_cache_tokens=pool_tokens)
         return cpu.decode_options(base, num_rows, model_config.vocab_size) if cpu_speedups else base
@@ -265,6 +266,11 @@ def jit_decoder(graphdef, mesh, model_config: ModelConfig, *, config: SamplingCo
         return decoder.start(*merged(params), prompt_ids_BxP, prompt_mask_BxP, key, options, row_offset)
 
     def generate(params, prompt_ids_BxP, prompt_mask_BxP, key, row_offset, options):
+        if options.sampling.num_beams > 1:  # each row the best of its beams: one program, no slots
+            rows, steps = beam.generate(*merged(params), prompt_ids_BxP, prompt_mask_BxP, key, options, row_offset)
+            ended = jnp.ones_like(rows.is_truncated)
+            return rows, (ended, jnp.sum(rows.completion_mask, axis=1), ~rows.is_truncated, rows.completion_ids,
+                          steps, ~ended)
         decoding = decoder.advance(*merged(params), start(params, prompt_ids_BxP, prompt_mask_BxP, key, row_offset,
                                                           options), options)
         return decoder.trajectory(decoding), _view(decoding)

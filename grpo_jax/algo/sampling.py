@@ -18,21 +18,23 @@ def _top_k(scores_BxV, k: int):
     return jnp.where(scores_BxV < kth_Bx1, -jnp.inf, scores_BxV)
 
 
-def _top_p(scores_BxV, top_p: float):
-    # HF TopPLogitsWarper: drop the ascending-sorted tokens whose cumulative mass is <= 1 - top_p
+def _top_p(scores_BxV, top_p: float, keep: int):
+    # HF TopPLogitsWarper: drop the ascending-sorted tokens whose cumulative mass is <= 1 - top_p, but the last keep
     order_BxV = jnp.argsort(scores_BxV, axis=-1)
     sorted_BxV = jnp.take_along_axis(scores_BxV, order_BxV, axis=-1)
     cumulative_BxV = jnp.cumsum(jax.nn.softmax(sorted_BxV, axis=-1), axis=-1)
-    remove_sorted_BxV = (cumulative_BxV <= 1 - top_p).at[..., -1].set(False)
+    remove_sorted_BxV = (cumulative_BxV <= 1 - top_p).at[..., -keep:].set(False)
     remove_BxV = jnp.put_along_axis(jnp.zeros_like(remove_sorted_BxV), order_BxV, remove_sorted_BxV,
                                     axis=-1, inplace=False)
     return jnp.where(remove_BxV, -jnp.inf, scores_BxV)
 
 
-def _min_p(scores_BxV, min_p: float):
-    # HF MinPLogitsWarper: the arg-max token always survives since min_p < 1
+def _min_p(scores_BxV, min_p: float, keep: int):
+    # HF MinPLogitsWarper: the arg-max token always survives since min_p < 1, and so do the keep most likely
     probs_BxV = jax.nn.softmax(scores_BxV, axis=-1)
     threshold_Bx1 = min_p * jnp.max(probs_BxV, axis=-1, keepdims=True)
+    if keep > 1:
+        threshold_Bx1 = jnp.minimum(threshold_Bx1, jax.lax.top_k(probs_BxV, keep)[0][..., -1:])
     return jnp.where(probs_BxV < threshold_Bx1, -jnp.inf, scores_BxV)
 
 
@@ -44,15 +46,16 @@ def penalize(scaled_logits_BxV, seen_BxV, penalty: float):
     return jnp.where(seen_BxV, penalized_BxV, scaled_logits_BxV)
 
 
-def filter_logits(scaled_logits_BxV, config: SamplingConfig):
-    """Apply top-k, then top-p, then min-p to temperature-scaled logits; removed tokens become -inf."""
+def filter_logits(scaled_logits_BxV, config: SamplingConfig, keep: int = 1):
+    """Apply top-k, then top-p, then min-p to temperature-scaled logits; removed tokens become -inf. Each keeps at
+    least the ``keep`` best tokens (HF's ``min_tokens_to_keep``: a beam search keeps one more than its EOS ids)."""
     scores = scaled_logits_BxV
     if config.top_k > 0:
-        scores = _top_k(scores, config.top_k)
+        scores = _top_k(scores, max(config.top_k, keep))
     if config.top_p < 1.0:
-        scores = _top_p(scores, config.top_p)
+        scores = _top_p(scores, config.top_p, keep)
     if config.min_p > 0.0:
-        scores = _min_p(scores, config.min_p)
+        scores = _min_p(scores, config.min_p, keep)
     return scores
 
 

@@ -122,6 +122,15 @@ class Config:
             check(self.model.lora.path is None or self.model.path is not None,
                   f"model.lora.path={self.model.lora.path!r} without model.path: adapters need the base model they "
                   "were trained on; set model.path to its Hugging Face folder")
+        if self.sampling.num_beams > 1:  # a beam search is one static program, of one turn a row
+            check(not self.tools and self.environment_factory is None,
+                  f"sampling.num_beams={self.sampling.num_beams} with tools or an environment: a beam search "
+                  "decodes one turn a row; set sampling.num_beams=1")
+            check(not self.model.routing_replay, f"sampling.num_beams={self.sampling.num_beams} with "
+                  "model.routing_replay: a beam search keeps no experts to replay; set one of them off")
+            check(not self.sampling.max_batch_rows, f"sampling.max_batch_rows={self.sampling.max_batch_rows} with "
+                  f"sampling.num_beams={self.sampling.num_beams}: a beam search decodes every row at once; leave "
+                  "max_batch_rows at 0 or null")
         check(self.reward.soft_punish_cache <= self.sampling.max_completion_length,
                f"reward.soft_punish_cache={self.reward.soft_punish_cache} exceeds sampling.max_completion_length="
                f"{self.sampling.max_completion_length}: the punishment zone must fit inside the completion length")

@@ -106,7 +106,12 @@ class SamplingConfig:
     ``kv_cache`` (grpo_jax): the decoding KV cache, ``contiguous`` (prompt + completion per slot) or ``paged``
     (`models.paged`: pages of ``kv_page_size`` tokens from a pool of ``kv_cache_tokens``, 0: every slot's whole
     row, or on TPU/GPU what fits beside the weights, `rollout_layout.choose`); ``auto``: paged on TPU/GPU meshes (a
-    pool per row shard), contiguous on CPUs (`programs.paged_page_size`)."""
+    pool per row shard), contiguous on CPUs (`programs.paged_page_size`).
+
+    ``num_beams`` > 1 (transformers' generation names, TRL's ``generation_kwargs``): each row is the best of a beam
+    search of that many beams (`grpo_jax.algo.beam`; sampling: transformers' beam sampling), hypotheses ranked by
+    their log-probability over their length to the power ``length_penalty``; ``early_stopping`` (false: transformers'
+    heuristic, true: once a row has ``num_beams`` finished hypotheses, "never": only when none can improve)."""
 
     max_completion_length: int = 8
     temperature: float = 1.0
@@ -121,6 +126,9 @@ class SamplingConfig:
     kv_cache: str = "auto"
     kv_page_size: int = 16
     kv_cache_tokens: int = 0
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self):
         if not isinstance(self.max_completion_length, int) or self.max_completion_length < 1:
@@ -148,6 +156,12 @@ class SamplingConfig:
               f"sampling.kv_page_size={self.kv_page_size!r} must be an integer >= 1 (tokens per page)")
         check(isinstance(self.kv_cache_tokens, int) and self.kv_cache_tokens >= 0,
               f"sampling.kv_cache_tokens={self.kv_cache_tokens!r} must be an integer >= 0 (0: every slot's whole row)")
+        check(isinstance(self.num_beams, int) and not isinstance(self.num_beams, bool) and self.num_beams >= 1,
+              f"sampling.num_beams={self.num_beams!r} must be an integer >= 1 (1: no beam search)")
+        check(isinstance(self.length_penalty, (int, float)) and not isinstance(self.length_penalty, bool),
+              f"sampling.length_penalty={self.length_penalty!r} must be a number (1.0: a hypothesis's mean log-prob)")
+        check(self.early_stopping in (False, True, "never"),
+              f"sampling.early_stopping={self.early_stopping!r}: use false, true or never")
         if not isinstance(self.host_threads, int) or self.host_threads < 0:
             raise ValueError(f"sampling.host_threads={self.host_threads!r} must be an integer >= 0 (0: one per CPU "
                              "core on CPU, 1 elsewhere)")
