@@ -58,7 +58,9 @@ def generate(view, ids: np.ndarray, mask: np.ndarray, *, draw: int, options: dic
     # transformers' defaults where nothing sets one: temperature 1, top_k 50, top_p 1, no min_p, no penalty
     config = SamplingConfig(max_completion_length=int(new), temperature=float(pick("temperature", 1.0)),
                             top_k=int(pick("top_k", 50)), top_p=float(pick("top_p", 1.0)),
-                            min_p=float(pick("min_p", 0.0)), repetition_penalty=float(pick("repetition_penalty", 1.0)))
+                            min_p=float(pick("min_p", 0.0)), repetition_penalty=float(pick("repetition_penalty", 1.0)),
+                            num_beams=int(pick("num_beams", 1)), length_penalty=float(pick("length_penalty", 1.0)),
+                            early_stopping=pick("early_stopping", False))
     # the weights read once per folder and trained step, a decoder built once per sampling options: a script's
     # loop of calls compiles once
     cache = view._sampling_cache
@@ -79,4 +81,6 @@ def generate(view, ids: np.ndarray, mask: np.ndarray, *, draw: int, options: dic
     ended = np.isin(completions, eos) if eos else np.zeros(completions.shape, bool)
     # transformers stops once every row has ended: no column after the last row's EOS
     length = max((int(np.argmax(row)) + 1 if row.any() else completions.shape[1]) for row in ended)
+    if config.num_beams > 1 and eos and not pad:  # transformers' beam search pads with `pad_token_id or eos[0]`
+        completions = np.where(np.asarray(out.completion_mask) == 1, completions, eos[0])
     return np.concatenate([ids, completions[:, :length].astype(ids.dtype)], axis=1)

@@ -211,7 +211,8 @@ class PolicyView:
     def generate(self, input_ids=None, attention_mask=None, *, max_new_tokens: int | None = None,
                  do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
                  top_p: float | None = None, min_p: float | None = None, repetition_penalty: float | None = None,
-                 eos_token_id=None, pad_token_id: int | None = None, **kwargs):
+                 eos_token_id=None, pad_token_id: int | None = None, num_beams: int | None = None,
+                 length_penalty: float | None = None, early_stopping: bool | str | None = None, **kwargs):
         """transformers' `generate` on the viewed weights, through grpo_jax's sampler: left-padded [B, P] prompts
         (torch or numpy) to [B, P + T] ids, rows past their EOS padded and T cut where the last row ends, as
         transformers returns them. Options not given come from the folder's generation_config.json (transformers'
@@ -225,7 +226,7 @@ class PolicyView:
         if unknown:
             raise ValueError(f"trainer.model.generate: {', '.join(unknown)} not supported (grpo_jax's sampler takes "
                              "max_new_tokens, do_sample, temperature, top_k, top_p, min_p, repetition_penalty, "
-                             "eos_token_id, pad_token_id)")
+                             "num_beams, length_penalty, early_stopping, eos_token_id, pad_token_id)")
         as_torch = type(input_ids).__module__.startswith("torch")
         ids = np.asarray(input_ids.cpu() if as_torch else input_ids, np.int32)
         mask = np.ones_like(ids) if attention_mask is None else np.asarray(
@@ -233,7 +234,8 @@ class PolicyView:
         self._draws += 1
         out = policy_sampling.generate(self, ids, mask, draw=self._draws, options=dict(
             max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-            min_p=min_p, repetition_penalty=repetition_penalty, eos_token_id=eos_token_id, pad_token_id=pad_token_id))
+            min_p=min_p, repetition_penalty=repetition_penalty, num_beams=num_beams, length_penalty=length_penalty,
+            early_stopping=early_stopping, eos_token_id=eos_token_id, pad_token_id=pad_token_id))
         if not as_torch:
             return out.astype(np.asarray(input_ids).dtype)
         import torch

@@ -156,7 +156,6 @@ OFF = {
     "train_sampling_strategy": (("random",), "grpo_jax shuffles the prompts every epoch (by seed)"),
     "trust_remote_code": ((False,), "grpo_jax runs its own model code (the Llama, Gemma, Qwen3-MoE, Cohere 2 and "
                                     "GPT-OSS families)"),
-    "generation_kwargs": ((None,), "set sampling.temperature / top_p / top_k / min_p / repetition_penalty"),
     "vllm_structured_outputs_regex": ((None,), "grpo_jax's sampler has no constrained decoding"),
     "log_unique_prompts": ((False,), "completions.jsonl logs every row (log_completions)"),
     "model_revision": (("main",), "model.path is a local folder: download the revision first"),
@@ -292,6 +291,40 @@ def _geometry(values: dict) -> None:
     train["steps_per_generation"] = rows // step_rows
 
 
+# TRL's generation_kwargs (transformers' GenerationConfig names) -> our sampling keys; the rest is refused
+GENERATION_KWARGS = {
+    **{name: name for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "num_beams",
+                               "length_penalty", "early_stopping")},
+    "max_new_tokens": "max_completion_length",
+}
+
+
+def _generation_kwargs(values: dict) -> None:
+    """TRL's `generation_kwargs` (a dict, or its JSON string) as our sampling keys, in place: they override the
+    options they name, as TRL's update of its generation config does; ``do_sample`` may only be true (TRL's own)."""
+    given = values.pop("generation_kwargs", None)
+    if isinstance(given, str):  # TRL's command line gives it as JSON
+        try:
+            given = json.loads(given)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config key generation_kwargs={given!r} is not JSON ({e.msg}): give a mapping") from None
+    if given is None:
+        return
+    if not isinstance(given, dict):
+        raise ValueError(f"config key generation_kwargs={given!r} must be a mapping of generation options")
+    given = dict(given)
+    if given.pop("do_sample", True) is not True:
+        raise ValueError("config key generation_kwargs do_sample=false would give every completion of a group the "
+                         "same tokens (no advantage to learn from): remove it")
+    unknown = sorted(set(given) - set(GENERATION_KWARGS))
+    if unknown:
+        raise ValueError(f"config key generation_kwargs {', '.join(unknown)}: grpo_jax's sampler takes "
+                         f"{', '.join(sorted(GENERATION_KWARGS))} (or do_sample=true) there; remove the others")
+    sampling, _ = _target(values, "sampling.temperature", "generation_kwargs")
+    for name, value in given.items():
+        sampling[GENERATION_KWARGS[name]] = value
+
+
 SAVE_STRATEGIES = {"no": 0, "epoch": -1}  # TRL's save_strategy as our save_steps ("steps": save_steps as given)
 
 
@@ -316,6 +349,7 @@ def resolve(values: dict) -> dict:
     `disable_dropout_in_model` zeroes every ``nn.Dropout`` of the PEFT model (grpo_jax's models have no other)."""
     _geometry(values)
     _save_strategy(values)
+    _generation_kwargs(values)
     disable_dropout = values.pop("disable_dropout", False)
     if not isinstance(disable_dropout, bool):
         raise ValueError(f"config key disable_dropout={disable_dropout!r} must be true or false")

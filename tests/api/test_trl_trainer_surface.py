@@ -660,8 +660,8 @@ def test_trainer_ref_model_is_the_initial_model_then_the_synced_reference(tmp_pa
 
 def test_trainer_model_generate_is_transformers_generate_on_the_viewed_weights(tmp_path, monkeypatch):
     """`trainer.model.generate` (TRL scripts sample their trained policy with it): transformers' signature and
-    output ([B, P + T], padded after EOS, cut where the last row ends), greedy tokens equal to transformers'
-    `generate` on the same folder, its generation config's defaults; after `train()` the trained weights'."""
+    output ([B, P + T], padded after EOS, cut where the last row ends), greedy tokens (and beam searches) equal to
+    transformers' `generate` on the same folder, its generation config's defaults; after `train()` the trained weights'."""
     torch = pytest.importorskip("torch")
     import hf_fixtures
     import transformers
@@ -685,13 +685,14 @@ def test_trainer_model_generate_is_transformers_generate_on_the_viewed_weights(t
         with torch.no_grad():
             return model.generate(input_ids=ids, attention_mask=mask, do_sample=False, **kwargs)
 
-    for kwargs in (dict(max_new_tokens=12, eos_token_id=hf_fixtures.EOS_ID, pad_token_id=hf_fixtures.PAD_ID), {}):
+    for kwargs in (dict(max_new_tokens=12, eos_token_id=hf_fixtures.EOS_ID, pad_token_id=hf_fixtures.PAD_ID), {},
+                   dict(max_new_tokens=12, num_beams=3, length_penalty=0.5)):
         ours, theirs = trainer.model.generate(ids, attention_mask=mask, **kwargs), reference(folder, **kwargs)
         assert isinstance(ours, torch.Tensor) and ours.dtype == theirs.dtype and ours.shape == theirs.shape, \
             (ours.shape, theirs.shape)
         assert torch.equal(ours, theirs), (ours, theirs)
-    with pytest.raises(ValueError, match="trainer.model.generate: num_beams not supported"):
-        trainer.model.generate(ids, attention_mask=mask, num_beams=4)
+    with pytest.raises(ValueError, match="trainer.model.generate: num_beam_groups not supported"):
+        trainer.model.generate(ids, attention_mask=mask, num_beam_groups=2)
     trainer.train()
     after = trainer.model.generate(ids, attention_mask=mask, max_new_tokens=12)
     assert torch.equal(after, reference(tmp_path / "run" / "final", max_new_tokens=12))

@@ -177,3 +177,46 @@ def test_save_strategy_means_what_it_means_in_trl(strategy, save_steps, per_epoc
     assert GRPOConfig(output_dir="/tmp/x", save_strategy=yaml.safe_load(strategy), save_steps=7).save_steps == save_steps
     with pytest.raises(ValueError, match=r"^config key save_strategy='best' is TRL's: use no, epoch or steps"):
         load_config(None, ["save_strategy=best"])
+
+
+def test_generation_kwargs_set_the_sampling_keys_they_name_over_trls_flat_ones():
+    """TRL updates its generation config with generation_kwargs: they win over temperature / top_k given flat, and
+    num_beams, length_penalty, early_stopping and max_new_tokens are our sampling keys; a file's JSON string works."""
+    from grpo_jax import GRPOConfig
+
+    kwargs = {"do_sample": True, "top_k": 50, "num_beams": 2, "length_penalty": -0.1, "early_stopping": "never",
+              "max_new_tokens": 12, "temperature": 0.9}
+    config = GRPOConfig(output_dir="/tmp/x", temperature=0.7, top_k=5, generation_kwargs=kwargs)
+    s = config.sampling
+    assert (s.top_k, s.num_beams, s.length_penalty, s.early_stopping, s.max_completion_length, s.temperature) == (
+        50, 2, -0.1, "never", 12, 0.9)
+    from_cli = load_config(None, ['generation_kwargs={"num_beams": 3, "top_p": 0.8}'])
+    assert (from_cli.sampling.num_beams, from_cli.sampling.top_p) == (3, 0.8)
+    assert load_config(None, []).sampling.num_beams == 1
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"do_sample": False}, r"^config key generation_kwargs do_sample=false would give every completion"),
+    ({"suppress_tokens": [1], "num_beams": 2}, r"^config key generation_kwargs suppress_tokens: grpo_jax's sampler "
+                                                r"takes early_stopping, length_penalty"),
+    ("{num_beams", r"^config key generation_kwargs='\{num_beams' is not JSON"),
+    ({"num_beams": 0}, r"^sampling.num_beams=0 must be an integer >= 1"),
+    ({"early_stopping": "sometimes"}, r"^sampling.early_stopping='sometimes': use false, true or never"),
+])
+def test_generation_kwargs_we_cannot_honour_are_refused_by_name(kwargs, match):
+    from grpo_jax import GRPOConfig
+
+    with pytest.raises(ValueError, match=match):
+        GRPOConfig(output_dir="/tmp/x", generation_kwargs=kwargs)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["tools=[os:getcwd]"], r"^sampling.num_beams=2 with tools or an environment: a beam search decodes one turn"),
+    (["model.model_type=qwen3_moe", "model.num_experts=4",
+      "model.num_experts_per_tok=2", "model.routing_replay=true"], r"^sampling.num_beams=2 with model.routing_replay"),
+    (["sampling.max_batch_rows=4"], r"^sampling.max_batch_rows=4 with sampling.num_beams=2: a beam search decodes "
+                                    "every row at once"),
+])
+def test_beam_search_refuses_what_it_cannot_do_in_one_line(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(None, ["sampling.num_beams=2", *overrides])
