@@ -1,5 +1,5 @@
-"""Tiny random Hugging Face model folders (llama, mistral, qwen2, qwen3, gemma2, gemma3, qwen3_moe, cohere2, gpt_oss),
-built and saved by transformers.
+"""Tiny random Hugging Face model folders (llama, mistral, qwen2, qwen3, gemma2, gemma3, qwen3_moe, cohere2, gpt_oss,
+glm4_moe), built and saved by transformers.
 
 Every folder is a real ``save_pretrained`` output (config.json, model.safetensors, generation_config.json), so
 the loader is tested on what users bring. Biases and norm weights are randomised too (transformers initialises
@@ -42,6 +42,12 @@ FAMILIES = {
                     intermediate_size=32, sliding_window=4, swiglu_limit=0.5,
                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0,
                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}),
+    # a dense first layer before two routed ones: 8 experts in 4 groups (the best 2 kept), a correction bias that
+    # moves the choice, weights scaled by 2.5, one shared expert, RoPE on half of each head, q/k norm
+    "glm4_moe": dict(model_type="glm4_moe", num_hidden_layers=3, head_dim=16, n_routed_experts=8,
+                     num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2,
+                     first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
+                     attention_bias=True),
 }
 UNTIED_EXTRA = {
     "llama": dict(attention_bias=True, mlp_bias=True),
@@ -53,6 +59,10 @@ UNTIED_EXTRA = {
     "qwen3_moe": dict(attention_bias=True, norm_topk_prob=False),
     "cohere2": dict(attention_bias=True),
     # truncated correction range and an explicit attention factor
+    # no dense layer, no shared expert, plain top-k weights, no q/k norm, a quarter of each head turned
+    "glm4_moe": dict(first_k_dense_replace=0, n_shared_experts=0, norm_topk_prob=False, use_qk_norm=False,
+                     attention_bias=False, n_group=1, topk_group=1,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.25}),
     "gpt_oss": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "attention_factor": 1.3,
                                      "original_max_position_embeddings": 32}),
 }
@@ -88,6 +98,9 @@ def build_model(family: str, tied: bool, seed: int = 0, **overrides):
                 p.normal_(0.0, 0.1)
             elif "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # GLM-4-MoE's router correction bias: large enough to move the choice
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.5)
     return model.eval()
 
 

@@ -36,7 +36,7 @@ from grpo_jax.algo.state import TrainState, as_float32
 from grpo_jax.algo.trajectory import Trajectory
 from grpo_jax.device import sharding
 from grpo_jax.losses import CLIPPED_LOSS_TYPES, LossConfig, compute_loss, contracts
-from grpo_jax.models import lora
+from grpo_jax.models import families, lora
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +187,7 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     grads = as_float32(grads)
     grad_norm = optax.tree_utils.tree_norm(grads)
     updates, new_opt_state = optimizer.update(grads, state.opt_state, as_float32(trainable))
+    updates = families.without_buffers(updates)  # no gradient moves them, nor may weight decay
     new_trainable = optax.apply_updates(trainable, updates)  # in each param's own dtype
     # an update that overflows a parameter (a finite gradient times a huge step) is skipped like a NaN gradient
     params_finite = jax.tree.reduce(jnp.logical_and, jax.tree.map(lambda p: jnp.isfinite(p).all(), new_trainable))

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from grpo_jax.config import Config, trl_keys
+from grpo_jax.config.model import BUFFERS
 
 CHECKPOINTS_DIR = "checkpoints"  # `grpo_jax.io.checkpoint.CHECKPOINTS`, named here without importing jax
 
@@ -142,16 +143,22 @@ class PolicyView:
 
     def named_parameters(self):
         """(name, tensor) of every weight: the base folder's safetensors files, file by file, then under LoRA the
-        adapters."""
+        adapters; buffers (`named_buffers`) apart, as PyTorch keeps them."""
         if not self._lora:
-            yield from _load_all(self.folder)
+            yield from (item for item in _load_all(self.folder) if not _is_buffer(item[0]))
             return
         adapters = self._adapters()
         modules = _adapted_modules(adapters)
         for name, tensor in _load_all(self._base_folder):
-            yield _peft_name(name, modules), tensor
+            if not _is_buffer(name):
+                yield _peft_name(name, modules), tensor
         for name, tensor in adapters.items():
             yield _adapter_name(name), tensor
+
+    def named_buffers(self):
+        """(name, tensor) of the saved buffers no optimizer moves (GLM-4-MoE's ``e_score_correction_bias``)."""
+        folder = self._base_folder if self._lora else self.folder
+        yield from (item for item in _load_all(folder) if _is_buffer(item[0]))
 
     def parameters(self):
         return (tensor for _, tensor in self.named_parameters())
@@ -275,6 +282,10 @@ def _load(file: Path) -> dict:
     except ImportError:
         from safetensors.numpy import load_file
     return load_file(file)
+
+
+def _is_buffer(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in BUFFERS
 
 
 def _load_all(folder: Path):

@@ -12,8 +12,9 @@ from grpo_jax.config.sections import check
 
 # numpy dtypes, which jax takes as they are (jnp.bfloat16 is ml_dtypes.bfloat16): the schema needs no jax
 _DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-MODEL_TYPES = ("qwen2", "llama", "qwen3", "mistral", "gemma2", "gemma3_text", "qwen3_moe", "cohere2", "gpt_oss")
-MOE_TYPES = ("qwen3_moe", "gpt_oss")  # the model types whose MLPs are mixtures of experts
+MODEL_TYPES = ("qwen2", "llama", "qwen3", "mistral", "gemma2", "gemma3_text", "qwen3_moe", "cohere2", "gpt_oss",
+               "glm4_moe")
+MOE_TYPES = ("qwen3_moe", "gpt_oss", "glm4_moe")  # the model types whose MLPs are mixtures of experts
 LAYER_TYPES = ("full_attention", "sliding_attention")  # per-layer attention kinds, transformers' names
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's hidden_act (transformers' names)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -21,6 +22,9 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # splash kernel in Pallas interpret mode (any backend, slow: tests)
 ATTENTION = ("auto", "dense", "splash", "cudnn", "xla", "splash_interpret")
 REMAT = ("none", "full", "dots")  # `models.transformer.REMAT_POLICIES`: what a layer's backward keeps
+# parameters no gradient moves, kept in the state to load and export them (transformers' buffers): GLM-4-MoE's
+# router correction bias, which DeepSeek-V3's balancing adjusts outside the gradient (`families.without_buffers`)
+BUFFERS = ("e_score_correction_bias",)
 # the decoder's linear layers by PEFT's names; "all-linear" targets all of them (never lm_head, as in PEFT)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -138,6 +142,16 @@ class ModelConfig:
     # routing replay: the sampler records each token's experts and the log-prob forwards (old, reference, the
     # update) use them instead of routing afresh
     routing_replay: bool = False
+    # GLM-4-MoE (transformers' names): the first first_k_dense_replace layers have a dense MLP (intermediate_size),
+    # the others experts chosen by sigmoid scores plus a correction bias, in topk_group of n_group groups, their
+    # weights times routed_scaling_factor, beside n_shared_experts always-on experts; RoPE on the first
+    # partial_rotary_factor of each head
+    first_k_dense_replace: int = 0
+    n_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self):
         names = ("vocab_size",) if self.vocab_size is not None else ()
@@ -179,6 +193,7 @@ class ModelConfig:
               "would come from one and be ignored by the other; unset one of them")
         self._check_rope()
         self._check_moe()
+        self._check_glm()
 
     def _check_moe(self):
         check(isinstance(self.num_experts, int) and self.num_experts >= 0,
@@ -203,6 +218,40 @@ class ModelConfig:
         check(not self.routing_replay or self.num_experts > 0 or self.path is not None,
               f"model.routing_replay=true needs a mixture-of-experts model (model_type "
               f"{' or '.join(MOE_TYPES)}): set it to false")
+
+    def _check_glm(self):
+        defaults = {"first_k_dense_replace": 0, "n_shared_experts": 0, "n_group": 1, "topk_group": 1,
+                    "routed_scaling_factor": 1.0, "partial_rotary_factor": 1.0}
+        if self.model_type != "glm4_moe":
+            for name, default in defaults.items():
+                check(getattr(self, name) == default, f"model.{name}={getattr(self, name)!r} is a GLM-4-MoE option: "
+                      f"set it to {default} or model_type=glm4_moe")
+            return
+        L, E = self.num_hidden_layers, self.num_experts
+        check(isinstance(self.first_k_dense_replace, int) and 0 <= self.first_k_dense_replace < L,
+              f"model.first_k_dense_replace={self.first_k_dense_replace!r} must be in 0 .. num_hidden_layers - 1 = "
+              f"{L - 1} (the dense layers before the routed ones)")
+        check(isinstance(self.n_shared_experts, int) and self.n_shared_experts >= 0,
+              f"model.n_shared_experts={self.n_shared_experts!r} must be an integer >= 0")
+        check(isinstance(self.n_group, int) and self.n_group >= 1 and E % self.n_group == 0
+              and E // self.n_group >= 2, f"model.n_group={self.n_group!r} must divide model.num_experts={E} into "
+              "groups of at least 2 (a group scores its best two)")
+        check(isinstance(self.topk_group, int) and 1 <= self.topk_group <= self.n_group
+              and self.num_experts_per_tok <= self.topk_group * (E // self.n_group),
+              f"model.topk_group={self.topk_group!r} must be in 1 .. n_group={self.n_group}, its groups holding the "
+              f"num_experts_per_tok={self.num_experts_per_tok} experts")
+        check(self.routed_scaling_factor > 0, f"model.routed_scaling_factor={self.routed_scaling_factor} must be > 0")
+        check(0 < self.partial_rotary_factor <= 1 and self.rotary_dim >= 1,
+              f"model.partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and turn at least one of "
+              f"the head's {self.resolved_head_dim} dims")
+        check(self.router_aux_loss_coef == 0, f"model.router_aux_loss_coef={self.router_aux_loss_coef}: GLM-4-MoE's "
+              "sigmoid router has no softmax load-balancing loss; set it to 0")
+
+    @property
+    def rotary_dim(self) -> int:
+        """transformers' RoPE ``dim``: the first ``partial_rotary_factor`` of the head (GLM-4-MoE: half). Its
+        frequencies are arange(0, dim, 2) / dim, so an odd dim turns dim + 1 dims, as transformers does."""
+        return int(self.resolved_head_dim * self.partial_rotary_factor)
 
     def _check_layers(self):
         types = self.layer_types

@@ -37,6 +37,7 @@ PARTITION_RULES: tuple[tuple[str, tuple], ...] = (
     (r"experts\.down_proj_bias$", (EXPERT, None)),                    # [.., E, D]
     (r"mlp\.(gate|router)\.kernel$", (FSDP, None)),                    # router [.., D, E]
     (r"mlp\.router\.bias$", (None,)),                                 # [.., E]
+    (r"mlp\.gate\.e_score_correction_bias$", (None,)),                # [.., E] (GLM-4-MoE)
     (r"self_attn\.sinks$", (None,)),                                  # [.., H]: tiny, replicated
     (r"lm_head\.kernel$", (FSDP, TENSOR)),                             # [D, V]
     (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)\.kernel$", (FSDP, TENSOR)),  # [.., D, out]

@@ -3,7 +3,7 @@ the generic driver (`models.transformer`) does differently for it, its config.js
 
 Adding a family: write ``models/<family>.py`` with a decoder layer built from `models.layers` (its call takes
 ``(x, cos, sin, mask, cache_kv, cache_index, prefix_kv, prefix_group_size, whole_mask)`` and returns
-``(x, cache_kv, new_kv)``, as `models.llama.DecoderLayer`), ``config_fields`` and ``hf_kwargs``; list its
+``(x, cache_kv, new_kv)``, as `models.layers.DecoderLayer`), ``config_fields`` and ``hf_kwargs``; list its
 model types in `grpo_jax.config.model.MODEL_TYPES` and its ``FAMILY`` in `models.transformer.FAMILIES`. Sampling,
 log-probs and the losses see only `models.transformer`'s functions and need nothing.
 
@@ -18,22 +18,43 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from grpo_jax.config.model import ModelConfig
+import jax
+
+from grpo_jax.config.model import BUFFERS, ModelConfig
 
 
 def hf_names(path: str, config: ModelConfig) -> tuple[list[str], int, bool]:
     """(Hugging Face tensor names, how many leading axes of ours they are stacked over, transposed) for one of our
     parameter paths: module names are transformers' under ``model.``; ``layers.<m>`` [L, ...] is
-    ``model.layers.<i>.<m>`` for i < L. A stack over several axes lists its names row-major."""
+    ``model.layers.<i>.<m>`` for the layers i of the stack (`stack_layers`). A stack over several axes lists its
+    names row-major."""
     *module, leaf = path.split(".")
     hf_leaf = "weight" if leaf in ("kernel", "embedding") else leaf
     transposed = leaf == "kernel"
     if module[0] == "lm_head":
         return [f"lm_head.{hf_leaf}"], 0, transposed
-    if module[0] == "layers":
+    if module[0] in STACKS:
         inner = ".".join(module[1:])
-        return [f"model.layers.{i}.{inner}.{hf_leaf}" for i in range(config.num_hidden_layers)], 1, transposed
+        return [f"model.layers.{i}.{inner}.{hf_leaf}" for i in stack_layers(module[0], config)], 1, transposed
     return [f"model.{'.'.join(module)}.{hf_leaf}"], 0, transposed
+
+
+# the stacks of decoder layers a model holds: ``dense_layers`` (the first ``first_k_dense_replace``, GLM-4-MoE's
+# dense-MLP layers before its routed ones) and ``layers`` (the rest: every layer of every other family)
+STACKS = ("dense_layers", "layers")
+
+
+def stack_layers(stack: str, config: ModelConfig) -> range:
+    """The decoder layer indices (transformers' ``model.layers.<i>``) a stack holds, in order."""
+    k = config.first_k_dense_replace
+    return range(k) if stack == "dense_layers" else range(k, config.num_hidden_layers)
+
+
+def without_buffers(updates):
+    """Optimizer updates with the `BUFFERS`' zeroed (AdamW's weight decay would move them)."""
+    def zero(path, u):
+        return jax.numpy.zeros_like(u) if any(getattr(k, "key", None) in BUFFERS for k in path) else u
+    return jax.tree_util.tree_map_with_path(zero, updates)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +79,9 @@ class Family:
     # mixture of experts: the decoder layer takes ``routing=`` (experts to replay [B, T, K], or None) and returns a
     # fourth output, (router logits [B, T, E], chosen experts [B, T, K])
     routed: bool = False
+    # the first ``config.first_k_dense_replace`` layers' module (GLM-4-MoE's dense ones, `layers.DecoderLayer`);
+    # None: every layer is a ``decoder_layer``
+    dense_layer: type | None = None
 
 
 def layer_kinds(config: ModelConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:

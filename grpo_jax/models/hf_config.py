@@ -22,17 +22,19 @@ def rope_parameters(hf) -> dict:
     return dict(rope)
 
 
-def rope_fields(rope: dict, hf, where: str) -> dict:
-    """ModelConfig RoPE fields of one flat RoPE setting (``rope_type``, ``rope_theta``, ``factor``, ...)."""
+def rope_fields(rope: dict, hf, where: str, partial: bool = False) -> dict:
+    """ModelConfig RoPE fields of one flat RoPE setting (``rope_type``, ``rope_theta``, ``factor``, ...);
+    ``partial``: the family reads ``partial_rotary_factor`` itself (GLM-4-MoE), else it must be 1."""
     if any(isinstance(v, dict) for v in rope.values()):
         raise ValueError(f"{where}: per-layer-type rope_parameters {sorted(rope)} are not supported for "
                          f"model_type {hf.model_type!r}: one RoPE setting for every layer, rope_type in {ROPE_TYPES}")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"{where}: rope_type {rope_type!r} is not supported: supported are {ROPE_TYPES}")
-    partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"{where}: partial_rotary_factor={partial} is not supported: only 1.0 (full rotary)")
+    factor = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
+    if not partial and factor not in (None, 1, 1.0):
+        raise ValueError(f"{where}: partial_rotary_factor={factor} is not supported for model_type "
+                         f"{hf.model_type!r}: only 1.0 (full rotary)")
     out = {"rope_theta": float(rope["rope_theta"]), "rope_type": rope_type}
     if rope_type in ("linear", "llama3"):
         out["rope_factor"] = float(rope["factor"])

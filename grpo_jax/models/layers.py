@@ -187,8 +187,8 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """Gated feed-forward: down(act(gate(x)) * up(x)); SwiGLU with silu, GeGLU with gelu_pytorch_tanh."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, *, bias: bool = False):
-        D, F = config.hidden_size, config.intermediate_size
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, *, bias: bool = False, width: int | None = None):
+        D, F = config.hidden_size, config.intermediate_size if width is None else width
         self.gate_proj = linear(D, F, bias, config, rngs, "gate_proj")
         self.up_proj = linear(D, F, bias, config, rngs, "up_proj")
         self.down_proj = linear(F, D, bias, config, rngs, "down_proj")
@@ -199,3 +199,22 @@ class MLP(nnx.Module):
         x_NxD = x_BxTxD.reshape(-1, x_BxTxD.shape[-1])
         out_NxD = self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x_NxD)) * self.up_proj(x_NxD))
         return out_NxD.reshape(x_BxTxD.shape)
+
+
+class DecoderLayer(nnx.Module):
+    """The pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), with the config's biases and q/k norm (the
+    Llama family's layer, and GLM-4-MoE's dense ones)."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.self_attn = Attention(config, rngs, bias=config.attention_bias, out_bias=config.attention_out_bias,
+                                   qk_norm=config.qk_norm)
+        self.mlp = MLP(config, rngs, bias=config.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config)
+
+    def __call__(self, x, cos, sin, mask, cache_kv, cache_index, prefix_kv=None, prefix_group_size=1,
+                 whole_mask=False):
+        attn, cache_kv, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_kv, cache_index,
+                                                prefix_kv, prefix_group_size, whole_mask)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), cache_kv, new_kv

@@ -8,33 +8,13 @@ their ``layer_types`` say).
 
 from __future__ import annotations
 
-from flax import nnx
-
 from grpo_jax.config.model import ModelConfig
 from grpo_jax.models import hf_config
 from grpo_jax.models.families import Family
-from grpo_jax.models.layers import MLP, Attention, RMSNorm
+from grpo_jax.models.layers import DecoderLayer
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
-
-
-class DecoderLayer(nnx.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
-
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        self.self_attn = Attention(config, rngs, bias=config.attention_bias, out_bias=config.attention_out_bias,
-                                   qk_norm=config.qk_norm)
-        self.mlp = MLP(config, rngs, bias=config.mlp_bias)
-        self.input_layernorm = RMSNorm(config.hidden_size, config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config)
-
-    def __call__(self, x, cos, sin, mask, cache_kv, cache_index, prefix_kv=None, prefix_group_size=1,
-                 whole_mask=False):
-        attn, cache_kv, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_kv, cache_index,
-                                                prefix_kv, prefix_group_size, whole_mask)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), cache_kv, new_kv
 
 
 def _window_fields(hf, where: str) -> dict:

@@ -149,14 +149,16 @@ def merged_params(config: ModelConfig, params: nnx.State) -> nnx.State:
     PEFT's ``merge_and_unload``: run with `adapters_off` (or, after `base_params`, the base graphdef) they give
     the logits of the model with adapters, up to rounding.
     """
-    pairs = nnx.to_pure_dict(nnx.filter_state(params, nnx.LoRAParam))["layers"]  # {block: {module: {lora_a, _b}}}
+    pairs = nnx.to_pure_dict(nnx.filter_state(params, nnx.LoRAParam))  # {stack: {block: {module: {lora_a, _b}}}}
 
     def merge(path, w):
         keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-        ab = pairs.get(keys[1], {}).get(keys[2]) if keys[0] == "layers" and keys[-1] == "kernel" else None
-        if ab is None:
+        ab = pairs
+        for key in keys[:-1] if keys[-1] == "kernel" else ():  # the kernel's module, where its adapters sit
+            ab = ab.get(key, {}) if isinstance(ab, dict) else {}
+        if not isinstance(ab, dict) or "lora_a" not in ab:
             return w
-        delta = jnp.einsum("lir,lro->lio", ab["lora_a"], ab["lora_b"], preferred_element_type=jnp.float32)
+        delta = jnp.einsum("...ir,...ro->...io", ab["lora_a"], ab["lora_b"], preferred_element_type=jnp.float32)
         return (w.astype(jnp.float32) + config.lora.scale * delta).astype(w.dtype)
 
     return jax.tree_util.tree_map_with_path(merge, params)

@@ -2,7 +2,7 @@
 ``adapter_model.safetensors`` as ``peft.PeftModel.save_pretrained`` writes them and ``from_pretrained`` reads them.
 
 Names: our ``layers.<block>.<module>.lora_a`` [L, in, r] is ``base_model.model.model.layers.<i>.<block>.<module>
-.lora_A.weight`` [r, in] transposed, ``lora_b`` [L, r, out] is ``...lora_B.weight`` [out, r] transposed. Loading
+.lora_A.weight`` [r, in] transposed (``dense_layers``: GLM-4-MoE's first layers, i from 0), ``lora_b`` [L, r, out] is ``...lora_B.weight`` [out, r] transposed. Loading
 reads each device's slice from the memory-mapped file, as `pretrained.from_pretrained` does.
 """
 
@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.config.model import LORA_TARGETS, LoRAConfig, ModelConfig
+from grpo_jax.models import families
 from grpo_jax.models import safetensors_io as st
 from grpo_jax.models.pretrained import _flat, _read, _sharding_fn, _to_host, abstract_model
 
@@ -29,11 +30,12 @@ _UNSUPPORTED = ("use_dora", "modules_to_save", "layers_to_transform", "layers_pa
                 "layer_replication", "use_qalora", "alora_invocation_tokens")
 
 
-def peft_names(path: str, num_layers: int) -> list[str]:
-    """PEFT's tensor names, one per layer, of our adapter path ``layers.<block>.<module>.lora_a|lora_b``."""
-    _, block, module, leaf = path.split(".")
+def peft_names(path: str, config: ModelConfig) -> list[str]:
+    """PEFT's tensor names, one per layer of its stack (`families.stack_layers`), of our adapter path
+    ``<stack>.<block>...<module>.lora_a|lora_b``."""
+    stack, *inner, leaf = path.split(".")
     kind = {"lora_a": "lora_A", "lora_b": "lora_B"}[leaf]
-    return [f"{_PREFIX}layers.{i}.{block}.{module}.{kind}.weight" for i in range(num_layers)]
+    return [f"{_PREFIX}layers.{i}.{'.'.join(inner)}.{kind}.weight" for i in families.stack_layers(stack, config)]
 
 
 def _read_config(folder: str) -> dict:
@@ -96,7 +98,7 @@ def load_adapters(config: ModelConfig, *, shardings=None) -> nnx.State:
     nested: dict = {}
     used = set()
     for path, leaf in _flat(abstract).items():
-        names = peft_names(path, config.num_hidden_layers)
+        names = peft_names(path, config)
         want = tuple(leaf.shape[1:])[::-1]
         for name in names:
             if name not in refs:
@@ -125,7 +127,7 @@ def host_adapters(config: ModelConfig, params) -> dict[str, np.ndarray]:
     (what `save_adapters` writes)."""
     return {hf_name: np.ascontiguousarray(_to_host(array[i], True))
             for name, array in _flat(nnx.filter_state(params, nnx.LoRAParam)).items()
-            for i, hf_name in enumerate(peft_names(name, config.num_hidden_layers))}
+            for i, hf_name in enumerate(peft_names(name, config))}
 
 
 def save_adapters(config: ModelConfig, params, path, *, base_model_name_or_path: str | None = None) -> None:
@@ -136,7 +138,7 @@ def save_adapters(config: ModelConfig, params, path, *, base_model_name_or_path:
     path = os.fspath(path)
     lora, entries = config.lora, []
     for name, array in _flat(nnx.filter_state(params, nnx.LoRAParam)).items():
-        for i, hf_name in enumerate(peft_names(name, config.num_hidden_layers)):
+        for i, hf_name in enumerate(peft_names(name, config)):
             shape = tuple(array.shape[1:])[::-1]
             entries.append(st.Entry(hf_name, shape, np.dtype(array.dtype),
                                     lambda a=array, i=i: _to_host(a[i], True)))

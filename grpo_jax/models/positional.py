@@ -10,10 +10,10 @@ import numpy as np
 
 
 def rope_inv_freq(config, kind: str = "full_attention") -> np.ndarray:
-    """Inverse frequencies [Dh/2] float32 of a layer kind's RoPE, as transformers'
-    ``ROPE_INIT_FUNCTIONS[rope_type]``: with ``rope_local_base_freq`` (Gemma 3) sliding_attention layers use
+    """Inverse frequencies [R/2] float32 of a layer kind's RoPE (R = `rotary_dim`: Dh, or its first part), as
+    transformers' ``ROPE_INIT_FUNCTIONS[rope_type]``: with ``rope_local_base_freq`` (Gemma 3) sliding_attention layers use
     default RoPE of that base, every other layer ``rope_theta`` and ``rope_type``."""
-    dim = config.resolved_head_dim
+    dim = config.rotary_dim
     local = kind == "sliding_attention" and config.rope_local_base_freq is not None
     theta = config.rope_local_base_freq if local else config.rope_theta
     inv_freq = (1.0 / (theta ** (np.arange(0, dim, 2).astype(np.float32) / dim))).astype(np.float32)
@@ -90,7 +90,12 @@ def rope_cos_sin(positions_BxT, tables):
 
 def apply_rope(x_BxTxHxDh, cos_BxTxDh, sin_BxTxDh, interleaved: bool = False):
     """x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2, x1]; computed in float32. ``interleaved`` (Cohere):
-    pair (2i, 2i + 1) turns by frequency i, as transformers' Cohere ``rotate_half`` over interleaved tables."""
+    pair (2i, 2i + 1) turns by frequency i, as transformers' Cohere ``rotate_half`` over interleaved tables.
+    Tables narrower than the head (partial rotary, GLM-4-MoE) turn its first dims and pass the rest."""
+    rotary = cos_BxTxDh.shape[-1]
+    if rotary < x_BxTxHxDh.shape[-1]:
+        turned = apply_rope(x_BxTxHxDh[..., :rotary], cos_BxTxDh, sin_BxTxDh, interleaved)
+        return jnp.concatenate([turned, x_BxTxHxDh[..., rotary:]], axis=-1)
     x = x_BxTxHxDh.astype(jnp.float32)
     if interleaved:  # the tables' first half holds each frequency once
         half = x.shape[-1] // 2

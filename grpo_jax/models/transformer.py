@@ -26,7 +26,7 @@ from flax import nnx
 
 from grpo_jax.config.model import ModelConfig  # noqa: F401  (re-exported)
 from grpo_jax.config.sections import check
-from grpo_jax.models import attention, cohere2, gemma, gpt_oss, llama, paged, qwen3_moe
+from grpo_jax.models import attention, cohere2, families, gemma, glm4_moe, gpt_oss, llama, paged, qwen3_moe
 from grpo_jax.models.families import Family, kind_window, layer_kinds
 from grpo_jax.models.layers import KVCache, LayerNorm, RMSNorm, linear
 from grpo_jax.models.moe import Routing
@@ -40,7 +40,7 @@ from grpo_jax.models.positional import (  # noqa: F401  (positions_from_mask, ro
 )
 
 # every family the driver builds; a new family module is listed here (and its model types in config.model)
-FAMILIES = (llama.FAMILY, gemma.FAMILY, qwen3_moe.FAMILY, cohere2.FAMILY, gpt_oss.FAMILY)
+FAMILIES = (llama.FAMILY, gemma.FAMILY, qwen3_moe.FAMILY, cohere2.FAMILY, gpt_oss.FAMILY, glm4_moe.FAMILY)
 
 
 def family(model_type: str) -> Family:
@@ -72,12 +72,19 @@ class Transformer(nnx.Module):
                                       embedding_init=nnx.initializers.normal(config.initializer_range),
                                       rngs=rngs)
 
-        @nnx.split_rngs(splits=config.num_hidden_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def stacked_layers(rngs):
-            return fam.decoder_layer(config, rngs)
+        def stack(layer, count: int):
+            @nnx.split_rngs(splits=count)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def stacked_layers(rngs):
+                return layer(config, rngs)
+            return stacked_layers(rngs)
 
-        self.layers = stacked_layers(rngs)
+        k = config.first_k_dense_replace
+        check(not k or fam.dense_layer is not None,
+              f"model.first_k_dense_replace={k} with model_type={config.model_type!r}, which has no dense layers")
+        if k:  # GLM-4-MoE's first layers: dense MLPs, a stack of their own before the routed ones
+            self.dense_layers = stack(fam.dense_layer, k)
+        self.layers = stack(fam.decoder_layer, config.num_hidden_layers - k)
         self.norm = (LayerNorm(config.hidden_size, config) if fam.layer_norm else
                      RMSNorm(config.hidden_size, config, fam.norm_offset, fam.norm_f32_scale))
         if not config.tie_word_embeddings:
@@ -128,30 +135,41 @@ class Transformer(nnx.Module):
         # one mask and one RoPE table per attention kind, built once; each layer takes its kind's
         rope = rotary_tables(config, S) if rope is None else rope
         cos_sins = [rope_cos_sin(positions_BxT, rope[k]) for k in kinds]
-        layer_graphdef, stacked = nnx.split(self.layers)
+        # (graphdef, stacked params, first layer, routed) of each stack of layers, in order (`families.STACKS`)
+        stacks = [(*nnx.split(getattr(self, name)), families.stack_layers(name, config).start,
+                   self.routed and name == "layers") for name in families.STACKS if hasattr(self, name)]
+        first_routed = config.first_k_dense_replace  # routing [L', ...] covers the routed layers only
         x = self.embed_tokens(input_ids_BxT)
         if self.embed_scale:  # the scale rounded to the compute dtype, as transformers' Gemma embedding does
             x = x * jnp.asarray(config.hidden_size ** 0.5, x.dtype)
 
-        def run_layer(params, *args, replay=None):
+        def run_layer(graphdef, routed, params, *args, replay=None):
             """One decoder layer: (x, cache_kv, new_kv, its (router logits, experts) or None)."""
-            layer = nnx.merge(layer_graphdef, params)
-            if not self.routed:
+            layer = nnx.merge(graphdef, params)
+            if not routed:
                 return *layer(*args), None
             return layer(*args, routing=replay)
+
+        def stack_of(l: int):  # the (graphdef, routed) of layer l
+            graphdef, _, _, routed = next(s for s in reversed(stacks) if s[2] <= l)
+            return graphdef, routed
+
+        def replay_of(l: int):
+            return None if routing is None or l < first_routed else routing[l - first_routed]
 
         if cache is not None:
             # decoding: one layer after another, each with its own cache buffers (updated in place). ``layers``
             # (`layer_params`, sliced once by the caller) keeps the slicing out of a decode loop's steps
-            layers = layer_params_from(stacked, config.num_hidden_layers) if layers is None else layers
+            layers = layer_params_of(self) if layers is None else layers
             ks, vs, routed = [], [], []
             for l, (params, k, v, i) in enumerate(zip(layers, cache.k, cache.v, kind_of_layer)):
                 layer_cache = paged.LayerPages(k, v, cache) if isinstance(cache, paged.PagedKVCache) else (k, v)
-                x, (k, v), _, r = run_layer(params, x, *cos_sins[i], masks[i], layer_cache, cache_index,
-                                            replay=None if routing is None else routing[l])
+                x, (k, v), _, r = run_layer(*stack_of(l), params, x, *cos_sins[i], masks[i], layer_cache, cache_index,
+                                            replay=replay_of(l))
                 ks.append(k)
                 vs.append(v)
-                routed.append(r)
+                if r is not None:
+                    routed.append(r)
             new_cache = (cache._replace(k=tuple(ks), v=tuple(vs)) if isinstance(cache, paged.PagedKVCache) else
                          KVCache(tuple(ks), tuple(vs)))
             out = self.norm(x), new_cache
@@ -165,13 +183,13 @@ class Transformer(nnx.Module):
         stacked_kinds = None if len(kinds) == 1 or kernel else (jnp.stack(masks),
                                                                  *(jnp.stack(t) for t in zip(*cos_sins)))
 
-        def layer_step(x, xs, kind: int = 0):
+        def layer_step(graphdef, routed, x, xs, kind: int = 0):
             # kind_index: the layer's kind traced (a scan over several kinds); replay: its experts to replay
             params, prefix_kv, kind_index, replay = xs
 
             def run(mask, cos, sin):
-                x_out, _, new_kv, r = run_layer(params, x, cos, sin, mask, None, cache_index, prefix_kv,
-                                                prefix_group_size, whole_mask, replay=replay)
+                x_out, _, new_kv, r = run_layer(graphdef, routed, params, x, cos, sin, mask, None, cache_index,
+                                                prefix_kv, prefix_group_size, whole_mask, replay=replay)
                 return x_out, (new_kv if return_kv else None, r if return_routing else None)
 
             if kind_index is None:
@@ -183,26 +201,34 @@ class Transformer(nnx.Module):
 
         if REMAT_POLICIES[config.remat] is not None:
             layer_step = jax.checkpoint(layer_step, policy=REMAT_POLICIES[config.remat], prevent_cse=False,
-                                        static_argnums=(2,))
+                                        static_argnums=(0, 1, 4))
+        new_kvs, routed = [], []
         if not config.scan_layers:
             # each layer's residuals stay separate buffers: a scan writes them into [L, ...] stacks slice by slice,
             # which cost the 0.5B H100 update 144 vs 120 ms and 34 vs 24 GiB peak (benchmarks/RESULTS.md)
-            new_kvs, routed = [], []
-            for i, params in enumerate(layer_params_from(stacked, config.num_hidden_layers)):
-                x, (new_kv, r) = layer_step(x, (params, None if prefix is None else (prefix.k[i], prefix.v[i]),
-                                                None, None if routing is None else routing[i]), kind_of_layer[i])
+            for i, params in enumerate(layer_params_of(self)):
+                x, (new_kv, r) = layer_step(*stack_of(i), x, (params, None if prefix is None else (
+                    prefix.k[i], prefix.v[i]), None, replay_of(i)), kind_of_layer[i])
                 new_kvs.append(new_kv)
-                routed.append(r)
+                if stack_of(i)[1]:
+                    routed.append(r)
             kv = KVCache(*(tuple(kv[j] for kv in new_kvs) for j in (0, 1))) if return_kv else None
             return (self.norm(x), kv, _stack_routing(routed)) if return_routing else (self.norm(x), kv)
-        prefix_kv = None if prefix is None else (jnp.stack(prefix.k), jnp.stack(prefix.v))
-        # unrolling a few layers per iteration removes the loop's per-iteration cost, which dominates small
-        # models (the default 2-layer run's update is 2x faster fully unrolled on CPU)
-        kind_L = None if len(kinds) == 1 else jnp.asarray(kind_of_layer, jnp.int32)
-        x, (new_kv, routed) = jax.lax.scan(lambda x, xs: layer_step(x, xs, 0), x,
-                                           (stacked, prefix_kv, kind_L, routing),
-                                           unroll=min(config.scan_unroll, config.num_hidden_layers))
-        kv = KVCache(*(tuple(kv) for kv in new_kv)) if return_kv else None
+        for graphdef, stacked, first, is_routed in stacks:  # one scan a stack
+            count = jax.tree.leaves(stacked)[0].shape[0]
+            part = slice(first, first + count)
+            prefix_kv = None if prefix is None else (jnp.stack(prefix.k[part]), jnp.stack(prefix.v[part]))
+            # unrolling a few layers per iteration removes the loop's per-iteration cost, which dominates small
+            # models (the default 2-layer run's update is 2x faster fully unrolled on CPU)
+            kind_L = None if len(kinds) == 1 else jnp.asarray(kind_of_layer[part], jnp.int32)
+            step = functools.partial(layer_step, graphdef, is_routed)
+            x, (new_kv, r) = jax.lax.scan(lambda x, xs: step(x, xs, 0), x,
+                                          (stacked, prefix_kv, kind_L, routing if is_routed else None),
+                                          unroll=min(config.scan_unroll, count))
+            new_kvs.append(new_kv)
+            if is_routed:
+                routed = r
+        kv = KVCache(*(sum((tuple(kv[j]) for kv in new_kvs), ()) for j in (0, 1))) if return_kv else None
         return (self.norm(x), kv, Routing(*routed)) if return_routing else (self.norm(x), kv)
 
     def unembed(self, hidden_BxTxD):
@@ -261,16 +287,22 @@ def rotary_tables(config: ModelConfig, num_positions: int) -> dict:
     return tables
 
 
-def layer_params_from(stacked, num_layers: int) -> list:
-    """Per-layer parameter states [l] of the stacked decoder layers (each leaf sliced on its leading L axis)."""
-    return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_layers)]
+def layer_params_of(model: Transformer) -> list:
+    """Per-layer parameter states [l] of a model's stacked decoder layers, every stack in order (each leaf sliced
+    on its leading axis)."""
+    out = []
+    for name in families.STACKS:
+        if hasattr(model, name):
+            stacked = nnx.split(getattr(model, name))[1]
+            count = len(families.stack_layers(name, model.config))
+            out += [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(count)]
+    return out
 
 
 def layer_params(graphdef, params) -> list:
     """The decoder layers' parameters, one state per layer: pass as ``forward(..., layers=)`` to a decode loop
     so each step reads them in place instead of slicing (copying) them out of the stack again."""
-    model = nnx.merge(graphdef, params)
-    return layer_params_from(nnx.split(model.layers)[1], model.config.num_hidden_layers)
+    return layer_params_of(nnx.merge(graphdef, params))
 
 
 def compute_dtype_params(graphdef, params) -> nnx.State:

@@ -150,6 +150,28 @@ def test_evaluate_before_train_is_the_runs_step_0_evaluation(tmp_path):
         bare.evaluate()
 
 
+def test_trainer_model_names_parameters_and_buffers_as_pytorch_does(tmp_path):
+    """GLM-4-MoE's router correction bias is a PyTorch buffer: `named_parameters` leaves it out (TRL's tests check
+    every listed parameter moves) and `named_buffers` has it, as transformers' model lists them."""
+    torch = pytest.importorskip("torch")
+    import hf_fixtures
+
+    from grpo_jax import GRPOConfig, GRPOTrainer
+    from grpo_jax.data import task
+
+    model = hf_fixtures.build_model("glm4_moe", tied=False)
+    folder = hf_fixtures.save_model(model, tmp_path / "hf")
+    task.build_tokenizer(folder)
+    trainer = GRPOTrainer(model=folder, reward_funcs=answer_reward, train_dataset=ROWS,
+                          args=GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=1))
+    ours = dict(trainer.model.named_parameters())  # the folder's names (experts one by one, as saved)
+    assert ours and not [n for n in ours if "e_score_correction_bias" in n]
+    assert all(torch.equal(ours[n], p.detach()) for n, p in model.named_parameters() if n in ours)
+    buffers = {n: b for n, b in model.named_buffers() if "rotary" not in n}  # RoPE tables are not saved
+    assert dict(trainer.model.named_buffers()).keys() == buffers.keys()
+    assert all(torch.equal(b, buffers[n]) for n, b in trainer.model.named_buffers())
+
+
 def test_a_model_object_trains_as_its_folder_and_trainer_model_reads_the_weights(tmp_path, monkeypatch):
     """`model=<transformers object>` is saved once to a folder named by its weights' hash (the same object, the same
     folder: a rerun resumes) and trains bit for bit as that folder does; `trainer.model` reads the policy's weights

@@ -213,7 +213,7 @@ def test_splash_over_a_mesh_in_shard_map_equals_one_device():
 
 # --- whole models ----------------------------------------------------------------------------------------------
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "qwen3_moe", "gpt_oss")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "qwen3_moe", "gpt_oss", "glm4_moe")
 
 
 def _model(family: str, **options):

@@ -389,8 +389,8 @@ BAD_FOLDERS = [
     ("shape", r"bad/config.json: intermediate_size=96 but the weights hold 128 \(model.layers.0.mlp.gate_proj."
               r"weight in model.safetensors\)"),
     ("truncated", r"model.safetensors: .*truncated or corrupt"),
-    ("gpt2", r"model_type 'gpt2' is not supported: supported are \['cohere2', 'gemma2', 'gemma3_text', 'gpt_oss', "
-             r"'llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe'\]"),
+    ("gpt2", r"model_type 'gpt2' is not supported: supported are \['cohere2', 'gemma2', 'gemma3_text', 'glm4_moe', "
+             r"'gpt_oss', 'llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe'\]"),
     ("dynamic", r"rope_type 'dynamic' is not supported: supported are \('default', 'linear', 'llama3', 'yarn'\)"),
     ("gelu", r"hidden_act 'gelu' is not supported"),
 ]
