@@ -179,7 +179,7 @@ def programs(config: Config, mesh, model, *, tpu: bool, reuse: dict | None = Non
     def routed(b):  # the sampler's experts, replayed (model.routing_replay)
         if not model.routing_replay:
             return None
-        return array(b, P + T, model.num_hidden_layers, model.num_experts_per_tok,
+        return array(b, P + T, model.routed_layers, model.num_experts_per_tok,
                      dtype=routing_dtype(model.num_experts))
 
     def build(name, lowered):
@@ -315,7 +315,7 @@ def kernel_expert_flops(config: Config, mesh, forwards: tuple[float, ...], *, pa
     K, n, D, F = model.num_experts_per_tok, mesh.shape["expert"], model.hidden_size, model.moe_intermediate_size
     if chips == 1:
         return 0.0
-    per_assignment = 6.0 * D * F * model.num_hidden_layers * passes
+    per_assignment = 6.0 * D * F * model.routed_layers * passes
     add = 0.0
     for tokens in forwards:
         if tokens * chips * K <= moe.CHUNK_ASSIGNMENTS:

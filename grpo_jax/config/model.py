@@ -248,6 +248,11 @@ class ModelConfig:
               "sigmoid router has no softmax load-balancing loss; set it to 0")
 
     @property
+    def routed_layers(self) -> int:
+        """The layers whose MLP is a mixture of experts: all but GLM-4-MoE's first dense ones (0: a dense model)."""
+        return self.num_hidden_layers - self.first_k_dense_replace if self.num_experts else 0
+
+    @property
     def rotary_dim(self) -> int:
         """transformers' RoPE ``dim``: the first ``partial_rotary_factor`` of the head (GLM-4-MoE: half). Its
         frequencies are arange(0, dim, 2) / dim, so an odd dim turns dim + 1 dims, as transformers does."""

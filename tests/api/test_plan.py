@@ -201,20 +201,33 @@ def test_the_plan_tables_model_folders_hold_the_released_shapes(tmp_path):
     assert gemma.layer_types.count("full_attention") == 10 and gemma.layer_types[5] == "full_attention"
 
 
+MOE_FOLDERS = {
+    "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_hidden_layers=1,
+                      num_experts=8, decoder_sparse_step=1, mlp_only_layers=[]),
+    # a dense layer before a routed one, grouped routing, a shared expert, half-head RoPE; routing replay records
+    # the routed layer only
+    "glm4_moe": dict(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], num_hidden_layers=2,
+                     first_k_dense_replace=1, n_routed_experts=8, n_group=2, topk_group=1, n_shared_experts=1,
+                     routed_scaling_factor=2.0, use_qk_norm=False, attention_bias=True,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+}
+
+
 @needs_libtpu
-def test_tpu_plan_compiles_a_mixture_of_experts_over_expert_and_fsdp(tmp_path):
-    """A tiny qwen3_moe on v5e:2x2 with its experts over mesh.expert=2 and the rest over fsdp 2: every phase
-    compiles for the TPU (the expert-parallel block without axis_index: tests/test_moe.py checks its program holds
-    no partition_id, which Qwen3-30B-A3B's train step over expert 8 x fsdp 8 was refused for)."""
+@pytest.mark.parametrize("family", list(MOE_FOLDERS))
+def test_tpu_plan_compiles_a_mixture_of_experts_over_expert_and_fsdp(tmp_path, family):
+    """A tiny qwen3_moe / glm4_moe on v5e:2x2 with its experts over mesh.expert=2 and the rest over fsdp 2: every
+    phase compiles for the TPU (the expert-parallel block without axis_index: tests/test_moe.py checks its program
+    holds no partition_id, which Qwen3-30B-A3B's train step over expert 8 x fsdp 8 was refused for)."""
     folder = tmp_path / "moe"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(dict(
-        model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=V, hidden_size=256,
-        intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=512, tie_word_embeddings=False)))
+        vocab_size=V, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
+        tie_word_embeddings=False, **MOE_FOLDERS[family])))
     overrides = [o for o in OVERRIDES if not o.startswith("mesh.")] + [
-        f"model.path={folder}", "mesh.data=1", "mesh.fsdp=2", "mesh.expert=2"]
+        f"model.path={folder}", "mesh.data=1", "mesh.fsdp=2", "mesh.expert=2"] + (
+        ["model.routing_replay=true"] if family == "glm4_moe" else [])
     result = plan.plan(load_config(None, overrides), plan.topology_devices("v5e:2x2"), costs=False)
     assert [p.name for p in result.phases if p.name != plan.COMPARED] == list(plan.PHASES)
     assert result.layout.startswith("expert ")  # experts split over the group, attention data parallel
