@@ -258,6 +258,10 @@ def plan(config: Config, devices, *, chip: Chip | None = None, hbm_bytes: int | 
     from grpo_jax.device import sharding
 
     config = resolved(config)
+    if decoding and config.sampling.num_beams > 1:  # its decode program is `beam.generate`, which plan_programs skips
+        raise ValueError(f"sampling.num_beams={config.sampling.num_beams}: grpo-jax plan models sampling without beams "
+                         "(a beam search holds rows x num_beams KV caches); plan with sampling.num_beams=1 and "
+                         "scale the decode cache by num_beams")
     devices = list(devices)
     tpu = devices[0].platform == "tpu"
     chip = chip or device_chip(devices[0].device_kind)

@@ -148,6 +148,14 @@ def test_missing_libtpu_says_how_to_install_it(monkeypatch, capsys):
     assert "pip install -e '.[tpu]'" in capsys.readouterr().err
 
 
+def test_a_beam_search_is_not_planned_as_plain_sampling():
+    import jax
+
+    with pytest.raises(ValueError, match=r"^sampling.num_beams=2: grpo-jax plan models sampling without beams"):
+        plan.plan(load_config(None, ["sampling.num_beams=2", "model.vocab_size=64", "data.max_prompt_length=16"]),
+                  jax.devices()[:1])
+
+
 def test_the_plan_needs_the_prompt_length(capsys):
     assert cli.main(["plan", "--topology", "local", "model.vocab_size=64"]) == 1
     assert "set data.max_prompt_length" in capsys.readouterr().err
