@@ -147,3 +147,25 @@ def test_beam_rows_carry_the_policys_log_probs_and_their_own_noise(tiny_model):
     tail, _ = jax.jit(beam.generate, static_argnums=(0, 5))(graphdef, params, PROMPT_IDS[2:], PROMPT_MASK[2:],
                                                              jax.random.key(5), options, jnp.int32(2))
     np.testing.assert_array_equal(np.asarray(tail.completion_ids), out.completion_ids[2:])
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS in conftest)")
+@pytest.mark.parametrize("shape", [(8, 1, 1), (2, 2, 2)])
+def test_sharded_beams_equal_one_device_and_the_cpu_path(tiny_model, shape):
+    """Rows and their beams split over the row shards (params over fsdp / tensor), and the CPU speed-ups with
+    host-thread chunks: the same rows."""
+    config, graphdef, params = tiny_model
+    ids, mask = np.tile(PROMPT_IDS, (2, 1)), np.tile(PROMPT_MASK, (2, 1))  # 8 rows: whole row shards
+    kwargs = dict(max_completion_length=7, num_beams=2, temperature=0.8, top_k=9)
+    want = beams(tiny_model, key=2, eos=(3, 4), ids=ids, mask=mask, **kwargs)
+    mesh = sharding.make_mesh(*shape)
+    dec = programs.jit_decoder(graphdef, mesh, config, config=SamplingConfig(**kwargs), eos_token_ids=(3, 4),
+                               pad_token_id=PAD)
+    got = stream.generate(dec, jax.device_put(params, sharding.param_shardings(mesh, params)), ids, mask,
+                          jax.random.key(2))
+    np.testing.assert_array_equal(np.asarray(got.completion_ids), want.completion_ids)
+    fast = programs.jit_decoder(graphdef, sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]), config,
+                                config=SamplingConfig(host_threads=2, **kwargs), eos_token_ids=(3, 4),
+                                pad_token_id=PAD, cpu_speedups=True)
+    got = stream.generate(fast, params, ids, mask, jax.random.key(2))
+    np.testing.assert_array_equal(np.asarray(got.completion_ids), want.completion_ids)
