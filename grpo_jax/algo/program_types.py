@@ -59,6 +59,8 @@ class Programs(NamedTuple):
       advantages uploaded (`train.mask_truncated_completions` clears truncated rows' loss mask here)
     - `take(rows, rows_B) -> Trajectory`: one step's rows of a round, gathered on the devices
     - `step(state, rows) -> (state, metrics)`: one optimizer step, the state donated
+    - `eval_loss(params, reference_params) -> program or None`: TRL's `eval_loss` of held-out rows
+      (`programs.eval_loss`, `rollout.eval_loss`)
     """
 
     decoder: Decoder
@@ -70,6 +72,7 @@ class Programs(NamedTuple):
     take: Callable
     step: Callable
     eval_decoder: Decoder | None = None
+    eval_loss: Callable | None = None
 
 
 class RunShapes(NamedTuple):

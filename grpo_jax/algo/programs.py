@@ -27,6 +27,7 @@ from grpo_jax.algo.train_step import StepOptions, train_step
 from grpo_jax.config.model import ModelConfig
 from grpo_jax.config.sections import SamplingConfig
 from grpo_jax.device import cpu, rollout_layout, sharding
+from grpo_jax.losses import compute_loss
 from grpo_jax.models import lora
 from grpo_jax.models.transformer import compute_dtype_params, forward, init_model
 
@@ -154,6 +155,38 @@ def host_advantages(**options):
             return jax.device_get(jitted(*args))
 
     return advantages
+
+
+@functools.lru_cache(maxsize=4)  # a run's model and loss: compiled once per evaluation shape
+def _eval_loss(graphdef, ref_graphdef, loss_config, temperature: float):
+    def loss(params, ref_params, prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask, advantages):
+        rows = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+        logps, entropies = completion_logps(graphdef, params, *rows, temperature=temperature, with_entropy=True)
+        ref = None if ref_graphdef is None else completion_logps(ref_graphdef, ref_params, *rows,
+                                                                 temperature=temperature)[0]
+        value, _ = compute_loss(logps, None, ref, advantages, loss_mask, config=loss_config,
+                                num_items_in_batch=jnp.sum(loss_mask).astype(jnp.float32),
+                                num_sequences=loss_mask.shape[0], entropies=entropies)
+        return value
+
+    return jax.jit(loss)
+
+
+def eval_loss(graphdef, params, reference_params, *, loss_config, temperature: float):
+    """TRL's `eval_loss` program (`rollout.eval_loss`): ``(prompt_ids, prompt_mask, completion_ids,
+    completion_mask, loss_mask, advantages) -> the loss`` of those rows on-policy under ``params``, beta x KL to
+    ``reference_params`` (LoRA without a copy: the base, the adapters off); None when beta != 0 and the run keeps
+    no reference."""
+    ref_graphdef = None
+    if loss_config.resolved_beta != 0.0:
+        if lora.has_adapters(params) and (reference_params is None or reference_params is params):
+            ref_graphdef, reference_params = lora.adapters_off(graphdef, params), params  # the base is the reference
+        elif reference_params is None:
+            return None
+        else:
+            ref_graphdef = graphdef
+    program = _eval_loss(graphdef, ref_graphdef, loss_config, temperature)
+    return functools.partial(program, params, reference_params)
 
 
 def jit_rows(mesh: Mesh, mask_truncated: bool):
@@ -381,6 +414,7 @@ def build(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, optio
         take=jit_take(mesh),
         step=jit_train_step(graphdef, optimizer, options, mesh, state_sharding),
         eval_decoder=eval_decoder,
+        eval_loss=functools.partial(eval_loss, graphdef, loss_config=options.loss, temperature=options.temperature),
     )
 
 

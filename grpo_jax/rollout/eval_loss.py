@@ -11,32 +11,11 @@ Dimension letters: N rows (prompts x n), T completion tokens, F reward functions
 
 from __future__ import annotations
 
-import functools
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.algo import rounds
-from grpo_jax.algo.logprobs import completion_logps
-from grpo_jax.losses import compute_loss
-from grpo_jax.models import lora
 from grpo_jax.rollout import scoring
-
-
-@functools.lru_cache(maxsize=4)  # one program per run's model and loss: compiled once per evaluation shape
-def _program(graphdef, ref_graphdef, loss_config, temperature: float):
-    def loss(params, ref_params, prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask, advantages):
-        rows = (prompt_ids, prompt_mask, completion_ids, completion_mask)
-        logps, entropies = completion_logps(graphdef, params, *rows, temperature=temperature, with_entropy=True)
-        ref = None if ref_graphdef is None else completion_logps(ref_graphdef, ref_params, *rows,
-                                                                 temperature=temperature)[0]
-        value, _ = compute_loss(logps, None, ref, advantages, loss_mask, config=loss_config,
-                                num_items_in_batch=jnp.sum(loss_mask).astype(jnp.float32),
-                                num_sequences=loss_mask.shape[0], entropies=entropies)
-        return value
-
-    return jax.jit(loss)
 
 
 def sampled_loss(run, params, reference_params, rows, rewards_NxF: np.ndarray, num_generations: int
@@ -45,7 +24,7 @@ def sampled_loss(run, params, reference_params, rows, rewards_NxF: np.ndarray, n
     ``rewards_NxF`` (the run's reward functions, in order) grouped ``num_generations`` a prompt;
     ``reference_params``: the state's reference (None: the run keeps none; LoRA's is the base itself). None for
     the process-reward estimator."""
-    tc, loss_config = run.config.train, run.config.loss
+    tc = run.config.train
     if tc.advantage_estimator == "process":
         return None
     mask = rounds.mask_truncated(rows.loss_mask, rows.is_truncated) if tc.mask_truncated_completions \
@@ -56,15 +35,8 @@ def sampled_loss(run, params, reference_params, rows, rewards_NxF: np.ndarray, n
             rewards_NxF, weights, mask, estimator=tc.advantage_estimator, scale_rewards=tc.scale_rewards,
             multi_objective_aggregation=tc.multi_objective_aggregation, num_generations=num_generations)
         advantages = np.asarray(advantages)
-    graphdef = run.graphdef
-    ref_graphdef = None
-    if loss_config.resolved_beta != 0.0:
-        if lora.has_adapters(params) and (reference_params is None or reference_params is params):
-            ref_graphdef, reference_params = lora.adapters_off(graphdef, params), params  # the base is the reference
-        elif reference_params is None:
-            return None  # a run without a reference (the caller has none to give)
-        else:
-            ref_graphdef = graphdef
-    program = _program(graphdef, ref_graphdef, loss_config, float(run.config.sampling.temperature))
-    return float(program(params, reference_params, rows.prompt_ids, rows.prompt_mask, rows.completion_ids,
-                         rows.completion_mask, mask, advantages))
+    program = run.programs.eval_loss(params, reference_params)
+    if program is None:  # a run without a reference (the caller has none to give)
+        return None
+    return float(program(rows.prompt_ids, rows.prompt_mask, rows.completion_ids, rows.completion_mask, mask,
+                         advantages))
