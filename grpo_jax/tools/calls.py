@@ -204,7 +204,7 @@ def _parser_and_template(tokenizer) -> str | None:
     training template for it (ours, `templates`, else TRL's `get_training_chat_template`), as TRL's GRPOTrainer
     does."""
     if compiled_template(tokenizer) is None and getattr(tokenizer, "response_schema", None) is None:
-        try:  # families we do not parse ourselves (GPT-OSS, GLM-4-MoE, ...) that TRL knows
+        try:  # families we do not parse ourselves (GPT-OSS, ...) that TRL knows
             from trl.chat_template_utils import add_response_schema
         except ImportError:
             raise ValueError("tools need the tokenizer's response parser (its response_template) to read tool calls, "

@@ -1,6 +1,6 @@
 """Prefix-preserving training chat templates for the tool-calling families whose released templates are not: Qwen3
 (TRL 1.16's, shipped in `chat_templates/` so that multi-turn rollouts need no `trl`; see its README). The other
-families grpo_jax parses tool calls of (Qwen2.5, Qwen3-2507, Llama 3.1/3.2, Gemma 4, Mistral) render
+families grpo_jax parses tool calls of (Qwen2.5, Qwen3-2507, Llama 3.1/3.2, Gemma 4, Mistral, GLM-4-MoE) render
 prefix-preserving as released; TRL's `get_training_chat_template` stays the fallback for templates beyond these."""
 
 from __future__ import annotations

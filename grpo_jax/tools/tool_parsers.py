@@ -3,9 +3,9 @@
 A tokenizer without a response parser of its own (transformers' ``response_template``) gets one of these, picked by
 markers of its chat template (`detect`), so a plain install reads tool calls: Qwen2.5/Qwen3 (``<tool_call>`` JSON
 ``</tool_call>``, ``<think>`` reasoning), Llama 3.1/3.2 (a JSON object with ``parameters``, optionally after
-``<|python_tag|>``), Mistral (``[TOOL_CALLS]`` then a JSON list, or ``name[ARGS]{...}`` per call) and Gemma 4
-(``<|tool_call>call:name{...}<tool_call|>`` with unquoted keys and ``<|"|>`` strings); Qwen3.5's XML-style calls
-are not among them. The output is what TRL 1.16's ``add_response_schema`` + ``parse_response`` give
+``<|python_tag|>``), Mistral (``[TOOL_CALLS]`` then a JSON list, or ``name[ARGS]{...}`` per call), Gemma 4
+(``<|tool_call>call:name{...}<tool_call|>`` with unquoted keys and ``<|"|>`` strings) and GLM-4-MoE
+(``<tool_call>name`` then ``<arg_key>`` / ``<arg_value>`` pairs); Qwen3.5's XML-style calls are not among them. The output is what TRL 1.16's ``add_response_schema`` + ``parse_response`` give
 (`tests/tools/test_tool_parsers.py` checks it against them): ``{"role": "assistant", "reasoning_content"?, "content"?,
 "tool_calls"?: [{"type": "function", "function": {"name", "arguments"}}]}``, empty fields left out; a call that does
 not parse raises ValueError, as there.
@@ -42,6 +42,8 @@ FORMATS = (
     Format("mistral", ("[TOOL_CALLS]",), (), r"</s>", r"\[TOOL_CALLS\]", "mistral"),
     Format("gemma4", ("<|tool_call>",), (), r"<turn\|>|<\|tool_response>|<eos>", r"<\|tool_call>", "gemma",
            reasoning=("<|channel>thought\n", "<channel|>")),
+    Format("glm4moe", ("<|assistant|>", "<arg_key>"), (), r"<\|user\|>|<\|observation\|>|<\|endoftext\|>",
+           r"<tool_call>(?=\S)", "glm", reasoning=("<think>", "</think>")),  # a nameless one is text
 )
 
 
@@ -113,6 +115,12 @@ def _calls(fmt: Format, text: str) -> list[dict]:
         if not found:
             raise ValueError("a <|tool_call> without its <tool_call|>")
         return [_call(name, json.loads(_gemma_json(body)) if body.strip() else {}) for name, body in found]
+    if fmt.calls == "glm":  # <tool_call>name, then <arg_key>k</arg_key>\n<arg_value>v</arg_value> per argument
+        # values stay text, cast by the tool's schema (`_cast`), and a last call cut before its close tag counts: as
+        # TRL's response template reads them
+        found = re.findall(r"<tool_call>(\S+)\n?(.*?)(?:</tool_call>|$)", text, re.S)
+        return [_call(name, dict(re.findall(r"<arg_key>([^<]+)</arg_key>\s*\n<arg_value>(.*?)</arg_value>", body,
+                                            re.S))) for name, body in found]
     raise ValueError(f"unknown tool-call syntax {fmt.calls!r}")
 
 

@@ -9,6 +9,8 @@ from grpo_jax.data import task
 from grpo_jax.tools import tool_parsers, calls as tools
 
 FMT = {f.name: f for f in tool_parsers.FORMATS}
+GLM_CALLS = ("\n<think>hmm</think>\nSure.\n<tool_call>multiply\n<arg_key>a</arg_key>\n<arg_value>3</arg_value>\n"
+             "<arg_key>b</arg_key>\n<arg_value>4</arg_value>\n</tool_call>\n<tool_call>f\n</tool_call><|observation|>")
 QWEN_CALLS = ('<think>\nhmm\n</think>\n\nSure.\n<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n'
               '</tool_call>\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call><|im_end|>')
 
@@ -40,6 +42,8 @@ def multiply(a: int, b: int) -> int:
      {"role": "assistant", "content": "Let me see.", "tool_calls": [call("multiply", a=3, b=4), call("f")]}),
     ("mistral", '[TOOL_CALLS]multiply[ARGS]{"a": 3, "b": 4}[TOOL_CALLS]f[ARGS]{}</s>',
      {"role": "assistant", "tool_calls": [call("multiply", a=3, b=4), call("f")]}),
+    ("glm4moe", GLM_CALLS, {"role": "assistant", "reasoning_content": "hmm", "content": "Sure.",
+                            "tool_calls": [call("multiply", a="3", b="4"), call("f")]}),  # text, cast by a schema
     ("gemma4", '<|channel>thought\nhm<channel|>ok<|tool_call>call:f{a:{b:[1,2]},c:<|"|>p, q: r<|"|>}<tool_call|>'
                '<turn|>',
      {"role": "assistant", "reasoning_content": "hm", "content": "ok", "tool_calls": [call("f", a={"b": [1, 2]},
@@ -87,6 +91,15 @@ TRL_CASES = {  # family: (TRL's response template name, the generation prompt it
         '<|tool_call>call:multiply{a:3,b:<|"|>x<|"|>}<tool_call|>', "hi<turn|>", " text <turn|>",
         "<|channel>thought\nhm<channel|>ok<|tool_call>call:f{}<tool_call|><|tool_call>call:g{x:1.5}<tool_call|>",
         '<|tool_call>call:f{a:{b:[1,2]},c:<|"|>p, q: r<|"|>}<tool_call|><turn|>']),
+    # (a turn that goes on after its calls is left out: TRL's template then reads what follows them, its end token
+    # included, as the content, in place of the text before them, which ours keeps)
+    "glm4moe": ("glm4moe_template", "<|assistant|>", [
+        GLM_CALLS.removesuffix("<|observation|>"), "\n<think></think>\nplain text<|user|>", "cut short",
+        "\n<think>hm</think>\n<tool_call>f\n</tool_call>", "<tool_call>multiply\n<arg_key>a</arg_key>\n<arg_value>7",
+        "<tool_call>multiply\n<arg_key>a</arg_key>\n<arg_value>7</arg_value>\n<arg_key>b</arg_key>\n"
+        "<arg_value>x</arg_value>\n</tool_call>", "<tool_call>\n</tool_call>", "\n<think>never closed",
+        "<tool_call>g\n<arg_key>x</arg_key>\n<arg_value>{\"y\": [1, 2]}</arg_value>\n<arg_key>s</arg_key>\n"
+        "<arg_value>two words</arg_value>\n</tool_call>"]),
 }
 
 
@@ -113,7 +126,7 @@ def test_trls_chat_templates_map_to_the_families_trl_parses_alike():
     utils = pytest.importorskip("trl.chat_template_utils")
     expected = {"qwen2_5_chat_template": "qwen", "qwen3_chat_template": "qwen",
                 "qwen3_instruct_2507_chat_template": "qwen", "llama3_1_chat_template": "llama3",
-                "llama3_2_chat_template": "llama3", "gemma4_chat_template": "gemma4",
+                "llama3_2_chat_template": "llama3", "gemma4_chat_template": "gemma4", "glm4moe_chat_template": "glm4moe",
                 "qwen3_5_think_chat_template": None, "gptoss_chat_template": None, "llama3_chat_template": None}
     got = {name: getattr(tool_parsers.detect(getattr(utils, name)), "name", None) for name in expected}
     assert got == expected
@@ -132,3 +145,22 @@ def test_tools_build_and_parse_a_qwen_turn_without_trl(monkeypatch):
                                      tokenize=True, return_dict=False)
     message, malformed = tools.parse_turn(tok, ids, prefix, [multiply], tools.compiled_template(tok))
     assert not malformed and message == {"role": "assistant", "content": "", "tool_calls": [call("multiply", a=3, b=4)]}
+
+
+def test_tools_build_and_parse_a_glm_turn_without_trl(monkeypatch):
+    """GLM-4-MoE's released template is prefix-preserving (TRL's check agrees) and its calls are ours to read: tools on
+    a GLM tokenizer need no trl."""
+    utils = pytest.importorskip("trl.chat_template_utils")  # only for the template's text
+    from tests.trl_tools import qwen_tokenizer
+
+    tok = qwen_tokenizer(chat_template=utils.glm4moe_chat_template)
+    assert utils.is_chat_template_prefix_preserving(tok)
+    monkeypatch.setitem(sys.modules, "trl.chat_template_utils", None)  # as if trl were not installed
+    tooling = tools.build((multiply,), None, tok, timeout=1.0, max_iterations=None, max_model_len=None)
+    assert tooling.chat_template is None and tok.response_template is None
+    ids = tok.encode("\n<think></think>\n<tool_call>multiply\n<arg_key>a</arg_key>\n<arg_value>3</arg_value>\n"
+                     "<arg_key>b</arg_key>\n<arg_value>4</arg_value>\n</tool_call>")
+    prefix = tok.apply_chat_template([{"role": "user", "content": "What is 3 times 4?"}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False)
+    message, malformed = tools.parse_turn(tok, ids, prefix, [multiply], tools.compiled_template(tok))
+    assert not malformed and message["tool_calls"] == [call("multiply", a=3, b=4)]
