@@ -92,15 +92,18 @@ def main() -> None:
             grpo_jax("--config", "tools_lookup", f"output_dir={tmp / 'tools'}", "max_steps=6", *tiny)
             assert "tools/call_frequency" in (tmp / "tools" / "metrics.jsonl").read_text()
 
-        @step("tool parsers", "tool calls of Qwen, Llama 3, Mistral and Gemma 4 read without TRL")
+        @step("tool parsers", "tool calls of Qwen, Llama 3, Mistral, Gemma 4 and GLM-4-MoE read without TRL")
         def _():
             from grpo_jax.tools import tool_parsers
             texts = {"qwen": '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call><|im_end|>',
                      "llama3": '{"name": "f", "parameters": {"a": 1}}<|eot_id|>',
                      "mistral": '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}]</s>',
-                     "gemma4": "<|tool_call>call:f{a:1}<tool_call|><turn|>"}
+                     "gemma4": "<|tool_call>call:f{a:1}<tool_call|><turn|>",
+                     "glm4moe": "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>"}
+            schema = [{"type": "function", "function": {"name": "f", "parameters": {
+                "type": "object", "properties": {"a": {"type": "integer"}}}}}]  # GLM's values are text till cast
             for fmt in tool_parsers.FORMATS:
-                message = tool_parsers.parse_response(fmt, texts[fmt.name])
+                message = tool_parsers.parse_response(fmt, texts[fmt.name], schema)
                 assert message["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]
 
         @step("qwen3 tools", "Qwen3's chat template (not prefix-preserving) renders tool turns without TRL")
