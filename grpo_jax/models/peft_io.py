@@ -2,8 +2,9 @@
 ``adapter_model.safetensors`` as ``peft.PeftModel.save_pretrained`` writes them and ``from_pretrained`` reads them.
 
 Names: our ``layers.<block>.<module>.lora_a`` [L, in, r] is ``base_model.model.model.layers.<i>.<block>.<module>
-.lora_A.weight`` [r, in] transposed (``dense_layers``: GLM-4-MoE's first layers, i from 0), ``lora_b`` [L, r, out] is ``...lora_B.weight`` [out, r] transposed. Loading
-reads each device's slice from the memory-mapped file, as `pretrained.from_pretrained` does.
+.lora_A.weight`` [r, in] transposed (``dense_layers``: GLM-4-MoE's first layers, i from 0), ``lora_b`` [L, r, out]
+is ``...lora_B.weight`` [out, r] transposed. Loading reads each device's slice from the memory-mapped file, as
+`pretrained.from_pretrained` does.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ import numpy as np
 
 def rope_inv_freq(config, kind: str = "full_attention") -> np.ndarray:
     """Inverse frequencies [R/2] float32 of a layer kind's RoPE (R = `rotary_dim`: Dh, or its first part), as
-    transformers' ``ROPE_INIT_FUNCTIONS[rope_type]``: with ``rope_local_base_freq`` (Gemma 3) sliding_attention layers use
-    default RoPE of that base, every other layer ``rope_theta`` and ``rope_type``."""
+    transformers' ``ROPE_INIT_FUNCTIONS[rope_type]``: with ``rope_local_base_freq`` (Gemma 3) sliding_attention
+    layers use default RoPE of that base, every other layer ``rope_theta`` and ``rope_type``."""
     dim = config.rotary_dim
     local = kind == "sliding_attention" and config.rope_local_base_freq is not None
     theta = config.rope_local_base_freq if local else config.rope_theta

@@ -5,10 +5,11 @@ markers of its chat template (`detect`), so a plain install reads tool calls: Qw
 ``</tool_call>``, ``<think>`` reasoning), Llama 3.1/3.2 (a JSON object with ``parameters``, optionally after
 ``<|python_tag|>``), Mistral (``[TOOL_CALLS]`` then a JSON list, or ``name[ARGS]{...}`` per call), Gemma 4
 (``<|tool_call>call:name{...}<tool_call|>`` with unquoted keys and ``<|"|>`` strings) and GLM-4-MoE
-(``<tool_call>name`` then ``<arg_key>`` / ``<arg_value>`` pairs); Qwen3.5's XML-style calls are not among them. The output is what TRL 1.16's ``add_response_schema`` + ``parse_response`` give
-(`tests/tools/test_tool_parsers.py` checks it against them): ``{"role": "assistant", "reasoning_content"?, "content"?,
-"tool_calls"?: [{"type": "function", "function": {"name", "arguments"}}]}``, empty fields left out; a call that does
-not parse raises ValueError, as there.
+(``<tool_call>name`` then ``<arg_key>`` / ``<arg_value>`` pairs); Qwen3.5's XML-style calls are not among them. The
+output is what TRL 1.16's ``add_response_schema`` + ``parse_response`` give (`tests/tools/test_tool_parsers.py`
+checks it against them): ``{"role": "assistant", "reasoning_content"?, "content"?, "tool_calls"?: [{"type":
+"function", "function": {"name", "arguments"}}]}``, empty fields left out; a call that does not parse raises
+ValueError, as there.
 """
 
 from __future__ import annotations

@@ -683,7 +683,8 @@ def test_trainer_ref_model_is_the_initial_model_then_the_synced_reference(tmp_pa
 def test_trainer_model_generate_is_transformers_generate_on_the_viewed_weights(tmp_path, monkeypatch):
     """`trainer.model.generate` (TRL scripts sample their trained policy with it): transformers' signature and
     output ([B, P + T], padded after EOS, cut where the last row ends), greedy tokens (and beam searches) equal to
-    transformers' `generate` on the same folder, its generation config's defaults; after `train()` the trained weights'."""
+    transformers' `generate` on the same folder, its generation config's defaults; after `train()` the trained
+    weights'."""
     torch = pytest.importorskip("torch")
     import hf_fixtures
     import transformers

@@ -126,7 +126,8 @@ def test_trls_chat_templates_map_to_the_families_trl_parses_alike():
     utils = pytest.importorskip("trl.chat_template_utils")
     expected = {"qwen2_5_chat_template": "qwen", "qwen3_chat_template": "qwen",
                 "qwen3_instruct_2507_chat_template": "qwen", "llama3_1_chat_template": "llama3",
-                "llama3_2_chat_template": "llama3", "gemma4_chat_template": "gemma4", "glm4moe_chat_template": "glm4moe",
+                "llama3_2_chat_template": "llama3", "gemma4_chat_template": "gemma4",
+                "glm4moe_chat_template": "glm4moe",
                 "qwen3_5_think_chat_template": None, "gptoss_chat_template": None, "llama3_chat_template": None}
     got = {name: getattr(tool_parsers.detect(getattr(utils, name)), "name", None) for name in expected}
     assert got == expected
