@@ -79,6 +79,9 @@ class Family:
     # mixture of experts: the decoder layer takes ``routing=`` (experts to replay [B, T, K], or None) and returns a
     # fourth output, (router logits [B, T, E], chosen experts [B, T, K])
     routed: bool = False
+    # dotted path suffixes of parameters their layers compute with in float32 whatever the compute dtype, which
+    # `transformer.compute_dtype_params` leaves wide (GLM-4-MoE's router, as transformers keeps it)
+    float32_params: tuple[str, ...] = ()
     # the first ``config.first_k_dense_replace`` layers' module (GLM-4-MoE's dense ones, `layers.DecoderLayer`);
     # None: every layer is a ``decoder_layer``
     dense_layer: type | None = None

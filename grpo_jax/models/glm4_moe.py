@@ -144,4 +144,5 @@ def hf_kwargs(config: ModelConfig) -> dict:
 
 
 FAMILY = Family(architectures=ARCHITECTURES, decoder_layer=DecoderLayer, dense_layer=layers.DecoderLayer,
-                config_fields=config_fields, hf_kwargs=hf_kwargs, hf_names=hf_names, routed=True)
+                config_fields=config_fields, hf_kwargs=hf_kwargs, hf_names=hf_names, routed=True,
+                float32_params=("mlp.gate.kernel", "mlp.gate.e_score_correction_bias"))

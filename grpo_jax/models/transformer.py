@@ -306,16 +306,22 @@ def layer_params(graphdef, params) -> list:
 
 
 def compute_dtype_params(graphdef, params) -> nnx.State:
-    """``params`` with each float leaf stored wider than the compute dtype (``model.dtype``) cast to it.
+    """``params`` with each float leaf stored wider than the compute dtype (``model.dtype``) cast to it, but the
+    family's `Family.float32_params`.
 
-    Every layer casts its weights to the compute dtype before use, so the numbers are the same; a decode
+    Every other layer casts its weights to the compute dtype before use, so the numbers are the same; a decode
     loop given these reads bfloat16 weights in place instead of converting float32 ones in every step."""
-    dtype = jnp.dtype(model_config(graphdef, params).jnp_dtype)
+    config = model_config(graphdef, params)
+    dtype = jnp.dtype(config.jnp_dtype)
+    kept = family(config.model_type).float32_params
 
-    def cast(x):
+    def cast(path, x):
         wider = jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize > dtype.itemsize
+        name = jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value")
+        if wider and kept and name.endswith(kept):
+            return x
         return x.astype(dtype) if wider else x
-    return jax.tree.map(cast, params)
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def model_config(graphdef: nnx.GraphDef, params: nnx.State) -> ModelConfig:

@@ -200,3 +200,20 @@ def test_an_odd_rotary_dim_turns_as_transformers_turns_it(tmp_path):
     with torch.no_grad():
         want = torch_model(input_ids=torch.tensor(ids, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(np.asarray(model(params, ids, mask)), want, atol=1e-4)
+
+
+def test_the_router_stays_float32_where_decoding_casts_the_weights():
+    """`compute_dtype_params` (the decoder's one cast) leaves GLM's router and its bias float32, as transformers keeps
+    them, so a bfloat16 sampler routes on the numbers the update routes on; Qwen3-MoE's router is cast as before."""
+    from grpo_jax.models import compute_dtype_params
+
+    glm = _config(dtype="bfloat16")
+    qwen = ModelConfig(model_type="qwen3_moe", vocab_size=64, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=16, qk_norm=True, dtype="bfloat16")
+    for config, router_dtype in ((glm, jnp.float32), (qwen, jnp.bfloat16)):
+        cast = compute_dtype_params(*init_model(config, seed=0))
+        dtypes = {jax.tree_util.keystr(p, simple=True, separator="."): x.dtype
+                  for p, x in jax.tree_util.tree_leaves_with_path(cast)}
+        assert dtypes["layers.mlp.gate.kernel.value"] == router_dtype
+        assert dtypes["layers.self_attn.q_proj.kernel.value"] == jnp.bfloat16
+    assert dtypes.get("layers.mlp.gate.e_score_correction_bias.value") is None  # qwen has none
