@@ -59,13 +59,12 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options: De
     cache = constrain_cache(jax.tree.map(lambda x_RxKxPxDh: jnp.zeros(
         (B * n, x_RxKxPxDh.shape[1], P + T, x_RxKxPxDh.shape[3]), x_RxKxPxDh.dtype).at[:, :, :P].set(
             jnp.repeat(x_RxKxPxDh, options.group_size * n, axis=0)), prompt_kv), options)
-    cache_mask = jnp.concatenate([jnp.repeat(prompt_mask_BxP, n, axis=0).astype(jnp.int32),
-                                  jnp.zeros((B * n, T), jnp.int32)], axis=1)
+    prompt_mask_BnxP = jnp.repeat(prompt_mask_BxP, n, axis=0).astype(jnp.int32)
     seen = prompt_tokens(jnp.repeat(prompt_ids_BxP, n, axis=0), jnp.repeat(prompt_mask_BxP, n, axis=0), V, options)
     tokens = jnp.full((B, n, T), options.pad_token_id, jnp.int32)
     logps = jnp.zeros((B, n, T), jnp.float32)
     state = dict(
-        t=jnp.zeros((), jnp.int32), cache=cache, cache_mask=cache_mask, seen=seen,
+        t=jnp.zeros((), jnp.int32), cache=cache, seen=seen,
         logits=jnp.repeat(logits_RxV, options.group_size * n, axis=0),
         # the first beam alone at 0: the others would only repeat its continuations
         running=(tokens, logps, jnp.zeros((B, n), jnp.float32).at[:, 1:].set(NEG)),
@@ -136,7 +135,9 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options: De
             return _take(x_Bxnx, parent_Bxn).reshape(x_Bnx.shape)
         token_Bn = running[0][:, :, t].reshape(B * n)
         seen = None if s["seen"] is None else regroup(s["seen"]).at[jnp.arange(B * n), token_Bn].set(True)
-        cache_mask = regroup(s["cache_mask"]).at[:, P + t].set(1)
+        # every beam of a row holds its prompt and t + 1 completion tokens: the same mask, nothing to regroup
+        cache_mask = jnp.concatenate([prompt_mask_BnxP, jnp.broadcast_to(
+            (jnp.arange(T) <= t).astype(jnp.int32), (B * n, T))], axis=1)
 
         def feed(cache):
             hidden_Bnx1xD, cache = forward(graphdef, params, token_Bn[:, None], (prompt_len_Bn + t)[:, None],
@@ -145,7 +146,7 @@ def generate(graphdef, params, prompt_ids_BxP, prompt_mask_BxP, key, options: De
 
         # the last step's tokens are never fed back
         logits, cache = jax.lax.cond(done, lambda c: (s["logits"], c), feed, s["cache"])
-        return dict(t=t + 1, cache=constrain_cache(cache, options), cache_mask=cache_mask, seen=seen, logits=logits,
+        return dict(t=t + 1, cache=constrain_cache(cache, options), seen=seen, logits=logits,
                     running=running, finished=finished, improvable=improvable, done=done)
 
     s = jax.lax.while_loop(lambda s: ~s["done"], body, state)

@@ -210,7 +210,7 @@ class Transformer(nnx.Module):
                 x, (new_kv, r) = layer_step(*stack_of(i), x, (params, None if prefix is None else (
                     prefix.k[i], prefix.v[i]), None, replay_of(i)), kind_of_layer[i])
                 new_kvs.append(new_kv)
-                if stack_of(i)[1]:
+                if r is not None:  # a routed layer's, with return_routing
                     routed.append(r)
             kv = KVCache(*(tuple(kv[j] for kv in new_kvs) for j in (0, 1))) if return_kv else None
             return (self.norm(x), kv, _stack_routing(routed)) if return_routing else (self.norm(x), kv)
