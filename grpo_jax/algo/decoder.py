@@ -200,25 +200,29 @@ def advance(graphdef, params, decoding: Decoding, options: DecodeOptions, *, seg
                              lambda d: _readmit(graphdef, params, d, options, layers, rope), lambda d: d, d)
         if small:  # too few free pages for this step's new ones: the youngest rows wait
             d = decoder_pages.preempt(d, options.page_size)
-        rows_N = jnp.minimum(d.slot_row, B - 1)
+        # a static batch's slot n holds row n: its rows' values as they are, not gathered through slot_row (a
+        # gather XLA cannot know is local, so on a pod it all-gathered them across the row shards every step)
+        rows_N = None if in_step else jnp.minimum(d.slot_row, B - 1)
         if in_step:
             at_N = P + d.steps
             cache_mask = jax.lax.dynamic_update_slice(d.cache_mask, jnp.ones_like(d.cache_mask[:, :1]), (0, at_N))
-            positions_Nx1 = (prompt_len_B[rows_N] + d.steps)[:, None]
+            prompt_len_N = prompt_len_B
+            positions_Nx1 = (prompt_len_N + d.steps)[:, None]
         else:
             t_N = d.length[rows_N]
             at_N = P + t_N - 1  # the pending token's cache slot (slots that hold no decoding row write harmlessly)
             cache_mask = d.cache_mask.at[slots_N, at_N].set(1)
-            positions_Nx1 = (prompt_len_B[rows_N] + t_N - 1)[:, None]
+            prompt_len_N = prompt_len_B[rows_N]
+            positions_Nx1 = (prompt_len_N + t_N - 1)[:, None]
         if options.page_size:  # the pending token goes to row position prompt length + t - 1, a page taken if new
-            d = decoder_pages.page_step(d, prompt_len_B[rows_N], jnp.broadcast_to(at_N - P, rows_N.shape), P, T,
+            d = decoder_pages.page_step(d, prompt_len_N, jnp.broadcast_to(at_N - P, prompt_len_N.shape), P, T,
                                         options.page_size)
         hidden_Nx1xD, cache, *routed = forward(
             graphdef, params, d.pending[:, None], positions_Nx1, cache_mask, d.cache, at_N, layers=layers, rope=rope,
             return_routing=options.record_routing)
         logits_NxV = unembed(graphdef, params, hidden_Nx1xD)[:, 0]
         if options.record_routing:  # the pending tokens went in at their rows' places
-            d = record_experts(d, routed[0], rows_N, jnp.broadcast_to(at_N, rows_N.shape)[:, None], d.live[:, None])
+            d = record_experts(d, routed[0], rows_N, jnp.broadcast_to(at_N, d.live.shape)[:, None], d.live[:, None])
         d = d._replace(cache=constrain_cache(cache, options), cache_mask=cache_mask)
         if in_step:  # a static batch has no row waiting for a slot: nothing to admit
             d = sample_next(d, logits_NxV, options, in_step)

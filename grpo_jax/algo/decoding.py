@@ -75,11 +75,17 @@ class Decoding(NamedTuple):
 
 def record_experts(d: Decoding, routed, rows_M, places_MxA, valid_MxA) -> Decoding:
     """``d.routing`` with a forward's experts ([L, M, A, K], of the `Routing` ``routed``) written at rows ``rows_M``,
-    row places ``places_MxA`` (indices into prompt ++ completion) where ``valid_MxA``."""
+    row places ``places_MxA`` (indices into prompt ++ completion) where ``valid_MxA``. ``rows_M`` None: a static
+    batch's step, every row m at one place (A = 1), a column write (no scatter across the row shards)."""
     if d.routing is None:
         return d
     B = d.routing.shape[0]
     experts_MxAxLxK = routed.experts.transpose(1, 2, 0, 3).astype(d.routing.dtype)
+    if rows_M is None:
+        at = places_MxA[0, 0]
+        old_BxAxLxK = jax.lax.dynamic_slice_in_dim(d.routing, at, 1, axis=1)
+        new_BxAxLxK = jnp.where(valid_MxA[:, :, None, None], experts_MxAxLxK, old_BxAxLxK)
+        return d._replace(routing=jax.lax.dynamic_update_slice_in_dim(d.routing, new_BxAxLxK, at, axis=1))
     rows_MxA = jnp.where(valid_MxA, rows_M[:, None], B)  # B: dropped
     return d._replace(routing=d.routing.at[rows_MxA, places_MxA].set(experts_MxAxLxK, mode="drop"))
 
@@ -153,10 +159,12 @@ def sample_next(d: Decoding, logits_NxV, options: DecodeOptions, in_step: bool =
     writes are one column, not scatters."""
     B, T = d.tokens.shape
     live_N = d.live
-    rows_N = jnp.minimum(d.slot_row, B - 1)
+    # a static batch's rows as they are, not gathered through slot_row (on a pod: across the row shards)
+    rows_N = jnp.arange(B) if in_step else jnp.minimum(d.slot_row, B - 1)
+    at_rows = (lambda x: x) if in_step else (lambda x: x[rows_N])  # noqa: E731
     t_N = jnp.broadcast_to(d.steps + 1, live_N.shape) if in_step else d.length[rows_N]
     noise = None if options.greedy else slot_noise(d, rows_N, t_N, logits_NxV.shape[-1])
-    seen_NxV = None if d.seen is None else d.seen[rows_N]
+    seen_NxV = None if d.seen is None else at_rows(d.seen)
     tokens_N, logp_N = draw(logits_NxV, noise, options.sampling, greedy=options.greedy, argmax=options.argmax,
                             seen_NxV=seen_NxV)
     if in_step:
@@ -183,7 +191,7 @@ def sample_next(d: Decoding, logits_NxV, options: DecodeOptions, in_step: bool =
         live=live_N & ~end_N & ~pause_N, pending=jnp.where(live_N, tokens_N, d.pending), seen=seen,
         slot_row=jnp.where(live_N & pause_N, B, d.slot_row) if park else d.slot_row,
         tokens=write(d.tokens, tokens_N), sampled=write(d.sampled, jnp.ones_like(tokens_N)),
-        logps=write(d.logps, logp_N), turns=write(d.turns, d.turn[rows_N]), length=flag(d.length, t_N + 1),
+        logps=write(d.logps, logp_N), turns=write(d.turns, at_rows(d.turn)), length=flag(d.length, t_N + 1),
         ended=flag(d.ended, end_N), paused=flag(d.paused, pause_N), at_eos=flag(d.at_eos, eos_N))
 
 

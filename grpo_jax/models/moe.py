@@ -38,8 +38,8 @@ from jax.sharding import PartitionSpec
 
 from grpo_jax.models import grouped
 
-EXPERT = "expert"  # the mesh axis experts are split over (grpo_jax/device/sharding.py)
-ROWS = ("data", "fsdp", EXPERT)  # the mesh axes tokens are split over (grpo_jax/device/sharding.py ROWS)
+EXPERT, DATA = "expert", "data"  # the mesh axes experts are split over and weights never are (device/sharding.py)
+ROWS = (DATA, "fsdp", EXPERT)  # the mesh axes tokens are split over (grpo_jax/device/sharding.py ROWS)
 # assignments (tokens x K x mesh.expert) one chunk of `expert_parallel` dispatches: Qwen3-30B-A3B's block (D 2048,
 # F 768) needs 2.1 GiB of temporaries a chip forward and backward at 16k tokens a chip on v5p (26.5 all at once)
 CHUNK_ASSIGNMENTS = 1 << 16
@@ -182,22 +182,33 @@ def expert_parallel(mesh, x_NxD, experts_NxK, weights_NxK, stacks, *, ffn=swiglu
 
 
 def _all_tokens(mesh, x_NxD, experts_NxK, weights_NxK, stacks, *, ffn, ragged_dot):
-    """`expert_parallel` for few tokens (decode): every device runs its experts' assignments of ALL the tokens and
-    a psum over ``expert`` adds them; the weights stay split over the other axes (0.26 GB accessed a layer a chip
-    at Qwen3-30B-A3B's 4 decode tokens a chip over expert 8 x fsdp 8, against 0.50 GB gathering them)."""
+    """`expert_parallel` for few tokens (decode): every device of an ``expert`` group runs its experts' assignments
+    of ALL the group's tokens and a psum over ``expert`` adds them; the weights stay split over the other axes (0.26
+    GB accessed a layer a chip at Qwen3-30B-A3B's 4 decode tokens a chip over expert 8 x fsdp 8, against 0.50 GB
+    gathering them). The tokens stay split over ``data`` (the weights never are): left to XLA, the sort and gathers
+    of `expert_mlp` were partitioned over data too and every step all-gathered the tokens and the assignments'
+    buffers across the data groups (Qwen3-30B-A3B's rollout layout, expert 8 x data 8: 1.42 GB a step)."""
 
     def local(first_1, x, experts, weights, *stacks):
         # the tokens cast to varying over the axis up front, so the cast's transpose sums every device's part of
-        # their gradient (left to jax 0.10's implicit casts, x's gradient came back wrong: tests/models/test_moe.py)
+        # their gradient (left to jax 0.10's implicit casts, x's gradient came back wrong: tests/models/test_moe.py);
+        # the weights vary over data from here, so their gradient's transpose sums the data shards' parts
         x = jax.lax.pcast(x, EXPERT, to="varying")
+        if data:
+            stacks = tuple(jax.lax.pcast(w, DATA, to="varying") for w in stacks)
         return jax.lax.psum(expert_mlp(x, experts, weights, stacks, first_1[0], ffn=ffn, ragged_dot=ragged_dot),
                             EXPERT)
 
     n, E = mesh.shape[EXPERT], stacks[0].shape[0]
-    split, whole = PartitionSpec(EXPERT), PartitionSpec()
+    data = mesh.shape.get(DATA, 1) > 1
+    N = x_NxD.shape[0]
+    # tokens past the end go to no expert (-1) and are cut off again
+    x_NxD, experts_NxK, weights_NxK = _pad(-N % mesh.shape[DATA] if data else 0, x_NxD, experts_NxK, weights_NxK)
+    split, tokens = PartitionSpec(EXPERT), PartitionSpec(DATA if data else None)
     first_n = jnp.arange(n, dtype=jnp.int32) * (E // n)  # as data, not axis_index: see `expert_parallel`
-    return jax.shard_map(local, mesh=mesh, in_specs=(split, whole, whole, whole, *[split] * len(stacks)),
-                         out_specs=whole, axis_names={EXPERT})(first_n, x_NxD, experts_NxK, weights_NxK, *stacks)
+    return jax.shard_map(local, mesh=mesh, in_specs=(split, tokens, tokens, tokens, *[split] * len(stacks)),
+                         out_specs=tokens, axis_names={EXPERT, DATA} if data else {EXPERT})(
+        first_n, x_NxD, experts_NxK, weights_NxK, *stacks)[:N]
 
 
 def _pad(pad, x_NxD, experts_NxK, weights_NxK):

@@ -155,18 +155,19 @@ needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
 
 
 @needs_libtpu
-def _pod_decode(model: ModelConfig, tensor: int, B: int, P: int, T: int, **sampling):
-    """A v5p:4x4x4 decoding call of ``B`` rows compiled from this CPU, decoding in the training layout (fsdp 64,
-    ``tensor`` 0) or in tensor ``tensor`` x data 64 / ``tensor``: (compiled ``advance``, its decoding state)."""
+def _pod_decode(model: ModelConfig, tensor: int, B: int, P: int, T: int, *, axis="tensor", expert=1, **sampling):
+    """A v5p:4x4x4 decoding call of ``B`` rows compiled from this CPU, decoding in the training layout (fsdp 64 /
+    ``expert``, ``tensor`` 0) or in ``axis`` ``tensor`` x data 64 / ``tensor``: (compiled ``advance``, its decoding
+    state)."""
     from grpo_jax.algo.state import model_graphdef
     from grpo_jax.api import plan
 
-    mesh = sharding.make_mesh(1, -1, 1, devices=plan.topology_devices("v5p:4x4x4"))
+    mesh = sharding.make_mesh(1, -1, 1, devices=plan.topology_devices("v5p:4x4x4"), expert=expert)
     shapes = jax.eval_shape(lambda: init_model(model, 0)[1])
     shardings = sharding.param_shardings(mesh, shapes)
     placement = None
     if tensor:
-        placement = programs.rollout_placement(mesh, rollout_layout.Layout(tensor, "tensor", "test"), shapes)
+        placement = programs.rollout_placement(mesh, rollout_layout.Layout(tensor, axis, "test"), shapes)
     dec = programs.jit_decoder(model_graphdef(model), mesh, model,
                                config=SamplingConfig(max_completion_length=T, **sampling), eos_token_ids=(0,),
                                pad_token_id=0, params_sharding=shardings, prompt_group_size=4, rollout=placement)
@@ -210,6 +211,26 @@ def test_a_v5p_pod_decodes_inside_its_tensor_groups():
     assert rollout and max(c.group for c in rollout) <= 8
     assert max(c.bytes for c in rollout) <= group_rows * D * 2  # one group's rows' activations, bf16
     assert sum(c.bytes for c in rollout) < logits / 10
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_a_v5p_pods_experts_decode_inside_their_expert_groups(replay):
+    """A small Qwen3-MoE (64 experts, 8 a token) decoding on v5p:4x4x4 in expert 8 x data 8 (attention data parallel:
+    4 of the 256 rows a chip), compiled from this CPU: each step a group of 8 gathers its 32 rows' tokens, routes
+    them to its experts and sums their outputs inside the group; only the loop's stop test (a flag) spans the pod.
+    Before, XLA split `moe._all_tokens`' sort and gathers over data as well and all-gathered the rows' tokens and
+    the assignments' buffers across the data groups every step (15 MB here), and a static batch's rows were
+    gathered through their slots (routing replay's record: 134 KB over all 64 chips)."""
+    D, B = 512, 256
+    model = ModelConfig(model_type="qwen3_moe", vocab_size=4096, hidden_size=D, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=64, dtype="bfloat16", num_experts=64,
+                        num_experts_per_tok=8, moe_intermediate_size=256, routing_replay=replay)
+    text = _pod_decode(model, 8, B, 64, 64, axis="expert", expert=8)[0].as_text()
+    loop = [c for c in hlo.collectives(text, 64) if c.per_step]
+    group_rows = B // 8
+    assert loop and max((c.bytes for c in loop if c.group > 8), default=0) <= 512  # the stop test's flags
+    assert max(c.bytes for c in loop) <= group_rows * D * 2  # a group's rows' activations, bf16
+    assert sum(c.bytes for c in loop) < 0.2e6
 
 
 def test_a_v5p_pods_kv_pages_follow_the_pool_not_rows_times_length():
