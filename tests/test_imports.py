@@ -121,3 +121,14 @@ def test_the_round_context_loads_no_jit_builder():
                          env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_only_algo_programs_jits():
+    """Every device program is built in `algo/programs.py` (docs/modules.md): no `jax.jit` anywhere else in the
+    package (the round, compile-ahead and the plan read what programs.py built), read from the syntax tree."""
+    jitting = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "jit" and getattr(node.value, "id", None) == "jax":
+                jitting.add(str(path.relative_to(ROOT)))
+    assert jitting == {"grpo_jax/algo/programs.py"}, f"jax.jit outside algo/programs.py: {sorted(jitting)}"

@@ -126,16 +126,15 @@ def manager(output_dir: Path, *, save_total_limit: int | None = None) -> ocp.Che
     return ocp.CheckpointManager(directory, options=options)
 
 
-@jax.jit
-def _finite_leaves(tree):
-    return jax.tree.map(lambda x: jnp.isfinite(x).all() if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.array(True),
-                        tree)
-
-
 def nonfinite_leaves(tree) -> list[str]:
-    """Key paths of the leaves of `tree` holding a NaN or an infinity (one program, one small fetch)."""
-    finite = jax.device_get(_finite_leaves(tree))
-    return [jax.tree_util.keystr(path) for path, ok in jax.tree_util.tree_flatten_with_path(finite)[0] if not ok]
+    """Key paths of the leaves of `tree` holding a NaN or an infinity (a reduction a leaf where it lives, one small
+    fetch; `grpo_jax.algo.programs` is the only place that jits)."""
+    inexact = [(path, x) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+               if jnp.issubdtype(x.dtype, jnp.inexact)]
+    if not inexact:
+        return []
+    finite = jax.device_get(jnp.stack([jnp.isfinite(x).all() for _, x in inexact]))
+    return [jax.tree_util.keystr(path) for (path, _), ok in zip(inexact, finite) if not ok]
 
 
 def _saved_state(state, keep_ref: bool):

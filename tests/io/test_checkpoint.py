@@ -66,6 +66,15 @@ def _train(output_dir: Path, *overrides: str) -> dict:
     return trainer.train(load_config(None, [f"output_dir={output_dir}", *TINY, *overrides]), show_progress=False)
 
 
+def test_nonfinite_leaves_names_the_leaves_with_a_nan_or_an_infinity():
+    """Every float leaf checked where it lives (float32, bfloat16, a scalar); integer leaves cannot hold either."""
+    tree = {"a": jnp.ones((3, 4)), "b": {"c": jnp.zeros(5, jnp.bfloat16).at[2].set(jnp.inf), "d": jnp.arange(3)},
+            "e": jnp.float32(np.nan), "f": [jnp.ones(2), jnp.ones(2).at[0].set(-jnp.inf)]}
+    assert checkpoint.nonfinite_leaves(tree) == ["['b']['c']", "['e']", "['f'][1]"]
+    assert checkpoint.nonfinite_leaves({"a": jnp.ones(3), "n": jnp.arange(2)}) == []
+    assert checkpoint.nonfinite_leaves({"n": jnp.arange(2)}) == []
+
+
 @pytest.mark.parametrize("options", [
     ["train.num_iterations=1"],
     # mu = 2 with a moving reference (TR-DPO): ref_params are in the checkpoint; so is the adaptive entropy
