@@ -59,11 +59,23 @@ def _splits(model, group: int, expert: bool) -> bool:
             and model.intermediate_size % group == 0)
 
 
-def step_seconds(chip: Chip, *, weights: float, kv: float, rows: int, hidden: int, layers: int, group: int) -> float:
-    """A decode step's estimate on one chip of ``chip``: ``weights`` + ``kv`` bytes read from HBM, plus two
-    all-reduces a layer of the group's ``rows`` x ``hidden`` bfloat16 activations (a ring over the group:
-    `chips.collective_seconds`)."""
-    ici = 0.0 if group == 1 else 2 * layers * collective_seconds(chip, "all-reduce", rows * hidden * 2, group)
+def step_seconds(chip: Chip, *, weights: float, kv: float, rows: int, hidden: int, layers: int, group: int,
+                 top_k: int = 0) -> float:
+    """A decode step's estimate on one chip of ``chip``: ``weights`` + ``kv`` bytes read at its HBM bandwidth (a
+    ranking: `grpo-jax plan` applies its efficiency factor), plus the group's collectives of its ``rows`` (rings
+    over the group: `chips.collective_seconds`). A tensor group all-reduces two bfloat16 ``rows`` x ``hidden``
+    blocks a layer; an expert group (``top_k`` experts a token) gathers its rows' tokens, expert ids (int32) and
+    routing weights (bfloat16) and all-reduces the experts' outputs once a routed layer (``layers``), as its
+    compiled decode step does (tests/device/test_rollout_layout.py)."""
+    if group == 1:
+        ici = 0.0
+    elif top_k:
+        ici = layers * (collective_seconds(chip, "all-gather", rows * hidden * 2, group)
+                        + collective_seconds(chip, "all-gather", rows * top_k * 4, group)
+                        + collective_seconds(chip, "all-gather", rows * top_k * 2, group)
+                        + collective_seconds(chip, "all-reduce", rows * hidden * 2, group))
+    else:
+        ici = 2 * layers * collective_seconds(chip, "all-reduce", rows * hidden * 2, group)
     return (weights + kv) / chip.hbm_bandwidth + ici
 
 
@@ -119,7 +131,8 @@ def choose(setting: int, model, mesh: Mesh, *, chip: Chip | None, rows: int, pro
         kv = chip_rows * mean * layer_token
         # the group's rows' activations: a tensor group's rows are all its devices'; experts gather theirs
         seconds = step_seconds(chip, weights=chip_weights, kv=kv, rows=int(chip_rows * (group if expert else 1)),
-                               hidden=model.hidden_size, layers=model.num_hidden_layers, group=group)
+                               hidden=model.hidden_size, layers=model.routed_layers if expert else
+                               model.num_hidden_layers, group=group, top_k=model.num_experts_per_tok if expert else 0)
         tried.append((over, seconds, group, chip_weights, kv, pool * shards))
     if not tried:
         return None

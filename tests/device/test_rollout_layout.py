@@ -227,10 +227,20 @@ def test_a_v5p_pods_experts_decode_inside_their_expert_groups(replay):
                         num_experts_per_tok=8, moe_intermediate_size=256, routing_replay=replay)
     text = _pod_decode(model, 8, B, 64, 64, axis="expert", expert=8)[0].as_text()
     loop = [c for c in hlo.collectives(text, 64) if c.per_step]
-    group_rows = B // 8
+    group_rows, K = B // 8, model.num_experts_per_tok
     assert loop and max((c.bytes for c in loop if c.group > 8), default=0) <= 512  # the stop test's flags
     assert max(c.bytes for c in loop) <= group_rows * D * 2  # a group's rows' activations, bf16
     assert sum(c.bytes for c in loop) < 0.2e6
+    # what the layout chooser counts a routed layer (`rollout_layout.step_seconds`): the rows' tokens, expert ids
+    # and routing weights gathered, the experts' outputs all-reduced
+    in_group = sorted((c.kind, c.bytes) for c in loop if c.group == 8)
+    layer = sorted([("all-gather", group_rows * D * 2), ("all-gather", group_rows * K * 4),
+                    ("all-gather", group_rows * K * 2), ("all-reduce", group_rows * D * 2)])
+    assert in_group == sorted(layer * model.num_hidden_layers)
+    chip = chips.CHIPS["v5p"]
+    assert rollout_layout.step_seconds(chip, weights=0, kv=0, rows=group_rows, hidden=D, layers=2, group=8,
+                                       top_k=K) == pytest.approx(sum(chips.collective_seconds(chip, kind, n, 8)
+                                                                     for kind, n in in_group))
 
 
 def test_a_v5p_pods_kv_pages_follow_the_pool_not_rows_times_length():
