@@ -12,7 +12,8 @@ after one-time work (the loop state's set-up, layer slices); `traffic` counts th
   operand's only users); an in-place update (dynamic-update-slice, scatter, unfused or a fusion's root) reads and
   writes its update, not the buffer it updates;
 - ``parameter``, ``get-tuple-element``, ``tuple``, ``bitcast``, constants and an async op's ``-done`` move nothing;
-  an async ``-start`` moves its operands and its result less the operands its result tuple repeats;
+  an async ``-start`` moves its operands and its result less the operands its result tuple repeats, but an async
+  slice (``slice-start``: XLA:TPU streaming a weight into VMEM in pieces) reads only its piece;
 - a loop of known trip count (a scan) counts its body that many times; one of unknown trip count (the decode loop)
   counts its body once, as one step; a conditional counts its largest branch;
 - a custom call (a Pallas kernel) moves its operands and results, except operands of the shapes in ``skip``
@@ -214,6 +215,9 @@ def _instruction_bytes(ins: Instruction, types: dict[str, str], comps: dict, ski
     op = ins.opcode
     if op in _FREE or op.endswith("-done"):
         return 0
+    if op == "slice-start":  # XLA:TPU streams a weight into VMEM piece by piece: each reads its piece only
+        piece = "{}[{}]{}".format(*_ARRAY.findall(ins.type)[len(_ARRAY.findall(operand_types[0]))])
+        return (array_bytes(piece) if hbm(operand_types[0]) else 0) + hbm(piece)
     if op.endswith("-start"):
         read = sum(hbm(t) for t in operand_types)
         result = hbm(ins.type)
